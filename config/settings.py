@@ -1,0 +1,58 @@
+"""Typed server settings: `HOTLORA_*` environment variables, overridden by `hotlora serve` flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    return Path("~/.cache/hotlora").expanduser()
+
+
+class Settings(BaseSettings):
+    """Everything the app factory needs; built once per app, never at import time."""
+
+    model_config = SettingsConfigDict(env_prefix="HOTLORA_", extra="ignore")
+
+    home: Path = Field(
+        default_factory=default_home,
+        description="Cache directory: the imported embedded model and the default adapter root.",
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    model: Path | None = Field(
+        default=None,
+        description="An mlx-lm model directory; the embedded SmolLM2-135M-Instruct when unset.",
+    )
+    served_model_name: str | None = Field(
+        default=None, description="The id clients use for the base model; the directory name when unset."
+    )
+    max_body_bytes: int = Field(default=1 << 20, gt=0, description="Larger request bodies get 413.")
+    default_max_tokens: int = Field(default=512, gt=0)
+    max_tokens_limit: int = Field(default=4096, gt=0, description="Upper bound on max_tokens.")
+    max_n: int = Field(default=8, ge=1, description="Upper bound on a request's `n`.")
+    queue_size: int = Field(default=64, ge=1, description="Waiting requests beyond this get 503.")
+    log_level: str = "info"
+    warmup: bool = True
+    # Adapters.
+    adapter_root: Path | None = Field(
+        default=None, description="Adapters mount only from under here; $HOTLORA_HOME/adapters when unset."
+    )
+    max_adapter_rank: int = Field(default=256, gt=0)
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        value = value.lower()
+        if value not in {"critical", "error", "warning", "info", "debug", "trace"}:
+            raise ValueError(f"unknown log level {value!r}")
+        return value
+
+    @property
+    def resolved_adapter_root(self) -> Path:
+        return (self.adapter_root or self.home / "adapters").expanduser().resolve()
