@@ -1,0 +1,121 @@
+"""Load the base model and its tokenizer from a local model directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
+
+from .dialects import UnsupportedConfig, read_config, text_section
+
+# Names configs use for the longest sequence the position encoding was trained for.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "seq_length",
+    "n_positions",
+    "n_ctx",
+)
+# Used when neither the config nor the tokenizer states a context length: small enough that
+# any architecture handles it, large enough for a chat turn.
+DEFAULT_CONTEXT_LENGTH = 4096
+# transformers reports this when a tokenizer has no model_max_length.
+_UNSET_TOKENIZER_LENGTH = 10**12
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory cannot be loaded; the message says what is wrong and where."""
+
+
+@dataclass
+class LoadedModel:
+    """The base model, its tokenizer and the config it was built from (after its dialect)."""
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: dict
+    path: Path
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model takes.
+
+        The first of the usual config keys (text section first, then top level); else the
+        tokenizer's `model_max_length` if it states one; else `DEFAULT_CONTEXT_LENGTH`.
+        """
+        for section in (text_section(self.config), self.config):
+            for key in _CONTEXT_KEYS:
+                if isinstance(section.get(key), int) and section[key] > 0:
+                    return section[key]
+        limit = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(limit, int) and 0 < limit < _UNSET_TOKENIZER_LENGTH:
+            return limit
+        return DEFAULT_CONTEXT_LENGTH
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether any layer holds packed quantized weights."""
+        leaves = tree_flatten(self.model.leaf_modules(), is_leaf=nn.Module.is_module)
+        return any(hasattr(module, "bits") for _, module in leaves)
+
+
+def load_model_dir(path: Path) -> LoadedModel:
+    """Load the model in `path` (config.json, model*.safetensors, tokenizer files).
+
+    The config is read through its dialect (`read_config`) and that config is what the
+    mlx-lm model constructor receives. Nothing is downloaded. Raises `ModelLoadError`
+    when the directory is incomplete, the config is refused, or mlx-lm cannot build it.
+    """
+    path = Path(path)
+    _check_files(path)
+    config = _read(path)
+    model_type = config["model_type"]
+    try:
+        _get_classes(config)
+    except (ValueError, ImportError) as e:
+        raise ModelLoadError(
+            f"{path}: model_type {model_type!r} is not an architecture mlx-lm can build"
+        ) from e
+    # The tokenizer first: it is cheap, so a directory without one fails before the weights load.
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {e}") from e
+    try:
+        # load_model merges `model_config` over the raw file; read_config keeps every raw key,
+        # so the merge is exactly the read config.
+        model, config = load_model(path, model_config=config)
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        raise ModelLoadError(f"{path}: cannot build the {model_type!r} model: {e}") from e
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def _check_files(path: Path) -> None:
+    if not path.exists():
+        raise ModelLoadError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model directory {path} has no config.json")
+    if not any(path.glob("model*.safetensors")):
+        raise ModelLoadError(f"model directory {path} has no model*.safetensors weights")
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """config.json (with generation_config.json's eos ids, as mlx-lm reads it) after its dialect."""
+    try:
+        raw = load_config(path)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict) or not raw.get("model_type"):
+        raise ModelLoadError(f"{path / 'config.json'} does not name a model_type")
+    try:
+        return read_config(raw)
+    except UnsupportedConfig as e:
+        raise ModelLoadError(f"{path}: {e}") from e

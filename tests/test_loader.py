@@ -1,0 +1,192 @@
+"""Loading a model directory: the tiny llama loads, broken directories are refused clearly."""
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from hotlora.models.dialects import UnsupportedConfig
+from hotlora.models.loader import (
+    DEFAULT_CONTEXT_LENGTH,
+    LoadedModel,
+    ModelLoadError,
+    load_model_dir,
+)
+from tiny import EOS_TOKEN_ID, MAX_POSITION_EMBEDDINGS, VOCAB_SIZE, write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dir) -> LoadedModel:
+    return load_model_dir(tiny_dir)
+
+
+def edit_config(path: Path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_tiny_llama_loads_and_gives_logits(loaded, tiny_dir):
+    tokens = loaded.tokenizer.encode("the cat sat")
+    logits = loaded.model(mx.array([tokens]))
+    assert logits.shape == (1, len(tokens), VOCAB_SIZE)
+    assert loaded.path == tiny_dir
+    assert not loaded.is_quantized
+    assert loaded.context_length == MAX_POSITION_EMBEDDINGS
+
+
+def test_the_dialect_read_config_is_what_the_model_is_built_from(loaded):
+    assert loaded.config["layer_types"] == ["full_attention", "full_attention"]
+    assert loaded.config["rope_parameters"]["full_attention"]["rope_theta"] == 10000
+    assert loaded.model.args.layer_types == ["full_attention", "full_attention"]
+
+
+def test_a_transformers5_rope_map_reaches_llama_as_its_flat_theta(tmp_path):
+    path = write_tiny_llama(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    del config["rope_theta"]
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
+    (path / "config.json").write_text(json.dumps(config))
+    model = load_model_dir(path).model
+    # mlx-lm's llama ignores rope_parameters; without the dialect it would use 10000.
+    assert model.model.layers[0].self_attn.rope.base == 5000.0
+
+
+def test_tokenizer_round_trips_and_applies_the_chat_template(loaded):
+    tokenizer = loaded.tokenizer
+    text = "Hello, world!\n\tThe answer is 42."
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.eos_token_ids == {EOS_TOKEN_ID}
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(prompt)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert EOS_TOKEN_ID in ids
+    assert tokenizer.decode(list(range(VOCAB_SIZE)))  # every id decodes
+
+
+def test_generation_config_eos_ids_are_respected(tmp_path):
+    path = write_tiny_llama(tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert load_model_dir(path).tokenizer.eos_token_ids == {0, 2}
+
+
+def test_quantized_copy_loads_as_quantized(tmp_path):
+    loaded = load_model_dir(write_tiny_llama(tmp_path / "q", quantize=True))
+    assert loaded.is_quantized
+    logits = loaded.model(mx.array([[1, 2, 3]]))
+    assert logits.shape == (1, 3, VOCAB_SIZE)
+
+
+def test_same_seed_writes_the_same_weights(tmp_path):
+    a = load_model_dir(write_tiny_llama(tmp_path / "a")).model(mx.array([[5, 6]]))
+    b = load_model_dir(write_tiny_llama(tmp_path / "b")).model(mx.array([[5, 6]]))
+    assert mx.array_equal(a, b)
+
+
+def break_missing_dir(path: Path) -> Path:
+    return path / "nowhere"
+
+
+def break_file_not_dir(path: Path) -> Path:
+    return path / "config.json"
+
+
+def break_no_config(path: Path) -> Path:
+    (path / "config.json").unlink()
+    return path
+
+
+def break_no_weights(path: Path) -> Path:
+    (path / "model.safetensors").unlink()
+    return path
+
+
+def break_bad_json(path: Path) -> Path:
+    (path / "config.json").write_text("{not json")
+    return path
+
+
+def break_no_model_type(path: Path) -> Path:
+    edit_config(path, model_type=None)
+    return path
+
+
+def break_unknown_type(path: Path) -> Path:
+    edit_config(path, model_type="made_up_arch")
+    return path
+
+
+def break_diffusion_gemma(path: Path) -> Path:
+    edit_config(path, model_type="diffusion_gemma")
+    return path
+
+
+def break_no_tokenizer(path: Path) -> Path:
+    (path / "tokenizer.json").unlink()
+    (path / "tokenizer_config.json").unlink()
+    return path
+
+
+def break_weights_mismatch(path: Path) -> Path:
+    edit_config(path, hidden_size=32)
+    return path
+
+
+BROKEN_DIRS = [
+    (break_missing_dir, "does not exist"),
+    (break_file_not_dir, "is not a directory"),
+    (break_no_config, "has no config.json"),
+    (break_no_weights, "has no model*.safetensors"),
+    (break_bad_json, "is not valid JSON"),
+    (break_no_model_type, "does not name a model_type"),
+    (break_unknown_type, "'made_up_arch' is not an architecture mlx-lm can build"),
+    (break_diffusion_gemma, "'diffusion_gemma' is not an architecture mlx-lm can build"),
+    (break_no_tokenizer, "cannot load the tokenizer"),
+    (break_weights_mismatch, "cannot build the 'llama' model"),
+]
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"), BROKEN_DIRS, ids=lambda c: getattr(c, "__name__", "")
+)
+def test_broken_directories_are_refused_clearly(tmp_path, breakage, message):
+    path = breakage(write_tiny_llama(tmp_path / "m"))
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        load_model_dir(path)
+
+
+def test_an_unverified_value_is_refused_at_load_with_its_field(tmp_path):
+    path = write_tiny_llama(tmp_path / "m")
+    edit_config(path, model_type="qwen3_5", output_gate_type="sigmoid")
+    with pytest.raises(ModelLoadError, match="output_gate_type='sigmoid'") as refused:
+        load_model_dir(path)
+    assert isinstance(refused.value.__cause__, UnsupportedConfig)
+
+
+def loaded_with(config: dict, model_max_length=None) -> LoadedModel:
+    tokenizer = SimpleNamespace(model_max_length=model_max_length)
+    return LoadedModel(model=None, tokenizer=tokenizer, config=config, path=Path("."))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("config", "model_max_length", "expected"),
+    [
+        ({"text_config": {"max_position_embeddings": 8192}, "n_ctx": 4}, None, 8192),
+        ({"max_position_embeddings": None, "n_positions": 1024}, None, 1024),
+        ({}, 2048, 2048),
+        ({}, int(1e30), DEFAULT_CONTEXT_LENGTH),
+        ({}, None, DEFAULT_CONTEXT_LENGTH),
+    ],
+)
+def test_context_length_falls_back_in_order(config, model_max_length, expected):
+    assert loaded_with(config, model_max_length).context_length == expected

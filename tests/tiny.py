@@ -1,0 +1,136 @@
+"""A tiny random-weight llama model directory, written by the tests that need one.
+
+The directory looks like a real checkpoint: config.json, generation_config.json,
+model.safetensors, and a character-level BPE tokenizer (tokenizer.json + tokenizer_config.json)
+with ChatML special tokens and chat template. Every id in the 128-token vocabulary decodes, so
+whatever a random model samples can be detokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from tokenizers import Tokenizer, decoders, models
+
+VOCAB_SIZE = 128
+MAX_POSITION_EMBEDDINGS = 512
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID, UNK_ID = range(len(SPECIAL_TOKENS))
+EOS_TOKEN = "<|im_end|>"
+EOS_TOKEN_ID = IM_END_ID
+QUANTIZATION = {"group_size": 32, "bits": 4, "mode": "affine"}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Common English pairs, merged so that ordinary text takes fewer tokens than characters.
+_MERGES = (
+    ("t", "h"), ("h", "e"), ("i", "n"), ("e", "r"), ("a", "n"), ("r", "e"), ("o", "n"),
+    ("e", "n"), ("a", "t"), ("o", "u"), ("e", "d"), ("h", "a"), ("t", "o"), ("o", "r"),
+    ("i", "t"), ("i", "s"), ("h", "i"), ("e", "s"), ("n", "g"), ("s", "t"), ("a", "r"),
+    ("n", "d"), (" ", "t"), (" ", "a"), (" ", "s"), (" ", "w"), (" ", "c"),
+)  # fmt: skip
+
+
+def tiny_args() -> llama.ModelArgs:
+    """The tiny architecture: 2 layers, hidden 64, 4 query / 2 key-value heads, vocab 128."""
+    return llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+    )
+
+
+def write_tiny_llama(dir: Path, quantize: bool = False, seed: int = 0) -> Path:
+    """Write a tiny random llama checkpoint into `dir` (created if needed) and return `dir`.
+
+    `quantize` packs the linear and embedding weights to 4 bits (group 32) the way mlx-lm's
+    converter does. The same `seed` gives the same weights.
+    """
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    args = tiny_args()
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    config = _config(args)
+    if quantize:
+        nn.quantize(model, group_size=QUANTIZATION["group_size"], bits=QUANTIZATION["bits"])
+        config["quantization"] = dict(QUANTIZATION)
+        config["quantization_config"] = dict(QUANTIZATION)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _write_json(dir / "config.json", config)
+    _write_json(dir / "generation_config.json", {"eos_token_id": EOS_TOKEN_ID})
+    _write_tokenizer(dir)
+    return dir
+
+
+def _config(args: llama.ModelArgs) -> dict:
+    # Written as transformers would, without layer_types, so the llama dialect fills them in.
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": args.model_type,
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "intermediate_size": args.intermediate_size,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "rms_norm_eps": args.rms_norm_eps,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_position_embeddings,
+        "rope_theta": args.rope_theta,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "bos_token_id": IM_START_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+    }
+
+
+def _vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    tokens = list(SPECIAL_TOKENS) + ["\n", "\t"] + list(string.printable[:95])
+    merges = list(_MERGES)
+    tokens += ["".join(pair) for pair in merges]
+    assert len(tokens) == len(set(tokens)) == VOCAB_SIZE, len(tokens)
+    return {token: i for i, token in enumerate(tokens)}, merges
+
+
+def _write_tokenizer(dir: Path) -> None:
+    vocab, merges = _vocab()
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()  # character pieces join without separators
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.save(str(dir / "tokenizer.json"))
+    _write_json(
+        dir / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": EOS_TOKEN,
+            "pad_token": "<|endoftext|>",
+            "unk_token": "<unk>",
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+            "model_max_length": MAX_POSITION_EMBEDDINGS,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
