@@ -1,0 +1,65 @@
+"""Adapter exceptions, raised where the problem is found.
+
+Each carries what the HTTP layer needs to build an OpenAI error body (`status_code`, `code`,
+`param`, `message`); nothing here knows about HTTP itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class AdapterError(Exception):
+    """Base for every adapter problem a client can be told about."""
+
+    status_code = 400
+    code = "invalid_adapter"
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if param is not None:
+            self.param = param
+
+
+class InvalidAdapter(AdapterError):
+    """The adapter's id, files or tensors do not fit this base model; nothing was mounted."""
+
+
+class AdapterPathRefused(AdapterError):
+    """The adapter path resolves outside the configured adapter root."""
+
+    code = "adapter_path_refused"
+    param = "path"
+
+
+class AdapterConflict(AdapterError):
+    """An adapter with this id is mounted from other files; mount with `replace` to swap it."""
+
+    status_code = 409
+    code = "adapter_conflict"
+    param = "id"
+
+
+class AdapterNotFound(AdapterError):
+    """A request or admin call names an adapter that is not mounted."""
+
+    status_code = 404
+    code = "adapter_not_found"
+    param = "adapter"
+
+    def __init__(self, adapter_id: str, mounted: Iterable[str]):
+        names = ", ".join(sorted(mounted)) or "none"
+        super().__init__(f"The adapter '{adapter_id}' is not mounted. Mounted adapters: {names}.")
+        self.adapter_id = adapter_id
+
+
+class InvalidAdapterSpec(AdapterError, ValueError):
+    """A request's `adapter` field cannot be parsed.
+
+    Also a `ValueError`, so a pydantic validator that raises it yields a validation error.
+    """
+
+    code = "invalid_adapter_spec"
+    param = "adapter"

@@ -1,0 +1,133 @@
+"""The request-side adapter selection: ids, weights and the `adapter` field's syntax.
+
+Accepted forms (all parse to a tuple of `AdapterRef`, in the order given, which is the order
+the residuals are summed):
+
+- `None`, `""`, `"none"` (any case), `[]`: the base model alone.
+- `"sft"`, `"sft+dpo"`, `"sft,dpo"`: one or more mounted ids.
+- `"sft@0.5+dpo"`: a per-request weight multiplying that adapter's own scale.
+- `[{"id": "sft", "scale": 0.5}, {"id": "dpo"}]` or `["sft@0.5", "dpo"]`: the list form.
+
+An id may appear only once per request: `"sft+sft"` is refused rather than silently summed,
+since the caller can say `"sft@2"` if that is what they mean.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidAdapterSpec
+
+MAX_ADAPTERS_PER_REQUEST = 16
+MAX_ID_LENGTH = 64
+RESERVED_IDS = frozenset({"none"})
+
+_ID = re.compile(r"[A-Za-z0-9._-]+")
+_SEPARATOR = re.compile(r"[+,]")
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One adapter named by a request, with its per-request weight."""
+
+    id: str
+    weight: float = 1.0
+
+
+def adapter_id_problem(value: object) -> str | None:
+    """Why `value` cannot be an adapter id, or None when it can."""
+    if not isinstance(value, str):
+        return f"an adapter id must be a string, not {type(value).__name__}"
+    if not value:
+        return "an adapter id must not be empty"
+    if len(value) > MAX_ID_LENGTH:
+        return f"adapter id '{value[:16]}...' is longer than {MAX_ID_LENGTH} characters"
+    if not _ID.fullmatch(value):
+        return (
+            f"adapter id {value!r} may only contain letters, digits, '.', '_' and '-' "
+            "(no '+', ',', '@' or whitespace)"
+        )
+    if value.lower() in RESERVED_IDS:
+        return f"'{value}' is reserved: it selects the base model alone"
+    return None
+
+
+def parse_adapter_spec(value: str | list[Any] | tuple[Any, ...] | None) -> tuple[AdapterRef, ...]:
+    """Parse a request's `adapter` field; raise `InvalidAdapterSpec` on anything malformed."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        text = value.strip()
+        if not text or text.lower() in RESERVED_IDS:
+            return ()
+        refs = [_parse_item(part) for part in _SEPARATOR.split(text)]
+    elif isinstance(value, (list, tuple)):
+        refs = [_parse_entry(entry) for entry in value]
+    else:
+        raise InvalidAdapterSpec(
+            f"adapter must be a string like 'sft+dpo' or a list of {{'id', 'scale'}} objects, "
+            f"not {type(value).__name__}"
+        )
+    return _checked(refs)
+
+
+def _parse_item(text: str) -> AdapterRef:
+    item = text.strip()
+    if not item:
+        raise InvalidAdapterSpec("adapter has an empty entry; write ids as 'sft+dpo'")
+    adapter_id, at, weight_text = item.partition("@")
+    weight = 1.0
+    if at:
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            raise InvalidAdapterSpec(
+                f"adapter weight {weight_text!r} in {item!r} is not a number"
+            ) from None
+    return _ref(adapter_id.strip(), weight)
+
+
+def _parse_entry(entry: Any) -> AdapterRef:
+    if isinstance(entry, str):
+        return _parse_item(entry)
+    if not isinstance(entry, dict):
+        raise InvalidAdapterSpec(
+            f"each adapter entry must be an object like {{'id': 'sft', 'scale': 0.5}}, "
+            f"not {type(entry).__name__}"
+        )
+    unknown = set(entry) - {"id", "scale"}
+    if unknown:
+        raise InvalidAdapterSpec(f"unknown adapter entry field(s): {', '.join(sorted(unknown))}")
+    if "id" not in entry:
+        raise InvalidAdapterSpec("an adapter entry is missing its 'id'")
+    weight = entry.get("scale", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise InvalidAdapterSpec(f"adapter scale {weight!r} is not a number")
+    return _ref(entry["id"], float(weight))
+
+
+def _ref(adapter_id: Any, weight: float) -> AdapterRef:
+    problem = adapter_id_problem(adapter_id)
+    if problem:
+        raise InvalidAdapterSpec(problem)
+    if not math.isfinite(weight):
+        raise InvalidAdapterSpec(f"adapter weight for '{adapter_id}' must be finite")
+    return AdapterRef(adapter_id, weight)
+
+
+def _checked(refs: list[AdapterRef]) -> tuple[AdapterRef, ...]:
+    if len(refs) > MAX_ADAPTERS_PER_REQUEST:
+        raise InvalidAdapterSpec(
+            f"a request may combine at most {MAX_ADAPTERS_PER_REQUEST} adapters, got {len(refs)}"
+        )
+    seen: set[str] = set()
+    for ref in refs:
+        if ref.id in seen:
+            raise InvalidAdapterSpec(
+                f"adapter '{ref.id}' is named twice; give it once with a weight, e.g. '{ref.id}@2'"
+            )
+        seen.add(ref.id)
+    return tuple(refs)

@@ -1,0 +1,101 @@
+"""Where LoRA attaches in a base model: the seven projections of every transformer layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+TARGET_PROJECTIONS = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+)
+
+# Attribute chains (not module-tree paths) to a model's decoder layers, most common first.
+# mlx-lm's text models expose `.layers` as a property; multimodal wrappers nest the text model.
+_LAYER_LISTS = (
+    ("layers",),
+    ("language_model", "model", "layers"),
+    ("language_model", "layers"),
+    ("model", "language_model", "layers"),
+)
+
+# Prefixes that name the same module in adapter files and wrapped models.
+_WRAPPERS = ("base_model.model.",)
+_LANGUAGE_MODEL = (("model.language_model.", "model."), ("language_model.", ""))
+
+
+@dataclass(frozen=True)
+class TargetDims:
+    """The real shape of a base projection, `y[..., out] = x[..., in] @ W.T`, and the dtype
+    adapter arrays attached to it are stored in."""
+
+    in_dims: int
+    out_dims: int
+    dtype: mx.Dtype = mx.float32
+
+
+def canonical_path(name: str) -> str:
+    """A module path with trainer and multimodal wrappers removed.
+
+    `base_model.model.model.layers.0.self_attn.q_proj` (PEFT) and
+    `language_model.model.layers.0.self_attn.q_proj` (a wrapped base) both become
+    `model.layers.0.self_attn.q_proj`, so files and models match whichever side is wrapped.
+    """
+    for prefix in _WRAPPERS:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    for prefix, replacement in _LANGUAGE_MODEL:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+def linear_dims(linear: nn.Module) -> TargetDims:
+    """Input/output sizes of a `Linear` or `QuantizedLinear` (whose weight is packed)."""
+    out_dims = linear.weight.shape[0]
+    if isinstance(linear, nn.QuantizedLinear):
+        # The packed weight hides the input size; each scale covers one group of inputs.
+        in_dims = linear.scales.shape[-1] * linear.group_size
+    else:
+        in_dims = linear.weight.shape[1]
+    return TargetDims(in_dims=in_dims, out_dims=out_dims)
+
+
+def find_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The decoder layer list and its module-tree path (e.g. `model.layers`)."""
+    for chain in _LAYER_LISTS:
+        node = model
+        for attr in chain:
+            node = getattr(node, attr, None)
+            if node is None:
+                break
+        if isinstance(node, list) and node and all(isinstance(m, nn.Module) for m in node):
+            paths = {id(module): name for name, module in model.named_modules()}
+            first = paths.get(id(node[0]))
+            if first is not None:
+                return first.rsplit(".", 1)[0], node
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def find_targets(
+    model: nn.Module, kinds: tuple[type, ...] = (nn.Linear, nn.QuantizedLinear)
+) -> dict[str, nn.Module]:
+    """Every target projection of every layer, by module path, in layer order."""
+    prefix, layers = find_layers(model)
+    found: dict[str, nn.Module] = {}
+    for index, layer in enumerate(layers):
+        for sub, module in layer.named_modules():
+            if sub.rsplit(".", 1)[-1] in TARGET_PROJECTIONS and isinstance(module, kinds):
+                found[f"{prefix}.{index}.{sub}"] = module
+    return found
+
+
+def replace_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Put `module` at `path` in the model tree, leaving every other module as it is."""
+    model.update_modules(tree_unflatten([(path, module)]))
+
+
+def float_dtype(dtype: mx.Dtype) -> bool:
+    return mx.issubdtype(dtype, mx.floating)
