@@ -28,7 +28,8 @@ class Settings(BaseSettings):
         description="An mlx-lm model directory; the embedded SmolLM2-135M-Instruct when unset.",
     )
     served_model_name: str | None = Field(
-        default=None, description="The id clients use for the base model; the directory name when unset."
+        default=None,
+        description="The id clients use for the base model; the directory name when unset.",
     )
     max_body_bytes: int = Field(default=1 << 20, gt=0, description="Larger request bodies get 413.")
     default_max_tokens: int = Field(default=512, gt=0)
@@ -39,7 +40,8 @@ class Settings(BaseSettings):
     warmup: bool = True
     # Adapters.
     adapter_root: Path | None = Field(
-        default=None, description="Adapters mount only from under here; $HOTLORA_HOME/adapters when unset."
+        default=None,
+        description="Adapters mount only from under here; $HOTLORA_HOME/adapters when unset.",
     )
     max_adapter_rank: int = Field(default=256, gt=0)
     api_key: str | None = None

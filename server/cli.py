@@ -1,0 +1,133 @@
+"""The `hotlora` command: serve, import-gguf, quantize."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SETTING_FLAGS = {
+    # flag -> (settings field, type, help)
+    "--host": ("host", str, "Address to bind (default 127.0.0.1)."),
+    "--port": ("port", int, "Port to bind (default 8000)."),
+    "--model": ("model", Path, "An mlx-lm model directory (default: the embedded SmolLM2-135M)."),
+    "--served-model-name": ("served_model_name", str, "The base model's id in the API."),
+    "--max-body-bytes": ("max_body_bytes", int, "Largest request body accepted (413 beyond)."),
+    "--default-max-tokens": ("default_max_tokens", int, "max_tokens when a request gives none."),
+    "--max-tokens-limit": ("max_tokens_limit", int, "Largest max_tokens a request may ask for."),
+    "--log-level": ("log_level", str, "critical, error, warning, info, debug or trace."),
+    "--home": ("home", Path, "Cache directory (default ~/.cache/hotlora, or $HOTLORA_HOME)."),
+}
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="Serve the OpenAI-compatible API.",
+        description="Serve the OpenAI-compatible API. Every flag also reads HOTLORA_<NAME>.",
+    )
+    for flag, (_, kind, text) in SETTING_FLAGS.items():
+        p.add_argument(flag, type=kind, default=None, help=text)
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from hotlora.config.settings import Settings
+    from hotlora.server.app import create_app
+
+    overrides = {
+        field: getattr(args, flag[2:].replace("-", "_"))
+        for flag, (field, _, _) in SETTING_FLAGS.items()
+        if getattr(args, flag[2:].replace("-", "_")) is not None
+    }
+    settings = Settings(**overrides)
+    fatal: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if fatal:
+        print(f"hotlora: could not start: {fatal[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _import_gguf_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "import-gguf",
+        help="Convert a llama-family GGUF into an mlx-lm model directory.",
+        description="Convert a llama-family GGUF (Q4_0, Q4_1, Q8_0, F16, F32 tensors) into an "
+        "mlx-lm model directory, keeping quantized tensors quantized.",
+    )
+    p.add_argument("src", type=Path, help="The .gguf file.")
+    p.add_argument("dest", type=Path, help="The model directory to write (must not exist).")
+    p.set_defaults(handler=_import_gguf)
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from hotlora.models.gguf import import_gguf
+
+    out = import_gguf(args.src, args.dest)
+    print(f"wrote {out}")
+    return 0
+
+
+def _quantize_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="Write a quantized copy of a float model directory.",
+        description="Write a quantized copy of a float mlx-lm model directory, auxiliary files "
+        "(tokenizer, chat template, ...) copied verbatim.",
+    )
+    p.add_argument("src", type=Path, help="A float mlx-lm model directory.")
+    p.add_argument("dest", type=Path, help="The directory to write (must not exist).")
+    p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8))
+    p.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    p.set_defaults(handler=_quantize)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from hotlora.models.quantize import quantize_model_dir
+
+    out = quantize_model_dir(args.src, args.dest, bits=args.bits, group_size=args.group_size)
+    print(f"wrote {out}")
+    return 0
+
+
+PARSERS: list[Callable[[Any], None]] = [_serve_parser, _import_gguf_parser, _quantize_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hotlora",
+        description="OpenAI-compatible MLX server: one quantized base model, many LoRA adapters.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in PARSERS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"hotlora {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Generation as plain steps on one loaded model: prefill (with prompt-cache reuse), then decode.
+
+Everything here runs on the generation worker's thread; nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from hotlora.models.loader import LoadedModel
+from hotlora.server.stops import StopMatcher
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What decides the next token and when to stop; validated by the caller."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclass
+class GenerationJob:
+    """One sequence to generate. `adapters` is the request's own LoRA state (None: base only)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    adapters: Any = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text that is safe to show, with the tokens that produced it."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+Event = Delta | Finished
+
+
+def prompt_cache_key(base_id: str, adapters: Any) -> tuple[str, ...]:
+    """The namespace of a cached prompt: the base model, then the ordered adapter revisions."""
+    return (base_id, *(adapters.key if adapters is not None else ()))
+
+
+class Engine:
+    """Owns the model, its tokenizer and the prompt cache; serves one job at a time."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        base_id: str,
+        prompt_cache_size: int = 8,
+        activate: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
+    ):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.base_id = base_id
+        self.prompt_cache = LRUPromptCache(max_size=prompt_cache_size)
+        self._activate = activate or (lambda _adapters: contextlib.nullcontext())
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.loaded.config.get("vocab_size") or len(self.tokenizer))
+
+    def generate(self, job: GenerationJob) -> Iterator[Event]:
+        """Run one job to completion, yielding text deltas then one `Finished`."""
+        params = job.params
+        key = prompt_cache_key(self.base_id, job.adapters)
+        cache, rest = self._prefill_cache(key, job.prompt)
+        cached = len(job.prompt) - len(rest)
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        detokenizer = self.tokenizer.detokenizer
+        detokenizer.reset()
+        stops = StopMatcher(list(params.stop))
+        eos = set(self.tokenizer.eos_token_ids)
+        tokens = list(job.prompt)
+        generated = 0
+        reason = "length"
+        with self._activate(job.adapters):
+            steps = generate_step(
+                mx.array(rest),
+                self.model,
+                max_tokens=params.max_tokens,
+                sampler=_sampler(params),
+                logits_processors=_processors(params),
+                prompt_cache=cache,
+            )
+            for token, logprobs in steps:
+                tokens.append(token)  # fed to the cache already, eos included
+                if token in eos:
+                    reason = "stop"
+                    break
+                generated += 1
+                detokenizer.add_token(token)
+                text = stops.feed(detokenizer.last_segment)
+                info = (
+                    (self._logprob(token, logprobs, params.top_logprobs),)
+                    if params.logprobs
+                    else ()
+                )
+                if text or info:
+                    yield Delta(text, info)
+                if stops.stopped:
+                    reason = "stop"
+                    break
+                if job.cancelled.is_set():
+                    reason = "cancelled"
+                    break
+        detokenizer.finalize()
+        tail = stops.feed(detokenizer.last_segment) + stops.flush()
+        if tail:
+            yield Delta(tail)
+        self._store_cache(key, tokens, cache)
+        yield Finished(reason, len(job.prompt), generated, cached)
+
+    def _prefill_cache(
+        self, key: tuple[str, ...], prompt: list[int]
+    ) -> tuple[list[Any], list[int]]:
+        """The nearest cached prefix of `prompt` under `key`, and the tokens still to process."""
+        cache, rest = self.prompt_cache.fetch_nearest_cache(key, prompt)
+        if cache is None:
+            return make_prompt_cache(self.model), prompt
+        if not rest:
+            # The whole prompt is cached; re-run its last token to get the first logits.
+            if not can_trim_prompt_cache(cache):
+                return make_prompt_cache(self.model), prompt
+            trim_prompt_cache(cache, 1)
+            rest = prompt[-1:]
+        return cache, rest
+
+    def _store_cache(self, key: tuple[str, ...], tokens: list[int], cache: list[Any]) -> None:
+        offset = getattr(cache[0], "offset", None) if cache else None
+        if isinstance(offset, int) and 0 < offset <= len(tokens):
+            self.prompt_cache.insert_cache(key, tokens[:offset], cache)
+
+    def _logprob(self, token: int, logprobs: mx.array, k: int) -> TokenLogprob:
+        # logprobs: [vocab], already log-softmaxed by generate_step.
+        top: tuple[tuple[str, float], ...] = ()
+        if k > 0:
+            ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+            values = logprobs[ids].tolist()
+            pairs = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
+            top = tuple((self.tokenizer.decode([i]), v) for i, v in pairs)
+        return TokenLogprob(self.tokenizer.decode([token]), logprobs[token].item(), top)
+
+
+def _sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    return make_sampler(
+        temp=params.temperature,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        top_k=params.top_k,
+    )
+
+
+def _processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
+    return make_logits_processors(
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )

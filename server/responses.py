@@ -1,0 +1,163 @@
+"""Generation outcomes and events in the OpenAI wire shapes, whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable
+
+from hotlora.server import protocol as p
+from hotlora.server.engine import Delta, TokenLogprob
+from hotlora.server.serving import InferenceService, Outcome, Prepared
+
+DONE = "[DONE]"
+
+
+def _dump_chunk(chunk: p.ChatCompletionChunk | p.CompletionResponse) -> str:
+    """A stream chunk without null noise, but with `finish_reason` always present as OpenAI's."""
+    body = chunk.model_dump(exclude_none=True)
+    for choice in body["choices"]:
+        choice.setdefault("finish_reason", None)
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+def _finish(reason: str) -> str:
+    # A cancelled job has no client left to read its reason.
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:
+    return p.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def _chat_logprobs(entries: Iterable[TokenLogprob]) -> p.ChoiceLogprobs:
+    return p.ChoiceLogprobs(
+        content=[
+            p.TokenLogprob(
+                token=e.token,
+                logprob=e.logprob,
+                bytes=list(e.token.encode()),
+                top_logprobs=[
+                    p.TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in e.top
+                ],
+            )
+            for e in entries
+        ]
+    )
+
+
+def _text_logprobs(entries: list[TokenLogprob], start: int = 0) -> p.CompletionLogprobs:
+    offsets, at = [], start
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    return p.CompletionLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[dict(e.top) for e in entries],
+        text_offset=offsets,
+    )
+
+
+def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionResponse:
+    return p.ChatCompletionResponse(
+        id=p.completion_id("chatcmpl"),
+        created=p.now(),
+        model=prepared.target.model,
+        choices=[
+            p.ChatChoice(
+                index=c.index,
+                message=p.AssistantMessage(content=c.text),
+                logprobs=_chat_logprobs(c.logprobs) if prepared.params.logprobs else None,
+                finish_reason=_finish(c.finish_reason),
+            )
+            for c in outcome.choices
+        ],
+        usage=_usage(outcome.prompt_tokens, outcome.completion_tokens),
+    )
+
+
+def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionResponse:
+    return p.CompletionResponse(
+        id=p.completion_id("cmpl"),
+        created=p.now(),
+        model=prepared.target.model,
+        choices=[
+            p.CompletionChoice(
+                index=c.index,
+                text=c.text,
+                logprobs=_text_logprobs(c.logprobs) if prepared.params.logprobs else None,
+                finish_reason=_finish(c.finish_reason),
+            )
+            for c in outcome.choices
+        ],
+        usage=_usage(outcome.prompt_tokens, outcome.completion_tokens),
+    )
+
+
+async def chat_stream(
+    service: InferenceService, prepared: Prepared, include_usage: bool
+) -> AsyncIterator[str]:
+    """`chat.completion.chunk` JSON strings, then the usage chunk if asked, then [DONE]."""
+    meta = {"id": p.completion_id("chatcmpl"), "created": p.now(), "model": prepared.target.model}
+
+    def chunk(choice: p.ChatChunkChoice) -> str:
+        return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice]))
+
+    started: set[int] = set()
+    prompt_tokens = completion_tokens = 0
+    async for index, event in service.events(prepared):
+        if index not in started:
+            started.add(index)
+            yield chunk(
+                p.ChatChunkChoice(index=index, delta=p.ChatDelta(role="assistant", content=""))
+            )
+        if isinstance(event, Delta):
+            if event.text or event.logprobs:
+                logprobs = _chat_logprobs(event.logprobs) if prepared.params.logprobs else None
+                delta = p.ChatDelta(content=event.text)
+                yield chunk(p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
+        else:
+            completion_tokens += event.completion_tokens
+            if index % prepared.n == 0:
+                prompt_tokens += event.prompt_tokens
+            finish = _finish(event.finish_reason)
+            yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(), finish_reason=finish))
+    if include_usage:
+        usage = _usage(prompt_tokens, completion_tokens)
+        yield p.ChatCompletionChunk(**meta, choices=[], usage=usage).model_dump_json()
+    yield DONE
+
+
+async def completion_stream(
+    service: InferenceService, prepared: Prepared, include_usage: bool
+) -> AsyncIterator[str]:
+    """`text_completion` JSON strings, then the usage chunk if asked, then [DONE]."""
+    meta = {"id": p.completion_id("cmpl"), "created": p.now(), "model": prepared.target.model}
+    offsets: dict[int, int] = {}
+    prompt_tokens = completion_tokens = 0
+    async for index, event in service.events(prepared):
+        if isinstance(event, Delta):
+            if not (event.text or event.logprobs):
+                continue
+            logprobs = None
+            if prepared.params.logprobs:
+                logprobs = _text_logprobs(list(event.logprobs), offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(event.text)
+            choice = p.CompletionChoice(
+                index=index, text=event.text, logprobs=logprobs, finish_reason=None
+            )
+        else:
+            completion_tokens += event.completion_tokens
+            if index % prepared.n == 0:
+                prompt_tokens += event.prompt_tokens
+            finish = _finish(event.finish_reason)
+            choice = p.CompletionChoice(index=index, text="", finish_reason=finish)
+        yield _dump_chunk(p.CompletionResponse(**meta, choices=[choice]))
+    if include_usage:
+        usage = _usage(prompt_tokens, completion_tokens)
+        yield p.CompletionResponse(**meta, choices=[], usage=usage).model_dump_json()
+    yield DONE

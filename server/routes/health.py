@@ -1,0 +1,22 @@
+"""GET /health (the process is alive) and GET /ready (the model is loaded and warmed)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from hotlora.server.deps import RuntimeDep
+from hotlora.server.errors import NotReady, from_exception
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", response_model=None)
+async def ready(runtime: RuntimeDep) -> dict[str, str] | JSONResponse:
+    if not runtime.ready:
+        return from_exception(NotReady(f"The model is not ready yet ({runtime.status})."))
+    return {"status": "ready", "model": runtime.base_id or ""}

@@ -1,0 +1,20 @@
+"""GET /v1/models."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from hotlora.server.deps import RuntimeDep
+from hotlora.server.protocol import ModelCard, ModelList
+
+router = APIRouter(prefix="/v1", tags=["models"])
+
+
+@router.get("/models")
+async def list_models(runtime: RuntimeDep) -> ModelList:
+    runtime.require_inference()
+    return ModelList(data=runtime.model_cards())
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, runtime: RuntimeDep) -> ModelCard:
+    return runtime.model_card(model_id)

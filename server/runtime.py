@@ -1,0 +1,132 @@
+"""The app's runtime: loads the base model once, warms it, and holds the services built on it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hotlora.config.settings import Settings
+from hotlora.models.loader import LoadedModel, load_model_dir
+from hotlora.server.engine import Engine, GenerationJob, SamplingParams
+from hotlora.server.errors import ModelNotFound, NotReady
+from hotlora.server.protocol import ModelCard
+from hotlora.server.serving import InferenceService
+from hotlora.server.worker import GenerationWorker
+
+log = logging.getLogger("hotlora")
+
+
+def model_dir(settings: Settings, progress: Callable[[str], None] | None = None) -> Path:
+    """The directory to serve: `settings.model`, or the embedded model (imported once)."""
+    if settings.model is not None:
+        return settings.model.expanduser().resolve()
+    from hotlora.models.embedded import ensure_embedded_model
+
+    return ensure_embedded_model(settings.home, progress=progress)
+
+
+def generation_defaults(path: Path) -> dict[str, Any]:
+    """Sampling defaults a model ships in generation_config.json (temperature, top_p, top_k)."""
+    import json
+
+    try:
+        raw = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        k: raw[k] for k in ("temperature", "top_p", "top_k") if isinstance(raw.get(k), int | float)
+    }
+
+
+class Runtime:
+    """Everything built on the loaded base model; `ready` once loaded and warmed."""
+
+    def __init__(
+        self, settings: Settings, *, on_fatal: Callable[[BaseException], None] | None = None
+    ):
+        self.settings = settings
+        self.started_at = int(time.time())
+        self.loaded: LoadedModel | None = None
+        self.worker: GenerationWorker | None = None
+        self.inference: InferenceService | None = None
+        self.base_id: str | None = None
+        self.model_path: Path | None = None
+        self.ready = False
+        self.status = "starting"
+        self.error: str | None = None
+        self._on_fatal = on_fatal
+
+    async def start(self) -> None:
+        """Load, build the services, warm up; a failure is fatal for the server."""
+        try:
+            loop = asyncio.get_running_loop()
+            self.status = "loading model"
+            path = await loop.run_in_executor(None, model_dir, self.settings, self._progress)
+            loaded = await loop.run_in_executor(None, load_model_dir, path)
+            self._build(loaded, path)
+            self.status = "warming up"
+            await self._warm_up()
+            self.ready, self.status = True, "ready"
+            log.info("ready: serving %s from %s", self.base_id, path)
+        except Exception as exc:  # noqa: BLE001 - reported, then the server stops
+            self.status, self.error = "failed", str(exc)
+            log.error("could not start: %s", exc)
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
+    def _progress(self, message: str) -> None:
+        self.status = message
+        log.info("%s", message)
+
+    def _build(self, loaded: LoadedModel, path: Path) -> None:
+        self.loaded, self.model_path = loaded, path
+        self.base_id = self.settings.served_model_name or path.name
+        engine = Engine(loaded, base_id=self.base_id)
+        self.worker = GenerationWorker(engine, max_queue=self.settings.queue_size)
+        self.worker.start()
+        self.inference = InferenceService(
+            self.worker,
+            self.settings,
+            base_id=self.base_id,
+            generation_defaults=generation_defaults(path),
+        )
+
+    async def _warm_up(self) -> None:
+        if not self.settings.warmup or self.worker is None:
+            return
+        prompt = list(self.worker.engine.tokenizer.encode("Hello", add_special_tokens=False))
+        job = GenerationJob(prompt or [0], SamplingParams(max_tokens=2, temperature=0.0))
+        async for _ in self.worker.stream(job):
+            pass
+
+    async def stop(self) -> None:
+        if self.worker is not None:
+            await self.worker.stop()
+
+    def model_cards(self) -> list[ModelCard]:
+        """The base model; adapters follow it with `parent` set to the base id."""
+        assert self.base_id is not None
+        return [
+            ModelCard(
+                id=self.base_id,
+                created=self.started_at,
+                owned_by="hotlora",
+                root=str(self.model_path),
+            )
+        ]
+
+    def model_card(self, model_id: str) -> ModelCard:
+        self.require_inference()
+        for card in self.model_cards():
+            if card.id == model_id:
+                return card
+        raise ModelNotFound(model_id, [card.id for card in self.model_cards()])
+
+    def require_inference(self) -> InferenceService:
+        if not self.ready or self.inference is None:
+            raise NotReady(f"The model is not ready yet ({self.status}).")
+        return self.inference

@@ -1,0 +1,40 @@
+import pytest
+from hotlora.server.stops import StopMatcher
+
+
+def run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
+    matcher = StopMatcher(stops)
+    out = "".join(matcher.feed(d) for d in deltas)
+    return out + matcher.flush(), matcher.stopped
+
+
+CASES = [
+    # stops, deltas, expected text, stopped
+    (["STOP"], ["Hello ", "world"], "Hello world", False),
+    (["STOP"], ["Hello ", "STOP", " more"], "Hello ", True),
+    (["STOP"], ["Hel", "lo S", "TO", "P tail"], "Hello ", True),  # spans three deltas
+    (["\n\n"], ["a\n", "\nb"], "a", True),
+    (["ab", "b"], ["xab"], "x", True),  # the earliest match wins
+    (["STOP"], ["ST", "ART"], "START", False),  # a held-back prefix that did not complete
+    (["STOP"], ["abc ST"], "abc ST", False),  # end of text releases the held tail
+    ([], ["a", "b"], "ab", False),
+]
+
+
+@pytest.mark.parametrize(("stops", "deltas", "expected", "stopped"), CASES)
+def test_stop_text_never_leaks(stops, deltas, expected, stopped):
+    assert run(stops, deltas) == (expected, stopped)
+
+
+def test_held_back_text_is_released_as_soon_as_it_is_ruled_out():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("a S") == "a "
+    assert matcher.feed("T") == ""
+    assert matcher.feed("x") == "STx"
+
+
+def test_nothing_after_a_stop():
+    matcher = StopMatcher(["."])
+    assert matcher.feed("Hi. there") == "Hi"
+    assert matcher.feed("more") == ""
+    assert matcher.flush() == ""
