@@ -1,0 +1,69 @@
+"""Merging one adapter into a copy of the base model's weights, for serving without LoRA."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from hotlora.models.files import atomic_model_dir, copy_aux_files
+from hotlora.models.loader import load_model_dir
+from mlx_lm.utils import save_config, save_model
+
+from .files import read_adapter
+from .targets import find_targets, linear_dims, replace_module
+
+
+def fuse_adapter(model_dir: Path, adapter_path: Path, out: Path) -> Path:
+    """Write the base in `model_dir` with the adapter in `adapter_path` merged in, to `out`.
+
+    Each target becomes `W' = W + scale * (A @ B).T`; a quantized base is dequantized, merged
+    and quantized again with its own bits, group size and mode, so the result loads like the
+    base. The adapter is validated exactly as a mount would be, without the adapter-root
+    restriction (this runs on the operator's own files). `out` appears whole or not at all.
+    """
+    loaded_model = load_model_dir(Path(model_dir))
+    model = loaded_model.model
+    linears = find_targets(model)
+    adapter = read_adapter(
+        Path(adapter_path).expanduser().resolve(),
+        {path: linear_dims(linear) for path, linear in linears.items()},
+        max_rank=sys.maxsize,
+    )
+    for path, (a, b) in adapter.weights.items():
+        replace_module(model, path, merge_linear(linears[path], a, b, adapter.config.scale))
+    with atomic_model_dir(Path(out)) as tmp:
+        save_model(tmp, model)
+        save_config(dict(loaded_model.config), tmp / "config.json")
+        copy_aux_files(Path(model_dir), tmp)
+    return Path(out)
+
+
+def merge_linear(linear: nn.Module, a: mx.array, b: mx.array, scale: float) -> nn.Module:
+    """A new projection equal to `linear` plus the residual `scale * (x @ a) @ b`.
+
+    `a` is `[in, r]`, `b` is `[r, out]`; `linear` itself is left unchanged.
+    """
+    quantized = isinstance(linear, nn.QuantizedLinear)
+    weight = linear.weight  # [out, in]
+    if quantized:
+        weight = mx.dequantize(
+            linear.weight,
+            linear.scales,
+            linear.get("biases"),
+            group_size=linear.group_size,
+            bits=linear.bits,
+            mode=linear.mode,
+        )
+    delta = (scale * (a @ b).T).astype(weight.dtype)  # [out, in]
+    dims = linear_dims(linear)
+    fused = nn.Linear(dims.in_dims, dims.out_dims, bias="bias" in linear)
+    fused.weight = weight + delta
+    if "bias" in linear:
+        fused.bias = linear.bias
+    if quantized:
+        fused = nn.QuantizedLinear.from_linear(
+            fused, linear.group_size, linear.bits, mode=linear.mode
+        )
+    return fused

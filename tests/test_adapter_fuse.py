@@ -1,0 +1,78 @@
+"""Fusing an adapter into a model directory gives a base that computes the adapted logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from hotlora.adapters.errors import InvalidAdapter
+from hotlora.adapters.fuse import fuse_adapter
+from hotlora.adapters.lora import activate
+from hotlora.adapters.manager import AdapterManager
+from hotlora.adapters.targets import find_targets
+from hotlora.models.loader import load_model_dir
+from test_adapter_support import logits, random_pairs, tiny_model, write_peft_adapter
+from tiny import write_tiny_llama
+
+
+def adapted_and_fused(tmp_path: Path, quantize: bool) -> tuple[mx.array, mx.array, mx.array]:
+    base_dir = write_tiny_llama(tmp_path / "base", quantize=quantize)
+    # Outside any adapter root on purpose: fusing is an operator's command on their own files.
+    adapter = write_peft_adapter(tmp_path / "adapter", random_pairs(tiny_model()), alpha=8.0)
+    out = fuse_adapter(base_dir, adapter, tmp_path / "fused")
+    assert out == tmp_path / "fused"
+
+    base = load_model_dir(base_dir).model
+    base_logits = logits(base)
+    manager = AdapterManager(base, adapter_root=tmp_path, max_rank=8)
+    manager.mount("sft", "adapter")
+    with activate(manager.resolve("sft")):
+        adapted = logits(base)
+    fused = load_model_dir(out).model
+    return base_logits, adapted, logits(fused)
+
+
+def test_fused_float_model_equals_the_mounted_adapter(tmp_path: Path):
+    base, adapted, fused = adapted_and_fused(tmp_path, quantize=False)
+    assert mx.allclose(fused, adapted, rtol=1e-4, atol=1e-4)
+    assert not mx.allclose(base, adapted, rtol=1e-4, atol=1e-4)
+    assert (tmp_path / "fused" / "tokenizer.json").is_file()
+
+
+def test_fused_quantized_model_keeps_its_quantization(tmp_path: Path):
+    base, adapted, fused = adapted_and_fused(tmp_path, quantize=True)
+    assert mx.abs(fused - adapted).max() < mx.abs(adapted - base).max()
+    config = json.loads((tmp_path / "fused" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 32
+
+    # Each merged weight is the quantized base plus the delta, to within one quantization step
+    # (MLX's affine rounding does not always pick the nearest level); the delta is about three
+    # steps large, so a wrong or missing merge fails here.
+    pairs = random_pairs(tiny_model())
+    before = find_targets(load_model_dir(tmp_path / "base").model)
+    after = find_targets(load_model_dir(tmp_path / "fused").model)
+    for path, (a, b) in pairs.items():
+        old, new = before[path], after[path]
+        assert isinstance(new, nn.QuantizedLinear) and (new.bits, new.group_size) == (4, 32)
+        expected = dequantized(old) + 2.0 * (a @ b).T  # [out, in]
+        error = mx.abs(dequantized(new) - expected).reshape(*new.scales.shape, 32)
+        assert mx.all(error <= mx.abs(new.scales)[..., None] + 1e-5), path
+
+
+def dequantized(linear: nn.QuantizedLinear) -> mx.array:
+    return mx.dequantize(
+        linear.weight, linear.scales, linear.biases, group_size=linear.group_size, bits=linear.bits
+    )
+
+
+def test_a_bad_adapter_writes_nothing(tmp_path: Path):
+    base_dir = write_tiny_llama(tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(InvalidAdapter):
+        fuse_adapter(base_dir, adapter, tmp_path / "fused")
+    assert not (tmp_path / "fused").exists()
