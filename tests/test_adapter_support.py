@@ -1,0 +1,160 @@
+"""Shared builders for the adapter tests: tiny random models and adapter directories.
+
+No tests here; the `test_adapter_*` modules import these helpers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from hotlora.adapters.manager import AdapterManager
+from hotlora.adapters.targets import TARGET_PROJECTIONS, find_targets, linear_dims
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+RANK = 4
+SCALE = 2.0
+TOKENS = mx.array([[5, 17, 3, 99, 42, 7]])
+
+Pairs = dict[str, tuple[mx.array, mx.array]]  # module path -> (A [in, r], B [r, out])
+
+
+def tiny_model(quantize: bool = False, seed: int = 0) -> nn.Module:
+    """The 2-layer llama; the same seed gives the same weights, so copies are comparable."""
+    mx.random.seed(seed)
+    model = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=128,
+        )
+    )
+    if quantize:
+        nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def logits(model: nn.Module, tokens: mx.array = TOKENS) -> mx.array:
+    out = model(tokens)
+    mx.eval(out)
+    return out
+
+
+def random_pairs(
+    model: nn.Module,
+    *,
+    rank: int = RANK,
+    seed: int = 1,
+    keys: Iterable[str] = TARGET_PROJECTIONS,
+) -> Pairs:
+    """Random A/B for the chosen projections of every layer of a model without slots."""
+    keys = set(keys)
+    mx.random.seed(seed)
+    pairs: Pairs = {}
+    for path, linear in find_targets(model).items():
+        if path.rsplit(".", 1)[-1] not in keys:
+            continue
+        dims = linear_dims(linear)
+        a = 0.2 * mx.random.normal((dims.in_dims, rank))  # [in, r]
+        b = 0.2 * mx.random.normal((rank, dims.out_dims))  # [r, out]
+        pairs[path] = (a, b)
+    return pairs
+
+
+def layer_keys(pairs: Pairs) -> list[str]:
+    """mlx-lm's `lora_parameters.keys`: module paths relative to a layer."""
+    return sorted({path.split(".", 3)[3] for path in pairs})
+
+
+def write_mlx_adapter(
+    directory: Path,
+    pairs: Pairs,
+    *,
+    rank: int = RANK,
+    scale: float = SCALE,
+    extra_tensors: dict[str, mx.array] | None = None,
+    config: dict | None = None,
+) -> Path:
+    """An mlx-lm adapter directory that mlx-lm's own `load_adapters` reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, (a, b) in pairs.items():
+        tensors[f"{path}.lora_a"] = a
+        tensors[f"{path}.lora_b"] = b
+    tensors.update(extra_tensors or {})
+    mx.save_safetensors(str(directory / "adapters.safetensors"), tensors)
+    default = {
+        "fine_tune_type": "lora",
+        "num_layers": 2,
+        "lora_parameters": {
+            "rank": rank,
+            "scale": scale,
+            "dropout": 0.0,
+            "keys": layer_keys(pairs),
+        },
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config or default))
+    return directory
+
+
+def write_peft_adapter(
+    directory: Path,
+    pairs: Pairs,
+    *,
+    rank: int = RANK,
+    alpha: float = 2.0 * RANK,
+    rslora: bool = False,
+    prefix: str = "base_model.model.",
+) -> Path:
+    """The same pairs in PEFT's layout: A `[r, in]`, B `[out, r]`, `lora_A.weight` names."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, (a, b) in pairs.items():
+        tensors[f"{prefix}{path}.lora_A.weight"] = mx.array(a.T)
+        tensors[f"{prefix}{path}.lora_B.weight"] = mx.array(b.T)
+    mx.save_safetensors(str(directory / "adapter_model.safetensors"), tensors)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": rslora,
+        "target_modules": layer_keys(pairs),
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def merged_model(terms: Iterable[tuple[Pairs, float]]) -> nn.Module:
+    """A fresh model with `W + scale * (A @ B).T` written into its float weights (reference)."""
+    model = tiny_model(quantize=False)
+    linears = find_targets(model)
+    updates = {}
+    for pairs, scale in terms:
+        for path, (a, b) in pairs.items():
+            weight = updates.get(path, linears[path].weight)
+            updates[path] = weight + scale * (a @ b).T  # [out, in]
+    for path, weight in updates.items():
+        linears[path].weight = weight
+    mx.eval(model.parameters())
+    return model
+
+
+def make_manager(
+    root: Path, *, quantize: bool = False, max_rank: int = 64
+) -> tuple[nn.Module, AdapterManager]:
+    model = tiny_model(quantize=quantize)
+    return model, AdapterManager(model, adapter_root=root, max_rank=max_rank)
+
+
+def parameter_ids(model: nn.Module) -> list[tuple[str, int]]:
+    return [(name, id(array)) for name, array in tree_flatten(model.parameters())]
