@@ -1,0 +1,84 @@
+"""Files of a model directory: weight shards, auxiliary files copied verbatim, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.utils import make_shards
+
+# Files a converted model keeps byte for byte: the tokenizer and its templates, generation
+# defaults, the model card. Any other `*.model` file (SentencePiece) is kept as well.
+AUX_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "README.md",
+    "kv_config.json",
+)
+
+
+def copy_aux_files(src_dir: Path, dest_dir: Path) -> list[str]:
+    """Copy the auxiliary files present in `src_dir` into `dest_dir`; return their names, sorted."""
+    src_dir, dest_dir = Path(src_dir), Path(dest_dir)
+    names = {name for name in AUX_FILES if (src_dir / name).is_file()}
+    names.update(p.name for p in src_dir.glob("*.model") if p.is_file())
+    for name in sorted(names):
+        shutil.copyfile(src_dir / name, dest_dir / name)
+    return sorted(names)
+
+
+@contextmanager
+def atomic_model_dir(dest: Path) -> Iterator[Path]:
+    """Yield an empty directory that becomes `dest` only if the block finishes.
+
+    The directory is a sibling of `dest` (same filesystem, so the final rename is atomic); on an
+    exception it is removed, so a reader never finds a half-written model at `dest`. An existing
+    non-empty `dest` is refused rather than overwritten; an empty one is replaced.
+    """
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise FileExistsError(f"{dest} already exists and is not empty; choose another path")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is not
+    try:
+        yield tmp
+        if dest.exists():
+            dest.rmdir()
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_weights(weights: dict[str, mx.array], dest: Path) -> None:
+    """Write safetensors shards and their index the way `mlx_lm.utils.save_model` names them."""
+    shards = make_shards(weights)
+    index: dict[str, Any] = {
+        "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+        "weight_map": {},
+    }
+    for i, shard in enumerate(shards):
+        name = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        mx.save_safetensors(str(dest / name), shard, metadata={"format": "mlx"})
+        index["weight_map"].update(dict.fromkeys(shard, name))
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))

@@ -1,0 +1,372 @@
+"""Import a llama-family GGUF file as an mlx-lm model directory, keeping its quantization.
+
+`mx.load` turns each Q4_0 / Q4_1 / Q8_0 tensor into an MLX affine triplet (`weight` uint32,
+`scales` and `biases` float16, group size 32, 4 or 8 bits), so the import never dequantizes.
+It is less careful with other types: K-quants come back silently dequantized to float16, some
+newer types silently vanish, BF16 is narrowed to float16. Hence the GGUF header is read here
+first, and anything but the types below is refused before `mx.load` sees the file.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType
+from mlx_lm.utils import save_config
+
+from .files import atomic_model_dir, save_weights
+from .gguf_tokenizer import UnsupportedTokenizer, write_tokenizer_files
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0)
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp tensor names -> mlx-lm llama module paths.
+TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class UnsupportedGGUF(ValueError):
+    """The GGUF file uses an architecture, tensor type or tokenizer this importer cannot keep."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in the file; `shape` in numpy order (rows first)."""
+
+    type: int
+    shape: tuple[int, ...]
+    offset: int  # from the start of the data section
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Everything but the tensor data: the key/value metadata and the tensor directory."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    data_start: int
+
+
+# Fixed-size GGUF value types: struct format by type id.
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """Parse the GGUF header (v2 or v3, little-endian) without touching the tensor data."""
+    try:
+        return _parse_header(path)
+    except (struct.error, ValueError, KeyError) as e:
+        if isinstance(e, UnsupportedGGUF):
+            raise
+        raise UnsupportedGGUF(f"{path} has a truncated or corrupt GGUF header ({e})") from e
+
+
+def _parse_header(path: Path) -> GGUFHeader:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != GGUF_MAGIC:
+            raise UnsupportedGGUF(f"{path} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise UnsupportedGGUF(f"GGUF version {version} is not supported (only 2 and 3)")
+        pos = 24
+
+        def scalar(fmt: str) -> Any:
+            nonlocal pos
+            (value,) = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return value
+
+        def string() -> str:
+            nonlocal pos
+            n = scalar("Q")
+            pos += n
+            return buf[pos - n : pos].decode("utf-8", errors="replace")
+
+        def value(kind: int) -> Any:
+            nonlocal pos
+            if kind == _STRING:
+                return string()
+            if kind == _ARRAY:
+                item_kind, count = scalar("I"), scalar("Q")
+                if item_kind in _SCALARS:
+                    dtype = np.dtype("<" + _SCALARS[item_kind])
+                    items = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).tolist()
+                    pos += dtype.itemsize * count
+                    return items
+                return [value(item_kind) for _ in range(count)]
+            return scalar(_SCALARS[kind])
+
+        metadata = {}
+        for _ in range(n_kv):
+            key = string()
+            metadata[key] = value(scalar("I"))
+        tensors = {}
+        for _ in range(n_tensors):
+            name = string()
+            dims = [scalar("Q") for _ in range(scalar("I"))]
+            kind, offset = scalar("I"), scalar("Q")
+            tensors[name] = TensorInfo(kind, tuple(reversed(dims)), offset)
+        alignment = int(metadata.get("general.alignment", 32))
+        return GGUFHeader(metadata, tensors, -(-pos // alignment) * alignment)
+
+
+def _type_name(kind: int) -> str:
+    try:
+        return Q(kind).name
+    except ValueError:
+        return f"type id {kind}"
+
+
+def _check_supported(header: GGUFHeader) -> None:
+    arch = header.metadata.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedGGUF(f"architecture {arch!r} is not supported (only 'llama')")
+    if header.metadata.get("llama.expert_count", 0):
+        raise UnsupportedGGUF("mixture-of-experts llama models are not supported")
+    bad: dict[str, list[str]] = {}
+    for name, info in header.tensors.items():
+        if info.type not in SUPPORTED_TYPES:
+            bad.setdefault(_type_name(info.type), []).append(name)
+    if bad:
+        found = "; ".join(
+            f"{kind} ({names[0]}, {len(names)} tensors)" for kind, names in bad.items()
+        )
+        allowed = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise UnsupportedGGUF(f"unsupported tensor type: {found}. Supported types: {allowed}")
+
+
+# Meta's Llama 3.1 rope scaling constants; the releases since differ only in the factor.
+LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _llama3_rope_scaling(rope_factors: np.ndarray, base: float, head_dim: int) -> dict:
+    """Recover the Llama 3 rope scaling that llama.cpp baked into its `rope_freqs` tensor.
+
+    llama.cpp keeps only the per-frequency divisors; mlx-lm wants the parameters. The factor is
+    the largest divisor; the other three are Meta's constants, checked against the tensor.
+    """
+    factor = float(rope_factors.max())
+    low, high = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"]
+    old = LLAMA3_ROPE["original_max_position_embeddings"]
+    wavelens = 2 * math.pi * base ** (np.arange(0, head_dim, 2) / head_dim)  # [head_dim // 2]
+    smooth = (old / wavelens - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    expected = np.where(wavelens < old / high, 1.0, np.where(wavelens > old / low, factor, medium))
+    if rope_factors.shape != expected.shape or not np.allclose(rope_factors, expected, rtol=1e-3):
+        raise UnsupportedGGUF("rope_freqs tensor does not match Llama 3 rope scaling")
+    return {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
+
+
+def llama_config(header: GGUFHeader, rope_factors: np.ndarray | None) -> dict[str, Any]:
+    """The mlx-lm `config.json` (without quantization) described by the GGUF metadata."""
+    meta = header.metadata
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"llama.{key}", default)
+        if value is None:
+            raise UnsupportedGGUF(f"GGUF metadata lacks llama.{key}")
+        if isinstance(value, list):
+            raise UnsupportedGGUF(f"per-layer llama.{key} is not supported")
+        return value
+
+    hidden, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // n_head))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedGGUF("different key and value head sizes are not supported")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedGGUF("rotary embedding on part of each head is not supported")
+    base = float(get("rope.freq_base", 10000.0))
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
+        # Stored as float32: print the shortest decimal that rounds back to it (1e-05).
+        "rms_norm_eps": float(
+            np.format_float_positional(np.float32(get("attention.layer_norm_rms_epsilon")))
+        ),
+        "rope_theta": base,
+        "vocab_size": int(
+            meta.get("llama.vocab_size")
+            or len(meta.get("tokenizer.ggml.tokens", []))
+            or header.tensors["token_embd.weight"].shape[0]
+        ),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in header.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in header.tensors,
+    }
+    if head_dim != hidden // n_head:
+        config["head_dim"] = head_dim
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise UnsupportedGGUF(f"rope scaling {scaling!r} is not supported")
+    if rope_factors is not None:
+        config["rope_scaling"] = _llama3_rope_scaling(rope_factors, base, head_dim)
+    return config
+
+
+def _mlx_path(gguf_base: str) -> str | None:
+    """`blk.3.attn_q` -> `model.layers.3.self_attn.q_proj`; None for a name llama lacks."""
+    if gguf_base in TOP_LEVEL_NAMES:
+        return TOP_LEVEL_NAMES[gguf_base]
+    parts = gguf_base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
+    """Undo llama.cpp's rotary row order: per head it stores rows [d/2, 2] for mlx-lm's [2, d/2].
+
+    Whole rows move, so a quantized weight, its scales and its biases all take the same call.
+    """
+    rest = x.shape[1:]
+    return x.reshape(n_head, -1, 2, *rest).swapaxes(1, 2).reshape(x.shape)
+
+
+def _read_bf16(src: Path, header: GGUFHeader, name: str) -> mx.array:
+    """Read a BF16 tensor as bfloat16 (`mx.load` would narrow it to float16)."""
+    info = header.tensors[name]
+    raw = np.fromfile(
+        src, dtype="<u2", count=math.prod(info.shape), offset=header.data_start + info.offset
+    )
+    return mx.array(raw.reshape(info.shape)).view(mx.bfloat16)
+
+
+def convert_tensors(
+    loaded: dict[str, mx.array], header: GGUFHeader, src: Path, config: dict[str, Any]
+) -> dict[str, mx.array]:
+    """Rename `mx.load`'s GGUF tensors to mlx-lm's llama names and restore q/k row order."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    weights, unknown = {}, []
+    for name, array in loaded.items():
+        base, _, part = name.rpartition(".")  # part: weight | bias | scales | biases
+        path = _mlx_path(base)
+        if path is None:
+            unknown.append(name)
+            continue
+        if name in header.tensors and header.tensors[name].type == Q.BF16:
+            array = _read_bf16(src, header, name)
+        kind = base.rpartition(".")[2]
+        if kind in heads:
+            array = _unpermute_rows(array, heads[kind])
+        weights[f"{path}.{part}"] = array
+    if unknown:
+        raise UnsupportedGGUF(f"tensors a llama model does not have: {', '.join(sorted(unknown))}")
+    expected = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{module}.weight"
+        for i in range(config["num_hidden_layers"])
+        for module in LAYER_NAMES.values()
+    ]
+    if missing := [key for key in expected if key not in weights]:
+        raise UnsupportedGGUF(f"GGUF lacks tensors for: {', '.join(missing[:5])}")
+    return weights
+
+
+# Q4_0, Q4_1 and Q8_0 all quantize blocks of 32 values, which become MLX groups of 32.
+GGUF_GROUP_SIZE = 32
+
+
+def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
+    """mlx-lm's `quantization` block: the commonest bit width, and per layer where it differs.
+
+    Float layers are marked `False` so mlx-lm leaves them as plain `nn.Linear`/`nn.Embedding`.
+    """
+    bits = {}
+    for key, scales in weights.items():
+        if key.endswith(".scales"):
+            path = key.removesuffix(".scales")
+            # uint32 words per row * 32 bits / values per row.
+            bits[path] = (
+                weights[f"{path}.weight"].shape[-1] * 32 // (scales.shape[-1] * GGUF_GROUP_SIZE)
+            )
+    if not bits:
+        return None
+
+    def params(b: int) -> dict[str, Any]:
+        return {"group_size": GGUF_GROUP_SIZE, "bits": b, "mode": "affine"}
+
+    default = Counter(bits.values()).most_common(1)[0][0]
+    config: dict[str, Any] = params(default)
+    config.update({path: params(b) for path, b in sorted(bits.items()) if b != default})
+    for key, array in sorted(weights.items()):
+        path = key.removesuffix(".weight")
+        if key.endswith(".weight") and array.ndim == 2 and path not in bits:
+            config[path] = False
+    return config
+
+
+def import_gguf(src: Path, dest: Path) -> Path:
+    """Convert the llama GGUF at `src` into an mlx-lm model directory at `dest`; return `dest`.
+
+    Quantized tensors stay quantized (MLX affine, group size 32); q/k rows are put back in the
+    order mlx-lm's rotary embedding expects; config, tokenizer and generation defaults come from
+    the GGUF metadata. Raises `UnsupportedGGUF` for what cannot be kept faithfully, and
+    `FileExistsError` for a non-empty `dest`. Nothing appears at `dest` unless all succeeds.
+    """
+    src, dest = Path(src), Path(dest)
+    header = read_header(src)
+    _check_supported(header)
+    with atomic_model_dir(dest) as tmp:
+        try:
+            write_tokenizer_files(header.metadata, tmp)
+        except UnsupportedTokenizer as e:
+            raise UnsupportedGGUF(str(e)) from e
+        loaded = mx.load(str(src))
+        rope_factors = loaded.pop("rope_freqs.weight", None)
+        if rope_factors is not None:
+            rope_factors = np.array(rope_factors.astype(mx.float32))
+        config = llama_config(header, rope_factors)
+        weights = convert_tensors(loaded, header, src, config)
+        if (quantization := quantization_config(weights)) is not None:
+            config["quantization"] = quantization
+        save_weights(weights, tmp)
+        save_config(config, tmp / "config.json")
+    return dest
