@@ -44,6 +44,9 @@ class Settings(BaseSettings):
         description="Adapters mount only from under here; $HOTLORA_HOME/adapters when unset.",
     )
     max_adapter_rank: int = Field(default=256, gt=0)
+    startup_adapters: dict[str, str] = Field(
+        default_factory=dict, description="Adapters to mount before serving: id -> path."
+    )
     api_key: str | None = None
     admin_api_key: str | None = None
 

@@ -7,11 +7,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from hotlora.config.settings import Settings
+from hotlora.server.auth import require_api_key
 from hotlora.server.errors import install_error_handlers
 from hotlora.server.limits import BodyLimit
-from hotlora.server.routes import completions, health, models
+from hotlora.server.routes import adapters, completions, health, models
 from hotlora.server.runtime import Runtime
 
 
@@ -39,6 +40,8 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(health.router)
-    app.include_router(models.router)
-    app.include_router(completions.router)
+    inference = [Depends(require_api_key)]
+    app.include_router(models.router, dependencies=inference)
+    app.include_router(completions.router, dependencies=inference)
+    app.include_router(adapters.router)
     return app

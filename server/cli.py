@@ -19,7 +19,22 @@ SETTING_FLAGS = {
     "--max-tokens-limit": ("max_tokens_limit", int, "Largest max_tokens a request may ask for."),
     "--log-level": ("log_level", str, "critical, error, warning, info, debug or trace."),
     "--home": ("home", Path, "Cache directory (default ~/.cache/hotlora, or $HOTLORA_HOME)."),
+    "--adapter-root": (
+        "adapter_root",
+        Path,
+        "Adapters mount only from under this directory (default $HOTLORA_HOME/adapters).",
+    ),
+    "--max-adapter-rank": ("max_adapter_rank", int, "Refuse adapters of a higher rank."),
+    "--api-key": ("api_key", str, "Require 'Authorization: Bearer KEY' on inference routes."),
+    "--admin-api-key": ("admin_api_key", str, "Require this bearer key on adapter admin routes."),
 }
+
+
+def _adapter_pair(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
 
 
 def _serve_parser(sub: Any) -> None:
@@ -30,6 +45,15 @@ def _serve_parser(sub: Any) -> None:
     )
     for flag, (_, kind, text) in SETTING_FLAGS.items():
         p.add_argument(flag, type=kind, default=None, help=text)
+    p.add_argument(
+        "--adapter",
+        dest="adapters",
+        metavar="NAME=PATH",
+        type=_adapter_pair,
+        action="append",
+        default=[],
+        help="Mount an adapter at start-up (repeatable); a bad one stops the start.",
+    )
     p.set_defaults(handler=_serve)
 
 
@@ -43,6 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
         for flag, (field, _, _) in SETTING_FLAGS.items()
         if getattr(args, flag[2:].replace("-", "_")) is not None
     }
+    if args.adapters:
+        overrides["startup_adapters"] = dict(args.adapters)
     settings = Settings(**overrides)
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -106,7 +132,33 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-PARSERS: list[Callable[[Any], None]] = [_serve_parser, _import_gguf_parser, _quantize_parser]
+def _fuse_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "fuse",
+        help="Write a model directory with an adapter merged into the base weights.",
+        description="Merge a LoRA adapter into a model (quantized bases are dequantized, merged "
+        "and re-quantized with the same settings); auxiliary files are copied.",
+    )
+    p.add_argument("--model", type=Path, required=True, help="The base model directory.")
+    p.add_argument("--adapter", type=Path, required=True, help="The adapter directory.")
+    p.add_argument("out", type=Path, help="The directory to write (must not exist).")
+    p.set_defaults(handler=_fuse)
+
+
+def _fuse(args: argparse.Namespace) -> int:
+    from hotlora.adapters.fuse import fuse_adapter
+
+    out = fuse_adapter(args.model, args.adapter, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+PARSERS: list[Callable[[Any], None]] = [
+    _serve_parser,
+    _import_gguf_parser,
+    _quantize_parser,
+    _fuse_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

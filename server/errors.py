@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from hotlora.adapters.errors import AdapterError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("hotlora")
@@ -89,7 +90,7 @@ def error_response(
 
 def from_exception(exc: Exception) -> JSONResponse:
     """The single mapping from any exception to an OpenAI-shaped response."""
-    if isinstance(exc, ServerError) or _is_adapter_error(exc):
+    if isinstance(exc, ServerError | AdapterError):
         status = getattr(exc, "status_code", 400)
         type_ = getattr(exc, "type", None) or _type_for(status)
         message = getattr(exc, "message", None) or str(exc)
@@ -107,14 +108,6 @@ def from_exception(exc: Exception) -> JSONResponse:
         "server_error",
         code="internal_error",
     )
-
-
-def _is_adapter_error(exc: Exception) -> bool:
-    try:
-        from hotlora.adapters.errors import AdapterError
-    except ImportError:  # the adapter package is optional for the core server
-        return False
-    return isinstance(exc, AdapterError)
 
 
 def _type_for(status: int) -> str:
@@ -173,14 +166,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def handle(_: Request, exc: Exception) -> JSONResponse:
         return from_exception(exc)
 
-    for exc_type in (ServerError, RequestValidationError, StarletteHTTPException, Exception):
+    for exc_type in (
+        ServerError,
+        AdapterError,
+        RequestValidationError,
+        StarletteHTTPException,
+        Exception,
+    ):
         app.add_exception_handler(exc_type, handle)
-    try:
-        from hotlora.adapters.errors import AdapterError
-
-        app.add_exception_handler(AdapterError, handle)
-    except ImportError:
-        pass
 
 
 def json_bytes(payload: Any) -> str:

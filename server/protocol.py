@@ -7,11 +7,34 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_SEQUENCES = 16
+# The `adapter` field: parsed at validation into the ordered adapter references.
+AdapterSpec = Annotated[
+    tuple[AdapterRef, ...],
+    BeforeValidator(parse_adapter_spec),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "object"}]}},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
 MAX_TOP_LOGPROBS = 20
 
 
@@ -65,11 +88,12 @@ class SamplingFields(OpenAIBase):
     repetition_penalty: float | None = Field(
         default=None, gt=0.0, description="Multiplicative penalty on recently seen tokens."
     )
-    adapter: str | list[dict[str, Any]] | None = Field(
-        default=None,
+    adapter: AdapterSpec = Field(
+        default=(),
         description=(
-            "LoRA adapters to apply for this request: 'sft', 'sft+dpo', 'sft@0.5+dpo', "
-            "or [{'id': 'sft', 'scale': 0.5}]. 'none' or absent serves the base model."
+            "LoRA adapters to apply for this request, summed in order: 'sft', 'sft+dpo', "
+            "'sft@0.5+dpo', or [{'id': 'sft', 'scale': 0.5}, {'id': 'dpo'}]. 'none' or absent "
+            "serves the base model."
         ),
     )
 
@@ -246,6 +270,44 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str | None = Field(default=None, description="Local model directory or adapter path.")
     parent: str | None = Field(default=None, description="The base model id, for adapters.")
+
+
+class MountAdapterRequest(OpenAIBase):
+    id: str = Field(description="The adapter id requests use: letters, digits, '.', '_', '-'.")
+    path: str = Field(description="The adapter directory, under the server's adapter root.")
+    replace: bool = Field(default=False, description="Swap an adapter mounted under this id.")
+
+
+class LoadLoraAdapterRequest(OpenAIBase):
+    """vLLM's spelling of a mount."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(OpenAIBase):
+    lora_name: str
+
+
+class AdapterCard(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    path: str
+    rank: int
+    scale: float
+    rslora: bool
+    revision: str
+    size_bytes: int
+    ram_bytes: int
+    mounted_layers: int
+    skipped_tensors: int
+    mounted_at: int
+    in_use: int
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterCard]
 
 
 class ModelList(BaseModel):

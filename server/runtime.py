@@ -9,12 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hotlora.adapters.lora import activate
+from hotlora.adapters.manager import AdapterManager
 from hotlora.config.settings import Settings
 from hotlora.models.loader import LoadedModel, load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams
 from hotlora.server.errors import ModelNotFound, NotReady
 from hotlora.server.protocol import ModelCard
 from hotlora.server.serving import InferenceService
+from hotlora.server.targets import TargetResolver
 from hotlora.server.worker import GenerationWorker
 
 log = logging.getLogger("hotlora")
@@ -55,6 +58,7 @@ class Runtime:
         self.inference: InferenceService | None = None
         self.base_id: str | None = None
         self.model_path: Path | None = None
+        self.adapters: AdapterManager | None = None
         self.ready = False
         self.status = "starting"
         self.error: str | None = None
@@ -67,7 +71,9 @@ class Runtime:
             self.status = "loading model"
             path = await loop.run_in_executor(None, model_dir, self.settings, self._progress)
             loaded = await loop.run_in_executor(None, load_model_dir, path)
-            self._build(loaded, path)
+            await loop.run_in_executor(None, self._build, loaded, path)
+            assert self.worker is not None
+            self.worker.start()
             self.status = "warming up"
             await self._warm_up()
             self.ready, self.status = True, "ready"
@@ -85,13 +91,20 @@ class Runtime:
     def _build(self, loaded: LoadedModel, path: Path) -> None:
         self.loaded, self.model_path = loaded, path
         self.base_id = self.settings.served_model_name or path.name
-        engine = Engine(loaded, base_id=self.base_id)
+        self.adapters = AdapterManager(
+            loaded.model,
+            adapter_root=self.settings.resolved_adapter_root,
+            max_rank=self.settings.max_adapter_rank,
+        )
+        for adapter_id, adapter_path in self.settings.startup_adapters.items():
+            self.adapters.mount(adapter_id, adapter_path)
+        engine = Engine(loaded, base_id=self.base_id, activate=activate)
         self.worker = GenerationWorker(engine, max_queue=self.settings.queue_size)
-        self.worker.start()
         self.inference = InferenceService(
             self.worker,
             self.settings,
             base_id=self.base_id,
+            resolve_target=TargetResolver(self.base_id, self.adapters),
             generation_defaults=generation_defaults(path),
         )
 
@@ -109,15 +122,21 @@ class Runtime:
 
     def model_cards(self) -> list[ModelCard]:
         """The base model; adapters follow it with `parent` set to the base id."""
-        assert self.base_id is not None
-        return [
+        assert self.base_id is not None and self.adapters is not None
+        base = ModelCard(
+            id=self.base_id, created=self.started_at, owned_by="hotlora", root=str(self.model_path)
+        )
+        adapters = [
             ModelCard(
-                id=self.base_id,
-                created=self.started_at,
+                id=info.id,
+                created=info.mounted_at,
                 owned_by="hotlora",
-                root=str(self.model_path),
+                root=info.path,
+                parent=self.base_id,
             )
+            for info in self.adapters.list()
         ]
+        return [base, *adapters]
 
     def model_card(self, model_id: str) -> ModelCard:
         self.require_inference()
@@ -125,6 +144,11 @@ class Runtime:
             if card.id == model_id:
                 return card
         raise ModelNotFound(model_id, [card.id for card in self.model_cards()])
+
+    def require_adapters(self) -> AdapterManager:
+        if not self.ready or self.adapters is None:
+            raise NotReady(f"The model is not ready yet ({self.status}).")
+        return self.adapters
 
     def require_inference(self) -> InferenceService:
         if not self.ready or self.inference is None:

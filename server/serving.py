@@ -60,7 +60,7 @@ class Outcome:
     completion_tokens: int
 
 
-TargetResolver = Callable[[str, Any], Target]
+ResolveTarget = Callable[[str, tuple[Any, ...]], Target]
 
 
 class InferenceService:
@@ -72,7 +72,7 @@ class InferenceService:
         settings: Settings,
         *,
         base_id: str,
-        resolve_target: TargetResolver | None = None,
+        resolve_target: ResolveTarget | None = None,
         generation_defaults: dict[str, Any] | None = None,
     ):
         self.worker = worker
@@ -182,10 +182,10 @@ class InferenceService:
         target = self._resolve_target(request.model, request.adapter)
         return Prepared(target, prompts, params, request.n)
 
-    def _base_only(self, model: str, adapter: Any) -> Target:
+    def _base_only(self, model: str, adapter: tuple[Any, ...]) -> Target:
         if model != self.base_id:
             raise ModelNotFound(model, [self.base_id])
-        if adapter not in (None, "", "none", []):
+        if adapter:
             raise InvalidRequest("Adapters are not enabled on this server.", param="adapter")
         return Target(self.base_id)
 

@@ -1,0 +1,31 @@
+"""Bearer-key checks: `--api-key` guards inference, `--admin-api-key` guards adapter admin."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+from hotlora.server.deps import RuntimeDep
+from hotlora.server.errors import Unauthorized
+
+
+def _check(request: Request, expected: str | None, what: str) -> None:
+    if expected is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # Constant-time: the comparison's duration says nothing about how much of the key matched.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise Unauthorized(f"A valid {what} is required: send 'Authorization: Bearer <key>'.")
+
+
+def require_api_key(request: Request, runtime: RuntimeDep) -> None:
+    _check(request, runtime.settings.api_key, "API key")
+
+
+def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
+    _check(request, runtime.settings.admin_api_key, "admin API key")
+
+
+ApiKey = Annotated[None, Depends(require_api_key)]
+AdminKey = Annotated[None, Depends(require_admin_key)]

@@ -1,0 +1,77 @@
+"""Adapter admin: mount, list, inspect and unmount, plus vLLM's load/unload aliases."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+from hotlora.adapters.manager import AdapterInfo, AdapterManager
+from hotlora.server.auth import require_admin_key
+from hotlora.server.deps import RuntimeDep
+from hotlora.server.protocol import (
+    AdapterCard,
+    AdapterList,
+    LoadLoraAdapterRequest,
+    MountAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
+
+router = APIRouter(prefix="/v1", tags=["adapters"], dependencies=[Depends(require_admin_key)])
+
+
+def get_manager(runtime: RuntimeDep) -> AdapterManager:
+    return runtime.require_adapters()
+
+
+ManagerDep = Annotated[AdapterManager, Depends(get_manager)]
+
+
+def _card(info: AdapterInfo) -> dict[str, Any]:
+    return AdapterCard(**info.to_dict()).model_dump()
+
+
+async def _mount(
+    manager: AdapterManager, adapter_id: str, path: str, replace: bool
+) -> JSONResponse:
+    """201 when this call mounted something; 200 when the same revision was already there."""
+    before = manager.get(adapter_id) if adapter_id in manager else None
+    # Reading and checking the files is blocking I/O; keep it off the event loop.
+    info = await asyncio.to_thread(manager.mount, adapter_id, path, replace)
+    unchanged = before is not None and before.revision == info.revision
+    return JSONResponse(_card(info), status_code=200 if unchanged else 201)
+
+
+@router.post("/adapters", status_code=201, response_model=AdapterCard)
+async def mount_adapter(body: MountAdapterRequest, manager: ManagerDep) -> JSONResponse:
+    return await _mount(manager, body.id, body.path, body.replace)
+
+
+@router.get("/adapters")
+async def list_adapters(manager: ManagerDep) -> AdapterList:
+    return AdapterList(data=[AdapterCard(**info.to_dict()) for info in manager.list()])
+
+
+@router.get("/adapters/{adapter_id}")
+async def get_adapter(adapter_id: str, manager: ManagerDep) -> AdapterCard:
+    return AdapterCard(**manager.get(adapter_id).to_dict())
+
+
+@router.delete("/adapters/{adapter_id}")
+async def unmount_adapter(adapter_id: str, manager: ManagerDep) -> dict[str, Any]:
+    info = await asyncio.to_thread(manager.unmount, adapter_id)
+    return {"id": info.id, "object": "adapter", "deleted": True}
+
+
+@router.post("/load_lora_adapter", status_code=201, response_model=AdapterCard)
+async def load_lora_adapter(body: LoadLoraAdapterRequest, manager: ManagerDep) -> JSONResponse:
+    return await _mount(manager, body.lora_name, body.lora_path, False)
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(
+    body: UnloadLoraAdapterRequest, manager: ManagerDep
+) -> dict[str, Any]:
+    info = await asyncio.to_thread(manager.unmount, body.lora_name)
+    return {"id": info.id, "object": "adapter", "deleted": True}
