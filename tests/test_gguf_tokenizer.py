@@ -1,0 +1,203 @@
+"""The tokenizer rebuilt from GGUF metadata, checked against a plain reference BPE and gguf-py."""
+
+import json
+from itertools import pairwise
+
+import pytest
+import regex
+from conftest_models import bytes_to_unicode, embedded_gguf
+from gguf import GGUFReader
+from hotlora.models.gguf import read_header
+from hotlora.models.gguf_tokenizer import (
+    UnsupportedTokenizer,
+    build_tokenizer,
+    pre_tokenizer_for,
+    write_tokenizer_files,
+)
+from mlx_lm.utils import load_tokenizer
+
+TRICKY = [
+    "12345",
+    "héllo wörld 日本語 🙂",
+    "a\tb\n\nc  d\r\n  end ",
+    "https://example.com/path?q=1&x=2#frag",
+    "<|im_start|>user\nhi<|im_end|>",
+    "It's 3.14159 o'clock, isn't it?",
+    "def f(x):\n\treturn x**2  # square\n",
+    "   ",
+]
+# llama.cpp's split rules (llama-vocab.cpp), spelled as it spells them.
+GPT2_RULE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_RULE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+RULES = {
+    "smollm": [r"\p{N}", GPT2_RULE],
+    "gpt-2": [GPT2_RULE],
+    "llama-bpe": [LLAMA3_RULE],
+    "qwen2": [LLAMA3_RULE.replace(r"\p{N}{1,3}", r"\p{N}")],
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_RULE, r"\p{N}+", r"[0-9][0-9][0-9]"],
+}
+BYTE_CHARS = bytes_to_unicode()
+
+
+def split_like_llama_cpp(text: str, rules: list[str]) -> list[str]:
+    """Apply each rule to every piece in turn, keeping matches and the text between them."""
+    pieces = [text]
+    for rule in rules:
+        out = []
+        for piece in pieces:
+            start = 0
+            for m in regex.finditer(rule, piece):
+                out += [piece[start : m.start()], m.group()]
+                start = m.end()
+            out.append(piece[start:])
+        pieces = [p for p in out if p]
+    return pieces
+
+
+class ReferenceBPE:
+    """Textbook byte-level BPE: split, map bytes to symbols, merge the best-ranked pair first."""
+
+    def __init__(self, meta: dict, rules: list[str]):
+        self.tokens = meta["tokenizer.ggml.tokens"]
+        self.ids = {t: i for i, t in enumerate(self.tokens)}
+        self.ranks = {tuple(m.split(" ")): r for r, m in enumerate(meta["tokenizer.ggml.merges"])}
+        types = meta["tokenizer.ggml.token_type"]
+        self.special = [t for t, k in zip(self.tokens, types, strict=True) if k == 3]
+        self.rules = rules
+
+    def word(self, word: str) -> list[int]:
+        parts = [BYTE_CHARS[b] for b in word.encode()]
+        while len(parts) > 1:
+            rank, i = min(
+                (self.ranks.get(pair, float("inf")), i) for i, pair in enumerate(pairwise(parts))
+            )
+            if rank == float("inf"):
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        return [self.ids[p] for p in parts]
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for chunk in regex.split("(" + "|".join(map(regex.escape, self.special)) + ")", text):
+            if chunk in self.special:
+                ids.append(self.ids[chunk])
+            elif chunk:
+                for word in split_like_llama_cpp(chunk, self.rules):
+                    ids += self.word(word)
+        return ids
+
+
+@pytest.fixture(scope="module")
+def meta() -> dict:
+    return read_header(embedded_gguf()).metadata
+
+
+@pytest.fixture(scope="module")
+def tokenizer(meta):
+    return build_tokenizer(meta)
+
+
+def test_header_reader_agrees_with_gguf_py(meta):
+    reader = GGUFReader(embedded_gguf())
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            assert meta[key] == pytest.approx(field.contents()), key
+    header = read_header(embedded_gguf())
+    assert {n: (i.type, i.shape) for n, i in header.tensors.items()} == {
+        t.name: (t.tensor_type, tuple(reversed(t.shape.tolist()))) for t in reader.tensors
+    }
+    assert header.data_start == reader.data_offset
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_embedded_tokenizer_matches_reference_bpe(meta, tokenizer, text):
+    ids = tokenizer.encode(text).ids
+    assert ids == ReferenceBPE(meta, RULES["smollm"]).encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_digits_and_special_tokens_are_single_tokens(meta, tokenizer):
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    assert tokenizer.encode("12345").ids == [vocab[d] for d in "12345"] == [33, 34, 35, 36, 37]
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>").ids
+    assert ids == [1, vocab["user"], vocab["Ċ"], vocab["hi"], 2] == [1, 4093, 198, 6004, 2]
+
+
+def test_written_files_load_in_mlx_lm(meta, tokenizer, tmp_path):
+    write_tokenizer_files(meta, tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    for text in TRICKY:
+        assert loaded.encode(text) == tokenizer.encode(text).ids, text
+    assert (loaded.bos_token, loaded.eos_token, loaded.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
+    assert loaded.eos_token_id == 2 and loaded.eos_token_ids == {2}
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_config_files_carry_template_and_special_ids(meta, tmp_path):
+    write_tokenizer_files(meta, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == meta["tokenizer.chat_template"]
+    assert config["add_bos_token"] is False
+    assert (config["bos_token"], config["eos_token"], config["unk_token"]) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+SAMPLE = "Hello, y'all! We'RE 12345 items\n\n  in 日本語 — x+=3 <= 7 …  \t\r\n 2024-01-01"
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_pre_tokenizers_split_like_llama_cpp(name):
+    pieces = [p for p, _ in pre_tokenizer_for(name).pre_tokenize_str(SAMPLE)]
+    expected = split_like_llama_cpp(SAMPLE, RULES[name])
+    assert pieces == ["".join(BYTE_CHARS[b] for b in p.encode()) for p in expected]
+
+
+def test_add_bos_puts_bos_first(meta):
+    tokenizer = build_tokenizer({**meta, "tokenizer.ggml.add_bos_token": True})
+    assert tokenizer.encode("hi").ids[0] == 1
+    assert build_tokenizer(meta).encode("hi").ids[0] != 1
+
+
+def test_user_defined_tokens_match_whole(meta):
+    types = list(meta["tokenizer.ggml.token_type"])
+    types[3] = 4  # <repo_name>
+    tokenizer = build_tokenizer({**meta, "tokenizer.ggml.token_type": types})
+    assert tokenizer.encode("a<repo_name>b").ids == [
+        tokenizer.token_to_id("a"),
+        3,
+        tokenizer.token_to_id("b"),
+    ]
+    assert tokenizer.decode([3], skip_special_tokens=True) == "<repo_name>"
+
+
+def test_embedded_tokenizer_json_is_kept_verbatim(meta, tmp_path):
+    original = '{"version": "1.0", "model": {"type": "BPE"}}'
+    write_tokenizer_files({**meta, "tokenizer.huggingface.json": original}, tmp_path)
+    assert (tmp_path / "tokenizer.json").read_text() == original
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"tokenizer.ggml.pre": "mystery"}, "pre-tokenizer 'mystery'"),
+        ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama'"),
+        ({"tokenizer.ggml.merges": ["Ġ zzzz"]}, "merges do not fit"),
+    ],
+)
+def test_unsupported_tokenizers_are_refused(meta, change, words):
+    with pytest.raises(UnsupportedTokenizer, match=words):
+        build_tokenizer({**meta, **change})
