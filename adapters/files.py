@@ -62,7 +62,11 @@ def resolve_under_root(path: str | Path, root: Path) -> Path:
     point out of `root` are all refused without opening anything.
     """
     root = Path(root).resolve()
-    resolved = (root / Path(path).expanduser()).resolve()
+    try:
+        resolved = (root / Path(path).expanduser()).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, NUL bytes
+        message = f"adapter path {path!r} cannot be resolved: {exc}"
+        raise InvalidAdapter(message, param="path") from None
     if not resolved.is_relative_to(root):
         raise AdapterPathRefused(f"adapter path '{path}' is outside the adapter root {root}")
     return resolved

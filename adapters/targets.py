@@ -98,4 +98,5 @@ def replace_module(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def float_dtype(dtype: mx.Dtype) -> bool:
+    """Whether adapter tensors of this dtype can take part in the residual."""
     return mx.issubdtype(dtype, mx.floating)

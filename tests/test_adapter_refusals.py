@@ -109,6 +109,7 @@ CASES: list[tuple[str, str, Callable[[Path], str], type[AdapterError], str]] = [
     ("absolute", "sft", lambda r: str(outside_dir(r)), AdapterPathRefused, "outside"),
     ("symlink-dir", "sft", symlink_dir, AdapterPathRefused, "outside"),
     ("symlink-file", "sft", symlink_file, AdapterPathRefused, "links outside"),
+    ("nul-byte", "sft", lambda r: "a\x00b", InvalidAdapter, "cannot be resolved"),
     ("no-dir", "sft", lambda r: "missing", InvalidAdapter, "does not exist"),
     ("no-weights", "sft", lambda r: remove(r, "adapters.safetensors"), InvalidAdapter, "neither"),
     ("no-config", "sft", lambda r: remove(r, "adapter_config.json"), InvalidAdapter,
