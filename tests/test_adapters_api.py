@@ -1,0 +1,206 @@
+"""Adapters over HTTP, in-process on the tiny model: admin routes, keys, selection, refusals."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from test_adapter_support import random_pairs, tiny_model, write_mlx_adapter, write_peft_adapter
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """An adapter root holding two adapters whose residuals visibly change the tiny model."""
+    root = tmp_path / "adapters"
+    model = tiny_model(quantize=True)
+    write_mlx_adapter(root / "a", random_pairs(model, seed=1), scale=20.0)
+    write_peft_adapter(root / "b", random_pairs(model, seed=2), alpha=80.0)
+    write_mlx_adapter(root / "a2", random_pairs(model, seed=3), scale=20.0)
+    return root
+
+
+@pytest.fixture
+def api(make_client, root: Path) -> TestClient:
+    return make_client(adapter_root=root)
+
+
+def text(client: TestClient, **fields: object) -> str:
+    response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 12, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def mount(client: TestClient, adapter_id: str, path: str, **extra: object):
+    return client.post("/v1/adapters", json={"id": adapter_id, "path": path, **extra})
+
+
+def test_mount_list_get_and_unmount(api: TestClient, root: Path):
+    created = mount(api, "a", "a")
+    assert created.status_code == 201, created.text
+    card = created.json()
+    assert card["id"] == "a" and card["path"] == str(root / "a")
+    assert card["rank"] == 4 and card["scale"] == 20.0 and not card["rslora"]
+    assert card["mounted_layers"] == 14  # 7 projections x 2 layers
+    assert card["ram_bytes"] > 0 and card["size_bytes"] > 0 and len(card["revision"]) == 64
+    assert mount(api, "a", "a").status_code == 200  # same revision: unchanged
+    assert [c["id"] for c in api.get("/v1/adapters").json()["data"]] == ["a"]
+    assert api.get("/v1/adapters/a").json()["revision"] == card["revision"]
+    models = api.get("/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("a", "tiny")]
+    assert api.delete("/v1/adapters/a").json() == {"id": "a", "object": "adapter", "deleted": True}
+    assert api.get("/v1/adapters").json()["data"] == []
+    gone = api.get("/v1/adapters/a")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "adapter_not_found"
+
+
+def test_adapter_selection_changes_output_and_the_base_stays(api: TestClient):
+    base = text(api)
+    mount(api, "a", "a")
+    mount(api, "b", "b")
+    with_a = text(api, adapter="a")
+    with_b = text(api, adapter="b")
+    assert len({base, with_a, with_b}) == 3
+    assert text(api) == base
+    assert text(api, adapter="none") == base
+    assert text(api, adapter="a@0") == base  # weight 0 contributes nothing
+    assert text(api, adapter=[{"id": "a", "scale": 1.0}]) == with_a
+    assert text(api, model="a") == with_a
+    assert text(api, model="tiny:a") == with_a
+    stacked = api.post("/v1/chat/completions", json={**CHAT, "max_tokens": 12, "adapter": "a+b"})
+    assert stacked.json()["model"] == "tiny:a+b"
+    assert api.post("/v1/chat/completions", json={**CHAT, "model": "a"}).json()["model"] == "a"
+    assert text(api) == base
+
+
+def test_stream_with_adapter_equals_whole(api: TestClient):
+    mount(api, "a", "a")
+    whole = text(api, adapter="a")
+    streamed = api.post(
+        "/v1/chat/completions", json={**CHAT, "max_tokens": 12, "adapter": "a", "stream": True}
+    )
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole
+    assert chunks[0]["model"] == "tiny:a"
+
+
+def test_replace_swaps_and_conflict_refuses(api: TestClient):
+    mount(api, "a", "a")
+    with_a = text(api, adapter="a")
+    conflict = mount(api, "a", "a2")
+    assert conflict.status_code == 409 and conflict.json()["error"]["param"] == "id"
+    assert text(api, adapter="a") == with_a
+    replaced = mount(api, "a", "a2", replace=True)
+    assert replaced.status_code == 201
+    assert text(api, adapter="a") != with_a
+    mount(api, "a2", "a2")
+    assert text(api, adapter="a") == text(api, adapter="a2")
+
+
+def test_vllm_aliases(api: TestClient):
+    loaded = api.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "b"})
+    assert loaded.status_code == 201 and loaded.json()["id"] == "b"
+    assert loaded.json()["scale"] == 20.0  # PEFT alpha 80 / r 4
+    unloaded = api.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
+    assert unloaded.status_code == 200
+    missing = api.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
+    assert missing.status_code == 404
+
+
+MOUNT_REFUSALS = [
+    # (body, status, param, words in the message)
+    ({"id": "x", "path": "../outside"}, 400, "path", "outside the adapter root"),
+    ({"id": "x", "path": "/etc"}, 400, "path", "outside the adapter root"),
+    ({"id": "x", "path": "missing"}, 400, "path", "does not exist"),
+    ({"id": "a+b", "path": "a"}, 400, "id", "may only contain"),
+    ({"id": "none", "path": "a"}, 400, "id", "reserved"),
+    ({"id": "", "path": "a"}, 400, "id", "empty"),
+    ({"path": "a"}, 400, "id", ""),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "words"), MOUNT_REFUSALS)
+def test_refused_mount_changes_nothing(api: TestClient, body, status, param, words):
+    mount(api, "b", "b")
+    before = api.get("/v1/adapters").json()
+    response = api.post("/v1/adapters", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert api.get("/v1/adapters").json() == before
+
+
+REQUEST_REFUSALS = [
+    # (fields, status, param, code)
+    ({"adapter": "zzz"}, 404, "adapter", "adapter_not_found"),
+    ({"adapter": "b+zzz"}, 404, "adapter", "adapter_not_found"),
+    ({"adapter": "b b"}, 400, "adapter", None),
+    ({"adapter": "b@nan"}, 400, "adapter", None),
+    ({"adapter": [{"scale": 2}]}, 400, "adapter", None),
+    ({"model": "zzz"}, 404, "model", "model_not_found"),
+    ({"model": "b", "adapter": "b"}, 400, "adapter", None),
+    ({"model": "tiny:b@x"}, 400, "model", None),
+]
+
+
+@pytest.mark.parametrize(("fields", "status", "param", "code"), REQUEST_REFUSALS)
+def test_refused_request_leaves_state_alone(api: TestClient, fields, status, param, code):
+    mount(api, "b", "b")
+    response = api.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, **fields})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    if code:
+        assert error["code"] == code
+    if status == 404 and param == "adapter":
+        assert "b" in error["message"]  # lists what is mounted
+    [card] = api.get("/v1/adapters").json()["data"]
+    assert card["in_use"] == 0  # no lease left behind
+    assert api.app.state.runtime.worker.waiting == 0
+
+
+def test_keys_guard_inference_and_admin_separately(make_client, root: Path):
+    client = make_client(adapter_root=root, api_key="user-key", admin_api_key="admin-key")
+    user = {"Authorization": "Bearer user-key"}
+    admin = {"Authorization": "Bearer admin-key"}
+    assert client.get("/health").status_code == 200
+    denied = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    wrong = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert client.get("/v1/models", headers=user).status_code == 200
+    ok = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1}, headers=user)
+    assert ok.status_code == 200
+    body = {"id": "a", "path": "a"}
+    assert client.post("/v1/adapters", json=body, headers=user).status_code == 401
+    assert client.post("/v1/adapters", json=body, headers=admin).status_code == 201
+    assert client.get("/v1/adapters", headers=user).status_code == 401
+
+
+def test_startup_adapters_are_mounted(make_client, root: Path):
+    client = make_client(adapter_root=root, startup_adapters={"a": "a", "b": str(root / "b")})
+    assert [c["id"] for c in client.get("/v1/adapters").json()["data"]] == ["a", "b"]
+
+
+def test_a_bad_startup_adapter_stops_the_start(tiny_model_dir: Path, tmp_path: Path, root: Path):
+    from conftest import tiny_settings
+    from hotlora.server.app import create_app
+
+    failures: list[BaseException] = []
+    settings = tiny_settings(
+        tiny_model_dir, tmp_path / "home", adapter_root=root, startup_adapters={"x": "../nope"}
+    )
+    app = create_app(settings, on_fatal=failures.append)
+    with TestClient(app) as client:
+        for _ in range(200):
+            if failures:
+                break
+            time.sleep(0.05)
+        assert failures and "outside the adapter root" in str(failures[0])
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and "failed" in ready.json()["error"]["message"]
