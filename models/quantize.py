@@ -1,0 +1,46 @@
+"""Quantize a float mlx-lm model directory into a new directory, with mlx-lm's own quantizer."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+from .files import atomic_model_dir, copy_aux_files
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
+class AlreadyQuantized(ValueError):
+    """The source model is quantized already; quantizing it again would compound the error."""
+
+
+def quantize_model_dir(src: Path, dest: Path, bits: int = 4, group_size: int = 64) -> Path:
+    """Write an affine-quantized copy of the float model at `src` to `dest`; return `dest`.
+
+    Every linear and embedding layer whose input size divides by `group_size` is quantized;
+    norms stay float. Tokenizer, templates and model card are copied byte for byte.
+    """
+    src, dest = Path(src), Path(dest)
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, not {bits}")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, not {group_size}")
+    config = json.loads((src / "config.json").read_text())
+    if existing := config.get("quantization") or config.get("quantization_config"):
+        raise AlreadyQuantized(
+            f"{src} is already quantized ({json.dumps(existing)[:120]}); quantize a float model"
+        )
+    model, _ = load_model(src, lazy=True)
+    with atomic_model_dir(dest) as tmp:
+        # mlx-lm prints a bits-per-weight line; the caller decides what to report.
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, group_size, bits)
+        save_model(tmp, model, donate_model=True)
+        save_config(config, tmp / "config.json")
+        copy_aux_files(src, tmp)
+    return dest
