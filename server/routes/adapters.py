@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
+from hotlora.adapters.errors import AdapterNotFound
 from hotlora.adapters.manager import AdapterInfo, AdapterManager
 from hotlora.server.auth import require_admin_key
 from hotlora.server.deps import RuntimeDep
@@ -36,7 +37,10 @@ async def _mount(
     manager: AdapterManager, adapter_id: str, path: str, replace: bool
 ) -> JSONResponse:
     """201 when this call mounted something; 200 when the same revision was already there."""
-    before = manager.get(adapter_id) if adapter_id in manager else None
+    try:
+        before: AdapterInfo | None = manager.get(adapter_id)
+    except AdapterNotFound:
+        before = None
     # Reading and checking the files is blocking I/O; keep it off the event loop.
     info = await asyncio.to_thread(manager.mount, adapter_id, path, replace)
     unchanged = before is not None and before.revision == info.revision
