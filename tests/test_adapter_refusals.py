@@ -9,14 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from hotlora.adapters.errors import (
-    AdapterConflict,
-    AdapterError,
-    AdapterPathRefused,
-    InvalidAdapter,
-)
-from hotlora.adapters.lora import activate
-from test_adapter_support import (
+from adapter_support import (
     logits,
     make_manager,
     parameter_ids,
@@ -25,6 +18,13 @@ from test_adapter_support import (
     write_mlx_adapter,
     write_peft_adapter,
 )
+from hotlora.adapters.errors import (
+    AdapterConflict,
+    AdapterError,
+    AdapterPathRefused,
+    InvalidAdapter,
+)
+from hotlora.adapters.lora import activate
 
 MAX_RANK = 8
 

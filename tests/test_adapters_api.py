@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
+from adapter_support import random_pairs, tiny_model, write_mlx_adapter, write_peft_adapter
 from fastapi.testclient import TestClient
-from test_adapter_support import random_pairs, tiny_model, write_mlx_adapter, write_peft_adapter
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
 

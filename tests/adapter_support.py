@@ -1,6 +1,6 @@
 """Shared builders for the adapter tests: tiny random models and adapter directories.
 
-No tests here; the `test_adapter_*` modules import these builders.
+No tests here; the adapter test modules import these builders.
 """
 
 from __future__ import annotations
