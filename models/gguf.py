@@ -70,20 +70,8 @@ class GGUFHeader:
     data_start: int
 
 
-# Fixed-size GGUF value types: struct format by type id.
-_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
+# GGUF value type id -> struct format, for the fixed-size types (8 is a string, 9 an array).
+_SCALARS = {**dict(enumerate("BbHhIif?")), 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
 
@@ -157,6 +145,8 @@ def _check_supported(header: GGUFHeader) -> None:
     arch = header.metadata.get("general.architecture")
     if arch != "llama":
         raise UnsupportedGGUF(f"architecture {arch!r} is not supported (only 'llama')")
+    if "token_embd.weight" not in header.tensors:
+        raise UnsupportedGGUF("GGUF has no token_embd.weight tensor")
     if header.metadata.get("llama.expert_count", 0):
         raise UnsupportedGGUF("mixture-of-experts llama models are not supported")
     bad: dict[str, list[str]] = {}
@@ -165,7 +155,8 @@ def _check_supported(header: GGUFHeader) -> None:
             bad.setdefault(_type_name(info.type), []).append(name)
     if bad:
         found = "; ".join(
-            f"{kind} ({names[0]}, {len(names)} tensors)" for kind, names in bad.items()
+            f"{kind} ({names[0]}" + (f" and {len(names) - 1} more)" if len(names) > 1 else ")")
+            for kind, names in bad.items()
         )
         allowed = ", ".join(t.name for t in SUPPORTED_TYPES)
         raise UnsupportedGGUF(f"unsupported tensor type: {found}. Supported types: {allowed}")
@@ -230,11 +221,8 @@ def llama_config(header: GGUFHeader, rope_factors: np.ndarray | None) -> dict[st
             np.format_float_positional(np.float32(get("attention.layer_norm_rms_epsilon")))
         ),
         "rope_theta": base,
-        "vocab_size": int(
-            meta.get("llama.vocab_size")
-            or len(meta.get("tokenizer.ggml.tokens", []))
-            or header.tensors["token_embd.weight"].shape[0]
-        ),
+        # The embedding's rows, not llama.vocab_size: some files pad the matrix past the vocab.
+        "vocab_size": header.tensors["token_embd.weight"].shape[0],
         "max_position_embeddings": int(get("context_length")),
         "tie_word_embeddings": "output.weight" not in header.tensors,
         "attention_bias": "blk.0.attn_q.bias" in header.tensors,

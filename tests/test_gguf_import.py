@@ -260,7 +260,7 @@ def test_k_quants_are_refused_not_dequantized(tmp_path, kind):
     # mx.load would silently turn these into float16. K-quant blocks span 256 values, more than
     # a tiny row, so the tensor rides along beside the model's own.
     tensor = {"blk.0.ffn_wide.weight": (np.zeros((8, 256), np.float32), kind)}
-    refused(tmp_path, f"{kind.name} .blk.0.ffn_wide.weight", extra_tensors=tensor)
+    refused(tmp_path, rf"{kind.name} \(blk.0.ffn_wide.weight\)", extra_tensors=tensor)
 
 
 def test_other_architectures_are_refused(tmp_path):
