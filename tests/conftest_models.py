@@ -160,6 +160,7 @@ def encode(w: np.ndarray, kind: Q) -> np.ndarray:
 
 
 def add_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, kind: Q) -> None:
+    """Add `w` to the GGUF as a tensor of `kind`."""
     data = encode(w, kind)
     if kind in (Q.F32, Q.F16):
         writer.add_tensor(name, data)
@@ -178,6 +179,7 @@ def stored_values(w: np.ndarray, kind: Q) -> np.ndarray | None:
 
 
 def mlx_name(gguf_name: str) -> str:
+    """`blk.0.attn_q` -> `model.layers.0.self_attn.q_proj`, written out independently."""
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         return f"model.layers.{parts[1]}.{MLX_NAMES[parts[2]]}"
