@@ -32,6 +32,7 @@ def float_dir(tmp_path_factory):
         rms_norm_eps=1e-5,
         vocab_size=128,
     )
+    mx.random.seed(0)
     model = llama.Model(args)
     mx.eval(model.parameters())
     save_model(path, model)
@@ -52,9 +53,11 @@ def test_quantized_copy_loads_with_the_requested_settings(float_dir, tmp_path, b
     for name, content in AUX.items():
         assert (dest / name).read_bytes() == content, name
     original, _ = load_model(float_dir)
-    tokens = mx.array([[1, 2, 3, 4, 5]])
+    tokens = mx.array([[1, 2, 3, 4, 5]])  # [batch, seq]
     expected, actual = original(tokens), model(tokens)
-    assert mx.abs(actual - expected).max().item() < 0.2 * mx.abs(expected).max().item()
+    # Random weights are the worst case for a 4-bit grid: ~15-25% error, 8 bits ~1%.
+    error = (mx.linalg.norm(actual - expected) / mx.linalg.norm(expected)).item()
+    assert error < {4: 0.3, 8: 0.03}[bits]
 
 
 def test_quantized_source_is_refused(float_dir, tmp_path):
