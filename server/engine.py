@@ -9,7 +9,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from hotlora.models.loader import LoadedModel
@@ -133,7 +133,8 @@ class Engine:
                 logits_processors=_processors(params),
                 prompt_cache=cache,
             )
-            for token, logprobs in steps:
+            for step_token, logprobs in steps:
+                token = int(step_token)  # generate_step yields Python ints despite its annotation
                 tokens.append(token)  # fed to the cache already, eos included
                 if token in eos:
                     reason = "stop"
@@ -186,10 +187,12 @@ class Engine:
         top: tuple[tuple[str, float], ...] = ()
         if k > 0:
             ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
-            values = logprobs[ids].tolist()
-            pairs = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
+            id_list = cast(list[int], ids.tolist())
+            values = cast(list[float], logprobs[ids].tolist())
+            pairs = sorted(zip(id_list, values, strict=True), key=lambda p: -p[1])
             top = tuple((self.tokenizer.decode([i]), v) for i, v in pairs)
-        return TokenLogprob(self.tokenizer.decode([token]), logprobs[token].item(), top)
+        chosen = cast(float, logprobs[token].item())
+        return TokenLogprob(self.tokenizer.decode([token]), chosen, top)
 
 
 def _sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
