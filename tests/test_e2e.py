@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,3 +179,27 @@ def test_client_disconnect_stops_generation(server, client, model_id):
     )
     assert after.choices[0].finish_reason == "length"
     assert time.monotonic() - started < 30
+
+
+def readme_block(language: str, needle: str) -> str:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = readme.split(f"```{language}\n")[1:]
+    [block] = [b.split("```", 1)[0] for b in blocks if needle in b.split("```", 1)[0]]
+    return block
+
+
+def test_readme_examples_run_as_written(server):
+    """The README's curl and openai SDK examples, pointed at this server's port."""
+    default = "http://127.0.0.1:8000"
+    curl = readme_block("sh", "curl -s http://127.0.0.1:8000/v1/chat/completions")
+    out = subprocess.run(
+        ["bash", "-c", curl.replace(default, server.url)], capture_output=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in json.loads(out.stdout)["choices"][0]["message"]["content"]
+    sdk = readme_block("python", "OpenAI(")
+    out = subprocess.run(
+        [sys.executable, "-c", sdk.replace(default, server.url)], capture_output=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout.decode()
