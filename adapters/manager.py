@@ -149,14 +149,15 @@ class AdapterManager:
         """
         if refs is None or isinstance(refs, str):
             refs = parse_adapter_spec(refs)
-        refs = tuple(refs)
-        if not all(isinstance(ref, AdapterRef) for ref in refs):
-            refs = parse_adapter_spec(list(refs))
-        if not refs:
+        given: tuple[AdapterRef | dict[str, Any], ...] = tuple(refs)
+        parsed = tuple(ref for ref in given if isinstance(ref, AdapterRef))
+        if len(parsed) != len(given):
+            parsed = parse_adapter_spec(list(given))
+        if not parsed:
             return BASE_ONLY
         with self._lock:
             entries = []
-            for ref in refs:
+            for ref in parsed:
                 mounted = self._mounted.get(ref.id)
                 if mounted is None:
                     raise AdapterNotFound(ref.id, self._mounted)

@@ -66,7 +66,7 @@ def linear_dims(linear: nn.Module) -> TargetDims:
 def find_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
     """The decoder layer list and its module-tree path (e.g. `model.layers`)."""
     for chain in _LAYER_LISTS:
-        node = model
+        node: object = model
         for attr in chain:
             node = getattr(node, attr, None)
             if node is None:
@@ -80,7 +80,7 @@ def find_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
 
 
 def find_targets(
-    model: nn.Module, kinds: tuple[type, ...] = (nn.Linear, nn.QuantizedLinear)
+    model: nn.Module, kinds: tuple[type[nn.Module], ...] = (nn.Linear, nn.QuantizedLinear)
 ) -> dict[str, nn.Module]:
     """Every target projection of every layer, by module path, in layer order."""
     prefix, layers = find_layers(model)

@@ -14,7 +14,7 @@ import dataclasses
 import fnmatch
 from collections.abc import Callable, Collection, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 RopeLayout = Literal["map", "theta", "flat"]
 Validator = Callable[[dict], None]
@@ -168,7 +168,7 @@ def _sections(config: dict) -> list[dict]:
     return [config] if text is config else [config, text]
 
 
-def _is_rope_map(value: Any) -> bool:
+def _is_rope_map(value: Any) -> TypeGuard[Mapping[str, Mapping[str, Any]]]:
     return (
         isinstance(value, Mapping)
         and bool(value)

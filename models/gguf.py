@@ -15,7 +15,7 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -347,10 +347,10 @@ def import_gguf(src: Path, dest: Path) -> Path:
             write_tokenizer_files(header.metadata, tmp)
         except UnsupportedTokenizer as e:
             raise UnsupportedGGUF(str(e)) from e
-        loaded = mx.load(str(src))
-        rope_factors = loaded.pop("rope_freqs.weight", None)
-        if rope_factors is not None:
-            rope_factors = np.array(rope_factors.astype(mx.float32))
+        # Without `return_metadata`, mx.load on a GGUF file returns the tensors by name.
+        loaded = cast(dict[str, mx.array], mx.load(str(src)))
+        rope_freqs = loaded.pop("rope_freqs.weight", None)
+        rope_factors = None if rope_freqs is None else np.array(rope_freqs.astype(mx.float32))
         config = llama_config(header, rope_factors)
         weights = convert_tensors(loaded, header, src, config)
         if (quantization := quantization_config(weights)) is not None:

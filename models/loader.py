@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -61,7 +61,11 @@ class LoadedModel:
     @property
     def is_quantized(self) -> bool:
         """Whether any layer holds packed quantized weights."""
-        leaves = tree_flatten(self.model.leaf_modules(), is_leaf=nn.Module.is_module)
+        # Without `destination`, tree_flatten returns the list of (path, leaf) pairs.
+        leaves = cast(
+            list[tuple[str, Any]],
+            tree_flatten(self.model.leaf_modules(), is_leaf=nn.Module.is_module),
+        )
         return any(hasattr(module, "bits") for _, module in leaves)
 
 
