@@ -44,6 +44,7 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: lint
 	$(RUN_ENV) $(BIN)/pytest

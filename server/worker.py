@@ -50,11 +50,6 @@ class GenerationWorker:
                 await self._task
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    async def run_in_worker(self, fn, *args):  # type: ignore[no-untyped-def]
-        """Run a blocking MLX call on the worker thread, after the job in progress."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
-
     async def stream(self, job: GenerationJob) -> AsyncIterator[Event]:
         """Queue a job and yield its events; leaving early cancels it within one decode step."""
         ticket = _Ticket(job)
