@@ -16,6 +16,7 @@ from hotlora.server.engine import Delta, Finished, GenerationJob, SamplingParams
 from hotlora.server.errors import ContextOverflow, InvalidRequest, ModelNotFound
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from hotlora.server.worker import GenerationWorker
+from jinja2 import TemplateError
 
 
 @dataclass
@@ -89,7 +90,13 @@ class InferenceService:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         if not getattr(self.tokenizer, "has_chat_template", True):
             raise InvalidRequest("This model has no chat template; use /v1/completions.")
-        prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        try:
+            prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except (TemplateError, ValueError, TypeError) as exc:
+            # Templates refuse conversations they cannot render (e.g. roles out of order).
+            raise InvalidRequest(
+                f"The model's chat template cannot render these messages: {exc}", param="messages"
+            ) from exc
         return self._prepare(
             request,
             [prompt],

@@ -249,3 +249,19 @@ def test_internal_error_hides_details(make_client, monkeypatch):
     assert "/secret" not in response.text and "Traceback" not in response.text
     monkeypatch.undo()
     assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_template_that_refuses_the_messages_is_a_400(make_client, monkeypatch):
+    client = make_client()
+    tokenizer = client.app.state.runtime.worker.engine.tokenizer
+
+    def refuse(*args, **kwargs):
+        from jinja2 import TemplateError
+
+        raise TemplateError("Conversation roles must alternate user/assistant")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", refuse)
+    response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "must alternate" in error["message"]
