@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.adapters:
         overrides["startup_adapters"] = dict(args.adapters)
     settings = Settings(**overrides)
+    level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
 
