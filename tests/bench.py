@@ -1,0 +1,273 @@
+"""`make bench`: hotlora against mlx-lm's own server on the embedded model, side by side.
+
+Each section measures time to first token and decode tokens/s over streaming HTTP, greedy, on
+distinct short chat questions. The servers run as subprocesses on loopback ports and take turns
+(one busy at a time, order alternating per round); medians are reported, since these machines
+are noisy. mlx-lm's in-process `stream_generate` runs afterwards, alone, as the decode ceiling.
+
+    python -m tests.bench [--sections base] [--rounds 5] [--max-tokens 128] [--model DIR]
+
+Exits 0 when a target is missed: this is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.bench_http import Sample, Server, hotlora_spec, mlx_lm_spec, stream_chat
+
+WARMUP_QUESTION = "Describe the water cycle in detail."
+# Distinct per round, so a prompt cache helps neither side beyond the chat template's shared
+# prefix (both servers reuse that); each runs to 128 tokens on the embedded model.
+QUESTIONS = [
+    "Explain how a rainbow forms.",
+    "Write a short story about a robot who learns to paint.",
+    "What are the main causes of the French Revolution?",
+    "How do airplanes stay in the air?",
+    "Give me some tips for learning a new language.",
+    "Explain photosynthesis to a ten-year-old.",
+    "Why is exercise good for your health?",
+]
+DECODE_TARGET = 0.95  # hotlora / mlx_lm.server decode tok/s, at least
+TTFT_TARGET = 1.05  # hotlora / mlx_lm.server time to first token, at most
+
+
+@dataclass
+class Row:
+    """One system's samples in a section; the table shows their medians."""
+
+    system: str
+    samples: list[Sample]
+
+    @property
+    def ttft(self) -> float:
+        return statistics.median(s.ttft_s for s in self.samples)
+
+    @property
+    def decode(self) -> float:
+        return statistics.median(s.decode_tok_s for s in self.samples)
+
+
+@dataclass
+class SectionResult:
+    """What a section hands to the shared printer."""
+
+    title: str
+    rows: list[Row]
+    notes: list[str]
+
+
+def print_table(result: SectionResult) -> None:
+    """The shared results table: one line per system, then the section's notes."""
+    print(f"\n== {result.title}")
+    print(f"{'system':<18}{'ttft_p50_s':>12}{'decode_tok_s_p50':>18}{'n':>4}{'tokens_p50':>12}")
+    for row in result.rows:
+        tokens = statistics.median(s.tokens for s in row.samples)
+        print(
+            f"{row.system:<18}{row.ttft:>12.3f}{row.decode:>18.2f}"
+            f"{len(row.samples):>4}{tokens:>12.0f}"
+        )
+    for note in result.notes:
+        print(note)
+    sys.stdout.flush()
+
+
+def ratio_line(ours: Row, theirs: Row) -> str:
+    decode = ours.decode / theirs.decode
+    ttft = ours.ttft / theirs.ttft
+    decode_mark = "" if decode >= DECODE_TARGET else " MISSED"
+    ttft_mark = "" if ttft <= TTFT_TARGET else " MISSED"
+    return (
+        f"ratio {ours.system}/{theirs.system}: "
+        f"decode {decode:.2f}x (target >= {DECODE_TARGET}x){decode_mark}, "
+        f"ttft {ttft:.2f}x (target <= {TTFT_TARGET}x){ttft_mark}"
+    )
+
+
+def paired_note(ours: Row, theirs: Row) -> str:
+    """Per-round ratios, robust to drift in machine load between rounds."""
+    by_round = {s.round: s for s in theirs.samples}
+    pairs = [(s, by_round[s.round]) for s in ours.samples if s.round in by_round]
+    decode = statistics.median(a.decode_tok_s / b.decode_tok_s for a, b in pairs)
+    ttft = statistics.median(a.ttft_s / b.ttft_s for a, b in pairs)
+    same = sum(a.text == b.text for a, b in pairs)
+    prompts = sum(a.prompt_tokens == b.prompt_tokens for a, b in pairs)
+    return (
+        f"per-round ratio medians: decode {decode:.2f}x, ttft {ttft:.2f}x; "
+        f"identical greedy text {same}/{len(pairs)}, equal prompt tokens {prompts}/{len(pairs)}"
+    )
+
+
+def idle_note(rows: list[Row]) -> str:
+    """How much the waiting server(s) ran while another served: ~0 means no competition."""
+    parts = [
+        f"while {row.system} served, the others used "
+        f"{statistics.median(s.other_cpu_s for s in row.samples):.2f}s"
+        for row in rows
+    ]
+    return "idle-server CPU per request (median): " + "; ".join(parts)
+
+
+def round_line(sample: Sample, rounds: int) -> str:
+    cached = "?" if sample.cached_tokens is None else sample.cached_tokens
+    return (
+        f"round {sample.round + 1}/{rounds} {sample.system:<14} "
+        f"ttft {sample.ttft_s:6.3f}s  decode {sample.decode_tok_s:6.2f} tok/s  "
+        f"{sample.tokens} tokens in {sample.chunks} chunks ({sample.finish_reason}), "
+        f"prompt {sample.prompt_tokens} tokens, {cached} cached"
+    )
+
+
+def server_env(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HOTLORA_HOME=str(home))
+    return env
+
+
+def run_direct(model_dir: Path, questions: list[str], max_tokens: int, home: Path) -> list[Sample]:
+    """`stream_generate` in a process of its own, after the servers are gone."""
+    job = {
+        "model": str(model_dir),
+        "max_tokens": max_tokens,
+        "warmup": WARMUP_QUESTION,
+        "questions": questions,
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.bench_direct"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=60 + 120 * (len(questions) + 1),
+        env=server_env(home),
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"stream_generate run failed:\n{out.stderr[-3000:]}")
+    return [Sample(**s) for s in json.loads(out.stdout)]
+
+
+def section_base(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """Base model only: hotlora vs mlx_lm.server over HTTP, then stream_generate alone."""
+    questions = QUESTIONS[: args.rounds]
+    env = server_env(args.home)
+    samples: dict[str, list[Sample]] = {}
+    with tempfile.TemporaryDirectory(prefix="hotlora-bench-") as logs, httpx.Client() as client:
+        servers: list[Server] = []
+        try:
+            for spec in (hotlora_spec(model_dir), mlx_lm_spec(model_dir)):
+                servers.append(Server(spec, env, Path(logs)))
+            for server in servers:  # loading in parallel, serving one at a time
+                server.wait_ready(client)
+            for server in servers:
+                stream_chat(client, server, WARMUP_QUESTION, args.max_tokens, -1)
+            for i, question in enumerate(questions):
+                order = servers if i % 2 == 0 else servers[::-1]
+                for server in order:
+                    others = [s for s in servers if s is not server]
+                    cpu0 = sum(s.cpu_seconds() for s in others)
+                    sample = stream_chat(client, server, question, args.max_tokens, i)
+                    idle_cpu = sum(s.cpu_seconds() for s in others) - cpu0
+                    sample = dataclasses.replace(sample, other_cpu_s=idle_cpu)
+                    samples.setdefault(server.spec.name, []).append(sample)
+                    print(round_line(sample, len(questions)), flush=True)
+        finally:
+            for server in servers:
+                server.stop()
+    rows = [Row(name, samples[name]) for name in ("hotlora", "mlx_lm.server")]
+    if not args.skip_direct:
+        print("stream_generate in-process (servers stopped) ...", flush=True)
+        direct = run_direct(model_dir, questions, args.max_tokens, args.home)
+        for sample in direct:
+            print(round_line(sample, len(questions)), flush=True)
+        rows.append(Row("stream_generate", direct))
+    hot, mlx = rows[0], rows[1]
+    notes = [ratio_line(hot, mlx), paired_note(hot, mlx), idle_note(rows[:2])]
+    if not args.skip_direct:
+        ceiling = rows[2]
+        notes.append(
+            "stream_generate prefills each prompt in full; both servers reuse the cached "
+            "chat-template prefix, so its TTFT is no ceiling (its decode is)"
+        )
+        notes.append(
+            "share of the stream_generate ceiling (decode): "
+            f"hotlora {hot.decode / ceiling.decode:.2f}x, "
+            f"mlx_lm.server {mlx.decode / ceiling.decode:.2f}x"
+        )
+    return SectionResult(
+        f"base model, {len(questions)} rounds, {args.max_tokens} new tokens, greedy, streaming",
+        rows,
+        notes,
+    )
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
+    "base": section_base,
+}
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return args.model.expanduser().resolve()
+    from hotlora.models.embedded import ensure_embedded_model
+
+    return ensure_embedded_model(args.home)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"Comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all).",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="Timed requests per system.")
+    p.add_argument("--max-tokens", type=int, default=128, help="New tokens per request.")
+    p.add_argument("--model", type=Path, help="A model directory (default: the embedded model).")
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=Path(os.environ.get("HOTLORA_HOME", "~/.cache/hotlora")).expanduser(),
+        help="hotlora's cache directory (default: $HOTLORA_HOME or ~/.cache/hotlora).",
+    )
+    p.add_argument(
+        "--skip-direct", action="store_true", help="Leave out the in-process stream_generate run."
+    )
+    args = p.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s): {', '.join(unknown)}")
+    if not 1 <= args.rounds <= len(QUESTIONS):
+        p.error(f"--rounds must be 1..{len(QUESTIONS)} (one distinct question per round)")
+    if args.max_tokens < 2:
+        p.error("--max-tokens must be at least 2 to measure decoding")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    model_dir = resolve_model(args)
+    print(f"model: {model_dir}", flush=True)
+    results = [SECTIONS[name](args, model_dir) for name in args.sections]
+    for result in results:
+        print_table(result)
+    print(f"\n(bench took {time.monotonic() - started:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
