@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from hotlora.server import protocol as p
 from hotlora.server.engine import Delta, TokenLogprob
-from hotlora.server.serving import InferenceService, Outcome, Prepared
+from hotlora.server.serving import InferenceService, Outcome, Prepared, UsageTally
 
 DONE = "[DONE]"
 
@@ -25,11 +25,12 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:
+def _usage(tally: UsageTally) -> p.Usage:
     return p.Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens=tally.prompt_tokens,
+        completion_tokens=tally.completion_tokens,
+        total_tokens=tally.prompt_tokens + tally.completion_tokens,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=tally.cached_tokens),
     )
 
 
@@ -76,7 +77,7 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionRespo
             )
             for c in outcome.choices
         ],
-        usage=_usage(outcome.prompt_tokens, outcome.completion_tokens),
+        usage=_usage(outcome.usage),
     )
 
 
@@ -94,7 +95,7 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
             )
             for c in outcome.choices
         ],
-        usage=_usage(outcome.prompt_tokens, outcome.completion_tokens),
+        usage=_usage(outcome.usage),
     )
 
 
@@ -108,7 +109,7 @@ async def chat_stream(
         return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice]))
 
     started: set[int] = set()
-    prompt_tokens = completion_tokens = 0
+    tally = UsageTally(prepared.n)
     async for index, event in service.events(prepared):
         if index not in started:
             started.add(index)
@@ -121,13 +122,11 @@ async def chat_stream(
                 delta = p.ChatDelta(content=event.text)
                 yield chunk(p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
         else:
-            completion_tokens += event.completion_tokens
-            if index % prepared.n == 0:
-                prompt_tokens += event.prompt_tokens
+            tally.add(index, event)
             finish = _finish(event.finish_reason)
             yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(), finish_reason=finish))
     if include_usage:
-        usage = _usage(prompt_tokens, completion_tokens)
+        usage = _usage(tally)
         yield p.ChatCompletionChunk(**meta, choices=[], usage=usage).model_dump_json()
     yield DONE
 
@@ -138,7 +137,7 @@ async def completion_stream(
     """`text_completion` JSON strings, then the usage chunk if asked, then [DONE]."""
     meta = {"id": p.completion_id("cmpl"), "created": p.now(), "model": prepared.target.model}
     offsets: dict[int, int] = {}
-    prompt_tokens = completion_tokens = 0
+    tally = UsageTally(prepared.n)
     async for index, event in service.events(prepared):
         if isinstance(event, Delta):
             if not (event.text or event.logprobs):
@@ -151,13 +150,11 @@ async def completion_stream(
                 index=index, text=event.text, logprobs=logprobs, finish_reason=None
             )
         else:
-            completion_tokens += event.completion_tokens
-            if index % prepared.n == 0:
-                prompt_tokens += event.prompt_tokens
+            tally.add(index, event)
             finish = _finish(event.finish_reason)
             choice = p.CompletionChoice(index=index, text="", finish_reason=finish)
         yield _dump_chunk(p.CompletionResponse(**meta, choices=[choice]))
     if include_usage:
-        usage = _usage(prompt_tokens, completion_tokens)
+        usage = _usage(tally)
         yield p.CompletionResponse(**meta, choices=[], usage=usage).model_dump_json()
     yield DONE

@@ -55,10 +55,25 @@ class Choice:
 
 
 @dataclass
+class UsageTally:
+    """Token counts over a request's jobs; each prompt counts once, however many choices."""
+
+    n: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, index: int, finished: Finished) -> None:
+        self.completion_tokens += finished.completion_tokens
+        if index % self.n == 0:
+            self.prompt_tokens += finished.prompt_tokens
+            self.cached_tokens += finished.cached_tokens
+
+
+@dataclass
 class Outcome:
     choices: list[Choice]
-    prompt_tokens: int
-    completion_tokens: int
+    usage: UsageTally
 
 
 ResolveTarget = Callable[[str, tuple[Any, ...]], Target]
@@ -201,7 +216,7 @@ class InferenceService:
     async def run(self, prepared: Prepared) -> Outcome:
         """Generate every choice and collect it."""
         choices: dict[int, Choice] = {}
-        prompt_tokens = completion_tokens = 0
+        usage = UsageTally(prepared.n)
         async for index, event in self.events(prepared):
             choice = choices.setdefault(index, Choice(index, "", "length", []))
             if isinstance(event, Delta):
@@ -209,10 +224,8 @@ class InferenceService:
                 choice.logprobs.extend(event.logprobs)
             else:
                 choice.finish_reason = event.finish_reason
-                completion_tokens += event.completion_tokens
-                if index % prepared.n == 0:
-                    prompt_tokens += event.prompt_tokens
-        return Outcome([choices[i] for i in sorted(choices)], prompt_tokens, completion_tokens)
+                usage.add(index, event)
+        return Outcome([choices[i] for i in sorted(choices)], usage)
 
     async def events(self, prepared: Prepared) -> AsyncIterator[tuple[int, Delta | Finished]]:
         """Every job's events in order, tagged with the choice index; releases the target after."""

@@ -204,3 +204,22 @@ def test_a_bad_startup_adapter_stops_the_start(tiny_model_dir: Path, tmp_path: P
         assert failures and "outside the adapter root" in str(failures[0])
         ready = client.get("/ready")
         assert ready.status_code == 503 and "failed" in ready.json()["error"]["message"]
+
+
+def cached(client: TestClient, **fields: object) -> int:
+    body = {**CHAT, "messages": [{"role": "user", "content": "cache key"}], "max_tokens": 2}
+    response = client.post("/v1/chat/completions", json={**body, **fields})
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_prompt_cache_is_keyed_by_adapter_revision(api: TestClient):
+    mount(api, "a", "a")
+    cached(api)
+    warm = cached(api)
+    assert warm > 0  # the base's own repeat hits the cache
+    assert cached(api, adapter="a") == 0  # never the base's KV under an adapter
+    assert cached(api, adapter="a") == warm
+    assert cached(api, adapter="a@0.5") == 0  # another weight is another residual
+    mount(api, "a", "a2", replace=True)
+    assert cached(api, adapter="a") == 0  # same name, new revision: nothing reused
+    assert cached(api, adapter="a") == warm

@@ -77,7 +77,11 @@ def test_stream_usage_chunk(client: TestClient):
     chunks = [json.loads(e) for e in sse_events(client.post("/v1/chat/completions", json=req))[:-1]]
     assert chunks[-1]["choices"] == []
     whole = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "temperature": 0})
-    assert chunks[-1]["usage"] == whole.json()["usage"]
+    streamed_usage, whole_usage = chunks[-1]["usage"], whole.json()["usage"]
+    # The second request reuses the first one's prompt cache; the counts are the same.
+    assert streamed_usage.pop("prompt_tokens_details")["cached_tokens"] == 0
+    assert whole_usage.pop("prompt_tokens_details")["cached_tokens"] > 0
+    assert streamed_usage == whole_usage
 
 
 def test_seed_reproduces_sampling(client: TestClient):
@@ -265,3 +269,19 @@ def test_a_template_that_refuses_the_messages_is_a_400(make_client, monkeypatch)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages" and "must alternate" in error["message"]
+
+
+def test_a_repeated_prompt_reuses_the_prompt_cache(client: TestClient):
+    request = {
+        **CHAT,
+        "messages": [{"role": "user", "content": "cache me"}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    first = client.post("/v1/chat/completions", json=request).json()
+    second = client.post("/v1/chat/completions", json=request).json()
+    assert first["choices"] == second["choices"]
+    prompt_tokens = second["usage"]["prompt_tokens"]
+    # All but the last prompt token come from the cache; that one is re-run for fresh logits.
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < prompt_tokens - 1

@@ -94,7 +94,14 @@ def test_completions_stream_and_usage(client, model_id, tokenizer):
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens,
+        8,
+        whole.usage.prompt_tokens + 8,
+    )
+    # The same prompt again: all but its last token come from the prompt cache.
+    assert usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
 
 
 def test_chat_usage_matches_tokenizer(client, model_id, tokenizer):
