@@ -15,6 +15,7 @@ from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.targets import TARGET_PROJECTIONS, find_targets, linear_dims
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from tiny import tiny_args
 
 RANK = 4
 SCALE = 2.0
@@ -26,18 +27,7 @@ Pairs = dict[str, tuple[mx.array, mx.array]]  # module path -> (A [in, r], B [r,
 def tiny_model(quantize: bool = False, seed: int = 0) -> nn.Module:
     """The 2-layer llama; the same seed gives the same weights, so copies are comparable."""
     mx.random.seed(seed)
-    model = llama.Model(
-        llama.ModelArgs(
-            model_type="llama",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-5,
-            vocab_size=128,
-        )
-    )
+    model = llama.Model(tiny_args())
     if quantize:
         nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())

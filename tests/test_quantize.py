@@ -9,6 +9,7 @@ from hotlora.models.files import atomic_model_dir, copy_aux_files
 from hotlora.models.quantize import AlreadyQuantized, quantize_model_dir
 from mlx_lm.models import llama
 from mlx_lm.utils import load_model, save_config, save_model
+from tiny import tiny_args
 
 AUX = {
     "tokenizer.json": b'{"version": "1.0"}\n',
@@ -22,16 +23,7 @@ AUX = {
 def float_dir(tmp_path_factory):
     """A random float32 llama directory with auxiliary files beside the weights."""
     path = tmp_path_factory.mktemp("float") / "llama"
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=128,
-    )
+    args = tiny_args()
     mx.random.seed(0)
     model = llama.Model(args)
     mx.eval(model.parameters())
