@@ -1,0 +1,75 @@
+"""The `hotlora` command line: help on every command, clear failures, real conversions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from adapter_support import random_pairs, tiny_model, write_mlx_adapter
+from hotlora.models.loader import load_model_dir
+from tiny import write_tiny_llama
+
+
+def hotlora(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hotlora.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("command", ["serve", "import-gguf", "quantize", "fuse"])
+def test_every_command_has_help(command: str):
+    result = hotlora(command, "--help")
+    assert result.returncode == 0
+    assert f"usage: hotlora {command}" in result.stdout
+
+
+def test_top_level_help_lists_the_commands():
+    result = hotlora("--help")
+    assert result.returncode == 0
+    for command in ("serve", "import-gguf", "quantize", "fuse"):
+        assert command in result.stdout
+
+
+def test_import_of_a_file_that_is_not_gguf_fails_cleanly(tmp_path: Path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf file at all")
+    result = hotlora("import-gguf", str(bogus), str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("hotlora import-gguf: ")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_serve_with_a_missing_model_exits_with_the_reason(tmp_path: Path):
+    result = hotlora(
+        "serve", "--model", str(tmp_path / "nowhere"), "--port", "0", "--home", str(tmp_path)
+    )
+    assert result.returncode == 1
+    assert "could not start" in result.stderr and "does not exist" in result.stderr
+
+
+def test_serve_refuses_a_bad_adapter_flag():
+    result = hotlora("serve", "--adapter", "no-equals-sign")
+    assert result.returncode == 2
+    assert "expected NAME=PATH" in result.stderr
+
+
+def test_quantize_then_fuse(tmp_path: Path):
+    float_dir = write_tiny_llama(tmp_path / "float")
+    quantized = tmp_path / "q8"
+    result = hotlora(
+        "quantize", str(float_dir), str(quantized), "--bits", "8", "--group-size", "32"
+    )
+    assert result.returncode == 0, result.stderr
+    assert load_model_dir(quantized).is_quantized
+    adapter = write_mlx_adapter(tmp_path / "adapter", random_pairs(tiny_model(quantize=True)))
+    fused = tmp_path / "fused"
+    result = hotlora("fuse", "--model", str(quantized), "--adapter", str(adapter), str(fused))
+    assert result.returncode == 0, result.stderr
+    assert (fused / "tokenizer.json").read_bytes() == (float_dir / "tokenizer.json").read_bytes()
+    assert load_model_dir(fused).is_quantized
