@@ -66,8 +66,16 @@ class AdapterManager:
     registry change half-way.
     """
 
-    def __init__(self, model: nn.Module, *, adapter_root: Path, max_rank: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        adapter_root: Path,
+        max_rank: int,
+        reserved_ids: frozenset[str] = frozenset(),
+    ):
         self.model = model
+        self.reserved_ids = reserved_ids
         self.adapter_root = Path(adapter_root).expanduser().resolve()
         self.max_rank = max_rank
         self._slots = install_slots(model)
@@ -99,6 +107,8 @@ class AdapterManager:
         `replace`, which swaps atomically while running requests keep the old arrays.
         """
         problem = adapter_id_problem(adapter_id)
+        if problem is None and adapter_id in self.reserved_ids:
+            problem = f"'{adapter_id}' is the base model's id; choose another adapter id"
         if problem:
             raise InvalidAdapter(problem, param="id")
         directory = resolve_under_root(path, self.adapter_root)

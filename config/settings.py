@@ -36,6 +36,12 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(default=4096, gt=0, description="Upper bound on max_tokens.")
     max_n: int = Field(default=8, ge=1, description="Upper bound on a request's `n`.")
     queue_size: int = Field(default=64, ge=1, description="Waiting requests beyond this get 503.")
+    prompt_cache_size: int = Field(
+        default=8, ge=0, description="Prompt KV caches kept for reuse (per base+adapter set)."
+    )
+    prompt_cache_bytes: int = Field(
+        default=1 << 30, ge=0, description="Memory the kept prompt KV caches may hold, in bytes."
+    )
     log_level: str = "info"
     warmup: bool = True
     # Adapters.
@@ -49,6 +55,13 @@ class Settings(BaseSettings):
     )
     api_key: str | None = None
     admin_api_key: str | None = None
+
+    @field_validator("api_key", "admin_api_key")
+    @classmethod
+    def _non_empty_key(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("an API key must not be empty; leave it unset to disable the check")
+        return value
 
     @field_validator("log_level")
     @classmethod

@@ -24,7 +24,9 @@ def require_api_key(request: Request, runtime: RuntimeDep) -> None:
 
 
 def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
-    _check(request, runtime.settings.admin_api_key, "admin API key")
+    # With only --api-key set, admin takes that key too: never open while inference is closed.
+    settings = runtime.settings
+    _check(request, settings.admin_api_key or settings.api_key, "admin API key")
 
 
 ApiKey = Annotated[None, Depends(require_api_key)]

@@ -14,6 +14,7 @@ from typing import Any, cast
 import mlx.core as mx
 from hotlora.models.loader import LoadedModel
 from hotlora.server.stops import StopMatcher
+from hotlora.server.tokens import TokenPiece, TokenPieces
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (
     LRUPromptCache,
@@ -40,6 +41,7 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -54,9 +56,9 @@ class GenerationJob:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    token: str
+    token: TokenPiece
     logprob: float
-    top: tuple[tuple[str, float], ...]
+    top: tuple[tuple[TokenPiece, float], ...]
 
 
 @dataclass(frozen=True)
@@ -92,13 +94,15 @@ class Engine:
         *,
         base_id: str,
         prompt_cache_size: int = 8,
+        prompt_cache_bytes: int = 1 << 30,
         activate: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
     ):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.base_id = base_id
-        self.prompt_cache = LRUPromptCache(max_size=prompt_cache_size)
+        self.pieces = TokenPieces(self.tokenizer)
+        self.prompt_cache = LRUPromptCache(max_size=prompt_cache_size, max_bytes=prompt_cache_bytes)
         self._activate = activate or (lambda _adapters: contextlib.nullcontext())
 
     @property
@@ -116,7 +120,7 @@ class Engine:
         cache, rest = self._prefill_cache(key, job.prompt)
         cached = len(job.prompt) - len(rest)
         if params.seed is not None:
-            mx.random.seed(params.seed)
+            mx.random.seed(params.seed % 2**64)
         detokenizer = self.tokenizer.detokenizer
         detokenizer.reset()
         stops = StopMatcher(list(params.stop))
@@ -184,15 +188,15 @@ class Engine:
 
     def _logprob(self, token: int, logprobs: mx.array, k: int) -> TokenLogprob:
         # logprobs: [vocab], already log-softmaxed by generate_step.
-        top: tuple[tuple[str, float], ...] = ()
+        top: tuple[tuple[TokenPiece, float], ...] = ()
         if k > 0:
             ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
             id_list = cast(list[int], ids.tolist())
             values = cast(list[float], logprobs[ids].tolist())
             pairs = sorted(zip(id_list, values, strict=True), key=lambda p: -p[1])
-            top = tuple((self.tokenizer.decode([i]), v) for i, v in pairs)
+            top = tuple((self.pieces(i), v) for i, v in pairs)
         chosen = cast(float, logprobs[token].item())
-        return TokenLogprob(self.tokenizer.decode([token]), chosen, top)
+        return TokenLogprob(self.pieces(token), chosen, top)
 
 
 def _sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
@@ -206,6 +210,7 @@ def _sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
 
 def _processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
     return make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,

@@ -7,7 +7,7 @@ Every non-2xx response carries the OpenAI error object:
 from __future__ import annotations
 
 import json
-import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,8 +16,6 @@ from fastapi.responses import JSONResponse
 from hotlora.adapters.errors import AdapterError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger("hotlora")
-
 
 class ServerError(Exception):
     """Base for errors that map onto an OpenAI error response."""
@@ -25,6 +23,7 @@ class ServerError(Exception):
     status_code = 400
     type = "invalid_request_error"
     code: str | None = None
+    headers: dict[str, str] = {}
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -57,18 +56,28 @@ class NotReady(ServerError):
     status_code = 503
     type = "service_unavailable"
     code = "model_not_ready"
+    headers = {"Retry-After": "5"}
 
 
 class QueueFull(ServerError):
     status_code = 503
     type = "service_unavailable"
     code = "queue_full"
+    headers = {"Retry-After": "1"}
+
+
+class ClientDisconnected(ServerError):
+    """The client left before its response was ready; the answer goes nowhere (nginx's 499)."""
+
+    status_code = 499
+    type = "client_closed_request"
 
 
 class Unauthorized(ServerError):
     status_code = 401
     type = "authentication_error"
     code = "invalid_api_key"
+    headers = {"WWW-Authenticate": "Bearer"}
 
 
 class BodyTooLarge(ServerError):
@@ -94,14 +103,16 @@ def from_exception(exc: Exception) -> JSONResponse:
         status = getattr(exc, "status_code", 400)
         type_ = getattr(exc, "type", None) or _type_for(status)
         message = getattr(exc, "message", None) or str(exc)
-        return error_response(
+        response = error_response(
             status, message, type_, param=getattr(exc, "param", None), code=exc.code
         )
+        response.headers.update(getattr(exc, "headers", {}))
+        return response
     if isinstance(exc, RequestValidationError):
         return _validation_response(exc)
     if isinstance(exc, StarletteHTTPException):
         return _http_response(exc)
-    log.exception("unhandled error", exc_info=exc)
+    # No details in the body; the server logs the traceback once (uvicorn, or the worker).
     return error_response(
         500,
         "The server had an error while processing your request.",
@@ -124,6 +135,10 @@ def _type_for(status: int) -> str:
     return "invalid_request_error"
 
 
+# Names pydantic gives union branches in an error location, e.g. `str`, `list[str]`.
+_UNION_BRANCH = re.compile(r"(str|int|float|bool|none|[\w-]+\[.*\])")
+
+
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -136,7 +151,7 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         )
     loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
     # Drop pydantic's union-branch names (e.g. "str", "list[...]") from the reported location.
-    loc = [part for part in loc if not part.startswith(("str", "list[", "function-", "tagged"))]
+    loc = [part for part in loc if not _UNION_BRANCH.fullmatch(part)]
     param = ".".join(loc) or None
     message = first.get("msg", "Invalid request.")
     if message.startswith("Value error, "):

@@ -15,6 +15,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -73,7 +74,8 @@ class SamplingFields(OpenAIBase):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     max_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -96,6 +98,22 @@ class SamplingFields(OpenAIBase):
             "serves the base model."
         ),
     )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and any(not -100.0 <= bias <= 100.0 for bias in value.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -123,6 +141,31 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    # Refused rather than ignored: a client relying on them must not get plain text silently.
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(f"response_format {value.get('type')!r} is not supported; use 'text'")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tools are not supported by this server")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported by this server")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -137,6 +180,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = Field(default=None, ge=1, le=1)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     suffix: str | None = None

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Iterable
 
 from hotlora.server import protocol as p
 from hotlora.server.engine import Delta, TokenLogprob
-from hotlora.server.serving import InferenceService, Outcome, Prepared, UsageTally
+from hotlora.server.errors import from_exception
+from hotlora.server.serving import InferenceService, Outcome, Prepared, Submitted, UsageTally
 
 DONE = "[DONE]"
 
@@ -38,11 +39,11 @@ def _chat_logprobs(entries: Iterable[TokenLogprob]) -> p.ChoiceLogprobs:
     return p.ChoiceLogprobs(
         content=[
             p.TokenLogprob(
-                token=e.token,
+                token=e.token.text,
                 logprob=e.logprob,
-                bytes=list(e.token.encode()),
+                bytes=list(e.token.bytes),
                 top_logprobs=[
-                    p.TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in e.top
+                    p.TopLogprob(token=t.text, logprob=v, bytes=list(t.bytes)) for t, v in e.top
                 ],
             )
             for e in entries
@@ -54,11 +55,11 @@ def _text_logprobs(entries: list[TokenLogprob], start: int = 0) -> p.CompletionL
     offsets, at = [], start
     for e in entries:
         offsets.append(at)
-        at += len(e.token)
+        at += len(e.token.text)
     return p.CompletionLogprobs(
-        tokens=[e.token for e in entries],
+        tokens=[e.token.text for e in entries],
         token_logprobs=[e.logprob for e in entries],
-        top_logprobs=[dict(e.top) for e in entries],
+        top_logprobs=[{t.text: v for t, v in e.top} for e in entries],
         text_offset=offsets,
     )
 
@@ -100,9 +101,10 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
 
 
 async def chat_stream(
-    service: InferenceService, prepared: Prepared, include_usage: bool
+    service: InferenceService, submitted: Submitted, include_usage: bool
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` JSON strings, then the usage chunk if asked, then [DONE]."""
+    prepared = submitted.prepared
     meta = {"id": p.completion_id("chatcmpl"), "created": p.now(), "model": prepared.target.model}
 
     def chunk(choice: p.ChatChunkChoice) -> str:
@@ -110,7 +112,7 @@ async def chat_stream(
 
     started: set[int] = set()
     tally = UsageTally(prepared.n)
-    async for index, event in service.events(prepared):
+    async for index, event in service.events(submitted):
         if index not in started:
             started.add(index)
             yield chunk(
@@ -132,13 +134,14 @@ async def chat_stream(
 
 
 async def completion_stream(
-    service: InferenceService, prepared: Prepared, include_usage: bool
+    service: InferenceService, submitted: Submitted, include_usage: bool
 ) -> AsyncIterator[str]:
     """`text_completion` JSON strings, then the usage chunk if asked, then [DONE]."""
+    prepared = submitted.prepared
     meta = {"id": p.completion_id("cmpl"), "created": p.now(), "model": prepared.target.model}
     offsets: dict[int, int] = {}
     tally = UsageTally(prepared.n)
-    async for index, event in service.events(prepared):
+    async for index, event in service.events(submitted):
         if isinstance(event, Delta):
             if not (event.text or event.logprobs):
                 continue
@@ -158,3 +161,13 @@ async def completion_stream(
         usage = _usage(tally)
         yield p.CompletionResponse(**meta, choices=[], usage=usage).model_dump_json()
     yield DONE
+
+
+async def with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's 200 is sent before generation runs: a later failure becomes an error event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:
+        yield bytes(from_exception(exc).body).decode()
+        yield DONE

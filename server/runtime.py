@@ -95,15 +95,21 @@ class Runtime:
             loaded.model,
             adapter_root=self.settings.resolved_adapter_root,
             max_rank=self.settings.max_adapter_rank,
+            reserved_ids=frozenset({self.base_id}),
         )
         for adapter_id, adapter_path in self.settings.startup_adapters.items():
             self.adapters.mount(adapter_id, adapter_path)
-        engine = Engine(loaded, base_id=self.base_id, activate=activate)
+        engine = Engine(
+            loaded,
+            base_id=self.base_id,
+            prompt_cache_size=self.settings.prompt_cache_size,
+            prompt_cache_bytes=self.settings.prompt_cache_bytes,
+            activate=activate,
+        )
         self.worker = GenerationWorker(engine, max_queue=self.settings.queue_size)
         self.inference = InferenceService(
             self.worker,
             self.settings,
-            base_id=self.base_id,
             resolve_target=TargetResolver(self.base_id, self.adapters),
             generation_defaults=generation_defaults(path),
         )
@@ -113,7 +119,7 @@ class Runtime:
             return
         prompt = list(self.worker.engine.tokenizer.encode("Hello", add_special_tokens=False))
         job = GenerationJob(prompt or [0], SamplingParams(max_tokens=2, temperature=0.0))
-        async for _ in self.worker.stream(job):
+        async for _ in self.worker.events(self.worker.submit([job])):
             pass
 
     async def stop(self) -> None:

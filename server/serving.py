@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hotlora.config.settings import Settings
 from hotlora.server.engine import Delta, Finished, GenerationJob, SamplingParams
-from hotlora.server.errors import ContextOverflow, InvalidRequest, ModelNotFound
+from hotlora.server.errors import ContextOverflow, InvalidRequest
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from hotlora.server.worker import GenerationWorker
+from hotlora.server.worker import GenerationWorker, Ticket
 from jinja2 import TemplateError
+
+SEED_SPACE = 2**64  # MLX seeds are unsigned 64-bit
 
 
 @dataclass
@@ -30,20 +32,32 @@ class Target:
 
 @dataclass
 class Prepared:
+    """A request that passed every check, holding its adapter lease until released."""
+
     target: Target
     prompts: list[list[int]]
     params: SamplingParams
     n: int
 
-    def jobs(self) -> list[tuple[int, GenerationJob]]:
-        """(choice index, job) in serving order: each prompt's n choices in turn."""
-        out = []
-        for p, prompt in enumerate(self.prompts):
-            for i in range(self.n):
-                out.append(
-                    (p * self.n + i, GenerationJob(prompt, self.params, self.target.adapters))
-                )
-        return out
+    def jobs(self) -> list[GenerationJob]:
+        """One job per choice, in choice-index order: each prompt's n choices in turn."""
+        jobs: list[GenerationJob] = []
+        for prompt in self.prompts:
+            for _ in range(self.n):
+                params = self.params
+                if params.seed is not None:
+                    # Seeded choices are reproducible but not identical to each other.
+                    params = replace(params, seed=(params.seed + len(jobs)) % SEED_SPACE)
+                jobs.append(GenerationJob(prompt, params, self.target.adapters))
+        return jobs
+
+
+@dataclass
+class Submitted:
+    """A prepared request admitted to the worker; its events carry the choice index."""
+
+    prepared: Prepared
+    ticket: Ticket
 
 
 @dataclass
@@ -87,16 +101,14 @@ class InferenceService:
         worker: GenerationWorker,
         settings: Settings,
         *,
-        base_id: str,
-        resolve_target: ResolveTarget | None = None,
+        resolve_target: ResolveTarget,
         generation_defaults: dict[str, Any] | None = None,
     ):
         self.worker = worker
         self.engine = worker.engine
         self.tokenizer = worker.engine.tokenizer
         self.settings = settings
-        self.base_id = base_id
-        self._resolve_target = resolve_target or self._base_only
+        self._resolve_target = resolve_target
         self._defaults = generation_defaults or {}
 
     # Preparation: every refusal happens here.
@@ -140,7 +152,12 @@ class InferenceService:
 
     def _tokens(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            # Special tokens as the tokenizer adds them (a BOS where the model expects one),
+            # unless the text already starts with that token.
+            bos = getattr(self.tokenizer, "bos_token", None)
+            if bos and prompt.startswith(bos):
+                return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return list(self.tokenizer.encode(prompt))
         vocab = self.engine.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -159,8 +176,16 @@ class InferenceService:
         logprobs: bool,
         top_logprobs: int,
     ) -> Prepared:
-        if request.n > self.settings.max_n:
-            raise InvalidRequest(f"n must be at most {self.settings.max_n}.", param="n")
+        choices = len(prompts) * request.n
+        if choices > self.settings.max_n:
+            what = (
+                f"{len(prompts)} prompts x n={request.n}" if len(prompts) > 1 else f"n={request.n}"
+            )
+            raise InvalidRequest(
+                f"A request may ask for at most {self.settings.max_n} choices; this one asks for "
+                f"{choices} ({what}).",
+                param="n" if len(prompts) == 1 else prompt_param,
+            )
         limit = self.settings.max_tokens_limit
         if max_tokens is not None and max_tokens > limit:
             raise InvalidRequest(
@@ -186,11 +211,13 @@ class InferenceService:
                 f"completion). Please reduce the prompt or max_tokens.",
                 param=prompt_param,
             )
+        top_k = _pick(request.top_k, self._defaults.get("top_k"), 0)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=_pick(request.temperature, self._defaults.get("temperature"), 1.0),
             top_p=_pick(request.top_p, self._defaults.get("top_p"), 1.0),
-            top_k=_pick(request.top_k, self._defaults.get("top_k"), 0),
+            # A top_k covering the whole vocabulary filters nothing (and mlx-lm refuses it).
+            top_k=top_k if top_k < self.engine.vocab_size else 0,
             min_p=_pick(request.min_p, None, 0.0),
             seed=request.seed,
             stop=tuple(request.stop_list),
@@ -199,25 +226,41 @@ class InferenceService:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
+            logit_bias=self._logit_bias(request.logit_bias),
         )
         # Resolve last: it may take a lease on adapters that must be released on any later error.
         target = self._resolve_target(request.model, request.adapter)
         return Prepared(target, prompts, params, request.n)
 
-    def _base_only(self, model: str, adapter: tuple[Any, ...]) -> Target:
-        if model != self.base_id:
-            raise ModelNotFound(model, [self.base_id])
-        if adapter:
-            raise InvalidRequest("Adapters are not enabled on this server.", param="adapter")
-        return Target(self.base_id)
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        if not bias:
+            return ()
+        vocab = self.engine.vocab_size
+        out = []
+        for key, value in bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+                raise InvalidRequest(
+                    f"logit_bias keys must be token ids in 0..{vocab - 1}; got {key!r}.",
+                    param="logit_bias",
+                )
+            out.append((int(key), value))
+        return tuple(out)
 
     # Running.
 
-    async def run(self, prepared: Prepared) -> Outcome:
+    def submit(self, prepared: Prepared) -> Submitted:
+        """Admit the request now, before any response starts; refused, it holds nothing."""
+        try:
+            return Submitted(prepared, self.worker.submit(prepared.jobs()))
+        except BaseException:
+            prepared.target.release()
+            raise
+
+    async def run(self, submitted: Submitted) -> Outcome:
         """Generate every choice and collect it."""
         choices: dict[int, Choice] = {}
-        usage = UsageTally(prepared.n)
-        async for index, event in self.events(prepared):
+        usage = UsageTally(submitted.prepared.n)
+        async for index, event in self.events(submitted):
             choice = choices.setdefault(index, Choice(index, "", "length", []))
             if isinstance(event, Delta):
                 choice.text += event.text
@@ -227,18 +270,15 @@ class InferenceService:
                 usage.add(index, event)
         return Outcome([choices[i] for i in sorted(choices)], usage)
 
-    async def events(self, prepared: Prepared) -> AsyncIterator[tuple[int, Delta | Finished]]:
-        """Every job's events in order, tagged with the choice index; releases the target after."""
-        jobs = prepared.jobs()
+    async def events(self, submitted: Submitted) -> AsyncIterator[tuple[int, Delta | Finished]]:
+        """Every choice's events in order, tagged with its index; releases the lease after."""
         try:
-            for index, job in jobs:
-                async with contextlib.aclosing(self.worker.stream(job)) as stream:
-                    async for event in stream:
-                        yield index, event
+            async with contextlib.aclosing(self.worker.events(submitted.ticket)) as events:
+                async for index, event in events:
+                    yield index, event
         finally:
-            for _, job in jobs:
-                job.cancelled.set()  # a no-op for finished jobs; stops the rest at once
-            prepared.target.release()
+            self.worker.abandon(submitted.ticket)  # a no-op once finished
+            submitted.prepared.target.release()
 
 
 def _pick(value: Any, default: Any, fallback: Any) -> Any:

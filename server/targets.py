@@ -30,7 +30,7 @@ class TargetResolver:
         if model != self.base_id:
             label = model
         else:
-            label = f"{self.base_id}:{active.label}" if active else self.base_id
+            label = f"{self.base_id}:{_spelling(spec)}" if spec else self.base_id
         return Target(label, active if active else None, lease.close)
 
     def _spec(self, model: str, refs: tuple[AdapterRef, ...]) -> tuple[AdapterRef, ...]:
@@ -58,3 +58,8 @@ class TargetResolver:
             return parse_adapter_spec(spec)
         except InvalidAdapterSpec as exc:
             raise InvalidRequest(str(exc), param="model") from exc
+
+
+def _spelling(refs: tuple[AdapterRef, ...]) -> str:
+    """The spec as a request would write it, weights included: 'sft@0.5+dpo'."""
+    return "+".join(ref.id if ref.weight == 1.0 else f"{ref.id}@{ref.weight:g}" for ref in refs)

@@ -285,3 +285,103 @@ def test_a_repeated_prompt_reuses_the_prompt_cache(client: TestClient):
     # All but the last prompt token come from the cache; that one is re-run for fresh logits.
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < prompt_tokens - 1
+
+
+def test_a_failed_sampler_does_not_break_later_requests(client: TestClient):
+    huge = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "top_k": 10**6})
+    assert huge.status_code == 200  # top_k beyond the vocabulary filters nothing
+    for _ in range(2):
+        ok = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "temperature": 1})
+        assert ok.status_code == 200
+
+
+def test_seeded_choices_differ_but_reproduce(client: TestClient):
+    request = {**CHAT, "max_tokens": 12, "temperature": 1.5, "n": 3, "seed": 11}
+    first = [
+        c["message"]["content"]
+        for c in client.post("/v1/chat/completions", json=request).json()["choices"]
+    ]
+    again = [
+        c["message"]["content"]
+        for c in client.post("/v1/chat/completions", json=request).json()["choices"]
+    ]
+    assert first == again
+    assert len(set(first)) > 1
+
+
+def test_logit_bias_forces_a_token(client: TestClient):
+    request = {"model": "tiny", "prompt": "the cat", "max_tokens": 4, "temperature": 0}
+    forced = client.post("/v1/completions", json={**request, "logit_bias": {"70": 100}}).json()
+    text = forced["choices"][0]["text"]
+    tokenizer = client.app.state.runtime.worker.engine.tokenizer
+    assert text == tokenizer.decode([70] * 4)
+
+
+def test_stream_failure_becomes_an_error_event(make_client, monkeypatch):
+    client = make_client(raise_server_exceptions=False)
+    engine = client.app.state.runtime.worker.engine
+    real = engine.generate
+
+    def fail_midway(job):
+        for n, event in enumerate(real(job)):
+            if n == 2:
+                raise RuntimeError("/secret/path exploded")
+            yield event
+
+    monkeypatch.setattr(engine, "generate", fail_midway)
+    response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "stream": True})
+    assert response.status_code == 200
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "/secret" not in error["message"]
+
+
+MORE_ERRORS = [
+    ({**CHAT, "seed": 2**70}, "seed"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "logit_bias": {"5": 500}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), MORE_ERRORS)
+def test_unsupported_or_out_of_range_fields_are_refused(client: TestClient, body, param):
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_batch_prompts_count_against_max_n(client: TestClient):
+    body = {"model": "tiny", "prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}
+    error = client.post("/v1/completions", json=body).json()["error"]
+    assert error["param"] == "prompt" and "9" in error["message"]
+    ok = client.post("/v1/completions", json={**body, "n": 2})
+    assert [c["index"] for c in ok.json()["choices"]] == list(range(6))
+
+
+def test_negative_seed_is_accepted(client: TestClient):
+    assert (
+        client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, "seed": -1}).status_code
+        == 200
+    )
+
+
+def test_auth_headers_on_refusals(make_client):
+    client = make_client(api_key="k")
+    response = client.get("/v1/models")
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+    # With only an inference key, the admin routes take that key rather than staying open.
+    assert client.get("/v1/adapters").status_code == 401
+    assert client.get("/v1/adapters", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_empty_keys_are_refused():
+    from hotlora.config.settings import Settings
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="must not be empty"):
+        Settings(api_key="")

@@ -10,6 +10,7 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from hotlora.server import responses
 from hotlora.server.deps import InferenceDep
+from hotlora.server.errors import ClientDisconnected
 from hotlora.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -27,27 +28,27 @@ T = TypeVar("T")
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, service: InferenceDep
 ) -> ChatCompletionResponse | EventSourceResponse:
-    prepared = service.prepare_chat(body)
+    submitted = service.submit(service.prepare_chat(body))
     if body.stream:
-        return _sse(responses.chat_stream(service, prepared, body.include_usage))
-    outcome = await _until_disconnect(request, service.run(prepared))
-    return responses.chat_response(prepared, outcome)
+        return _sse(responses.chat_stream(service, submitted, body.include_usage))
+    outcome = await _until_disconnect(request, service.run(submitted))
+    return responses.chat_response(submitted.prepared, outcome)
 
 
 @router.post("/completions", response_model=None)
 async def completions(
     body: CompletionRequest, request: Request, service: InferenceDep
 ) -> CompletionResponse | EventSourceResponse:
-    prepared = service.prepare_completion(body)
+    submitted = service.submit(service.prepare_completion(body))
     if body.stream:
-        return _sse(responses.completion_stream(service, prepared, body.include_usage))
-    outcome = await _until_disconnect(request, service.run(prepared))
-    return responses.completion_response(prepared, outcome)
+        return _sse(responses.completion_stream(service, submitted, body.include_usage))
+    outcome = await _until_disconnect(request, service.run(submitted))
+    return responses.completion_response(submitted.prepared, outcome)
 
 
 def _sse(chunks: AsyncIterator[str]) -> EventSourceResponse:
     # sse-starlette cancels the generator when the client goes away, which cancels the job.
-    return EventSourceResponse(chunks, sep="\n", ping=15)
+    return EventSourceResponse(responses.with_error_event(chunks), sep="\n", ping=15)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -62,7 +63,7 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                raise asyncio.CancelledError
+                raise ClientDisconnected("The client disconnected; generation was stopped.")
     finally:
         if not task.done():
             task.cancel()
