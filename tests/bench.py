@@ -3,9 +3,11 @@
 Each section measures time to first token and decode tokens/s over streaming HTTP, greedy, on
 distinct short chat questions. The servers run as subprocesses on loopback ports and take turns
 (one busy at a time, order alternating per round); medians are reported, since these machines
-are noisy. mlx-lm's in-process `stream_generate` runs afterwards, alone, as the decode ceiling.
+are noisy. `base`: the base model on both servers, then mlx-lm's in-process `stream_generate`
+alone, as the decode ceiling. `adapters` (tests/bench_adapters.py): decode with LoRA adapters
+against the base, latency when requests switch adapters, and mount/unmount times.
 
-    python -m tests.bench [--sections base] [--rounds 5] [--max-tokens 128] [--model DIR]
+    python -m tests.bench [--sections base,adapters] [--rounds 5] [--max-tokens 128] [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.bench_adapters import run_adapters
 from tests.bench_http import Sample, Server, hotlora_spec, mlx_lm_spec, stream_chat
 
 WARMUP_QUESTION = "Describe the water cycle in detail."
@@ -213,8 +216,17 @@ def section_base(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     )
 
 
+def section_adapters(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """LoRA adapters on hotlora: decode against the base, switching, mounting."""
+    questions = QUESTIONS[: args.rounds]
+    out = run_adapters(model_dir, args.home, server_env(args.home), questions, args.max_tokens)
+    rows = [Row(name, samples) for name, samples in out.rows.items()]
+    return SectionResult(out.title, rows, out.notes)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
     "base": section_base,
+    "adapters": section_adapters,
 }
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -180,19 +181,22 @@ def stream_chat(
     question: str,
     max_tokens: int,
     round_: int,
+    extra: dict[str, Any] | None = None,
 ) -> Sample:
     """One greedy streaming chat request, timed at the client as each SSE chunk arrives.
 
     The first token is the first chunk with non-empty content (hotlora sends a role-only
-    chunk before any token exists). Token counts come from the usage chunk.
+    chunk before any token exists). Token counts come from the usage chunk. `extra` is merged
+    into the request body (e.g. an `adapter` field).
     """
-    body = {
+    body: dict[str, Any] = {
         "model": server.model_id,
         "messages": [{"role": "user", "content": question}],
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0,
         "max_tokens": max_tokens,
+        **(extra or {}),
     }
     text, chunks, usage, finish = [], 0, None, ""
     t_first = t_last = None
