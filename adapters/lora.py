@@ -103,6 +103,11 @@ class ActiveAdapters:
     _by_slot: Mapping[str, tuple[tuple[mx.array, mx.array, float], ...]] = field(
         init=False, repr=False
     )
+    # Stacks fused per slot on first use, on the thread that runs the model: MLX streams are
+    # per thread, so arrays built while resolving (on the event loop) could not be evaluated.
+    _fused: dict[str, tuple[tuple[mx.array, mx.array, float], ...]] = field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         by_slot: dict[str, list[tuple[mx.array, mx.array, float]]] = {}
@@ -113,6 +118,7 @@ class ActiveAdapters:
                 by_slot.setdefault(path, []).append((a, b, entry.scale))
         frozen = {path: tuple(terms) for path, terms in by_slot.items()}
         object.__setattr__(self, "_by_slot", MappingProxyType(frozen))
+        object.__setattr__(self, "_fused", {})
         object.__setattr__(self, "key", tuple(entry.key for entry in self.entries))
         object.__setattr__(self, "label", "+".join(e.mounted.id for e in self.entries))
 
@@ -125,9 +131,34 @@ class ActiveAdapters:
 
     def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
         """Add this set's residuals for the slot at `path` to its base output `y`."""
-        for a, b, scale in self._by_slot.get(path, ()):
-            y = y + (scale * ((x @ a) @ b)).astype(x.dtype)
+        terms = self._fused.get(path)
+        if terms is None:
+            terms = self._fused[path] = _fused(self._by_slot.get(path, ()))
+        for a, b, scale in terms:
+            residual = (x @ a) @ b
+            if scale != 1.0:
+                residual = scale * residual
+            if residual.dtype != x.dtype:
+                residual = residual.astype(x.dtype)
+            y = y + residual
         return y
+
+
+def _fused(
+    terms: tuple[tuple[mx.array, mx.array, float], ...],
+) -> tuple[tuple[mx.array, mx.array, float], ...]:
+    """One slot's terms; a stack becomes one low-rank pair of the summed ranks.
+
+    `sum_i s_i * (x @ A_i) @ B_i == (x @ [A_1 .. A_n]) @ [s_1 B_1; ..; s_n B_n]`: two matmuls
+    per slot instead of two per adapter, which is most of a stack's decode cost. A single
+    adapter keeps mlx-lm's own `scale * ((x @ A) @ B)`, so its numbers match mlx-lm's exactly.
+    The fused arrays belong to this request's set and are built once, on first use.
+    """
+    if len(terms) < 2:
+        return terms
+    a = mx.concatenate([a for a, _, _ in terms], axis=1)  # [in, r_1 + .. + r_n]
+    b = mx.concatenate([(s * b).astype(b.dtype) for _, b, s in terms], axis=0)  # [sum r, out]
+    return ((a, b, 1.0),)
 
 
 BASE_ONLY = ActiveAdapters()
