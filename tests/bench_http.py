@@ -134,13 +134,14 @@ def _mlx_lm_ready(client: httpx.Client, url: str) -> str | None:
     return "default_model" if r.status_code == 200 else None
 
 
-def hotlora_spec(model_dir: Path) -> ServerSpec:
+def _argv(command: list[str], model_dir: Path, log_level: str) -> Callable[[int], list[str]]:
+    """`python -m <command> --model DIR` on loopback at the given port, quiet."""
+
     def argv(port: int) -> list[str]:
         return [
             sys.executable,
             "-m",
-            "hotlora.server.cli",
-            "serve",
+            *command,
             "--model",
             str(model_dir),
             "--host",
@@ -148,29 +149,19 @@ def hotlora_spec(model_dir: Path) -> ServerSpec:
             "--port",
             str(port),
             "--log-level",
-            "warning",
+            log_level,
         ]
 
+    return argv
+
+
+def hotlora_spec(model_dir: Path) -> ServerSpec:
+    argv = _argv(["hotlora.server.cli", "serve"], model_dir, "warning")
     return ServerSpec("hotlora", argv, _hotlora_ready, usage_counts_stop_token=False)
 
 
 def mlx_lm_spec(model_dir: Path) -> ServerSpec:
-    def argv(port: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "mlx_lm",
-            "server",
-            "--model",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ]
-
+    argv = _argv(["mlx_lm", "server"], model_dir, "WARNING")
     # Its batch path queues the eos token as a response, so len(tokens) counts it.
     return ServerSpec("mlx_lm.server", argv, _mlx_lm_ready, usage_counts_stop_token=True)
 
