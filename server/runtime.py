@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Any
 from hotlora.adapters.lora import activate
 from hotlora.adapters.manager import AdapterManager
 from hotlora.config.settings import Settings
+from hotlora.models.embedded import ensure_embedded_model
 from hotlora.models.loader import LoadedModel, load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams
 from hotlora.server.errors import ModelNotFound, NotReady
@@ -27,15 +29,11 @@ def model_dir(settings: Settings, progress: Callable[[str], None] | None = None)
     """The directory to serve: `settings.model`, or the embedded model (imported once)."""
     if settings.model is not None:
         return settings.model.expanduser().resolve()
-    from hotlora.models.embedded import ensure_embedded_model
-
     return ensure_embedded_model(settings.home, progress=progress)
 
 
 def generation_defaults(path: Path) -> dict[str, Any]:
     """Sampling defaults a model ships in generation_config.json (temperature, top_p, top_k)."""
-    import json
-
     try:
         raw = json.loads((path / "generation_config.json").read_text())
     except (OSError, ValueError):
