@@ -12,9 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
-from hotlora.models.loader import LoadedModel
-from hotlora.server.stops import StopMatcher
-from hotlora.server.tokens import TokenPiece, TokenPieces
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (
     LRUPromptCache,
@@ -23,6 +20,10 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from hotlora.models.loader import LoadedModel
+from hotlora.server.stops import StopMatcher
+from hotlora.server.tokens import TokenPiece, TokenPieces
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,8 @@ class Engine:
         cache, rest = self._prefill_cache(key, job.prompt)
         cached = len(job.prompt) - len(rest)
         if params.seed is not None:
-            mx.random.seed(params.seed % 2**64)
-        detokenizer = self.tokenizer.detokenizer
-        detokenizer.reset()
+            mx.random.seed(params.seed % 2**64)  # MLX seeds are unsigned 64-bit
+        detokenizer = self.tokenizer.detokenizer  # a fresh, reset copy per call
         stops = StopMatcher(list(params.stop))
         eos = set(self.tokenizer.eos_token_ids)
         tokens = list(job.prompt)

@@ -1,7 +1,7 @@
 """The inference service: turns a validated request into generation jobs and jobs into responses.
 
-Everything that can refuse a request (model, adapters, lengths) runs in `prepare`, before the
-first byte of a response is sent and before anything is queued.
+Everything that can refuse a request (model, adapters, lengths) runs in `prepare`, and a full
+wait list refuses it in `submit`, both before the first byte of a response is sent.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from jinja2 import TemplateError
+
 from hotlora.config.settings import Settings
 from hotlora.server.engine import Delta, Finished, GenerationJob, SamplingParams
 from hotlora.server.errors import ContextOverflow, InvalidRequest
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from hotlora.server.worker import GenerationWorker, Ticket
-from jinja2 import TemplateError
-
-SEED_SPACE = 2**64  # MLX seeds are unsigned 64-bit
 
 
 @dataclass
@@ -47,7 +46,7 @@ class Prepared:
                 params = self.params
                 if params.seed is not None:
                     # Seeded choices are reproducible but not identical to each other.
-                    params = replace(params, seed=(params.seed + len(jobs)) % SEED_SPACE)
+                    params = replace(params, seed=params.seed + len(jobs))
                 jobs.append(GenerationJob(prompt, params, self.target.adapters))
         return jobs
 

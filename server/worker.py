@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
-from hotlora.server.engine import Engine, Event, Finished, GenerationJob
+
+from hotlora.server.engine import Engine, Event, GenerationJob
 from hotlora.server.errors import QueueFull
 
 log = logging.getLogger("hotlora")
@@ -123,8 +124,6 @@ class GenerationWorker:
                     break
                 for event in self.engine.generate(job):
                     put((position, event))
-                    if isinstance(event, Finished) and event.finish_reason == "cancelled":
-                        break
         except Exception as exc:  # surfaced to the request, the worker keeps serving
             log.exception("generation failed")
             # A failure inside a compiled sampler can leave MLX's global RNG state unusable for
