@@ -7,9 +7,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import save_config, save_model
+
 from hotlora.models.files import atomic_model_dir, copy_aux_files
 from hotlora.models.loader import load_model_dir
-from mlx_lm.utils import save_config, save_model
 
 from .files import read_adapter
 from .targets import find_targets, linear_dims, replace_module

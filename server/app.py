@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI
+
 from hotlora.config.settings import Settings
 from hotlora.server.auth import require_api_key
 from hotlora.server.errors import install_error_handlers

@@ -6,6 +6,7 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
+
 from hotlora.server.deps import RuntimeDep
 from hotlora.server.errors import Unauthorized
 

@@ -60,6 +60,7 @@ def _serve_parser(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+
     from hotlora.config.settings import Settings
     from hotlora.server.app import create_app
 

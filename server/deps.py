@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
+
 from hotlora.server.runtime import Runtime
 from hotlora.server.serving import InferenceService
 

@@ -13,8 +13,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from hotlora.adapters.errors import AdapterError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hotlora.adapters.errors import AdapterError
 
 
 class ServerError(Exception):

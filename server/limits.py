@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from hotlora.server.errors import error_body, json_bytes
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hotlora.server.errors import error_body, json_bytes
 
 
 def too_large_message(max_bytes: int) -> str:

@@ -9,7 +9,6 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -20,6 +19,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
 
 MAX_STOP_SEQUENCES = 16
 # The `adapter` field: parsed at validation into the ordered adapter references.

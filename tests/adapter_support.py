@@ -11,10 +11,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from hotlora.adapters.manager import AdapterManager
-from hotlora.adapters.targets import TARGET_PROJECTIONS, find_targets, linear_dims
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+
+from hotlora.adapters.manager import AdapterManager
+from hotlora.adapters.targets import TARGET_PROJECTIONS, find_targets, linear_dims
+
 from tiny import tiny_args
 
 RANK = 4

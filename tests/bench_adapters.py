@@ -83,6 +83,7 @@ def write_adapters(model_dir: Path, root: Path) -> tuple[dict[str, Path], int]:
     writes the same bytes (and the same revision).
     """
     import mlx.core as mx
+
     from hotlora.adapters.targets import find_layers, find_targets, linear_dims
     from hotlora.models.loader import load_model_dir
 
@@ -118,6 +119,7 @@ def write_adapters(model_dir: Path, root: Path) -> tuple[dict[str, Path], int]:
 def time_in_process(model_dir: Path, root: Path) -> tuple[list[float], list[float]]:
     """Mount and unmount `m` through an `AdapterManager` over a freshly loaded base (seconds)."""
     import mlx.core as mx
+
     from hotlora.adapters.manager import AdapterManager
     from hotlora.models.loader import load_model_dir
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
+
 from tiny import write_tiny_llama
 
 

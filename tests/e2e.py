@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from hotlora.config.settings import Settings
 from hotlora.models.embedded import ensure_embedded_model
 

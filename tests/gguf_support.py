@@ -11,6 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+
 from hotlora.models.embedded import embedded_gguf_path
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, CONTEXT = 64, 128, 2, 4, 2, 256

@@ -8,13 +8,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from adapter_support import logits, random_pairs, tiny_model, write_peft_adapter
+
 from hotlora.adapters.errors import InvalidAdapter
 from hotlora.adapters.fuse import fuse_adapter
 from hotlora.adapters.lora import activate
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.targets import find_targets
 from hotlora.models.loader import load_model_dir
+
+from adapter_support import logits, random_pairs, tiny_model, write_peft_adapter
 from tiny import write_tiny_llama
 
 

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from adapter_support import logits, make_manager, random_pairs, tiny_model, write_mlx_adapter
+
 from hotlora.adapters.errors import AdapterNotFound
 from hotlora.adapters.lora import BASE_ONLY, activate, current_adapters
+
+from adapter_support import logits, make_manager, random_pairs, tiny_model, write_mlx_adapter
 
 
 @pytest.fixture

@@ -7,6 +7,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.tuner.utils import load_adapters
+
+from hotlora.adapters.errors import AdapterNotFound
+from hotlora.adapters.lora import LoRASlot, activate
+from hotlora.adapters.manager import AdapterManager
+from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
+
 from adapter_support import (
     RANK,
     SCALE,
@@ -20,11 +27,6 @@ from adapter_support import (
     write_mlx_adapter,
     write_peft_adapter,
 )
-from hotlora.adapters.errors import AdapterNotFound
-from hotlora.adapters.lora import LoRASlot, activate
-from hotlora.adapters.manager import AdapterManager
-from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
-from mlx_lm.tuner.utils import load_adapters
 
 CLOSE = {"rtol": 1e-4, "atol": 1e-4}
 

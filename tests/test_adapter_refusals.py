@@ -9,6 +9,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+
+from hotlora.adapters.errors import (
+    AdapterConflict,
+    AdapterError,
+    AdapterPathRefused,
+    InvalidAdapter,
+)
+from hotlora.adapters.lora import activate
+
 from adapter_support import (
     logits,
     make_manager,
@@ -18,13 +27,6 @@ from adapter_support import (
     write_mlx_adapter,
     write_peft_adapter,
 )
-from hotlora.adapters.errors import (
-    AdapterConflict,
-    AdapterError,
-    AdapterPathRefused,
-    InvalidAdapter,
-)
-from hotlora.adapters.lora import activate
 
 MAX_RANK = 8
 

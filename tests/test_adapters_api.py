@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
-from adapter_support import random_pairs, tiny_model, write_mlx_adapter, write_peft_adapter
 from fastapi.testclient import TestClient
+
+from adapter_support import random_pairs, tiny_model, write_mlx_adapter, write_peft_adapter
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
 
@@ -188,8 +189,9 @@ def test_startup_adapters_are_mounted(make_client, root: Path):
 
 
 def test_a_bad_startup_adapter_stops_the_start(tiny_model_dir: Path, tmp_path: Path, root: Path):
-    from conftest import tiny_settings
     from hotlora.server.app import create_app
+
+    from conftest import tiny_settings
 
     failures: list[BaseException] = []
     settings = tiny_settings(

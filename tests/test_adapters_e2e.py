@@ -17,6 +17,7 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
+
 from e2e import RemoteServer, embedded_model_dir
 from trained_adapters import ANSWERS, HYPERPARAMETERS, TrainedAdapters, trained_adapters
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+
 from tiny import MAX_POSITION_EMBEDDINGS
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}]}
@@ -380,8 +381,9 @@ def test_auth_headers_on_refusals(make_client):
 
 
 def test_empty_keys_are_refused():
-    from hotlora.config.settings import Settings
     from pydantic import ValidationError
+
+    from hotlora.config.settings import Settings
 
     with pytest.raises(ValidationError, match="must not be empty"):
         Settings(api_key="")

@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from adapter_support import random_pairs, tiny_model, write_mlx_adapter
+
 from hotlora.models.loader import load_model_dir
+
+from adapter_support import random_pairs, tiny_model, write_mlx_adapter
 from tiny import write_tiny_llama
 
 

@@ -4,6 +4,8 @@ import copy
 import dataclasses
 
 import pytest
+from mlx_lm.models import llama, qwen3, qwen3_5
+
 from hotlora.models.dialects import (
     DEFAULT_RULE,
     RULES,
@@ -12,7 +14,6 @@ from hotlora.models.dialects import (
     read_config,
     rule_for,
 )
-from mlx_lm.models import llama, qwen3, qwen3_5
 
 LLAMA = {
     "model_type": "llama",

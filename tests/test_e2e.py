@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from e2e import RemoteServer, embedded_model_dir
 
 pytestmark = pytest.mark.e2e

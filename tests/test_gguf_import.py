@@ -11,6 +11,18 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from mlx_lm import generate, load
+from mlx_lm.models import llama
+from mlx_lm.utils import load_model
+
+from hotlora.models.embedded import (
+    EMBEDDED_MODEL_NAME,
+    EmbeddedModelMissing,
+    embedded_model_path,
+    ensure_embedded_model,
+)
+from hotlora.models.gguf import UnsupportedGGUF, import_gguf
+
 from gguf_support import (
     HEAD_DIM,
     TINY_TYPES,
@@ -20,16 +32,6 @@ from gguf_support import (
     tiny_vocab,
     write_tiny_gguf,
 )
-from hotlora.models.embedded import (
-    EMBEDDED_MODEL_NAME,
-    EmbeddedModelMissing,
-    embedded_model_path,
-    ensure_embedded_model,
-)
-from hotlora.models.gguf import UnsupportedGGUF, import_gguf
-from mlx_lm import generate, load
-from mlx_lm.models import llama
-from mlx_lm.utils import load_model
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 # What the SmolLM2 GGUF metadata says (llama.* keys), as config.json spells it.

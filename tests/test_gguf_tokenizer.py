@@ -6,7 +6,8 @@ from itertools import pairwise
 import pytest
 import regex
 from gguf import GGUFReader
-from gguf_support import bytes_to_unicode, embedded_gguf
+from mlx_lm.utils import load_tokenizer
+
 from hotlora.models.gguf import read_header
 from hotlora.models.gguf_tokenizer import (
     UnsupportedTokenizer,
@@ -14,7 +15,8 @@ from hotlora.models.gguf_tokenizer import (
     pre_tokenizer_for,
     write_tokenizer_files,
 )
-from mlx_lm.utils import load_tokenizer
+
+from gguf_support import bytes_to_unicode, embedded_gguf
 
 TRICKY = [
     "12345",

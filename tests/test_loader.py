@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+
 from hotlora.models.dialects import UnsupportedConfig
 from hotlora.models.loader import (
     DEFAULT_CONTEXT_LENGTH,
@@ -14,6 +15,7 @@ from hotlora.models.loader import (
     ModelLoadError,
     load_model_dir,
 )
+
 from tiny import EOS_TOKEN_ID, MAX_POSITION_EMBEDDINGS, VOCAB_SIZE, write_tiny_llama
 
 

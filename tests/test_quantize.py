@@ -5,10 +5,12 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from hotlora.models.files import atomic_model_dir, copy_aux_files
-from hotlora.models.quantize import AlreadyQuantized, quantize_model_dir
 from mlx_lm.models import llama
 from mlx_lm.utils import load_model, save_config, save_model
+
+from hotlora.models.files import atomic_model_dir, copy_aux_files
+from hotlora.models.quantize import AlreadyQuantized, quantize_model_dir
+
 from tiny import tiny_args
 
 AUX = {

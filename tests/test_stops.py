@@ -1,4 +1,5 @@
 import pytest
+
 from hotlora.server.stops import StopMatcher
 
 

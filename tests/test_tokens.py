@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from e2e import embedded_model_dir
-from hotlora.server.tokens import TokenPieces
 from mlx_lm.utils import load_tokenizer
+
+from hotlora.server.tokens import TokenPieces
+
+from e2e import embedded_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import Delta, Engine, Finished, GenerationJob, SamplingParams
 from hotlora.server.errors import QueueFull

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
+
 from hotlora.adapters.errors import AdapterNotFound
 from hotlora.adapters.manager import AdapterInfo, AdapterManager
 from hotlora.server.auth import require_admin_key

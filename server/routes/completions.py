@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
+from sse_starlette import EventSourceResponse
+
 from hotlora.server import responses
 from hotlora.server.deps import InferenceDep
 from hotlora.server.errors import ClientDisconnected
@@ -17,7 +19,6 @@ from hotlora.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from sse_starlette import EventSourceResponse
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+
 from hotlora.server.deps import RuntimeDep
 from hotlora.server.errors import NotReady, from_exception
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+
 from hotlora.server.deps import RuntimeDep
 from hotlora.server.protocol import ModelCard, ModelList
 
