@@ -16,7 +16,8 @@ from typing import Any, TypeGuard
 
 import mlx.core as mx
 
-from .errors import AdapterPathRefused, InvalidAdapter
+from hotlora.adapters.adapter_errors import AdapterPathRefused, InvalidAdapter
+
 from .pairs import match_pairs
 from .targets import TargetDims
 

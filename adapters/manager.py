@@ -15,7 +15,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import AdapterConflict, AdapterNotFound, InvalidAdapter
+from hotlora.adapters.adapter_errors import AdapterConflict, AdapterNotFound, InvalidAdapter
+
 from .files import read_adapter, resolve_under_root
 from .lora import (
     BASE_ONLY,

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .errors import InvalidAdapter
+from hotlora.adapters.adapter_errors import InvalidAdapter
+
 from .targets import TARGET_PROJECTIONS, TargetDims, canonical_path, float_dtype
 
 # `<module>.lora_a` (mlx-lm) or `<module>.lora_A.weight` (PEFT); either spelling, either suffix.

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidAdapterSpec
+from hotlora.adapters.adapter_errors import InvalidAdapterSpec
 
 MAX_ADAPTERS_PER_REQUEST = 16
 MAX_ID_LENGTH = 64

@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI
 
 from hotlora.config.settings import Settings
 from hotlora.server.auth import require_api_key
-from hotlora.server.errors import install_error_handlers
+from hotlora.server.error_responses import install_error_handlers
 from hotlora.server.limits import BodyLimit
 from hotlora.server.routes import adapters, completions, health, models
 from hotlora.server.runtime import Runtime

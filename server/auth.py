@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from hotlora.server.deps import RuntimeDep
-from hotlora.server.errors import Unauthorized
+from hotlora.server.request_errors import Unauthorized
 
 
 def _check(request: Request, expected: str | None, what: str) -> None:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from hotlora.server import protocol as p
 from hotlora.server.engine import Delta, TokenLogprob
-from hotlora.server.errors import from_exception
+from hotlora.server.error_responses import error_response
 from hotlora.server.serving import InferenceService, Outcome, Prepared, Submitted, UsageTally
 
 DONE = "[DONE]"
@@ -169,5 +169,5 @@ async def with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         async for chunk in chunks:
             yield chunk
     except Exception as exc:
-        yield bytes(from_exception(exc).body).decode()
+        yield bytes(error_response(exc).body).decode()
         yield DONE

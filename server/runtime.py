@@ -12,12 +12,13 @@ from typing import Any
 
 from hotlora.adapters.lora import activate
 from hotlora.adapters.manager import AdapterManager
+from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.embedded import ensure_embedded_model
 from hotlora.models.loader import LoadedModel, load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams
-from hotlora.server.errors import ModelNotFound, NotReady
 from hotlora.server.protocol import ModelCard
+from hotlora.server.request_errors import NotReady
 from hotlora.server.serving import InferenceService
 from hotlora.server.targets import TargetResolver
 from hotlora.server.worker import GenerationWorker

@@ -13,10 +13,11 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from hotlora.config.errors import InvalidRequest
 from hotlora.config.settings import Settings
 from hotlora.server.engine import Delta, Finished, GenerationJob, SamplingParams
-from hotlora.server.errors import ContextOverflow, InvalidRequest
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hotlora.server.request_errors import ContextOverflow
 from hotlora.server.worker import GenerationWorker, Ticket
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 
-from hotlora.adapters.errors import InvalidAdapterSpec
+from hotlora.adapters import InvalidAdapterSpec
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
-from hotlora.server.errors import InvalidRequest, ModelNotFound
+from hotlora.config.errors import InvalidRequest, ModelNotFound
 from hotlora.server.serving import Target
 
 

@@ -17,12 +17,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 
+from hotlora.config.errors import HotloraError
 from hotlora.server.engine import Engine, Event, GenerationJob
-from hotlora.server.errors import QueueFull
 
 log = logging.getLogger("hotlora")
 
 _DONE = object()
+
+
+class QueueFull(HotloraError):
+    """The wait list is full; the request was not admitted and holds nothing."""
+
+    code = "queue_full"
 
 
 class _State(enum.Enum):

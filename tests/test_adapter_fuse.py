@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from hotlora.adapters.errors import InvalidAdapter
+from hotlora.adapters import InvalidAdapter
 from hotlora.adapters.fuse import fuse_adapter
 from hotlora.adapters.lora import activate
 from hotlora.adapters.manager import AdapterManager

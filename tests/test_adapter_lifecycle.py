@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from hotlora.adapters.errors import AdapterNotFound
+from hotlora.adapters import AdapterNotFound
 from hotlora.adapters.lora import BASE_ONLY, activate, current_adapters
 
 from adapter_support import logits, make_manager, random_pairs, tiny_model, write_mlx_adapter
@@ -48,7 +48,7 @@ def test_unknown_ids_list_what_is_mounted(mounted):
     with pytest.raises(AdapterNotFound) as caught:
         manager.resolve("a+zzz")
     assert "'zzz'" in str(caught.value) and "a, b" in str(caught.value)
-    assert caught.value.status_code == 404
+    assert caught.value.code == "adapter_not_found"
     with pytest.raises(AdapterNotFound):
         manager.unmount("zzz")
     with pytest.raises(AdapterNotFound):

@@ -9,7 +9,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.tuner.utils import load_adapters
 
-from hotlora.adapters.errors import AdapterNotFound
+from hotlora.adapters import AdapterNotFound
 from hotlora.adapters.lora import LoRASlot, activate
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.spec import AdapterRef, parse_adapter_spec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hotlora.adapters.errors import InvalidAdapterSpec
+from hotlora.adapters import InvalidAdapterSpec
 from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
 
 R = AdapterRef

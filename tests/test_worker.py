@@ -9,8 +9,7 @@ import pytest
 
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import Delta, Engine, Finished, GenerationJob, SamplingParams
-from hotlora.server.errors import QueueFull
-from hotlora.server.worker import GenerationWorker
+from hotlora.server.worker import GenerationWorker, QueueFull
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from hotlora.adapters.errors import AdapterNotFound
+from hotlora.adapters import AdapterNotFound
 from hotlora.adapters.manager import AdapterInfo, AdapterManager
 from hotlora.server.auth import require_admin_key
 from hotlora.server.deps import RuntimeDep

@@ -12,13 +12,13 @@ from sse_starlette import EventSourceResponse
 
 from hotlora.server import responses
 from hotlora.server.deps import InferenceDep
-from hotlora.server.errors import ClientDisconnected
 from hotlora.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
 )
+from hotlora.server.request_errors import ClientDisconnected
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 

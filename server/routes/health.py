@@ -6,7 +6,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from hotlora.server.deps import RuntimeDep
-from hotlora.server.errors import NotReady, from_exception
+from hotlora.server.error_responses import error_response
+from hotlora.server.request_errors import NotReady
 
 router = APIRouter(tags=["health"])
 
@@ -19,5 +20,5 @@ async def health() -> dict[str, str]:
 @router.get("/ready", response_model=None)
 async def ready(runtime: RuntimeDep) -> dict[str, str] | JSONResponse:
     if not runtime.ready:
-        return from_exception(NotReady(f"The model is not ready yet ({runtime.status})."))
+        return error_response(NotReady(f"The model is not ready yet ({runtime.status})."))
     return {"status": "ready", "model": runtime.base_id or ""}

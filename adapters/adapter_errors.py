@@ -1,26 +1,16 @@
-"""Adapter exceptions, raised where the problem is found.
-
-Each carries what the HTTP layer needs to build an OpenAI error body (`status_code`, `code`,
-`param`, `message`); nothing here knows about HTTP itself.
-"""
+"""Adapter exceptions, raised where the problem is found; the server decides their HTTP status."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hotlora.config.errors import HotloraError
 
-class AdapterError(Exception):
+
+class AdapterError(HotloraError):
     """Base for every adapter problem a client can be told about."""
 
-    status_code = 400
     code = "invalid_adapter"
-    param: str | None = None
-
-    def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        if param is not None:
-            self.param = param
 
 
 class InvalidAdapter(AdapterError):
@@ -37,7 +27,6 @@ class AdapterPathRefused(AdapterError):
 class AdapterConflict(AdapterError):
     """An adapter with this id is mounted from other files; mount with `replace` to swap it."""
 
-    status_code = 409
     code = "adapter_conflict"
     param = "id"
 
@@ -45,7 +34,6 @@ class AdapterConflict(AdapterError):
 class AdapterNotFound(AdapterError):
     """A request or admin call names an adapter that is not mounted."""
 
-    status_code = 404
     code = "adapter_not_found"
     param = "adapter"
 

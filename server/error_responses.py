@@ -1,0 +1,168 @@
+"""The one place exceptions become HTTP: an OpenAI error object with a status and headers.
+
+Every non-2xx response carries `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
+from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
+from hotlora.server.request_errors import ClientDisconnected, NotReady, Unauthorized
+from hotlora.server.worker import QueueFull
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """How one kind of error travels: status, OpenAI error type, extra headers."""
+
+    status: int
+    type: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+_INVALID = HttpError(400, "invalid_request_error")
+_UNAVAILABLE = "service_unavailable"
+
+# The most specific class in an exception's MRO decides; a `HotloraError` not listed here is
+# a server error, told to the client without details.
+HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
+    InvalidRequest: _INVALID,
+    ModelNotFound: HttpError(404, "invalid_request_error"),
+    AdapterError: _INVALID,
+    AdapterNotFound: HttpError(404, "not_found_error"),
+    AdapterConflict: HttpError(409, "conflict_error"),
+    Unauthorized: HttpError(401, "authentication_error", {"WWW-Authenticate": "Bearer"}),
+    ClientDisconnected: HttpError(499, "client_closed_request"),
+    NotReady: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),
+    QueueFull: HttpError(503, _UNAVAILABLE, {"Retry-After": "1"}),
+}
+
+
+def http_error(exc: HotloraError) -> HttpError | None:
+    """The HTTP form of `exc`, or None when it is not one a client may see."""
+    for cls in type(exc).__mro__:
+        found = HTTP_ERRORS.get(cls)
+        if found is not None:
+            return found
+    return None
+
+
+def error_body(
+    message: str, type_: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def json_error(
+    status: int,
+    message: str,
+    type_: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    body = error_body(message, type_, param=param, code=code)
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """The single mapping from any exception to an OpenAI-shaped response."""
+    if isinstance(exc, HotloraError) and (known := http_error(exc)) is not None:
+        return json_error(
+            known.status,
+            exc.message,
+            known.type,
+            param=exc.param,
+            code=exc.code,
+            headers=known.headers,
+        )
+    if isinstance(exc, RequestValidationError):
+        return _validation_response(exc)
+    if isinstance(exc, StarletteHTTPException):
+        return _http_response(exc)
+    # No details in the body; the server logs the traceback once (uvicorn, or the worker).
+    return json_error(
+        500,
+        "The server had an error while processing your request.",
+        "server_error",
+        code="internal_error",
+    )
+
+
+def _type_for(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 409:
+        return "conflict_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+# Names pydantic gives union branches in an error location, e.g. `str`, `list[str]`.
+_UNION_BRANCH = re.compile(r"(str|int|float|bool|none|[\w-]+\[.*\])")
+
+
+def _validation_response(exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return json_error(
+            400,
+            "We could not parse the JSON body of your request.",
+            "invalid_request_error",
+            code="invalid_json",
+        )
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    # Drop pydantic's union-branch names (e.g. "str", "list[...]") from the reported location.
+    loc = [part for part in loc if not _UNION_BRANCH.fullmatch(part)]
+    param = ".".join(loc) or None
+    message = first.get("msg", "Invalid request.")
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    if param:
+        message = f"{message} (param '{param}')"
+    return json_error(400, message, "invalid_request_error", param=param, code="invalid_value")
+
+
+def _http_response(exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        message = "Unknown route."
+    elif exc.status_code == 405:
+        message = "Method not allowed for this route."
+    else:
+        message = str(exc.detail)
+    code = "request_too_large" if exc.status_code == 413 else None
+    return json_error(
+        exc.status_code, message, _type_for(exc.status_code), code=code, headers=exc.headers
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through `error_response`."""
+
+    async def handle(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    for exc_type in (HotloraError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, handle)
+
+
+def json_bytes(payload: Any) -> str:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)

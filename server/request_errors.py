@@ -1,0 +1,27 @@
+"""Server-side reasons to refuse a request; `error_responses` turns them into HTTP."""
+
+from __future__ import annotations
+
+from hotlora.config.errors import HotloraError, InvalidRequest
+
+
+class ContextOverflow(InvalidRequest):
+    """The prompt plus `max_tokens` does not fit the model's context."""
+
+    code = "context_length_exceeded"
+
+
+class NotReady(HotloraError):
+    """The model is still loading or warming up (or failed to)."""
+
+    code = "model_not_ready"
+
+
+class ClientDisconnected(HotloraError):
+    """The client left before its response was ready; the answer goes nowhere (nginx's 499)."""
+
+
+class Unauthorized(HotloraError):
+    """A missing or wrong bearer key."""
+
+    code = "invalid_api_key"
