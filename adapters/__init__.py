@@ -1,6 +1,10 @@
 """LoRA adapters over one base model: mounted, unmounted and selected per request.
 
 The public API is what this module exports; code outside the package imports from here.
+A request's `adapter` field is parsed once (`parse_adapter_spec`, into `AdapterRef`s);
+`AdapterManager.select` turns it, with the `model` field, into an `AdapterLease` holding the
+request's own `AdapterSet`; `activate` makes that set the one the LoRA slots apply while the
+model runs.
 """
 
 from hotlora.adapters.adapter_errors import (
@@ -11,12 +15,26 @@ from hotlora.adapters.adapter_errors import (
     InvalidAdapter,
     InvalidAdapterSpec,
 )
+from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet
+from hotlora.adapters.fuse import fuse_adapter
+from hotlora.adapters.manager import AdapterInfo, AdapterLease, AdapterManager
+from hotlora.adapters.slots import activate
+from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
 
 __all__ = [
+    "BASE_ONLY",
     "AdapterConflict",
     "AdapterError",
+    "AdapterInfo",
+    "AdapterLease",
+    "AdapterManager",
     "AdapterNotFound",
     "AdapterPathRefused",
+    "AdapterRef",
+    "AdapterSet",
     "InvalidAdapter",
     "InvalidAdapterSpec",
+    "activate",
+    "fuse_adapter",
+    "parse_adapter_spec",
 ]

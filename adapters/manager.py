@@ -1,34 +1,39 @@
-"""The adapter registry: one per app, owning every mounted adapter's arrays."""
+"""The adapter registry: one per app, owning every mounted adapter's arrays.
+
+`select` is the one call a request makes: from its `model` and `adapter` fields to a leased,
+request-owned `AdapterSet`.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from hotlora.adapters.adapter_errors import AdapterConflict, AdapterNotFound, InvalidAdapter
-
-from .files import read_adapter, resolve_under_root
-from .lora import (
-    BASE_ONLY,
-    ActiveAdapters,
-    AppliedAdapter,
-    LoRASlot,
-    MountedAdapter,
-    install_slots,
-    probe_input_dtypes,
+from hotlora.adapters.adapter_errors import (
+    AdapterConflict,
+    AdapterNotFound,
+    InvalidAdapter,
+    InvalidAdapterSpec,
 )
-from .spec import AdapterRef, adapter_id_problem, parse_adapter_spec
-from .targets import TargetDims, linear_dims
+from hotlora.adapters.adapter_files import read_adapter, resolve_under_root
+from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet, AppliedAdapter, MountedAdapter
+from hotlora.adapters.projections import TargetDims, linear_dims
+from hotlora.adapters.slots import LoRASlot, install_slots, probe_input_dtypes
+from hotlora.adapters.spec import (
+    AdapterRef,
+    adapter_id_problem,
+    format_adapter_spec,
+    parse_adapter_spec,
+)
+from hotlora.config.errors import InvalidRequest, ModelNotFound
 
 log = logging.getLogger("hotlora.adapters")
 
@@ -58,47 +63,42 @@ class AdapterInfo:
         return asdict(self)
 
 
+class AdapterLease:
+    """What one request is served with, its adapters counted as in use until `release()`."""
+
+    def __init__(self, model: str, adapters: AdapterSet, release: Callable[[], None]):
+        self.model = model  # what the response's `model` echoes: what was served
+        self.adapters = adapters
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        """Stop counting the adapters as in use; later calls do nothing."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
 class AdapterManager:
-    """Mounts, unmounts and resolves LoRA adapters over one base model that never reloads.
+    """Mounts, unmounts and selects LoRA adapters over one base model that never reloads.
 
     Construction wraps the base's target projections in `LoRASlot`s once. After that,
     `mount`/`unmount` only change the registry (under a lock), and requests get their own
-    immutable `ActiveAdapters` from `resolve`, so the worker thread's model calls never see a
+    immutable `AdapterSet` from `select`, so the worker thread's model calls never see a
     registry change half-way.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        adapter_root: Path,
-        max_rank: int,
-        reserved_ids: frozenset[str] = frozenset(),
-    ):
-        self.model = model
-        self.reserved_ids = reserved_ids
+    def __init__(self, model: nn.Module, *, base_id: str, adapter_root: Path, max_rank: int):
+        self.base_id = base_id
         self.adapter_root = Path(adapter_root).expanduser().resolve()
         self.max_rank = max_rank
-        self._slots = install_slots(model)
-        if not self._slots:
+        slots = install_slots(model)
+        if not slots:
             log.warning("%s has no q/k/v/o/gate/up/down projections", type(model).__name__)
         dtypes = probe_input_dtypes(model)
-        self._targets = {
-            path: _target(slot, dtypes.get(path)) for path, slot in self._slots.items()
-        }
+        self._targets = {path: _target(slot, dtypes.get(path)) for path, slot in slots.items()}
         self._lock = threading.Lock()
         self._mounted: dict[str, MountedAdapter] = {}
         self._in_use: dict[MountedAdapter, int] = {}
-
-    @property
-    def slots(self) -> Mapping[str, LoRASlot]:
-        """Every slot by module path, e.g. `model.layers.3.self_attn.q_proj`."""
-        return MappingProxyType(self._slots)
-
-    @property
-    def targets(self) -> Mapping[str, TargetDims]:
-        """Each slot's base dimensions and the dtype adapter arrays are stored in there."""
-        return MappingProxyType(self._targets)
 
     def mount(self, adapter_id: str, path: str | Path, replace: bool = False) -> AdapterInfo:
         """Validate the adapter at `path` (under the adapter root) and mount it as `adapter_id`.
@@ -108,7 +108,7 @@ class AdapterManager:
         `replace`, which swaps atomically while running requests keep the old arrays.
         """
         problem = adapter_id_problem(adapter_id)
-        if problem is None and adapter_id in self.reserved_ids:
+        if problem is None and adapter_id == self.base_id:
             problem = f"'{adapter_id}' is the base model's id; choose another adapter id"
         if problem:
             raise InvalidAdapter(problem, param="id")
@@ -138,7 +138,7 @@ class AdapterManager:
         """Forget `adapter_id` and free its arrays once no running request holds them.
 
         The slots hold no adapter state, so dropping the registry entry is all it takes; new
-        `resolve` calls naming it raise `AdapterNotFound`.
+        requests naming it get `AdapterNotFound`.
         """
         with self._lock:
             mounted = self._mounted.pop(adapter_id, None)
@@ -150,47 +150,28 @@ class AdapterManager:
         log.info("unmounted adapter %s", adapter_id)
         return info
 
-    def resolve(
-        self, refs: Iterable[AdapterRef] | str | list[dict[str, Any]] | None
-    ) -> ActiveAdapters:
-        """The request's adapter set, holding its own references to the arrays.
+    def select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease:
+        """What a request with these `model` and `adapter` fields is served with, leased.
 
-        `refs` is normally `parse_adapter_spec`'s result; a raw spec is parsed first. An empty
-        spec gives the base alone; an unknown id raises `AdapterNotFound`.
+        `model` may name the base (then `refs` select the adapters), a mounted adapter id, or
+        `"<base-id>:<spec>"`. Raises `ModelNotFound` for any other model, `InvalidRequest` when
+        both fields select adapters or the model's spec is malformed, and `AdapterNotFound`
+        for an id that is not mounted. Nothing is counted as in use unless this returns.
         """
-        if refs is None or isinstance(refs, str):
-            refs = parse_adapter_spec(refs)
-        given: tuple[AdapterRef | dict[str, Any], ...] = tuple(refs)
-        parsed = tuple(ref for ref in given if isinstance(ref, AdapterRef))
-        if len(parsed) != len(given):
-            parsed = parse_adapter_spec(list(given))
-        if not parsed:
-            return BASE_ONLY
         with self._lock:
-            entries = []
-            for ref in parsed:
-                mounted = self._mounted.get(ref.id)
-                if mounted is None:
-                    raise AdapterNotFound(ref.id, self._mounted)
-                entries.append(AppliedAdapter(mounted, ref.weight))
-        return ActiveAdapters(tuple(entries))
+            named = self._named(model, refs)
+            adapters = self._resolve(named)
+            self._count(adapters, 1)
+        if model != self.base_id:
+            label = model
+        else:
+            label = f"{self.base_id}:{format_adapter_spec(named)}" if named else self.base_id
+        return AdapterLease(label, adapters, lambda: self._uncount(adapters))
 
-    @contextmanager
-    def lease(self, active: ActiveAdapters) -> Iterator[ActiveAdapters]:
-        """Count `active`'s adapters as in use for the duration of a request."""
+    def resolve(self, refs: tuple[AdapterRef, ...]) -> AdapterSet:
+        """The set `refs` name, not counted as in use (`select` is what requests call)."""
         with self._lock:
-            for entry in active.entries:
-                self._in_use[entry.mounted] = self._in_use.get(entry.mounted, 0) + 1
-        try:
-            yield active
-        finally:
-            with self._lock:
-                for entry in active.entries:
-                    left = self._in_use[entry.mounted] - 1
-                    if left:
-                        self._in_use[entry.mounted] = left
-                    else:
-                        del self._in_use[entry.mounted]
+            return self._resolve(refs)
 
     def list(self) -> list[AdapterInfo]:
         """Every mounted adapter, in mount order."""
@@ -205,13 +186,50 @@ class AdapterManager:
                 raise AdapterNotFound(adapter_id, self._mounted)
             return self._info(mounted)
 
-    def __contains__(self, adapter_id: object) -> bool:
-        with self._lock:
-            return adapter_id in self._mounted
+    def _named(self, model: str, refs: tuple[AdapterRef, ...]) -> tuple[AdapterRef, ...]:
+        """The adapters a request names through either field; called under the lock."""
+        if model == self.base_id:
+            return refs
+        prefix = f"{self.base_id}:"
+        if model.startswith(prefix):
+            try:
+                named = parse_adapter_spec(model[len(prefix) :])
+            except InvalidAdapterSpec as exc:
+                raise InvalidRequest(exc.message, param="model") from exc
+        elif model in self._mounted:
+            named = (AdapterRef(model),)
+        else:
+            raise ModelNotFound(model, [self.base_id, *self._mounted])
+        if refs:
+            raise InvalidRequest(
+                f"'model' already selects adapters ({model!r}); leave 'adapter' out, or set "
+                f"'model' to the base model '{self.base_id}'.",
+                param="adapter",
+            )
+        return named
 
-    def __len__(self) -> int:
+    def _resolve(self, refs: tuple[AdapterRef, ...]) -> AdapterSet:
+        if not refs:
+            return BASE_ONLY
+        entries = []
+        for ref in refs:
+            mounted = self._mounted.get(ref.id)
+            if mounted is None:
+                raise AdapterNotFound(ref.id, self._mounted)
+            entries.append(AppliedAdapter(mounted, ref.weight))
+        return AdapterSet(tuple(entries))
+
+    def _count(self, adapters: AdapterSet, change: int) -> None:
+        for entry in adapters.entries:
+            left = self._in_use.get(entry.mounted, 0) + change
+            if left:
+                self._in_use[entry.mounted] = left
+            else:
+                del self._in_use[entry.mounted]
+
+    def _uncount(self, adapters: AdapterSet) -> None:
         with self._lock:
-            return len(self._mounted)
+            self._count(adapters, -1)
 
     def _info(self, mounted: MountedAdapter) -> AdapterInfo:
         adapter = mounted.adapter

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from hotlora.adapters.adapter_errors import InvalidAdapter
-
-from .targets import TARGET_PROJECTIONS, TargetDims, canonical_path, float_dtype
+from hotlora.adapters.projections import TARGET_PROJECTIONS, TargetDims, canonical_path, float_dtype
 
 # `<module>.lora_a` (mlx-lm) or `<module>.lora_A.weight` (PEFT); either spelling, either suffix.
 _TENSOR_NAME = re.compile(r"^(?P<module>.+)\.(?P<half>lora_[aAbB])(?:\.weight)?$")

@@ -74,6 +74,11 @@ def parse_adapter_spec(value: str | list[Any] | tuple[Any, ...] | None) -> tuple
     return _checked(refs)
 
 
+def format_adapter_spec(refs: tuple[AdapterRef, ...]) -> str:
+    """The spec as a request would write it, weights included: 'sft@0.5+dpo'."""
+    return "+".join(ref.id if ref.weight == 1.0 else f"{ref.id}@{ref.weight:g}" for ref in refs)
+
+
 def _parse_item(text: str) -> AdapterRef:
     item = text.strip()
     if not item:

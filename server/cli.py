@@ -150,7 +150,7 @@ def _fuse_parser(sub: Any) -> None:
 
 
 def _fuse(args: argparse.Namespace) -> int:
-    from hotlora.adapters.fuse import fuse_adapter
+    from hotlora.adapters import fuse_adapter
 
     out = fuse_adapter(args.model, args.adapter, args.out)
     print(f"wrote {out}")

@@ -5,7 +5,6 @@ Everything here runs on the generation worker's thread; nothing here knows about
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from hotlora.adapters import BASE_ONLY, AdapterSet, activate
 from hotlora.models.loader import LoadedModel
 from hotlora.server.stops import StopMatcher
 from hotlora.server.tokens import TokenPiece, TokenPieces
@@ -47,11 +47,11 @@ class SamplingParams:
 
 @dataclass
 class GenerationJob:
-    """One sequence to generate. `adapters` is the request's own LoRA state (None: base only)."""
+    """One sequence to generate, with the request's own adapter set (empty: the base alone)."""
 
     prompt: list[int]
     params: SamplingParams
-    adapters: Any = None
+    adapters: AdapterSet = BASE_ONLY
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -81,9 +81,9 @@ class Finished:
 Event = Delta | Finished
 
 
-def prompt_cache_key(base_id: str, adapters: Any) -> tuple[str, ...]:
+def prompt_cache_key(base_id: str, adapters: AdapterSet) -> tuple[str, ...]:
     """The namespace of a cached prompt: the base model, then the ordered adapter revisions."""
-    return (base_id, *(adapters.key if adapters is not None else ()))
+    return (base_id, *adapters.key)
 
 
 class Engine:
@@ -96,7 +96,6 @@ class Engine:
         base_id: str,
         prompt_cache_size: int = 8,
         prompt_cache_bytes: int = 1 << 30,
-        activate: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -104,7 +103,6 @@ class Engine:
         self.base_id = base_id
         self.pieces = TokenPieces(self.tokenizer)
         self.prompt_cache = LRUPromptCache(max_size=prompt_cache_size, max_bytes=prompt_cache_bytes)
-        self._activate = activate or (lambda _adapters: contextlib.nullcontext())
 
     @property
     def context_length(self) -> int:
@@ -128,7 +126,7 @@ class Engine:
         tokens = list(job.prompt)
         generated = 0
         reason = "length"
-        with self._activate(job.adapters):
+        with activate(job.adapters):
             steps = generate_step(
                 mx.array(rest),
                 self.model,

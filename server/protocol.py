@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
+from hotlora.adapters import AdapterRef, parse_adapter_spec
 
 MAX_STOP_SEQUENCES = 16
 # The `adapter` field: parsed at validation into the ordered adapter references.

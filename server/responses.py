@@ -68,7 +68,7 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionRespo
     return p.ChatCompletionResponse(
         id=p.completion_id("chatcmpl"),
         created=p.now(),
-        model=prepared.target.model,
+        model=prepared.lease.model,
         choices=[
             p.ChatChoice(
                 index=c.index,
@@ -86,7 +86,7 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
     return p.CompletionResponse(
         id=p.completion_id("cmpl"),
         created=p.now(),
-        model=prepared.target.model,
+        model=prepared.lease.model,
         choices=[
             p.CompletionChoice(
                 index=c.index,
@@ -105,7 +105,7 @@ async def chat_stream(
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
-    meta = {"id": p.completion_id("chatcmpl"), "created": p.now(), "model": prepared.target.model}
+    meta = {"id": p.completion_id("chatcmpl"), "created": p.now(), "model": prepared.lease.model}
 
     def chunk(choice: p.ChatChunkChoice) -> str:
         return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice]))
@@ -138,7 +138,7 @@ async def completion_stream(
 ) -> AsyncIterator[str]:
     """`text_completion` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
-    meta = {"id": p.completion_id("cmpl"), "created": p.now(), "model": prepared.target.model}
+    meta = {"id": p.completion_id("cmpl"), "created": p.now(), "model": prepared.lease.model}
     offsets: dict[int, int] = {}
     tally = UsageTally(prepared.n)
     async for index, event in service.events(submitted):

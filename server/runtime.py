@@ -10,8 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hotlora.adapters.lora import activate
-from hotlora.adapters.manager import AdapterManager
+from hotlora.adapters import AdapterManager
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.embedded import ensure_embedded_model
@@ -20,7 +19,6 @@ from hotlora.server.engine import Engine, GenerationJob, SamplingParams
 from hotlora.server.protocol import ModelCard
 from hotlora.server.request_errors import NotReady
 from hotlora.server.serving import InferenceService
-from hotlora.server.targets import TargetResolver
 from hotlora.server.worker import GenerationWorker
 
 log = logging.getLogger("hotlora")
@@ -92,9 +90,9 @@ class Runtime:
         self.base_id = self.settings.served_model_name or path.name
         self.adapters = AdapterManager(
             loaded.model,
+            base_id=self.base_id,
             adapter_root=self.settings.resolved_adapter_root,
             max_rank=self.settings.max_adapter_rank,
-            reserved_ids=frozenset({self.base_id}),
         )
         for adapter_id, adapter_path in self.settings.startup_adapters.items():
             self.adapters.mount(adapter_id, adapter_path)
@@ -103,13 +101,12 @@ class Runtime:
             base_id=self.base_id,
             prompt_cache_size=self.settings.prompt_cache_size,
             prompt_cache_bytes=self.settings.prompt_cache_bytes,
-            activate=activate,
         )
         self.worker = GenerationWorker(engine, max_queue=self.settings.queue_size)
         self.inference = InferenceService(
             self.worker,
             self.settings,
-            resolve_target=TargetResolver(self.base_id, self.adapters),
+            adapters=self.adapters,
             generation_defaults=generation_defaults(path),
         )
 

@@ -7,12 +7,13 @@ wait list refuses it in `submit`, both before the first byte of a response is se
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from jinja2 import TemplateError
 
+from hotlora.adapters import AdapterLease, AdapterManager
 from hotlora.config.errors import InvalidRequest
 from hotlora.config.settings import Settings
 from hotlora.server.engine import Delta, Finished, GenerationJob, SamplingParams
@@ -22,19 +23,10 @@ from hotlora.server.worker import GenerationWorker, Ticket
 
 
 @dataclass
-class Target:
-    """What a request is served with: the echoed model name and its adapter state."""
-
-    model: str
-    adapters: Any = None  # the resolved, request-owned adapter set; None serves the base
-    release: Callable[[], None] = lambda: None
-
-
-@dataclass
 class Prepared:
     """A request that passed every check, holding its adapter lease until released."""
 
-    target: Target
+    lease: AdapterLease
     prompts: list[list[int]]
     params: SamplingParams
     n: int
@@ -48,7 +40,7 @@ class Prepared:
                 if params.seed is not None:
                     # Seeded choices are reproducible but not identical to each other.
                     params = replace(params, seed=params.seed + len(jobs))
-                jobs.append(GenerationJob(prompt, params, self.target.adapters))
+                jobs.append(GenerationJob(prompt, params, self.lease.adapters))
         return jobs
 
 
@@ -90,9 +82,6 @@ class Outcome:
     usage: UsageTally
 
 
-ResolveTarget = Callable[[str, tuple[Any, ...]], Target]
-
-
 class InferenceService:
     """Chat and text completions on the one base model held by the worker."""
 
@@ -101,14 +90,14 @@ class InferenceService:
         worker: GenerationWorker,
         settings: Settings,
         *,
-        resolve_target: ResolveTarget,
+        adapters: AdapterManager,
         generation_defaults: dict[str, Any] | None = None,
     ):
         self.worker = worker
         self.engine = worker.engine
         self.tokenizer = worker.engine.tokenizer
         self.settings = settings
-        self._resolve_target = resolve_target
+        self.adapters = adapters
         self._defaults = generation_defaults or {}
 
     # Preparation: every refusal happens here.
@@ -228,9 +217,9 @@ class InferenceService:
             repetition_penalty=request.repetition_penalty,
             logit_bias=self._logit_bias(request.logit_bias),
         )
-        # Resolve last: it may take a lease on adapters that must be released on any later error.
-        target = self._resolve_target(request.model, request.adapter)
-        return Prepared(target, prompts, params, request.n)
+        # Select last: the lease it takes must be released on any later error.
+        lease = self.adapters.select(request.model, request.adapter)
+        return Prepared(lease, prompts, params, request.n)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         if not bias:
@@ -253,7 +242,7 @@ class InferenceService:
         try:
             return Submitted(prepared, self.worker.submit(prepared.jobs()))
         except BaseException:
-            prepared.target.release()
+            prepared.lease.release()
             raise
 
     async def run(self, submitted: Submitted) -> Outcome:
@@ -278,7 +267,7 @@ class InferenceService:
                     yield index, event
         finally:
             self.worker.abandon(submitted.ticket)  # a no-op once finished
-            submitted.prepared.target.release()
+            submitted.prepared.lease.release()
 
 
 def _pick(value: Any, default: Any, fallback: Any) -> Any:

@@ -14,11 +14,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from hotlora.adapters.manager import AdapterManager
-from hotlora.adapters.targets import TARGET_PROJECTIONS, find_targets, linear_dims
+from hotlora.adapters import AdapterManager, AdapterSet, parse_adapter_spec
+from hotlora.adapters.projections import TARGET_PROJECTIONS, find_targets, linear_dims
+from hotlora.adapters.slots import LoRASlot
 
 from tiny import tiny_args
 
+BASE_ID = "tiny"
 RANK = 4
 SCALE = 2.0
 TOKENS = mx.array([[5, 17, 3, 99, 42, 7]])
@@ -145,7 +147,17 @@ def make_manager(
     root: Path, *, quantize: bool = False, max_rank: int = 64
 ) -> tuple[nn.Module, AdapterManager]:
     model = tiny_model(quantize=quantize)
-    return model, AdapterManager(model, adapter_root=root, max_rank=max_rank)
+    return model, AdapterManager(model, base_id=BASE_ID, adapter_root=root, max_rank=max_rank)
+
+
+def adapter_set(manager: AdapterManager, spec: str) -> AdapterSet:
+    """The set a request's `adapter` field `spec` names, not counted as in use."""
+    return manager.resolve(parse_adapter_spec(spec))
+
+
+def slots(model: nn.Module) -> dict[str, LoRASlot]:
+    """The LoRA slots installed in `model`, by module path."""
+    return {path: slot for path, slot in find_targets(model, (LoRASlot,)).items()}
 
 
 def parameter_ids(model: nn.Module) -> list[tuple[str, int]]:

@@ -84,7 +84,7 @@ def write_adapters(model_dir: Path, root: Path) -> tuple[dict[str, Path], int]:
     """
     import mlx.core as mx
 
-    from hotlora.adapters.targets import find_layers, find_targets, linear_dims
+    from hotlora.adapters.projections import find_layers, find_targets, linear_dims
     from hotlora.models.loader import load_model_dir
 
     model = load_model_dir(model_dir).model
@@ -120,11 +120,11 @@ def time_in_process(model_dir: Path, root: Path) -> tuple[list[float], list[floa
     """Mount and unmount `m` through an `AdapterManager` over a freshly loaded base (seconds)."""
     import mlx.core as mx
 
-    from hotlora.adapters.manager import AdapterManager
+    from hotlora.adapters import AdapterManager
     from hotlora.models.loader import load_model_dir
 
     model = load_model_dir(model_dir).model
-    manager = AdapterManager(model, adapter_root=root, max_rank=RANK)
+    manager = AdapterManager(model, base_id=model_dir.name, adapter_root=root, max_rank=RANK)
     mounts, unmounts = [], []
     for i in range(MOUNT_REPEATS + 1):  # the first pair warms up
         t0 = time.perf_counter()

@@ -9,14 +9,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from hotlora.adapters import InvalidAdapter
-from hotlora.adapters.fuse import fuse_adapter
-from hotlora.adapters.lora import activate
-from hotlora.adapters.manager import AdapterManager
-from hotlora.adapters.targets import find_targets
+from hotlora.adapters import AdapterManager, InvalidAdapter, activate, fuse_adapter
+from hotlora.adapters.projections import find_targets
 from hotlora.models.loader import load_model_dir
 
-from adapter_support import logits, random_pairs, tiny_model, write_peft_adapter
+from adapter_support import (
+    BASE_ID,
+    adapter_set,
+    logits,
+    random_pairs,
+    tiny_model,
+    write_peft_adapter,
+)
 from tiny import write_tiny_llama
 
 
@@ -29,9 +33,9 @@ def adapted_and_fused(tmp_path: Path, quantize: bool) -> tuple[mx.array, mx.arra
 
     base = load_model_dir(base_dir).model
     base_logits = logits(base)
-    manager = AdapterManager(base, adapter_root=tmp_path, max_rank=8)
+    manager = AdapterManager(base, base_id=BASE_ID, adapter_root=tmp_path, max_rank=8)
     manager.mount("sft", "adapter")
-    with activate(manager.resolve("sft")):
+    with activate(adapter_set(manager, "sft")):
         adapted = logits(base)
     fused = load_model_dir(out).model
     return base_logits, adapted, logits(fused)

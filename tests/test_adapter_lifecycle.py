@@ -1,4 +1,4 @@
-"""Usage counting, isolation between threads, and memory across many mounts."""
+"""Leases and usage counts, isolation between threads, and memory across many mounts."""
 
 from __future__ import annotations
 
@@ -9,10 +9,28 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from hotlora.adapters import AdapterNotFound
-from hotlora.adapters.lora import BASE_ONLY, activate, current_adapters
+from hotlora.adapters import (
+    AdapterLease,
+    AdapterManager,
+    AdapterNotFound,
+    activate,
+    parse_adapter_spec,
+)
 
-from adapter_support import logits, make_manager, random_pairs, tiny_model, write_mlx_adapter
+from adapter_support import (
+    BASE_ID,
+    TOKENS,
+    adapter_set,
+    logits,
+    make_manager,
+    random_pairs,
+    tiny_model,
+    write_mlx_adapter,
+)
+
+
+def select(manager: AdapterManager, spec: str) -> AdapterLease:
+    return manager.select(BASE_ID, parse_adapter_spec(spec))
 
 
 @pytest.fixture
@@ -27,61 +45,69 @@ def mounted(tmp_path: Path):
 
 def test_leases_count_requests_per_adapter(mounted):
     _, manager = mounted
-    both, only_a = manager.resolve("a+b"), manager.resolve("a")
-    with manager.lease(both), manager.lease(only_a):
-        assert {info.id: info.in_use for info in manager.list()} == {"a": 2, "b": 1}
-        manager.unmount("b")  # a running request may lose its adapter from the registry
+    both, only_a = select(manager, "a+b"), select(manager, "a")
+    assert {info.id: info.in_use for info in manager.list()} == {"a": 2, "b": 1}
+    manager.unmount("b")  # a running request may lose its adapter from the registry
+    both.release()
+    only_a.release()
     assert [(info.id, info.in_use) for info in manager.list()] == [("a", 0)]
-    with manager.lease(BASE_ONLY):
-        assert manager.get("a").in_use == 0
+    base = select(manager, "")
+    assert manager.get("a").in_use == 0
+    base.release()
 
 
-def test_lease_is_released_when_the_request_fails(mounted):
+def test_a_lease_released_twice_counts_once(mounted):
     _, manager = mounted
-    with pytest.raises(RuntimeError), manager.lease(manager.resolve("a")):
-        raise RuntimeError("generation failed")
+    first, second = select(manager, "a"), select(manager, "a")
+    first.release()
+    first.release()
+    assert manager.get("a").in_use == 1
+    second.release()
     assert manager.get("a").in_use == 0
 
 
-def test_unknown_ids_list_what_is_mounted(mounted):
+def test_a_refused_selection_holds_nothing(mounted):
     _, manager = mounted
     with pytest.raises(AdapterNotFound) as caught:
-        manager.resolve("a+zzz")
+        select(manager, "a+zzz")
     assert "'zzz'" in str(caught.value) and "a, b" in str(caught.value)
     assert caught.value.code == "adapter_not_found"
+    assert [info.in_use for info in manager.list()] == [0, 0]
     with pytest.raises(AdapterNotFound):
         manager.unmount("zzz")
     with pytest.raises(AdapterNotFound):
         manager.get("zzz")
 
 
-def test_each_thread_sees_only_its_own_set(mounted):
+def test_each_thread_computes_with_only_its_own_set(mounted):
     model, manager = mounted
-    sets = {"a": manager.resolve("a"), "b": manager.resolve("b"), "": BASE_ONLY}
+    sets = {name: adapter_set(manager, name) for name in ("a", "b", "")}
     expected = {}
-    for name, active in sets.items():
-        with activate(active):
+    for name, adapters in sets.items():
+        with activate(adapters):
             expected[name] = logits(model)
     barrier = threading.Barrier(len(sets))
-    seen: dict[str, list] = {name: [] for name in sets}
+    evaluating = threading.Lock()
+    seen: dict[str, list[mx.array]] = {name: [] for name in sets}
 
     def worker(name: str) -> None:
         with activate(sets[name]):
-            for _ in range(20):
+            for _ in range(5):
                 barrier.wait()  # every thread is inside its own `activate` at the same time
-                seen[name].append(current_adapters())
+                out = model(TOKENS)  # the graph is built now, with this thread's set
+                barrier.wait()
+                with evaluating:  # evaluated one at a time, each on its own thread
+                    mx.eval(out)
+                seen[name].append(out)
 
     threads = [threading.Thread(target=worker, args=(name,)) for name in sets]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert seen["a"] == [sets["a"]] * 20 and seen["b"] == [sets["b"]] * 20
-    assert seen[""] == [None] * 20  # the base set takes the plain path
-    assert current_adapters() is None
-    for name, active in sets.items():
-        with activate(active):
-            assert mx.array_equal(logits(model), expected[name])
+    for name, outs in seen.items():
+        assert len(outs) == 5 and all(mx.array_equal(out, expected[name]) for out in outs), name
+    assert mx.array_equal(logits(model), expected[""])  # nothing is left active here
 
 
 def test_mount_unmount_many_times_keeps_memory_flat(tmp_path: Path):
@@ -95,12 +121,12 @@ def test_mount_unmount_many_times_keeps_memory_flat(tmp_path: Path):
     start = mx.get_active_memory()
     for _ in range(200):
         info = manager.mount("a", "a")
-        with activate(manager.resolve("a")):
+        with activate(adapter_set(manager, "a")):
             mx.eval(model(mx.array([[1, 2]])))
         manager.unmount("a")
     gc.collect()
     mx.clear_cache()
-    assert len(manager) == 0 and manager.list() == []
+    assert manager.list() == []
     # 200 mounts of 32 KiB each; a leak of even one would exceed the tolerance.
     assert abs(mx.get_active_memory() - start) < info.ram_bytes
     assert mx.array_equal(logits(model), base)

@@ -9,20 +9,21 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.tuner.utils import load_adapters
 
-from hotlora.adapters import AdapterNotFound
-from hotlora.adapters.lora import LoRASlot, activate
-from hotlora.adapters.manager import AdapterManager
-from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
+from hotlora.adapters import AdapterManager, AdapterNotFound, AdapterRef, activate
+from hotlora.adapters.slots import LoRASlot
 
 from adapter_support import (
+    BASE_ID,
     RANK,
     SCALE,
     TOKENS,
+    adapter_set,
     layer_keys,
     logits,
     make_manager,
     merged_model,
     random_pairs,
+    slots,
     tiny_model,
     write_mlx_adapter,
     write_peft_adapter,
@@ -45,7 +46,7 @@ def test_single_adapter_equals_mlx_lm_load_adapters(tmp_path: Path, quantize: bo
 
     reference = load_adapters(tiny_model(quantize=quantize), str(tmp_path / "sft"))
     expected = logits(reference)
-    got = run(model, manager.resolve(parse_adapter_spec("sft")))
+    got = run(model, adapter_set(manager, "sft"))
     assert mx.array_equal(got, expected)
     assert not mx.allclose(got, logits(model), **CLOSE)  # the residual is not negligible
 
@@ -60,9 +61,9 @@ def test_peft_layout_and_rslora_match_mlx_layout(tmp_path: Path):
 
     assert [info.scale for info in infos] == pytest.approx([SCALE] * 3)
     assert [info.rslora for info in infos] == [False, False, True]
-    expected = run(model, manager.resolve(parse_adapter_spec("mlx")))
-    assert mx.allclose(run(model, manager.resolve(parse_adapter_spec("peft"))), expected, **CLOSE)
-    assert mx.allclose(run(model, manager.resolve(parse_adapter_spec("rs"))), expected, **CLOSE)
+    expected = run(model, adapter_set(manager, "mlx"))
+    assert mx.allclose(run(model, adapter_set(manager, "peft")), expected, **CLOSE)
+    assert mx.allclose(run(model, adapter_set(manager, "rs")), expected, **CLOSE)
 
 
 def test_stack_is_base_plus_both_residuals(tmp_path: Path):
@@ -73,14 +74,11 @@ def test_stack_is_base_plus_both_residuals(tmp_path: Path):
     manager.mount("sft", "sft")
     manager.mount("dpo", "dpo")
 
-    both = manager.resolve(parse_adapter_spec("sft+dpo"))
+    both = adapter_set(manager, "sft+dpo")
     expected = logits(merged_model([(first, SCALE), (second, 0.5)]))
     assert mx.allclose(run(model, both), expected, **CLOSE)
-    assert both.label == "sft+dpo"
     assert both.key[0].startswith("sft@") and both.key[1].startswith("dpo@")
-    assert mx.allclose(
-        run(model, manager.resolve(parse_adapter_spec("dpo,sft"))), expected, **CLOSE
-    )
+    assert mx.allclose(run(model, adapter_set(manager, "dpo,sft")), expected, **CLOSE)
 
 
 def test_request_weight_scales_the_residual(tmp_path: Path):
@@ -89,7 +87,7 @@ def test_request_weight_scales_the_residual(tmp_path: Path):
     write_mlx_adapter(tmp_path / "sft", pairs)
     info = manager.mount("sft", "sft")
 
-    half = manager.resolve(parse_adapter_spec("sft@0.5"))
+    half = adapter_set(manager, "sft@0.5")
     assert half.key == (f"sft@{info.revision[:12]}*0.5",)
     assert mx.allclose(run(model, half), logits(merged_model([(pairs, SCALE * 0.5)])), **CLOSE)
     zero = manager.resolve((AdapterRef("sft", 0.0),))
@@ -103,10 +101,10 @@ def test_no_active_set_is_the_pristine_base_bit_for_bit(tmp_path: Path):
     write_mlx_adapter(tmp_path / "sft", random_pairs(tiny_model()))
     manager.mount("sft", "sft")
     assert mx.array_equal(logits(model), pristine)
-    assert mx.array_equal(run(model, manager.resolve("none")), pristine)
+    assert mx.array_equal(run(model, adapter_set(manager, "none")), pristine)
     manager.unmount("sft")
     assert mx.array_equal(logits(model), pristine)
-    assert all(isinstance(slot, LoRASlot) for slot in manager.slots.values())
+    assert slots(model) and all(isinstance(s, LoRASlot) for s in slots(model).values())
 
 
 def test_square_full_rank_pair_layout_follows_the_spelling(tmp_path: Path):
@@ -118,8 +116,8 @@ def test_square_full_rank_pair_layout_follows_the_spelling(tmp_path: Path):
     manager.mount("mlx", "mlx")
     manager.mount("peft", "peft")
     expected = logits(merged_model([(pairs, SCALE)]))
-    assert mx.allclose(run(model, manager.resolve("mlx")), expected, **CLOSE)
-    assert mx.allclose(run(model, manager.resolve("peft")), expected, **CLOSE)
+    assert mx.allclose(run(model, adapter_set(manager, "mlx")), expected, **CLOSE)
+    assert mx.allclose(run(model, adapter_set(manager, "peft")), expected, **CLOSE)
 
 
 def test_wrapped_and_plain_module_paths_match(tmp_path: Path):
@@ -137,11 +135,11 @@ def test_wrapped_and_plain_module_paths_match(tmp_path: Path):
     expected = logits(merged_model([(pairs, SCALE)]))
 
     model = Wrapped(tiny_model())
-    manager = AdapterManager(model, adapter_root=tmp_path, max_rank=8)
-    assert next(iter(manager.slots)).startswith("language_model.model.layers.")
+    manager = AdapterManager(model, base_id=BASE_ID, adapter_root=tmp_path, max_rank=8)
+    assert next(iter(slots(model))).startswith("language_model.model.layers.")
     for name in ("plain", "wrapped"):
         assert manager.mount(name, name).mounted_layers == 14
-        assert mx.allclose(run(model, manager.resolve(name)), expected, **CLOSE)
+        assert mx.allclose(run(model, adapter_set(manager, name)), expected, **CLOSE)
 
 
 def test_info_counts_bytes_layers_and_skipped_tensors(tmp_path: Path):
@@ -170,7 +168,11 @@ def test_interleaved_requests_each_get_their_own_logits(tmp_path: Path):
     write_mlx_adapter(tmp_path / "b", random_pairs(tiny_model(), seed=2))
     manager.mount("a", "a")
     manager.mount("b", "b")
-    sets = {"a": manager.resolve("a"), "b": manager.resolve("b"), "": manager.resolve("")}
+    sets = {
+        "a": adapter_set(manager, "a"),
+        "b": adapter_set(manager, "b"),
+        "": adapter_set(manager, ""),
+    }
 
     def decode(active, steps: int) -> list[mx.array]:
         cache = make_prompt_cache(model)
@@ -197,16 +199,16 @@ def test_a_held_set_keeps_its_weights_after_unmount_and_replace(tmp_path: Path):
     write_mlx_adapter(tmp_path / "v1", first)
     write_mlx_adapter(tmp_path / "v2", second)
     manager.mount("sft", "v1")
-    held = manager.resolve("sft")
+    held = adapter_set(manager, "sft")
     before = run(model, held)
 
     manager.mount("sft", "v2", replace=True)
     assert mx.array_equal(run(model, held), before)
-    replaced = manager.resolve("sft")
+    replaced = adapter_set(manager, "sft")
     assert replaced.key != held.key
     assert mx.allclose(run(model, replaced), logits(merged_model([(second, SCALE)])), **CLOSE)
 
     manager.unmount("sft")
     assert mx.array_equal(run(model, held), before)
     with pytest.raises(AdapterNotFound):
-        manager.resolve("sft")
+        adapter_set(manager, "sft")

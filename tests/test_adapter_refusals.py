@@ -15,14 +15,16 @@ from hotlora.adapters import (
     AdapterError,
     AdapterPathRefused,
     InvalidAdapter,
+    activate,
 )
-from hotlora.adapters.lora import activate
 
 from adapter_support import (
+    adapter_set,
     logits,
     make_manager,
     parameter_ids,
     random_pairs,
+    slots,
     tiny_model,
     write_mlx_adapter,
     write_peft_adapter,
@@ -154,7 +156,7 @@ CASES: list[tuple[str, str, Callable[[Path], str], type[AdapterError], str]] = [
 def snapshot(model, manager) -> tuple:
     return (
         [(i.id, i.revision, i.ram_bytes, i.mounted_at) for i in manager.list()],
-        {path: (id(slot), id(slot.base)) for path, slot in manager.slots.items()},
+        {path: (id(slot), id(slot.base)) for path, slot in slots(model).items()},
         parameter_ids(model),
     )
 
@@ -172,7 +174,7 @@ def test_refused_mount_changes_nothing(tmp_path, adapter_id, make_path, error, w
     manager.mount("ok", "ok")
     before = snapshot(model, manager)
     base, adapted = logits(model), None
-    with activate(manager.resolve("ok")):
+    with activate(adapter_set(manager, "ok")):
         adapted = logits(model)
 
     path = make_path(root)
@@ -182,7 +184,7 @@ def test_refused_mount_changes_nothing(tmp_path, adapter_id, make_path, error, w
 
     assert snapshot(model, manager) == before
     assert mx.array_equal(logits(model), base)
-    with activate(manager.resolve("ok")):
+    with activate(adapter_set(manager, "ok")):
         assert mx.array_equal(logits(model), adapted)
 
 

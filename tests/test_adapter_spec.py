@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hotlora.adapters import InvalidAdapterSpec
-from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
+from hotlora.adapters import AdapterRef, InvalidAdapterSpec, parse_adapter_spec
 
 R = AdapterRef
 
@@ -66,4 +65,4 @@ def test_refuses(value, words):
         parse_adapter_spec(value)
     assert words in str(caught.value)
     assert isinstance(caught.value, ValueError)
-    assert (caught.value.status_code, caught.value.param) == (400, "adapter")
+    assert (caught.value.code, caught.value.param) == ("invalid_adapter_spec", "adapter")

@@ -124,10 +124,10 @@ class InProcess:
 
     def logits(self, spec: str) -> mx.array:
         """The logits with the adapter set `spec` active, as the engine computes them."""
-        from hotlora.adapters.lora import activate
+        from hotlora.adapters import activate, parse_adapter_spec
 
         if spec not in self._logits:
-            with activate(self.manager.resolve(spec)):
+            with activate(self.manager.resolve(parse_adapter_spec(spec))):
                 self._logits[spec] = self.model(self.tokens)
             mx.eval(self._logits[spec])
         return self._logits[spec]
@@ -135,11 +135,13 @@ class InProcess:
 
 @pytest.fixture(scope="module")
 def in_process(model_dir: Path, trained_adapters: TrainedAdapters) -> InProcess:
-    from hotlora.adapters.manager import AdapterManager
+    from hotlora.adapters import AdapterManager
     from hotlora.models.loader import load_model_dir
 
     loaded = load_model_dir(model_dir)
-    manager = AdapterManager(loaded.model, adapter_root=trained_adapters.root, max_rank=64)
+    manager = AdapterManager(
+        loaded.model, base_id=model_dir.name, adapter_root=trained_adapters.root, max_rank=64
+    )
     for name, path in trained_adapters.paths.items():
         manager.mount(name, path)
     prompt = loaded.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)

@@ -8,8 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from hotlora.adapters import AdapterNotFound
-from hotlora.adapters.manager import AdapterInfo, AdapterManager
+from hotlora.adapters import AdapterInfo, AdapterManager, AdapterNotFound
 from hotlora.server.auth import require_admin_key
 from hotlora.server.deps import RuntimeDep
 from hotlora.server.protocol import (

@@ -17,9 +17,8 @@ from typing import Any, TypeGuard
 import mlx.core as mx
 
 from hotlora.adapters.adapter_errors import AdapterPathRefused, InvalidAdapter
-
-from .pairs import match_pairs
-from .targets import TargetDims
+from hotlora.adapters.pairs import match_pairs
+from hotlora.adapters.projections import TargetDims
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapters.safetensors", "adapter_model.safetensors")  # mlx-lm, PEFT
@@ -91,7 +90,7 @@ def read_adapter(
     weight_file = next((path for path in candidates if path.is_file()), None)
     if weight_file is None:
         raise InvalidAdapter(f"{directory} has neither {' nor '.join(WEIGHT_FILES)}", param="path")
-    config = read_config(config_file, max_rank=max_rank)
+    config = read_adapter_config(config_file, max_rank=max_rank)
     try:
         tensors = mx.load(str(weight_file))
     except Exception as exc:  # mlx raises RuntimeError/ValueError for unreadable files
@@ -112,7 +111,7 @@ def read_adapter(
     )
 
 
-def read_config(path: Path, *, max_rank: int) -> AdapterConfig:
+def read_adapter_config(path: Path, *, max_rank: int) -> AdapterConfig:
     """Rank and scale from an mlx-lm or PEFT `adapter_config.json`.
 
     mlx-lm: `lora_parameters.{rank, scale}`. PEFT: `r` and `lora_alpha`, scale `alpha / r`, or

@@ -1,0 +1,101 @@
+"""LoRA slots in the base model, and the context that tells them which adapter set applies.
+
+The slots hold no adapter state. Which adapters apply is decided by the `AdapterSet` current in
+the calling thread (a `ContextVar`, so asyncio tasks are isolated too) at the moment the model
+is called, which is when MLX builds the graph. Two requests with different sets therefore never
+see each other's weights, however their model calls interleave, and mounting or unmounting
+never changes a set that a running request already holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from hotlora.adapters.adapter_set import AdapterSet
+from hotlora.adapters.projections import find_targets, replace_module
+
+
+class _Residuals(Protocol):
+    def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array: ...
+
+
+_ACTIVE: ContextVar[_Residuals | None] = ContextVar("hotlora_active_adapters", default=None)
+
+
+class LoRASlot(nn.Module):
+    """Wraps one base projection; adds the residuals of whatever adapter set is active.
+
+    `y = base(x) + sum_i (scale_i * ((x @ A_i) @ B_i)).astype(x.dtype)`, mlx-lm `LoRALinear`'s
+    form. With no active set the base output is returned as is. The base module is kept, not
+    copied, as the child `base`; its weights are never changed.
+    """
+
+    def __init__(self, base: nn.Module, path: str = ""):
+        super().__init__()
+        self.base = base
+        self.path = path
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        active = _ACTIVE.get()
+        if active is None:
+            return y
+        return active.apply(self.path, x, y)
+
+
+@contextmanager
+def activate(adapters: AdapterSet) -> Iterator[None]:
+    """Make `adapters` the set for model calls made inside this block, in this context.
+
+    Wrap each model call (prefill, each decode step), not a generator that yields to other
+    code: the set current when the model is called is the one the graph is built with.
+    An empty set takes the plain base path.
+    """
+    token = _ACTIVE.set(adapters if adapters.entries else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def install_slots(model: nn.Module) -> dict[str, LoRASlot]:
+    """Wrap every target projection in a `LoRASlot`, once; slots already there are reused."""
+    slots: dict[str, LoRASlot] = {}
+    for path, module in find_targets(model, (nn.Linear, nn.QuantizedLinear, LoRASlot)).items():
+        if not isinstance(module, LoRASlot):
+            module = LoRASlot(module, path)
+            replace_module(model, path, module)
+        slots[path] = module
+    return slots
+
+
+class _DtypeProbe:
+    def __init__(self) -> None:
+        self.dtypes: dict[str, mx.Dtype] = {}
+
+    def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
+        self.dtypes[path] = x.dtype
+        return y
+
+
+def probe_input_dtypes(model: nn.Module) -> dict[str, mx.Dtype]:
+    """The activation dtype reaching each slot, from one traced (never evaluated) call.
+
+    MLX is lazy, so this builds a one-token graph and drops it. Models whose call needs more
+    than token ids give `{}`.
+    """
+    probe = _DtypeProbe()
+    token = _ACTIVE.set(probe)
+    try:
+        model(mx.array([[0]]))
+    except Exception:
+        return {}
+    finally:
+        _ACTIVE.reset(token)
+    return probe.dtypes
