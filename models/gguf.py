@@ -22,8 +22,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from mlx_lm.utils import save_config
 
-from .files import atomic_model_dir, save_weights
-from .gguf_tokenizer import UnsupportedTokenizer, write_tokenizer_files
+from hotlora.models.gguf_tokenizer import UnsupportedTokenizer, write_tokenizer_files
+from hotlora.models.model_files import atomic_model_dir, save_weights
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
-from .dialects import UnsupportedConfig, read_config, text_section
+from hotlora.config.errors import HotloraError
+from hotlora.models.dialects import UnsupportedConfig, read_config, text_section
 
 # Names configs use for the longest sequence the position encoding was trained for.
 _CONTEXT_KEYS = (
@@ -29,7 +29,7 @@ DEFAULT_CONTEXT_LENGTH = 4096
 _UNSET_TOKENIZER_LENGTH = 10**12
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(HotloraError, RuntimeError):
     """The model directory cannot be loaded; the message says what is wrong and where."""
 
 
@@ -57,16 +57,6 @@ class LoadedModel:
         if isinstance(limit, int) and 0 < limit < _UNSET_TOKENIZER_LENGTH:
             return limit
         return DEFAULT_CONTEXT_LENGTH
-
-    @property
-    def is_quantized(self) -> bool:
-        """Whether any layer holds packed quantized weights."""
-        # Without `destination`, tree_flatten returns the list of (path, leaf) pairs.
-        leaves = cast(
-            list[tuple[str, Any]],
-            tree_flatten(self.model.leaf_modules(), is_leaf=nn.Module.is_module),
-        )
-        return any(hasattr(module, "bits") for _, module in leaves)
 
 
 def load_model_dir(path: Path) -> LoadedModel:
@@ -98,6 +88,17 @@ def load_model_dir(path: Path) -> LoadedModel:
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         raise ModelLoadError(f"{path}: cannot build the {model_type!r} model: {e}") from e
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def generation_defaults(path: Path) -> dict[str, float]:
+    """Sampling defaults a model ships in generation_config.json (temperature, top_p, top_k)."""
+    try:
+        raw = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        k: raw[k] for k in ("temperature", "top_p", "top_k") if isinstance(raw.get(k), int | float)
+    }
 
 
 def _check_files(path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
-from .files import atomic_model_dir, copy_aux_files
+from hotlora.models.model_files import atomic_model_dir, copy_aux_files
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from hotlora.adapters import AdapterManager
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.embedded import ensure_embedded_model
-from hotlora.models.loader import LoadedModel, load_model_dir
+from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams
 from hotlora.server.protocol import ModelCard
 from hotlora.server.request_errors import NotReady
@@ -29,17 +27,6 @@ def model_dir(settings: Settings, progress: Callable[[str], None] | None = None)
     if settings.model is not None:
         return settings.model.expanduser().resolve()
     return ensure_embedded_model(settings.home, progress=progress)
-
-
-def generation_defaults(path: Path) -> dict[str, Any]:
-    """Sampling defaults a model ships in generation_config.json (temperature, top_p, top_k)."""
-    try:
-        raw = json.loads((path / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return {
-        k: raw[k] for k in ("temperature", "top_p", "top_k") if isinstance(raw.get(k), int | float)
-    }
 
 
 class Runtime:

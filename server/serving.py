@@ -91,7 +91,7 @@ class InferenceService:
         settings: Settings,
         *,
         adapters: AdapterManager,
-        generation_defaults: dict[str, Any] | None = None,
+        generation_defaults: dict[str, float] | None = None,
     ):
         self.worker = worker
         self.engine = worker.engine

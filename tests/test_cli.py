@@ -11,7 +11,7 @@ import pytest
 from hotlora.models.loader import load_model_dir
 
 from adapter_support import random_pairs, tiny_model, write_mlx_adapter
-from tiny import write_tiny_llama
+from tiny import is_quantized, write_tiny_llama
 
 
 def hotlora(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -68,10 +68,10 @@ def test_quantize_then_fuse(tmp_path: Path):
         "quantize", str(float_dir), str(quantized), "--bits", "8", "--group-size", "32"
     )
     assert result.returncode == 0, result.stderr
-    assert load_model_dir(quantized).is_quantized
+    assert is_quantized(load_model_dir(quantized).model)
     adapter = write_mlx_adapter(tmp_path / "adapter", random_pairs(tiny_model(quantize=True)))
     fused = tmp_path / "fused"
     result = hotlora("fuse", "--model", str(quantized), "--adapter", str(adapter), str(fused))
     assert result.returncode == 0, result.stderr
     assert (fused / "tokenizer.json").read_bytes() == (float_dir / "tokenizer.json").read_bytes()
-    assert load_model_dir(fused).is_quantized
+    assert is_quantized(load_model_dir(fused).model)

@@ -13,10 +13,17 @@ from hotlora.models.loader import (
     DEFAULT_CONTEXT_LENGTH,
     LoadedModel,
     ModelLoadError,
+    generation_defaults,
     load_model_dir,
 )
 
-from tiny import EOS_TOKEN_ID, MAX_POSITION_EMBEDDINGS, VOCAB_SIZE, write_tiny_llama
+from tiny import (
+    EOS_TOKEN_ID,
+    MAX_POSITION_EMBEDDINGS,
+    VOCAB_SIZE,
+    is_quantized,
+    write_tiny_llama,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +47,7 @@ def test_tiny_llama_loads_and_gives_logits(loaded, tiny_dir):
     logits = loaded.model(mx.array([tokens]))
     assert logits.shape == (1, len(tokens), VOCAB_SIZE)
     assert loaded.path == tiny_dir
-    assert not loaded.is_quantized
+    assert not is_quantized(loaded.model)
     assert loaded.context_length == MAX_POSITION_EMBEDDINGS
 
 
@@ -84,7 +91,7 @@ def test_generation_config_eos_ids_are_respected(tmp_path):
 
 def test_quantized_copy_loads_as_quantized(tmp_path):
     loaded = load_model_dir(write_tiny_llama(tmp_path / "q", quantize=True))
-    assert loaded.is_quantized
+    assert is_quantized(loaded.model)
     logits = loaded.model(mx.array([[1, 2, 3]]))
     assert logits.shape == (1, 3, VOCAB_SIZE)
 
@@ -192,3 +199,22 @@ def loaded_with(config: dict, model_max_length=None) -> LoadedModel:
 )
 def test_context_length_falls_back_in_order(config, model_max_length, expected):
     assert loaded_with(config, model_max_length).context_length == expected
+
+
+@pytest.mark.parametrize(
+    ("written", "defaults"),
+    [
+        (None, {}),
+        ("{not json", {}),
+        (
+            {"temperature": 0.6, "top_p": 0.9, "top_k": 50},
+            {"temperature": 0.6, "top_p": 0.9, "top_k": 50},
+        ),
+        ({"temperature": "hot", "top_k": 20, "eos_token_id": 2}, {"top_k": 20}),
+    ],
+)
+def test_generation_defaults_come_from_generation_config(tmp_path: Path, written, defaults):
+    if written is not None:
+        text = written if isinstance(written, str) else json.dumps(written)
+        (tmp_path / "generation_config.json").write_text(text)
+    assert generation_defaults(tmp_path) == defaults

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.utils import load_model, save_config, save_model
 
-from hotlora.models.files import atomic_model_dir, copy_aux_files
+from hotlora.models.model_files import atomic_model_dir, copy_aux_files
 from hotlora.models.quantize import AlreadyQuantized, quantize_model_dir
 
 from tiny import tiny_args

@@ -81,6 +81,12 @@ def write_tiny_llama(dir: Path, quantize: bool = False, seed: int = 0) -> Path:
     return dir
 
 
+def is_quantized(model: nn.Module) -> bool:
+    """Whether any layer of `model` holds packed quantized weights."""
+    leaves = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    return any(hasattr(module, "bits") for _, module in leaves)
+
+
 def _config(args: llama.ModelArgs) -> dict:
     # Written as transformers would, without layer_types, so the llama dialect fills them in.
     return {
