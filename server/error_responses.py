@@ -18,8 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
+from hotlora.server.engine import QueueFull
 from hotlora.server.request_errors import ClientDisconnected, NotReady, Unauthorized
-from hotlora.server.worker import QueueFull
 
 
 @dataclass(frozen=True)

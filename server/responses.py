@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator, Iterable
 
 from hotlora.server import protocol as p
-from hotlora.server.engine import Delta, TokenLogprob
+from hotlora.server.engine import Delta, SampledToken
 from hotlora.server.error_responses import error_response
 from hotlora.server.serving import InferenceService, Outcome, Prepared, Submitted, UsageTally
 
@@ -35,7 +35,7 @@ def _usage(tally: UsageTally) -> p.Usage:
     )
 
 
-def _chat_logprobs(entries: Iterable[TokenLogprob]) -> p.ChoiceLogprobs:
+def _chat_logprobs(entries: Iterable[SampledToken]) -> p.ChoiceLogprobs:
     return p.ChoiceLogprobs(
         content=[
             p.TokenLogprob(
@@ -51,7 +51,7 @@ def _chat_logprobs(entries: Iterable[TokenLogprob]) -> p.ChoiceLogprobs:
     )
 
 
-def _text_logprobs(entries: list[TokenLogprob], start: int = 0) -> p.CompletionLogprobs:
+def _text_logprobs(entries: list[SampledToken], start: int = 0) -> p.CompletionLogprobs:
     offsets, at = [], start
     for e in entries:
         offsets.append(at)

@@ -13,11 +13,10 @@ from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.embedded import ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
-from hotlora.server.engine import Engine, GenerationJob, SamplingParams
+from hotlora.server.engine import Engine, GenerationJob, GenerationWorker, SamplingParams
 from hotlora.server.protocol import ModelCard
 from hotlora.server.request_errors import NotReady
 from hotlora.server.serving import InferenceService
-from hotlora.server.worker import GenerationWorker
 
 log = logging.getLogger("hotlora")
 

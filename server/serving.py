@@ -16,10 +16,17 @@ from jinja2 import TemplateError
 from hotlora.adapters import AdapterLease, AdapterManager
 from hotlora.config.errors import InvalidRequest
 from hotlora.config.settings import Settings
-from hotlora.server.engine import Delta, Finished, GenerationJob, SamplingParams
+from hotlora.server.engine import (
+    Delta,
+    Finished,
+    GenerationJob,
+    GenerationWorker,
+    SampledToken,
+    SamplingParams,
+    Ticket,
+)
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from hotlora.server.request_errors import ContextOverflow
-from hotlora.server.worker import GenerationWorker, Ticket
 
 
 @dataclass
@@ -57,7 +64,7 @@ class Choice:
     index: int
     text: str
     finish_reason: str
-    logprobs: list[Any]
+    logprobs: list[SampledToken]
 
 
 @dataclass

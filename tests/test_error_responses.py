@@ -14,6 +14,7 @@ from hotlora.adapters import (
     InvalidAdapterSpec,
 )
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
+from hotlora.server.engine import QueueFull
 from hotlora.server.error_responses import error_response
 from hotlora.server.request_errors import (
     ClientDisconnected,
@@ -21,7 +22,6 @@ from hotlora.server.request_errors import (
     NotReady,
     Unauthorized,
 )
-from hotlora.server.worker import QueueFull
 
 WIRE = [
     # (exception, status, type, param, code, headers)

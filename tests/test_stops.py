@@ -1,6 +1,6 @@
 import pytest
 
-from hotlora.server.stops import StopMatcher
+from hotlora.server.engine.stops import StopMatcher
 
 
 def run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:

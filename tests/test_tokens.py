@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from hotlora.server.tokens import TokenPieces
+from hotlora.server.engine.tokens import TokenPieces
 
 from e2e import embedded_model_dir
 

@@ -8,8 +8,15 @@ from pathlib import Path
 import pytest
 
 from hotlora.models.loader import load_model_dir
-from hotlora.server.engine import Delta, Engine, Finished, GenerationJob, SamplingParams
-from hotlora.server.worker import GenerationWorker, QueueFull
+from hotlora.server.engine import (
+    Delta,
+    Engine,
+    Finished,
+    GenerationJob,
+    GenerationWorker,
+    QueueFull,
+    SamplingParams,
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The generation worker: one thread owns all MLX work; requests reach it through an asyncio queue.
 
-The event loop never runs MLX code. A request is admitted (or refused with 503) before any
+The event loop never runs MLX code. A request is admitted (or refused with `QueueFull`) before any
 response starts, as one ticket holding all of its jobs; the worker thread serves a ticket's jobs
 back to back, and their events come back through the ticket's own asyncio queue.
 """
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 
 from hotlora.config.errors import HotloraError
-from hotlora.server.engine import Engine, Event, GenerationJob
+from hotlora.server.engine.generate import Engine, Event, GenerationJob
 
 log = logging.getLogger("hotlora")
 

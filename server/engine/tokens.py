@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ def _byte_decoder() -> dict[str, int]:
 class TokenPieces:
     """Token id -> `TokenPiece`, cached; byte-level BPE vocabularies give exact bytes."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: TokenizerWrapper):
         self.tokenizer = tokenizer
         self._cache: dict[int, TokenPiece] = {}
         self._byte_level = type(tokenizer.detokenizer).__name__ == "BPEStreamingDetokenizer"

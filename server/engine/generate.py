@@ -1,12 +1,13 @@
 """Generation as plain steps on one loaded model: prefill (with prompt-cache reuse), then decode.
 
-Everything here runs on the generation worker's thread; nothing here knows about HTTP.
+A job goes in (prompt, sampling parameters, the request's adapter set); text deltas and one
+`Finished` come out. Everything here runs on the generation worker's thread.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -18,31 +19,16 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     trim_prompt_cache,
 )
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from hotlora.adapters import BASE_ONLY, AdapterSet, activate
 from hotlora.models.loader import LoadedModel
-from hotlora.server.stops import StopMatcher
-from hotlora.server.tokens import TokenPiece, TokenPieces
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What decides the next token and when to stop; validated by the caller."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
+from hotlora.server.engine.sampling import (
+    SamplingParams,
+    build_logits_processors,
+    build_sampler,
+)
+from hotlora.server.engine.stops import StopMatcher
+from hotlora.server.engine.tokens import TokenPiece, TokenPieces
 
 
 @dataclass
@@ -56,7 +42,9 @@ class GenerationJob:
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class SampledToken:
+    """A generated token with its log-probability and the `top` most likely alternatives."""
+
     token: TokenPiece
     logprob: float
     top: tuple[tuple[TokenPiece, float], ...]
@@ -67,11 +55,13 @@ class Delta:
     """Text that is safe to show, with the tokens that produced it."""
 
     text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
+    logprobs: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finished:
+    """The end of a job: why it stopped, and its token counts."""
+
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
@@ -79,6 +69,8 @@ class Finished:
 
 
 Event = Delta | Finished
+# One cache per layer (mlx-lm's KVCache, RotatingKVCache, ...), as `make_prompt_cache` builds.
+LayerCaches = list[Any]
 
 
 def prompt_cache_key(base_id: str, adapters: AdapterSet) -> tuple[str, ...]:
@@ -131,8 +123,8 @@ class Engine:
                 mx.array(rest),
                 self.model,
                 max_tokens=params.max_tokens,
-                sampler=_sampler(params),
-                logits_processors=_processors(params),
+                sampler=build_sampler(params),
+                logits_processors=build_logits_processors(params),
                 prompt_cache=cache,
             )
             for step_token, logprobs in steps:
@@ -166,7 +158,7 @@ class Engine:
 
     def _prefill_cache(
         self, key: tuple[str, ...], prompt: list[int]
-    ) -> tuple[list[Any], list[int]]:
+    ) -> tuple[LayerCaches, list[int]]:
         """The nearest cached prefix of `prompt` under `key`, and the tokens still to process."""
         cache, rest = self.prompt_cache.fetch_nearest_cache(key, prompt)
         if cache is None:
@@ -179,12 +171,12 @@ class Engine:
             rest = prompt[-1:]
         return cache, rest
 
-    def _store_cache(self, key: tuple[str, ...], tokens: list[int], cache: list[Any]) -> None:
+    def _store_cache(self, key: tuple[str, ...], tokens: list[int], cache: LayerCaches) -> None:
         offset = getattr(cache[0], "offset", None) if cache else None
         if isinstance(offset, int) and 0 < offset <= len(tokens):
             self.prompt_cache.insert_cache(key, tokens[:offset], cache)
 
-    def _logprob(self, token: int, logprobs: mx.array, k: int) -> TokenLogprob:
+    def _logprob(self, token: int, logprobs: mx.array, k: int) -> SampledToken:
         # logprobs: [vocab], already log-softmaxed by generate_step.
         top: tuple[tuple[TokenPiece, float], ...] = ()
         if k > 0:
@@ -194,22 +186,4 @@ class Engine:
             pairs = sorted(zip(id_list, values, strict=True), key=lambda p: -p[1])
             top = tuple((self.pieces(i), v) for i, v in pairs)
         chosen = cast(float, logprobs[token].item())
-        return TokenLogprob(self.pieces(token), chosen, top)
-
-
-def _sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    return make_sampler(
-        temp=params.temperature,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        top_k=params.top_k,
-    )
-
-
-def _processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
-    return make_logits_processors(
-        logit_bias=dict(params.logit_bias) or None,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-    )
+        return SampledToken(self.pieces(token), chosen, top)

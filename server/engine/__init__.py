@@ -1,0 +1,28 @@
+"""Everything that runs on the generation thread: the worker, the model steps, sampling, stops.
+
+Nothing here knows about HTTP: `QueueFull` is an engine condition, reported as the server sees fit.
+"""
+
+from hotlora.server.engine.generate import (
+    Delta,
+    Engine,
+    Event,
+    Finished,
+    GenerationJob,
+    SampledToken,
+)
+from hotlora.server.engine.sampling import SamplingParams
+from hotlora.server.engine.worker import GenerationWorker, QueueFull, Ticket
+
+__all__ = [
+    "Delta",
+    "Engine",
+    "Event",
+    "Finished",
+    "GenerationJob",
+    "GenerationWorker",
+    "QueueFull",
+    "SampledToken",
+    "SamplingParams",
+    "Ticket",
+]
