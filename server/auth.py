@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Request
 
 from hotlora.server.deps import RuntimeDep
 from hotlora.server.request_errors import Unauthorized
@@ -28,7 +27,3 @@ def require_admin_key(request: Request, runtime: RuntimeDep) -> None:
     # With only --api-key set, admin takes that key too: never open while inference is closed.
     settings = runtime.settings
     _check(request, settings.admin_api_key or settings.api_key, "admin API key")
-
-
-ApiKey = Annotated[None, Depends(require_api_key)]
-AdminKey = Annotated[None, Depends(require_admin_key)]

@@ -13,8 +13,8 @@ from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.embedded import ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
+from hotlora.server.admin_protocol import ModelCard
 from hotlora.server.engine import Engine, GenerationJob, GenerationWorker, SamplingParams
-from hotlora.server.protocol import ModelCard
 from hotlora.server.request_errors import NotReady
 from hotlora.server.serving import InferenceService
 
@@ -36,7 +36,6 @@ class Runtime:
     ):
         self.settings = settings
         self.started_at = int(time.time())
-        self.loaded: LoadedModel | None = None
         self.worker: GenerationWorker | None = None
         self.inference: InferenceService | None = None
         self.base_id: str | None = None
@@ -44,7 +43,6 @@ class Runtime:
         self.adapters: AdapterManager | None = None
         self.ready = False
         self.status = "starting"
-        self.error: str | None = None
         self._on_fatal = on_fatal
 
     async def start(self) -> None:
@@ -62,7 +60,7 @@ class Runtime:
             self.ready, self.status = True, "ready"
             log.info("ready: serving %s from %s", self.base_id, path)
         except Exception as exc:  # noqa: BLE001 - reported, then the server stops
-            self.status, self.error = "failed", str(exc)
+            self.status = "failed"
             log.error("could not start: %s", exc)
             if self._on_fatal is not None:
                 self._on_fatal(exc)
@@ -72,7 +70,7 @@ class Runtime:
         log.info("%s", message)
 
     def _build(self, loaded: LoadedModel, path: Path) -> None:
-        self.loaded, self.model_path = loaded, path
+        self.model_path = path
         self.base_id = self.settings.served_model_name or path.name
         self.adapters = AdapterManager(
             loaded.model,

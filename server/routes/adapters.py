@@ -9,15 +9,15 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from hotlora.adapters import AdapterInfo, AdapterManager, AdapterNotFound
-from hotlora.server.auth import require_admin_key
-from hotlora.server.deps import RuntimeDep
-from hotlora.server.protocol import (
+from hotlora.server.admin_protocol import (
     AdapterCard,
     AdapterList,
     LoadLoraAdapterRequest,
     MountAdapterRequest,
     UnloadLoraAdapterRequest,
 )
+from hotlora.server.auth import require_admin_key
+from hotlora.server.deps import RuntimeDep
 
 router = APIRouter(prefix="/v1", tags=["adapters"], dependencies=[Depends(require_admin_key)])
 

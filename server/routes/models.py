@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from hotlora.server.admin_protocol import ModelCard, ModelList
 from hotlora.server.deps import RuntimeDep
-from hotlora.server.protocol import ModelCard, ModelList
 
 router = APIRouter(prefix="/v1", tags=["models"])
 

@@ -1,0 +1,64 @@
+"""The schema of the model list and the adapter admin routes (what is not OpenAI's completions).
+
+Fields that OpenAI does not have carry a `Field(description=...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from hotlora.server.protocol import OpenAIBase
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str | None = Field(default=None, description="Local model directory or adapter path.")
+    parent: str | None = Field(default=None, description="The base model id, for adapters.")
+
+
+class MountAdapterRequest(OpenAIBase):
+    id: str = Field(description="The adapter id requests use: letters, digits, '.', '_', '-'.")
+    path: str = Field(description="The adapter directory, under the server's adapter root.")
+    replace: bool = Field(default=False, description="Swap an adapter mounted under this id.")
+
+
+class LoadLoraAdapterRequest(OpenAIBase):
+    """vLLM's spelling of a mount."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(OpenAIBase):
+    lora_name: str
+
+
+class AdapterCard(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    path: str
+    rank: int
+    scale: float
+    rslora: bool
+    revision: str
+    size_bytes: int
+    ram_bytes: int
+    mounted_layers: int
+    skipped_tensors: int
+    mounted_at: int
+    in_use: int
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterCard]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
