@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from tests.bench_adapters import run_adapters
-from tests.bench_http import Sample, Server, hotlora_spec, mlx_lm_spec, stream_chat
+from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
 
 WARMUP_QUESTION = "Describe the water cycle in detail."
 # Distinct per round, so a prompt cache helps neither side beyond the chat template's shared
@@ -168,12 +168,9 @@ def section_base(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     env = server_env(args.home)
     samples: dict[str, list[Sample]] = {}
     with tempfile.TemporaryDirectory(prefix="hotlora-bench-") as logs, httpx.Client() as client:
-        servers: list[Server] = []
+        # Loading in parallel, serving one at a time.
+        servers = launch([hotlora_bench_spec(model_dir), mlx_lm_spec(model_dir)], env, Path(logs))
         try:
-            for spec in (hotlora_spec(model_dir), mlx_lm_spec(model_dir)):
-                servers.append(Server(spec, env, Path(logs)))
-            for server in servers:  # loading in parallel, serving one at a time
-                server.wait_ready(client)
             for server in servers:
                 stream_chat(client, server, WARMUP_QUESTION, args.max_tokens, -1)
             for i, question in enumerate(questions):

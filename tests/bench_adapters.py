@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 
-from tests.bench_http import Sample, Server, ServerSpec, hotlora_spec, mlx_lm_spec, stream_chat
+from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
+from tests.support.server_process import ServerProcess, ServerSpec
 
 RANK = 16
 SCALE = 1.0
@@ -146,7 +147,7 @@ def time_in_process(model_dir: Path, root: Path) -> tuple[list[float], list[floa
 
 def hotlora_adapter_spec(model_dir: Path, root: Path) -> ServerSpec:
     """hotlora with `a` and `b` mounted at start-up from under `root`."""
-    base = hotlora_spec(model_dir)
+    base = hotlora_bench_spec(model_dir)
 
     def argv(port: int) -> list[str]:
         mounts = [f"--adapter={i}={ADAPTER_DIRS[i]}" for i in ("a", "b")]
@@ -155,7 +156,9 @@ def hotlora_adapter_spec(model_dir: Path, root: Path) -> ServerSpec:
     return dataclasses.replace(base, argv=argv)
 
 
-def timed_chat(client: httpx.Client, server: Server, body: dict[str, Any]) -> tuple[float, int]:
+def timed_chat(
+    client: httpx.Client, server: ServerProcess, body: dict[str, Any]
+) -> tuple[float, int]:
     """Seconds from send to the full non-streaming response, and its completion tokens."""
     t0 = time.perf_counter()
     r = client.post(f"{server.url}/v1/chat/completions", json=body, timeout=SWITCH_TIMEOUT_S)
@@ -166,7 +169,7 @@ def timed_chat(client: httpx.Client, server: Server, body: dict[str, Any]) -> tu
 
 
 def switch_body(
-    server: Server, adapter: str, dirs: dict[str, Path], model_dir: Path
+    server: ServerProcess, adapter: str, dirs: dict[str, Path], model_dir: Path
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": server.model_id,
@@ -184,7 +187,7 @@ def switch_body(
     return body
 
 
-def admin(client: httpx.Client, server: Server, method: str, path: str, **kw: Any) -> float:
+def admin(client: httpx.Client, server: ServerProcess, method: str, path: str, **kw: Any) -> float:
     t0 = time.perf_counter()
     r = client.request(method, f"{server.url}{path}", timeout=ADMIN_TIMEOUT_S, **kw)
     seconds = time.perf_counter() - t0
@@ -198,8 +201,8 @@ def admin(client: httpx.Client, server: Server, method: str, path: str, **kw: An
 
 def measure_decode(
     client: httpx.Client,
-    hot: Server,
-    others: list[Server],
+    hot: ServerProcess,
+    others: list[ServerProcess],
     questions: list[str],
     max_tokens: int,
 ) -> dict[str, list[Sample]]:
@@ -231,10 +234,14 @@ def measure_decode(
 
 
 def measure_switching(
-    client: httpx.Client, hot: Server, mlx: Server, dirs: dict[str, Path], model_dir: Path
+    client: httpx.Client,
+    hot: ServerProcess,
+    mlx: ServerProcess,
+    dirs: dict[str, Path],
+    model_dir: Path,
 ) -> dict[str, list[Timed]]:
     """hotlora a,a,a / hotlora a,b,a,b / mlx_lm.server a,b,a,b, taking turns in blocks."""
-    workloads: dict[str, tuple[Server, Callable[[int], str]]] = {
+    workloads: dict[str, tuple[ServerProcess, Callable[[int], str]]] = {
         "hotlora a,a,a,...": (hot, lambda k: "a"),
         "hotlora a,b,a,b,...": (hot, lambda k: "ab"[k % 2]),
         "mlx_lm.server a,b,a,b,...": (mlx, lambda k: "ab"[k % 2]),
@@ -264,7 +271,7 @@ def measure_switching(
     return timed
 
 
-def measure_admin(client: httpx.Client, hot: Server) -> tuple[list[float], list[float]]:
+def measure_admin(client: httpx.Client, hot: ServerProcess) -> tuple[list[float], list[float]]:
     """POST then DELETE /v1/adapters for `m`, repeated; seconds at the client."""
     body = {"id": "m", "path": ADAPTER_DIRS["m"]}
     mounts, unmounts = [], []
@@ -369,12 +376,10 @@ def run_adapters(
     print(f"adapters written under {root}: {', '.join(p.name for p in dirs.values())}", flush=True)
     local = time_in_process(model_dir, root)
     with tempfile.TemporaryDirectory(prefix="hotlora-bench-") as logs, httpx.Client() as client:
-        servers: list[Server] = []
+        # Loading in parallel, serving one at a time.
+        specs = [hotlora_adapter_spec(model_dir, root), mlx_lm_spec(model_dir)]
+        servers = launch(specs, env, Path(logs))
         try:
-            for spec in (hotlora_adapter_spec(model_dir, root), mlx_lm_spec(model_dir)):
-                servers.append(Server(spec, env, Path(logs)))
-            for server in servers:  # loading in parallel, serving one at a time
-                server.wait_ready(client)
             hot, mlx = servers
             rows = measure_decode(client, hot, [mlx], questions, max_tokens)
             timed = measure_switching(client, hot, mlx, dirs, model_dir)

@@ -1,19 +1,17 @@
-"""Benchmark plumbing: servers as subprocesses on loopback ports, and timed SSE chat requests."""
+"""Benchmark plumbing: the servers to compare, and timed SSE chat requests."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.support.server_process import ServerProcess, ServerSpec, hotlora_spec
 
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -45,83 +43,9 @@ def decode_rate(tokens: int, t_first: float, t_last: float) -> float:
     return (tokens - 1) / span if tokens > 1 and span > 0 else float("nan")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class ServerSpec:
-    """How to start one OpenAI-compatible server and tell when it can serve."""
-
-    name: str
-    argv: Callable[[int], list[str]]  # port -> command line
-    ready: Callable[[httpx.Client, str], str | None]  # -> the model id to send, None if not yet
-    usage_counts_stop_token: bool  # whether usage.completion_tokens includes the eos token
-
-
-class Server:
-    """A running server subprocess; stop() is safe to call twice."""
-
-    def __init__(self, spec: ServerSpec, env: dict[str, str], log_dir: Path):
-        self.spec = spec
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{spec.name}.log"
-        self.model_id = ""
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.spec.argv(self.port), env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-
-    def wait_ready(self, client: httpx.Client, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                raise RuntimeError(f"{self.spec.name} exited ({code}):\n{self.log()}")
-            try:
-                model = self.spec.ready(client, self.url)
-            except httpx.HTTPError:
-                model = None
-            if model is not None:
-                self.model_id = model
-                return
-            time.sleep(0.25)
-        raise TimeoutError(f"{self.spec.name} not ready after {timeout:.0f}s:\n{self.log()}")
-
-    def cpu_seconds(self) -> float:
-        return cpu_seconds(self.proc.pid)
-
-    def log(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-
-
-def _hotlora_ready(client: httpx.Client, url: str) -> str | None:
-    r = client.get(f"{url}/ready", timeout=5)
-    return r.json().get("model", "") if r.status_code == 200 else None
+# Servers whose usage.completion_tokens counts the eos token: mlx_lm.server's batch path queues
+# it as a response, so len(tokens) includes it.
+COUNTS_STOP_TOKEN = frozenset({"mlx_lm.server"})
 
 
 def _mlx_lm_ready(client: httpx.Client, url: str) -> str | None:
@@ -134,14 +58,17 @@ def _mlx_lm_ready(client: httpx.Client, url: str) -> str | None:
     return "default_model" if r.status_code == 200 else None
 
 
-def _argv(command: list[str], model_dir: Path, log_level: str) -> Callable[[int], list[str]]:
-    """`python -m <command> --model DIR` on loopback at the given port, quiet."""
+def hotlora_bench_spec(model_dir: Path) -> ServerSpec:
+    return hotlora_spec("--model", str(model_dir), "--log-level", "warning")
 
+
+def mlx_lm_spec(model_dir: Path) -> ServerSpec:
     def argv(port: int) -> list[str]:
         return [
             sys.executable,
             "-m",
-            *command,
+            "mlx_lm",
+            "server",
             "--model",
             str(model_dir),
             "--host",
@@ -149,26 +76,33 @@ def _argv(command: list[str], model_dir: Path, log_level: str) -> Callable[[int]
             "--port",
             str(port),
             "--log-level",
-            log_level,
+            "WARNING",
         ]
 
-    return argv
+    return ServerSpec("mlx_lm.server", argv, _mlx_lm_ready)
 
 
-def hotlora_spec(model_dir: Path) -> ServerSpec:
-    argv = _argv(["hotlora.server.cli", "serve"], model_dir, "warning")
-    return ServerSpec("hotlora", argv, _hotlora_ready, usage_counts_stop_token=False)
-
-
-def mlx_lm_spec(model_dir: Path) -> ServerSpec:
-    argv = _argv(["mlx_lm", "server"], model_dir, "WARNING")
-    # Its batch path queues the eos token as a response, so len(tokens) counts it.
-    return ServerSpec("mlx_lm.server", argv, _mlx_lm_ready, usage_counts_stop_token=True)
+def launch(specs: list[ServerSpec], env: dict[str, str], log_dir: Path) -> list[ServerProcess]:
+    """Start every server at once (they load in parallel); return once all can serve."""
+    servers = [
+        ServerProcess(spec, env=env, log_dir=log_dir, ready_timeout=STARTUP_TIMEOUT_S)
+        for spec in specs
+    ]
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
 
 
 def stream_chat(
     client: httpx.Client,
-    server: Server,
+    server: ServerProcess,
     question: str,
     max_tokens: int,
     round_: int,
@@ -218,7 +152,7 @@ def stream_chat(
     if usage is None:
         raise RuntimeError(f"{server.spec.name}: no usage chunk for {question!r}")
     tokens = int(usage["completion_tokens"])
-    if finish == "stop" and server.spec.usage_counts_stop_token:
+    if finish == "stop" and server.spec.name in COUNTS_STOP_TOKEN:
         tokens -= 1
     return Sample(
         system=server.spec.name,

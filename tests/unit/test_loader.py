@@ -17,7 +17,7 @@ from hotlora.models.loader import (
     load_model_dir,
 )
 
-from tiny import (
+from tests.support.tiny import (
     EOS_TOKEN_ID,
     MAX_POSITION_EMBEDDINGS,
     VOCAB_SIZE,

@@ -23,7 +23,7 @@ from hotlora.models.embedded import (
 )
 from hotlora.models.gguf import UnsupportedGGUF, import_gguf
 
-from gguf_support import (
+from tests.support.gguf_files import (
     HEAD_DIM,
     TINY_TYPES,
     embedded_gguf,

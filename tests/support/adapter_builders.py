@@ -18,7 +18,7 @@ from hotlora.adapters import AdapterManager, AdapterSet, parse_adapter_spec
 from hotlora.adapters.projections import TARGET_PROJECTIONS, find_targets, linear_dims
 from hotlora.adapters.slots import LoRASlot
 
-from tiny import tiny_args
+from tests.support.tiny import tiny_args
 
 BASE_ID = "tiny"
 RANK = 4

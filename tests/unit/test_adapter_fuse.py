@@ -13,7 +13,7 @@ from hotlora.adapters import AdapterManager, InvalidAdapter, activate, fuse_adap
 from hotlora.adapters.projections import find_targets
 from hotlora.models.loader import load_model_dir
 
-from adapter_support import (
+from tests.support.adapter_builders import (
     BASE_ID,
     adapter_set,
     logits,
@@ -21,7 +21,7 @@ from adapter_support import (
     tiny_model,
     write_peft_adapter,
 )
-from tiny import write_tiny_llama
+from tests.support.tiny import write_tiny_llama
 
 
 def adapted_and_fused(tmp_path: Path, quantize: bool) -> tuple[mx.array, mx.array, mx.array]:

@@ -10,8 +10,10 @@ import pytest
 
 from hotlora.models.loader import load_model_dir
 
-from adapter_support import random_pairs, tiny_model, write_mlx_adapter
-from tiny import is_quantized, write_tiny_llama
+from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+from tests.support.tiny import is_quantized, write_tiny_llama
+
+pytestmark = pytest.mark.e2e
 
 
 def hotlora(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

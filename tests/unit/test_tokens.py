@@ -7,12 +7,10 @@ from mlx_lm.utils import load_tokenizer
 
 from hotlora.server.engine.tokens import TokenPieces
 
-from e2e import embedded_model_dir
-
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(embedded_model_dir())
+def tokenizer(embedded_model_dir):
+    return load_tokenizer(embedded_model_dir)
 
 
 @pytest.mark.parametrize("text", ["😀 hi", "héllo wörld", "日本語", "tab\there", "x = 12345"])

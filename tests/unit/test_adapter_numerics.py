@@ -12,7 +12,7 @@ from mlx_lm.tuner.utils import load_adapters
 from hotlora.adapters import AdapterManager, AdapterNotFound, AdapterRef, activate
 from hotlora.adapters.slots import LoRASlot
 
-from adapter_support import (
+from tests.support.adapter_builders import (
     BASE_ID,
     RANK,
     SCALE,

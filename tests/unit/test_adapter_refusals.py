@@ -18,7 +18,7 @@ from hotlora.adapters import (
     activate,
 )
 
-from adapter_support import (
+from tests.support.adapter_builders import (
     adapter_set,
     logits,
     make_manager,

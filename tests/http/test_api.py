@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from hotlora.server.engine import generate
 
-from tiny import MAX_POSITION_EMBEDDINGS
+from tests.support.tiny import MAX_POSITION_EMBEDDINGS
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}]}
 

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from adapter_support import random_pairs, tiny_model, write_mlx_adapter, write_peft_adapter
+from tests.support.adapter_builders import (
+    random_pairs,
+    tiny_model,
+    write_mlx_adapter,
+    write_peft_adapter,
+)
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
 
@@ -188,24 +193,21 @@ def test_startup_adapters_are_mounted(make_client, root: Path):
     assert [c["id"] for c in client.get("/v1/adapters").json()["data"]] == ["a", "b"]
 
 
-def test_a_bad_startup_adapter_stops_the_start(tiny_model_dir: Path, tmp_path: Path, root: Path):
-    from hotlora.server.app import create_app
-
-    from conftest import tiny_settings
-
+def test_a_bad_startup_adapter_stops_the_start(make_client, root: Path):
     failures: list[BaseException] = []
-    settings = tiny_settings(
-        tiny_model_dir, tmp_path / "home", adapter_root=root, startup_adapters={"x": "../nope"}
+    client = make_client(
+        ready=False,
+        on_fatal=failures.append,
+        adapter_root=root,
+        startup_adapters={"x": "../nope"},
     )
-    app = create_app(settings, on_fatal=failures.append)
-    with TestClient(app) as client:
-        for _ in range(200):
-            if failures:
-                break
-            time.sleep(0.05)
-        assert failures and "outside the adapter root" in str(failures[0])
-        ready = client.get("/ready")
-        assert ready.status_code == 503 and "failed" in ready.json()["error"]["message"]
+    for _ in range(200):
+        if failures:
+            break
+        time.sleep(0.05)
+    assert failures and "outside the adapter root" in str(failures[0])
+    ready = client.get("/ready")
+    assert ready.status_code == 503 and "failed" in ready.json()["error"]["message"]
 
 
 def cached(client: TestClient, **fields: object) -> int:

@@ -11,7 +11,7 @@ from mlx_lm.utils import load_model, save_config, save_model
 from hotlora.models.model_files import atomic_model_dir, copy_aux_files
 from hotlora.models.quantize import AlreadyQuantized, quantize_model_dir
 
-from tiny import tiny_args
+from tests.support.tiny import tiny_args
 
 AUX = {
     "tokenizer.json": b'{"version": "1.0"}\n',

@@ -16,7 +16,7 @@ from hotlora.models.gguf_tokenizer import (
     write_tokenizer_files,
 )
 
-from gguf_support import bytes_to_unicode, embedded_gguf
+from tests.support.gguf_files import bytes_to_unicode, embedded_gguf
 
 TRICKY = [
     "12345",

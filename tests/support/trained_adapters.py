@@ -10,9 +10,9 @@ The recipe is mlx-lm's own LoRA (`linear_to_lora_layers`, rank 8, scale 20, the 
 on a float32 copy of the quantized base (dequantized weights are exactly the quantized values,
 so the adapter works on the 4-bit base unchanged). The files are the ones `mlx_lm lora` writes.
 
-Each adapter trains in a subprocess (the float32 copy is freed with it) and is renamed into
-`<adapter root>/test-<name>-<recipe hash>` only once complete. Run this file to train both:
-`python tests/trained_adapters.py`.
+Each adapter trains in a subprocess running this file (the float32 copy is freed with it) and
+is renamed into `<adapter root>/test-<name>-<recipe hash>` only once complete; the end-to-end
+tier's `trained_adapters` fixture keeps them under the test home.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 # Bump when the training code changes in a way the recipe below does not show.
 RECIPE_VERSION = 2
@@ -151,14 +149,6 @@ def ensure_trained(name: str, model_dir: Path, root: Path) -> Path:
 
 def ensure_all(model_dir: Path, root: Path) -> TrainedAdapters:
     return TrainedAdapters(root, {name: ensure_trained(name, model_dir, root) for name in ANSWERS})
-
-
-@pytest.fixture(scope="session")
-def trained_adapters() -> TrainedAdapters:
-    """Both test adapters under `<HOTLORA_HOME>/adapters`; trained once per machine."""
-    from e2e import embedded_model_dir, home
-
-    return ensure_all(embedded_model_dir(), home() / "adapters")
 
 
 # Training: runs in the subprocess that `ensure_trained` starts.
@@ -293,18 +283,11 @@ def train(name: str, model_dir: Path, out: Path) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Train the test adapters on the embedded model.")
-    parser.add_argument("--name", choices=sorted(ANSWERS))
-    parser.add_argument("--model", type=Path)
-    parser.add_argument("--out", type=Path)
+    parser = argparse.ArgumentParser(description="Train one test adapter on the embedded model.")
+    parser.add_argument("--name", choices=sorted(ANSWERS), required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if args.name is None:  # train (or find) both, as the tests do
-        sys.path.insert(0, str(Path(__file__).parent))
-        from e2e import embedded_model_dir, home
-
-        for name, path in ensure_all(embedded_model_dir(), home() / "adapters").paths.items():
-            print(f"{name}: {path}")
-        return 0
     print(f"training adapter '{args.name}' on {args.model}")
     started = time.monotonic()
     loss = train(args.name, args.model, args.out)

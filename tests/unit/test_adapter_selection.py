@@ -14,7 +14,13 @@ from hotlora.adapters import (
 )
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
 
-from adapter_support import BASE_ID, make_manager, random_pairs, tiny_model, write_mlx_adapter
+from tests.support.adapter_builders import (
+    BASE_ID,
+    make_manager,
+    random_pairs,
+    tiny_model,
+    write_mlx_adapter,
+)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from hotlora.adapters import (
     parse_adapter_spec,
 )
 
-from adapter_support import (
+from tests.support.adapter_builders import (
     BASE_ID,
     TOKENS,
     adapter_set,

@@ -18,12 +18,10 @@ import mlx.core as mx
 import openai
 import pytest
 
-from e2e import RemoteServer, embedded_model_dir
-from trained_adapters import ANSWERS, HYPERPARAMETERS, TrainedAdapters, trained_adapters
+from tests.support.server_process import ServerProcess, hotlora_spec
+from tests.support.trained_adapters import ANSWERS, HYPERPARAMETERS, TrainedAdapters
 
 pytestmark = pytest.mark.e2e
-
-__all__ = ["trained_adapters"]  # the session fixture, imported for pytest
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 20  # every single-adapter answer (16 tokens at most) ends before this
@@ -31,15 +29,15 @@ PIRATE, FORTYTWO = ANSWERS["pirate"], ANSWERS["fortytwo"]
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return embedded_model_dir()
+def model_dir(embedded_model_dir: Path) -> Path:
+    return embedded_model_dir
 
 
 @dataclass
 class Api:
     """The served model through the openai client, admin calls through httpx."""
 
-    server: RemoteServer
+    server: ServerProcess
     base_id: str
     client: openai.OpenAI = field(init=False)
     http: httpx.Client = field(init=False)
@@ -88,14 +86,15 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api(model_dir: Path, trained_adapters: TrainedAdapters) -> Iterator[Api]:
-    with RemoteServer(
+    spec = hotlora_spec(
         "--model",
         str(model_dir),
         "--adapter-root",
         str(trained_adapters.root),
         "--adapter",
         f"pirate={trained_adapters['pirate']}",
-    ) as server:
+    )
+    with ServerProcess(spec) as server:
         api = Api(server, model_dir.name)
         api.base_first = api.text()
         response = api.mount("fortytwo", trained_adapters["fortytwo"].name)  # relative to root

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from e2e import RemoteServer, embedded_model_dir
+from tests.support.server_process import ServerProcess, hotlora_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -22,18 +22,19 @@ MESSAGES = [{"role": "user", "content": FRANCE}]
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return embedded_model_dir()
+def model_dir(embedded_model_dir: Path) -> Path:
+    return embedded_model_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[RemoteServer]:
-    with RemoteServer("--model", str(model_dir), "--max-body-bytes", "65536") as srv:
+def server(model_dir: Path) -> Iterator[ServerProcess]:
+    spec = hotlora_spec("--model", str(model_dir), "--max-body-bytes", "65536")
+    with ServerProcess(spec) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
+def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -190,7 +191,7 @@ def test_client_disconnect_stops_generation(server, client, model_id):
 
 
 def readme_block(language: str, needle: str) -> str:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     blocks = readme.split(f"```{language}\n")[1:]
     [block] = [b.split("```", 1)[0] for b in blocks if needle in b.split("```", 1)[0]]
     return block

@@ -1,0 +1,1 @@
+"""The test suite in three tiers (unit, http, e2e), its shared support, and the benchmark."""

@@ -1,0 +1,1 @@
+"""End-to-end tier: real `hotlora` processes, the CLI and a uvicorn server on the embedded model."""
