@@ -25,7 +25,8 @@ os.environ["XDG_CACHE_HOME"] = str(TEST_HOME / "xdg")
 
 
 @pytest.fixture(scope="session")
-def test_home() -> Path:
+def hotlora_home() -> Path:
+    """The HOTLORA_HOME every test, and every process a test starts, sees."""
     return TEST_HOME
 
 
@@ -35,6 +36,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def embedded_model_dir(test_home: Path) -> Path:
+def embedded_model_dir(hotlora_home: Path) -> Path:
     """The embedded model, imported into the test home once and reused by later runs."""
-    return ensure_embedded_model(test_home)
+    return ensure_embedded_model(hotlora_home)

@@ -10,6 +10,6 @@ from tests.support.trained_adapters import TrainedAdapters, ensure_all
 
 
 @pytest.fixture(scope="session")
-def trained_adapters(embedded_model_dir: Path, test_home: Path) -> TrainedAdapters:
+def trained_adapters(embedded_model_dir: Path, hotlora_home: Path) -> TrainedAdapters:
     """Both test adapters under the test home's adapter root; trained once, then reused."""
-    return ensure_all(embedded_model_dir, test_home / "adapters")
+    return ensure_all(embedded_model_dir, hotlora_home / "adapters")

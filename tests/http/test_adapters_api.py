@@ -15,6 +15,7 @@ from tests.support.adapter_builders import (
     write_mlx_adapter,
     write_peft_adapter,
 )
+from tests.support.sse import sse_events
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
 
@@ -89,8 +90,7 @@ def test_stream_with_adapter_equals_whole(api: TestClient):
     streamed = api.post(
         "/v1/chat/completions", json={**CHAT, "max_tokens": 12, "adapter": "a", "stream": True}
     )
-    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
-    chunks = [json.loads(e) for e in events[:-1]]
+    chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole
     assert chunks[0]["model"] == "tiny:a"
 

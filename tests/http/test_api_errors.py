@@ -1,0 +1,205 @@
+"""The HTTP API in-process on the tiny random model: what it refuses, and how it fails."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import mlx.core as mx
+import pytest
+from fastapi.testclient import TestClient
+
+from hotlora.server.engine import generate
+
+from tests.support.sse import sse_events
+from tests.support.tiny import MAX_POSITION_EMBEDDINGS
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}]}
+
+
+ERRORS = [
+    # (path, body, status, param, code)
+    ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 5}, 400, "temperature", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "n": 99}, 400, "n", None),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "max_tokens": MAX_POSITION_EMBEDDINGS},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, "model", "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, "prompt", None),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "max_tokens": 100000},
+        400,
+        "max_tokens",
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), ERRORS)
+def test_error_table(client: TestClient, path, body, status, param, code):
+    response = client.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+
+
+def test_context_overflow_names_both_numbers(client: TestClient):
+    error = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 600}).json()["error"]
+    assert str(MAX_POSITION_EMBEDDINGS) in error["message"] and "600" in error["message"]
+
+
+def test_invalid_json_unknown_route_and_method(client: TestClient):
+    bad = client.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    missing = client.get("/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    wrong = client.get("/v1/chat/completions")
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_body_limit(make_client):
+    client = make_client(max_body_bytes=200)
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 500}]}
+    response = client.post("/v1/chat/completions", json=big)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+    def chunked():
+        yield json.dumps(big).encode()
+
+    response = client.post(
+        "/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+    ok = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_internal_error_hides_details(make_client, monkeypatch):
+    client = make_client(raise_server_exceptions=False)
+    engine = client.app.state.runtime.worker.engine
+
+    def explode(job):
+        raise RuntimeError("/secret/path/file.py exploded")
+        yield
+
+    monkeypatch.setattr(engine, "generate", explode)
+    response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert response.status_code == 500
+    assert "/secret" not in response.text and "Traceback" not in response.text
+    monkeypatch.undo()
+    assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_template_that_refuses_the_messages_is_a_400(make_client, monkeypatch):
+    client = make_client()
+    tokenizer = client.app.state.runtime.worker.engine.tokenizer
+
+    def refuse(*args, **kwargs):
+        from jinja2 import TemplateError
+
+        raise TemplateError("Conversation roles must alternate user/assistant")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", refuse)
+    response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "must alternate" in error["message"]
+
+
+def test_a_failed_sampler_does_not_break_later_requests(make_client, monkeypatch):
+    client = make_client(raise_server_exceptions=False)
+    sampled = {**CHAT, "max_tokens": 6, "temperature": 1.0}  # no seed: the RNG state carries on
+
+    # Compiled over MLX's global random state, as mlx-lm's own samplers are: failing half-way
+    # leaves that state holding a traced value that later sampling cannot evaluate.
+    @partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+    def failing(logprobs: mx.array) -> mx.array:
+        mx.random.categorical(logprobs)
+        raise RuntimeError("the sampler failed")
+
+    monkeypatch.setattr(generate, "build_sampler", lambda params: failing)
+    failed = client.post("/v1/chat/completions", json=sampled)
+    assert failed.status_code == 500
+    monkeypatch.undo()
+    for _ in range(2):
+        after = client.post("/v1/chat/completions", json=sampled)
+        assert after.status_code == 200, after.text
+
+
+def test_stream_failure_becomes_an_error_event(make_client, monkeypatch):
+    client = make_client(raise_server_exceptions=False)
+    engine = client.app.state.runtime.worker.engine
+    real = engine.generate
+
+    def fail_midway(job):
+        for n, event in enumerate(real(job)):
+            if n == 2:
+                raise RuntimeError("/secret/path exploded")
+            yield event
+
+    monkeypatch.setattr(engine, "generate", fail_midway)
+    response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "stream": True})
+    assert response.status_code == 200
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "/secret" not in error["message"]
+
+
+MORE_ERRORS = [
+    ({**CHAT, "seed": 2**70}, "seed"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "logit_bias": {"5": 500}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), MORE_ERRORS)
+def test_unsupported_or_out_of_range_fields_are_refused(client: TestClient, body, param):
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_batch_prompts_count_against_max_n(client: TestClient):
+    body = {"model": "tiny", "prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}
+    error = client.post("/v1/completions", json=body).json()["error"]
+    assert error["param"] == "prompt" and "9" in error["message"]
+    ok = client.post("/v1/completions", json={**body, "n": 2})
+    assert [c["index"] for c in ok.json()["choices"]] == list(range(6))
+
+
+def test_auth_headers_on_refusals(make_client):
+    client = make_client(api_key="k")
+    response = client.get("/v1/models")
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+    # With only an inference key, the admin routes take that key rather than staying open.
+    assert client.get("/v1/adapters").status_code == 401
+    assert client.get("/v1/adapters", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_empty_keys_are_refused():
+    from pydantic import ValidationError
+
+    from hotlora.config.settings import Settings
+
+    with pytest.raises(ValidationError, match="must not be empty"):
+        Settings(api_key="")
