@@ -150,6 +150,15 @@ def make_manager(
     return model, AdapterManager(model, base_id=BASE_ID, adapter_root=root, max_rank=max_rank)
 
 
+def manager_with_a_and_b(root: Path) -> tuple[nn.Module, AdapterManager]:
+    """A manager over the tiny model with two random adapters mounted, `a` and `b`."""
+    model, manager = make_manager(root)
+    for seed, adapter_id in enumerate(("a", "b"), start=1):
+        write_mlx_adapter(root / adapter_id, random_pairs(tiny_model(), seed=seed))
+        manager.mount(adapter_id, adapter_id)
+    return model, manager
+
+
 def adapter_set(manager: AdapterManager, spec: str) -> AdapterSet:
     """The set a request's `adapter` field `spec` names, not counted as in use."""
     return manager.resolve(parse_adapter_spec(spec))

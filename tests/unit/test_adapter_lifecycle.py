@@ -23,6 +23,7 @@ from tests.support.adapter_builders import (
     adapter_set,
     logits,
     make_manager,
+    manager_with_a_and_b,
     random_pairs,
     tiny_model,
     write_mlx_adapter,
@@ -35,12 +36,7 @@ def select(manager: AdapterManager, spec: str) -> AdapterLease:
 
 @pytest.fixture
 def mounted(tmp_path: Path):
-    model, manager = make_manager(tmp_path)
-    write_mlx_adapter(tmp_path / "a", random_pairs(tiny_model(), seed=1))
-    write_mlx_adapter(tmp_path / "b", random_pairs(tiny_model(), seed=2))
-    manager.mount("a", "a")
-    manager.mount("b", "b")
-    return model, manager
+    return manager_with_a_and_b(tmp_path)
 
 
 def test_leases_count_requests_per_adapter(mounted):

@@ -21,6 +21,7 @@ from tests.support.adapter_builders import (
     layer_keys,
     logits,
     make_manager,
+    manager_with_a_and_b,
     merged_model,
     random_pairs,
     slots,
@@ -163,11 +164,7 @@ def test_info_counts_bytes_layers_and_skipped_tensors(tmp_path: Path):
 def test_interleaved_requests_each_get_their_own_logits(tmp_path: Path):
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, manager = make_manager(tmp_path)
-    write_mlx_adapter(tmp_path / "a", random_pairs(tiny_model(), seed=1))
-    write_mlx_adapter(tmp_path / "b", random_pairs(tiny_model(), seed=2))
-    manager.mount("a", "a")
-    manager.mount("b", "b")
+    model, manager = manager_with_a_and_b(tmp_path)
     sets = {
         "a": adapter_set(manager, "a"),
         "b": adapter_set(manager, "b"),

@@ -16,20 +16,13 @@ from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
 
 from tests.support.adapter_builders import (
     BASE_ID,
-    make_manager,
-    random_pairs,
-    tiny_model,
-    write_mlx_adapter,
+    manager_with_a_and_b,
 )
 
 
 @pytest.fixture
 def manager(tmp_path: Path) -> AdapterManager:
-    _, manager = make_manager(tmp_path)
-    write_mlx_adapter(tmp_path / "a", random_pairs(tiny_model(), seed=1))
-    write_mlx_adapter(tmp_path / "b", random_pairs(tiny_model(), seed=2))
-    manager.mount("a", "a")
-    manager.mount("b", "b")
+    _, manager = manager_with_a_and_b(tmp_path)
     return manager
 
 
