@@ -1,5 +1,8 @@
-"""A server in a subprocess on a free loopback port: the one helper end-to-end tests and the
-benchmark start servers with (hotlora itself, or another OpenAI-compatible server to compare)."""
+"""A server in a subprocess on a free loopback port, for end-to-end tests and the benchmark.
+
+The one way either starts a server: hotlora itself, or another OpenAI-compatible server that
+the benchmark compares it with.
+"""
 
 from __future__ import annotations
 
