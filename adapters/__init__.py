@@ -4,7 +4,8 @@ The public API is what this module exports; code outside the package imports fro
 A request's `adapter` field is parsed once (`parse_adapter_spec`, into `AdapterRef`s);
 `AdapterManager.select` turns it, with the `model` field, into an `AdapterLease` holding the
 request's own `AdapterSet`; `activate` makes that set the one the LoRA slots apply while the
-model runs.
+model runs, or, for a batch, a `RowAdapters` from `RowAdapterCache` that applies each row's
+own set.
 """
 
 from hotlora.adapters.adapter_errors import (
@@ -18,6 +19,7 @@ from hotlora.adapters.adapter_errors import (
 from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet
 from hotlora.adapters.fuse import fuse_adapter
 from hotlora.adapters.manager import AdapterInfo, AdapterLease, AdapterManager
+from hotlora.adapters.row_sets import RowAdapterCache, RowAdapters
 from hotlora.adapters.slots import activate
 from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
 
@@ -34,6 +36,8 @@ __all__ = [
     "AdapterSet",
     "InvalidAdapter",
     "InvalidAdapterSpec",
+    "RowAdapterCache",
+    "RowAdapters",
     "activate",
     "fuse_adapter",
     "parse_adapter_spec",

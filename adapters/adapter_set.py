@@ -56,8 +56,7 @@ class AdapterSet:
     """An immutable adapter set for one request, summed in order; empty serves the base.
 
     `key` identifies the set's exact weights (for prompt-cache keying). `apply` is the one hook
-    the LoRA slots call; a batched path would pass one set per row and could stack each slot's
-    A/B into `[n, in, r]` / `[n, r, out]` for `mx.gather_mm` with per-row adapter indices.
+    the LoRA slots call when every row of a call uses this set; `row_sets` mixes sets per row.
     """
 
     entries: tuple[AppliedAdapter, ...] = ()
@@ -79,18 +78,30 @@ class AdapterSet:
         object.__setattr__(self, "_fused_by_slot", {})
         object.__setattr__(self, "key", tuple(entry.key for entry in self.entries))
 
-    def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
-        """Add this set's residuals for the slot at `path` to its base output `y`."""
+    def slot_terms(self, path: str) -> tuple[Term, ...]:
+        """This set's terms at the slot `path`: none, or one pair (a stack is fused)."""
         terms = self._fused_by_slot.get(path)
         if terms is None:
             terms = self._fused_by_slot[path] = _fuse_terms(self._terms_by_slot.get(path, ()))
+        return terms
+
+    def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
+        """Add this set's residuals for the slot at `path` to its base output `y`.
+
+        `x` [..., in] is taken as one matrix of rows [N, in]: one matrix product over the
+        whole batch rather than one per leading index.
+        """
+        terms = self.slot_terms(path)
+        if not terms:
+            return y
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
         for a, b, scale in terms:
-            residual = (x @ a) @ b
+            residual = (rows @ a) @ b  # [N, out]
             if scale != 1.0:
                 residual = scale * residual
             if residual.dtype != x.dtype:
                 residual = residual.astype(x.dtype)
-            y = y + residual
+            y = y + residual.reshape(y.shape)
         return y
 
 

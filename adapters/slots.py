@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet
 from hotlora.adapters.projections import find_targets, replace_module
+from hotlora.adapters.row_sets import RowAdapters
 
 
 class _Residuals(Protocol):
@@ -50,14 +51,16 @@ class LoRASlot(nn.Module):
 
 
 @contextmanager
-def activate(adapters: AdapterSet) -> Iterator[None]:
-    """Make `adapters` the set for model calls made inside this block, in this context.
+def activate(adapters: AdapterSet | RowAdapters) -> Iterator[None]:
+    """Make `adapters` what the slots apply to model calls made inside this block, in this
+    context: one set for every row, or `RowAdapters` for a set per row.
 
     Wrap each model call (prefill, each decode step), not a generator that yields to other
     code: the set current when the model is called is the one the graph is built with.
     An empty set takes the plain base path.
     """
-    token = _ACTIVE.set(adapters if adapters.entries else None)
+    empty = isinstance(adapters, AdapterSet) and not adapters.entries
+    token = _ACTIVE.set(None if empty else adapters)
     try:
         yield
     finally:

@@ -1,0 +1,91 @@
+"""A set per row: each row of a batched call gets exactly its own set's residual."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate
+
+from tests.support.adapter_builders import TOKENS, adapter_set, logits, manager_with_a_and_b
+
+SPECS = ["", "a", "b", "a+b", "a@0.5+b", "b@-1"]
+
+
+@pytest.fixture(scope="module")
+def manager_and_model(tmp_path_factory: pytest.TempPathFactory):
+    model, manager = manager_with_a_and_b(tmp_path_factory.mktemp("adapters"))
+    return manager, model
+
+
+@pytest.fixture(scope="module")
+def setup(manager_and_model):
+    manager, model = manager_and_model
+    return model, {spec: adapter_set(manager, spec) for spec in SPECS}
+
+
+def solo_logits(model, adapters: AdapterSet, tokens: mx.array) -> mx.array:
+    with activate(adapters):
+        return logits(model, tokens)
+
+
+def test_each_row_gets_its_own_sets_residual(setup):
+    model, sets = setup
+    rows = [sets[spec] for spec in SPECS]
+    tokens = mx.concatenate([TOKENS] * len(rows))  # [rows, L]: the same prompt on every row
+    mixed = RowAdapterCache().for_rows(rows)
+    assert isinstance(mixed, RowAdapters)
+    with activate(mixed):
+        batched = logits(model, tokens)
+    for i, spec in enumerate(SPECS):
+        alone = solo_logits(model, sets[spec], TOKENS)
+        difference = mx.abs(batched[i : i + 1] - alone).max().item()
+        assert difference < 1e-4, f"row {i} ({spec or 'base'}) differs by {difference}"
+    # The sets really differ from each other on this prompt.
+    assert mx.abs(batched[1] - batched[2]).max().item() > 1e-2
+    assert mx.abs(batched[0] - batched[3]).max().item() > 1e-2
+
+
+def test_one_set_on_every_row_is_applied_as_is(setup):
+    _, sets = setup
+    cache = RowAdapterCache()
+    assert cache.for_rows([sets["a"]] * 3) is sets["a"]
+    assert cache.for_rows([BASE_ONLY, BASE_ONLY]) is BASE_ONLY
+
+
+def test_a_kept_superset_serves_later_batches_without_a_rebuild(setup):
+    model, sets = setup
+    cache = RowAdapterCache(keep=1)
+    first = cache.for_rows([sets["a"], sets["b"], sets["a+b"]])
+    later = cache.for_rows([sets["b"], BASE_ONLY])  # rows left: a subset of the sets
+    assert isinstance(first, RowAdapters) and isinstance(later, RowAdapters)
+    assert later.side_by_side is first.side_by_side
+    tokens = mx.concatenate([TOKENS, TOKENS])
+    with activate(later):
+        batched = logits(model, tokens)
+    assert mx.abs(batched[0:1] - solo_logits(model, sets["b"], TOKENS)).max().item() < 1e-4
+    assert mx.abs(batched[1:2] - solo_logits(model, BASE_ONLY, TOKENS)).max().item() < 1e-4
+    fresh = cache.for_rows([sets["a@0.5+b"], sets["a"]])  # a set it lacks: built anew
+    assert isinstance(fresh, RowAdapters) and fresh.side_by_side is not first.side_by_side
+
+
+def test_sets_stay_apart_when_rows_are_reordered(setup):
+    model, sets = setup
+    order = ["b", "", "a+b", "a"]
+    rows = [sets[spec] for spec in order]
+    with activate(RowAdapterCache().for_rows(rows)):
+        batched = logits(model, mx.concatenate([TOKENS] * len(rows)))
+    for i, spec in enumerate(order):
+        alone = solo_logits(model, sets[spec], TOKENS)
+        assert mx.abs(batched[i : i + 1] - alone).max().item() < 1e-4
+
+
+def test_requests_naming_the_same_adapters_share_their_columns(manager_and_model):
+    manager, _ = manager_and_model
+    first, second = adapter_set(manager, "a@0.5+b"), adapter_set(manager, "a@0.5+b")
+    assert first is not second and first.key == second.key  # each request holds its own set
+    cache = RowAdapterCache()
+    assert cache.for_rows([first, second]) is first  # one set's computation for both rows
+    mixed = cache.for_rows([first, second, adapter_set(manager, "b")])
+    assert isinstance(mixed, RowAdapters)
+    assert len(mixed.side_by_side.sets) == 2
