@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
-from hotlora.server.engine import QueueFull
+from hotlora.server.engine import QueueFull, WorkerStopped
 from hotlora.server.request_errors import ClientDisconnected, NotReady, Unauthorized
 
 
@@ -46,6 +46,7 @@ HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
     ClientDisconnected: HttpError(499, "client_closed_request"),
     NotReady: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),
     QueueFull: HttpError(503, _UNAVAILABLE, {"Retry-After": "1"}),
+    WorkerStopped: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),
 }
 
 

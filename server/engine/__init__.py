@@ -1,4 +1,5 @@
-"""Everything that runs on the generation thread: the worker, the model steps, sampling, stops.
+"""Everything that runs on the generation thread: the worker, the batching scheduler, sampling,
+stops.
 
 Nothing here knows about HTTP: `QueueFull` is an engine condition, reported as the server sees fit.
 """
@@ -12,7 +13,8 @@ from hotlora.server.engine.generate import (
     SampledToken,
 )
 from hotlora.server.engine.sampling import SamplingParams
-from hotlora.server.engine.worker import GenerationWorker, QueueFull, Ticket
+from hotlora.server.engine.scheduler import Scheduler
+from hotlora.server.engine.worker import GenerationWorker, QueueFull, Ticket, WorkerStopped
 
 __all__ = [
     "Delta",
@@ -24,5 +26,7 @@ __all__ = [
     "QueueFull",
     "SampledToken",
     "SamplingParams",
+    "Scheduler",
     "Ticket",
+    "WorkerStopped",
 ]

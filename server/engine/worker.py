@@ -1,34 +1,23 @@
-"""The generation worker: one thread owns all MLX work; requests reach it through an asyncio queue.
+"""The generation worker: one thread owns all MLX work and runs the batching scheduler.
 
-The event loop never runs MLX code. A request is admitted (or refused with `QueueFull`) before any
-response starts, as one ticket holding all of its jobs; the worker thread serves a ticket's jobs
-back to back, and their events come back through the ticket's own asyncio queue.
+The event loop never runs MLX code. A request is admitted (or refused with `QueueFull`) before
+any response starts, as one ticket holding all of its jobs; the thread moves tickets into the
+scheduler, steps it, and each ticket's events come back through its own asyncio queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
-import logging
-import os
+import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-
-import mlx.core as mx
 
 from hotlora.config.errors import HotloraError
-from hotlora.server.engine.generate import Engine, Event, GenerationJob
-
-log = logging.getLogger("hotlora")
+from hotlora.server.engine.generate import Engine, Event, Finished, GenerationJob
+from hotlora.server.engine.scheduler import Scheduler
 
 _DONE = object()
-
-
-class QueueFull(HotloraError):
-    """The wait list is full; the request was not admitted and holds nothing."""
-
-    code = "queue_full"
 
 
 class _State(enum.Enum):
@@ -37,56 +26,113 @@ class _State(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class Ticket:
-    """One admitted request: its jobs, in serving order, and the events they produce."""
+class QueueFull(HotloraError):
+    """The wait list is full; the request was not admitted and holds nothing."""
 
-    def __init__(self, jobs: Sequence[GenerationJob]):
+    code = "queue_full"
+
+
+class WorkerStopped(HotloraError):
+    """The worker stopped before the request finished (the server is shutting down)."""
+
+    code = "shutting_down"
+
+
+class Ticket:
+    """One admitted request: its jobs and the events they produce, in order per job."""
+
+    def __init__(self, worker: GenerationWorker, jobs: Sequence[GenerationJob]):
         self.jobs = list(jobs)
         self.events: asyncio.Queue[object] = asyncio.Queue()
         self.state = _State.WAITING
+        self._worker = worker
+        self._loop = asyncio.get_running_loop()
+        self._open = len(self.jobs)
+        self._failed = False
 
     def cancel(self) -> None:
-        """Stop every job: a running one within one decode step, the rest before they start."""
+        """Stop every job: a running one within one step, the rest before they start."""
         for job in self.jobs:
             job.cancelled.set()
 
+    # The scheduler's side (the worker thread).
+
+    def started(self) -> None:
+        self._worker._started(self)
+
+    def event(self, position: int, event: Event) -> None:
+        self._put((position, event))
+        if isinstance(event, Finished):
+            self._close_one()
+
+    def failed(self, error: BaseException) -> None:
+        if not self._failed:
+            self._failed = True
+            self.cancel()  # the request failed: its other choices stop too
+            self._put(error)
+        self._close_one()
+
+    def _close_one(self) -> None:
+        self._open -= 1
+        if self._open == 0:
+            self._put(_DONE)
+
+    def _put(self, item: object) -> None:
+        self._loop.call_soon_threadsafe(self.events.put_nowait, item)
+
 
 class GenerationWorker:
-    """Serves admitted tickets one at a time on a dedicated thread."""
+    """Feeds admitted tickets to the scheduler on one dedicated thread."""
 
-    def __init__(self, engine: Engine, *, max_queue: int = 64):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_queue: int = 64,
+        max_batch: int = 8,
+        prefill_chunk: int = 512,
+        kv_cache_bytes: int = 2 << 30,
+    ):
         self.engine = engine
         self.max_queue = max_queue
-        # Unbounded: admission is counted in `_waiting`, which cancelled tickets leave at once.
-        self._queue: asyncio.Queue[Ticket] = asyncio.Queue()
+        self.scheduler = Scheduler(
+            engine, max_batch=max_batch, prefill_chunk=prefill_chunk, kv_cache_bytes=kv_cache_bytes
+        )
+        self._lock = threading.Condition()
+        self._inbox: deque[Ticket] = deque()
         self._waiting = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotlora-gen")
-        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
 
     @property
     def waiting(self) -> int:
-        """Admitted tickets not yet started (cancelled ones excluded)."""
-        return self._waiting
+        """Admitted tickets none of whose jobs has started (cancelled ones excluded)."""
+        with self._lock:
+            return self._waiting
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._serve(), name="generation")
+        self._thread = threading.Thread(target=self._run, name="hotlora-gen", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
 
     def submit(self, jobs: Sequence[GenerationJob]) -> Ticket:
         """Admit a request's jobs now, or raise `QueueFull`; nothing is queued on refusal."""
-        if self._waiting >= self.max_queue:
-            raise QueueFull(
-                f"The server is busy: {self._waiting} requests are already waiting. Retry shortly."
-            )
-        ticket = Ticket(jobs)
-        self._waiting += 1
-        self._queue.put_nowait(ticket)
+        with self._lock:
+            if self._waiting >= self.max_queue:
+                raise QueueFull(
+                    f"The server is busy: {self._waiting} requests are already waiting. "
+                    "Retry shortly."
+                )
+            ticket = Ticket(self, jobs)
+            self._waiting += 1
+            self._inbox.append(ticket)
+            self._lock.notify()
         return ticket
 
     async def events(self, ticket: Ticket) -> AsyncIterator[tuple[int, Event]]:
@@ -106,35 +152,28 @@ class GenerationWorker:
     def abandon(self, ticket: Ticket) -> None:
         """Nobody will read `ticket`: drop it from the wait list, or stop it if it runs."""
         ticket.cancel()
-        if ticket.state is _State.WAITING:
-            ticket.state = _State.CANCELLED
-            self._waiting -= 1
+        with self._lock:
+            if ticket.state is _State.WAITING:
+                ticket.state = _State.CANCELLED
+                self._waiting -= 1
 
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _started(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket.state is _State.WAITING:
+                ticket.state = _State.RUNNING
+                self._waiting -= 1
+
+    def _run(self) -> None:
+        scheduler = self.scheduler
         while True:
-            ticket = await self._queue.get()
-            if ticket.state is _State.CANCELLED:
-                continue
-            ticket.state = _State.RUNNING
-            self._waiting -= 1
-            await loop.run_in_executor(self._executor, self._run, ticket, loop)
-
-    def _run(self, ticket: Ticket, loop: asyncio.AbstractEventLoop) -> None:
-        def put(item: object) -> None:
-            loop.call_soon_threadsafe(ticket.events.put_nowait, item)
-
-        try:
-            for position, job in enumerate(ticket.jobs):
-                if job.cancelled.is_set():
+            with self._lock:
+                while not self._stopping and not self._inbox and scheduler.idle:
+                    self._lock.wait()
+                if self._stopping:
                     break
-                for event in self.engine.generate(job):
-                    put((position, event))
-        except Exception as exc:  # surfaced to the request, the worker keeps serving
-            log.exception("generation failed")
-            # A failure inside a compiled sampler can leave MLX's global RNG state unusable for
-            # every later request; start it afresh.
-            mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-            put(exc)
-        finally:
-            put(_DONE)
+                arrived = list(self._inbox)
+                self._inbox.clear()
+            for ticket in arrived:
+                scheduler.add(ticket.jobs, ticket)
+            scheduler.step()
+        scheduler.cancel_all(WorkerStopped("The server is shutting down."))

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 
 import mlx.core as mx
 import pytest
 from fastapi.testclient import TestClient
 
-from hotlora.server.engine import generate
+from hotlora.server.engine.sampling import RowSampler
 
 from tests.support.sse import sse_events
 from tests.support.tiny import MAX_POSITION_EMBEDDINGS
@@ -91,13 +90,12 @@ def test_body_limit(make_client):
 
 def test_internal_error_hides_details(make_client, monkeypatch):
     client = make_client(raise_server_exceptions=False)
-    engine = client.app.state.runtime.worker.engine
+    scheduler = client.app.state.runtime.worker.scheduler
 
-    def explode(job):
+    def explode(tokens, cache=None):
         raise RuntimeError("/secret/path/file.py exploded")
-        yield
 
-    monkeypatch.setattr(engine, "generate", explode)
+    monkeypatch.setattr(scheduler, "model", explode)
     response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     assert response.status_code == 500
     assert "/secret" not in response.text and "Traceback" not in response.text
@@ -121,20 +119,22 @@ def test_a_template_that_refuses_the_messages_is_a_400(make_client, monkeypatch)
     assert error["param"] == "messages" and "must alternate" in error["message"]
 
 
-def test_a_failed_sampler_does_not_break_later_requests(make_client, monkeypatch):
+def test_a_failed_sampler_fails_its_request_only(make_client, monkeypatch):
     client = make_client(raise_server_exceptions=False)
-    sampled = {**CHAT, "max_tokens": 6, "temperature": 1.0}  # no seed: the RNG state carries on
+    sampled = {**CHAT, "max_tokens": 6, "temperature": 1.0}
+    real = RowSampler.sample
 
-    # Compiled over MLX's global random state, as mlx-lm's own samplers are: failing half-way
-    # leaves that state holding a traced value that later sampling cannot evaluate.
-    @partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
-    def failing(logprobs: mx.array) -> mx.array:
-        mx.random.categorical(logprobs)
-        raise RuntimeError("the sampler failed")
+    def failing(self, logprobs: mx.array) -> mx.array:
+        if self.temperature == 1.0:
+            raise RuntimeError("the sampler failed")
+        return real(self, logprobs)
 
-    monkeypatch.setattr(generate, "build_sampler", lambda params: failing)
+    monkeypatch.setattr(RowSampler, "sample", failing)
     failed = client.post("/v1/chat/completions", json=sampled)
     assert failed.status_code == 500
+    # A greedy request is served meanwhile, and sampled ones are once the sampler works.
+    greedy = {**CHAT, "max_tokens": 2, "temperature": 0}
+    assert client.post("/v1/chat/completions", json=greedy).status_code == 200
     monkeypatch.undo()
     for _ in range(2):
         after = client.post("/v1/chat/completions", json=sampled)
@@ -143,16 +143,17 @@ def test_a_failed_sampler_does_not_break_later_requests(make_client, monkeypatch
 
 def test_stream_failure_becomes_an_error_event(make_client, monkeypatch):
     client = make_client(raise_server_exceptions=False)
-    engine = client.app.state.runtime.worker.engine
-    real = engine.generate
+    scheduler = client.app.state.runtime.worker.scheduler
+    model = scheduler.model
+    calls = []
 
-    def fail_midway(job):
-        for n, event in enumerate(real(job)):
-            if n == 2:
-                raise RuntimeError("/secret/path exploded")
-            yield event
+    def fail_midway(tokens, cache=None):
+        calls.append(tokens.shape)
+        if len(calls) == 4:  # after the prefill and a few decode steps
+            raise RuntimeError("/secret/path exploded")
+        return model(tokens, cache=cache)
 
-    monkeypatch.setattr(engine, "generate", fail_midway)
+    monkeypatch.setattr(scheduler, "model", fail_midway)
     response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "stream": True})
     assert response.status_code == 200
     events = sse_events(response)

@@ -1,0 +1,108 @@
+"""The state of one generated sequence (a row of the batch) and of a prompt being prefilled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hotlora.adapters import AdapterSet
+from hotlora.server.engine.generate import (
+    Delta,
+    Event,
+    Finished,
+    GenerationJob,
+    LayerCaches,
+    SampledToken,
+)
+from hotlora.server.engine.sampling import RowSampler
+from hotlora.server.engine.stops import StopMatcher
+
+
+class Sink(Protocol):
+    """Where a row's events go (the worker's ticket)."""
+
+    def started(self) -> None: ...
+
+    def event(self, position: int, event: Event) -> None: ...
+
+    def failed(self, error: BaseException) -> None: ...
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence being generated: its job, where its events go, and its decoding state.
+
+    `tokens` is the prompt plus every token generated so far; its last token is the next
+    decode step's input (the cache holds all the others).
+    """
+
+    job: GenerationJob
+    sink: Sink
+    position: int  # the job's place in its request: the choice index
+    detokenizer: Any  # a fresh copy of the tokenizer's streaming detokenizer
+    eos: frozenset[int]
+    sampler: RowSampler = field(init=False)
+    stops: StopMatcher = field(init=False)
+    tokens: list[int] = field(init=False)
+    generated: int = 0
+    cached: int = 0  # prompt tokens that came from the prompt cache
+
+    def __post_init__(self) -> None:
+        self.sampler = RowSampler(self.job.params)
+        self.stops = StopMatcher(list(self.job.params.stop))
+        self.tokens = list(self.job.prompt)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.job.cancelled.is_set()
+
+    @property
+    def adapters(self) -> AdapterSet:
+        return self.job.adapters
+
+    def advance(self, token: int, sampled: SampledToken | None) -> bool:
+        """Take the row's next token and emit the text it completes; False once it is done."""
+        params = self.job.params
+        if token in self.eos:
+            self.finish("stop")
+            return False
+        self.tokens.append(token)
+        self.generated += 1
+        self.detokenizer.add_token(token)
+        text = self.stops.feed(self.detokenizer.last_segment)
+        if text or sampled is not None:
+            self.sink.event(self.position, Delta(text, (sampled,) if sampled else ()))
+        if self.stops.stopped:
+            self.finish("stop")
+            return False
+        if self.generated >= params.max_tokens:
+            self.finish("length")
+            return False
+        return True
+
+    def finish(self, reason: str) -> None:
+        """Emit the text held back for stop matching, then `Finished`."""
+        self.detokenizer.finalize()
+        tail = self.stops.feed(self.detokenizer.last_segment) + self.stops.flush()
+        if tail and reason != "cancelled":
+            self.sink.event(self.position, Delta(tail))
+        finished = Finished(reason, len(self.job.prompt), self.generated, self.cached)
+        self.sink.event(self.position, finished)
+
+
+@dataclass(eq=False)
+class Group:
+    """Rows sharing one prompt and adapter set (a request's `n` choices): prefilled once."""
+
+    rows: list[Row]
+    cache: LayerCaches | None = None
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    started: bool = False
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.rows[0].job.prompt
+
+    @property
+    def adapters(self) -> AdapterSet:
+        return self.rows[0].adapters

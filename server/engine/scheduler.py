@@ -1,0 +1,362 @@
+"""Continuous batching: every step admits waiting rows, prefills in chunks, then decodes once.
+
+One loop in the spirit of vLLM's scheduler, on MLX-native batch state (mlx-lm's
+`BatchKVCache`, left-padded):
+
+1. Admit waiting rows, first come first served, while the batch has room (`max_batch`) and the
+   KV cache budget covers every admitted row's prompt plus its `max_tokens`.
+2. Prefill: spend at most `prefill_chunk` prompt tokens, oldest group first. A group is one
+   prompt with its adapter set: the `n` choices of a request share it. A long prompt takes
+   several steps, so running streams never wait for more than one chunk.
+3. Decode: one batched model call for every running row, each row with its own adapter set,
+   sampler, PRNG key, stops and `max_tokens`. Finished, stopped and cancelled rows leave at
+   once; prefilled groups join before the next call.
+
+Nothing here knows about HTTP or asyncio: rows report through their `sink`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+
+from hotlora.adapters import RowAdapterCache, activate
+from hotlora.server.engine.generate import (
+    Engine,
+    GenerationJob,
+    LayerCaches,
+    SampledToken,
+    prompt_cache_key,
+)
+from hotlora.server.engine.rows import Group, Row, Sink
+
+log = logging.getLogger("hotlora")
+
+
+class Scheduler:
+    """The batch state and the step that advances it; driven by the worker's thread."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_batch: int = 8,
+        prefill_chunk: int = 512,
+        kv_cache_bytes: int = 2 << 30,
+    ):
+        self.engine = engine
+        self.model = engine.model
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.kv_cache_bytes = kv_cache_bytes
+        self.kv_bytes_per_token = engine.kv_bytes_per_token
+        self.eos = frozenset(engine.tokenizer.eos_token_ids)
+        self.waiting: deque[Row] = deque()
+        self.prefilling: deque[Group] = deque()
+        self.running: list[Row] = []
+        self._cache: LayerCaches | None = None  # the running rows' batch KV cache, row-aligned
+        self._row_adapters = RowAdapterCache()
+
+    # Admission.
+
+    def add(self, jobs: Sequence[GenerationJob], sink: Sink) -> None:
+        """Queue one request's jobs, in order, behind everything already waiting."""
+        tokenizer = self.engine.tokenizer
+        for position, job in enumerate(jobs):
+            # `tokenizer.detokenizer` is a fresh, reset copy on every access.
+            self.waiting.append(Row(job, sink, position, tokenizer.detokenizer, self.eos))
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.running)
+
+    @property
+    def admitted(self) -> int:
+        return len(self.running) + sum(len(g.rows) for g in self.prefilling)
+
+    def kv_reserved(self, extra: Sequence[Row] = ()) -> int:
+        """Bytes the batch cache may reach with `extra` admitted: every row padded to the
+        longest prompt + max_tokens, plus one allocation step of slack each."""
+        rows = [*self.running, *(r for g in self.prefilling for r in g.rows), *extra]
+        if not rows:
+            return 0
+        longest = max(len(r.job.prompt) + r.job.params.max_tokens for r in rows)
+        return len(rows) * (longest + BatchKVCache.step) * self.kv_bytes_per_token
+
+    def _admit(self) -> None:
+        while self.waiting:
+            head = self.waiting[0]
+            if head.cancelled:
+                self.waiting.popleft()
+                head.sink.started()
+                head.finish("cancelled")
+                continue
+            room = self.max_batch - self.admitted
+            if room <= 0:
+                return
+            group = [head]
+            for row in list(self.waiting)[1:room]:
+                if (
+                    row.sink is head.sink
+                    and row.job.prompt is head.job.prompt
+                    and row.adapters is head.adapters
+                    and not row.cancelled
+                ):
+                    group.append(row)
+                else:
+                    break
+            # The KV budget: the oldest request always fits when the batch is empty.
+            while len(group) > 1 and self.kv_reserved(group) > self.kv_cache_bytes:
+                group.pop()
+            if self.admitted and self.kv_reserved(group) > self.kv_cache_bytes:
+                return
+            for _ in group:
+                self.waiting.popleft()
+            for row in group:
+                row.sink.started()
+            self.prefilling.append(Group(group))
+
+    # The step.
+
+    def step(self) -> None:
+        """Admit, prefill one chunk's worth, decode once for every running row."""
+        self._drop_cancelled()
+        self._admit()
+        self._prefill()
+        if self.running:
+            self._decode()
+
+    def _drop_cancelled(self) -> None:
+        for group in list(self.prefilling):
+            live = [r for r in group.rows if not r.cancelled]
+            for row in group.rows:
+                if row.cancelled:
+                    row.finish("cancelled")
+            if live:
+                group.rows = live
+            else:
+                self.prefilling.remove(group)
+        keep = [i for i, row in enumerate(self.running) if not row.cancelled]
+        if len(keep) < len(self.running):
+            for row in self.running:
+                if row.cancelled:
+                    row.finish("cancelled")
+            self._keep(keep)
+
+    # Prefill.
+
+    def _prefill(self) -> None:
+        """Spend up to `prefill_chunk` prompt tokens, oldest group first, in one model call."""
+        budget = self.prefill_chunk
+        work: list[tuple[Group, list[int]]] = []
+        for group in self.prefilling:
+            if budget <= 0:
+                break
+            if not group.started:
+                self._start(group)
+            chunk, group.pending = group.pending[:budget], group.pending[budget:]
+            budget -= len(chunk)
+            work.append((group, chunk))
+        running = [(g, c) for g, c in work if c]
+        try:
+            if len(running) == 1:
+                group, chunk = running[0]
+                with activate(group.adapters):
+                    self.model(mx.array([chunk]), cache=group.cache)
+                mx.eval([c.state for c in cast(list[Any], group.cache)])
+            elif running:
+                self._prefill_together(running)
+        except Exception as exc:  # noqa: BLE001 - these groups' requests get the error
+            for group, _ in running:
+                self.prefilling.remove(group)
+                self._fail(group.rows, exc)
+        for group, _ in work:
+            if not group.pending and group in self.prefilling:
+                self.prefilling.remove(group)
+                self._join(group)
+
+    def _prefill_together(self, work: list[tuple[Group, list[int]]]) -> None:
+        """One batched call for several groups' chunks: right-padded, each with its adapters."""
+        groups = [g for g, _ in work]
+        lengths = [len(c) for _, c in work]
+        longest = max(lengths)
+        layers = len(cast(list[Any], groups[0].cache))
+        cache = [
+            BatchKVCache.merge([cast(list[Any], g.cache)[i] for g in groups]) for i in range(layers)
+        ]
+        for c in cache:
+            c.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
+        tokens = mx.array([c + [0] * (longest - len(c)) for _, c in work])  # [G, longest]
+        with activate(self._row_adapters.for_rows([g.adapters for g in groups])):
+            self.model(tokens, cache=cache)
+        for c in cache:
+            c.finalize()
+        mx.eval([c.state for c in cache])
+        for i, group in enumerate(groups):
+            group.cache = [c.extract(i) for c in cache]
+
+    def _start(self, group: Group) -> None:
+        """The group's cache: the nearest cached prefix under its adapter set, else empty.
+
+        The cache is made to hold `prompt[:-1]`; the last prompt token is the first decode
+        step's input, whose logits give the first generated token.
+        """
+        group.started = True
+        prompt = group.prompt
+        key = prompt_cache_key(self.engine.base_id, group.adapters)
+        cache, rest = self.engine.prompt_cache.fetch_nearest_cache(key, prompt)
+        if cache is not None and not rest:
+            # The whole prompt is cached; step back one token to feed it again.
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = prompt[-1:]
+            else:
+                cache, rest = None, prompt
+        if cache is None:
+            cache, rest = make_prompt_cache(self.engine.model), prompt
+        group.cache = cache
+        group.pending = list(rest[:-1])
+        for row in group.rows:
+            row.cached = len(prompt) - len(rest)
+
+    def _join(self, group: Group) -> None:
+        """Move a prefilled group's rows into the decode batch."""
+        caches = cast(list[Any], group.cache)
+        rows = [r for r in group.rows if not r.cancelled]
+        for row in group.rows:
+            if row.cancelled:
+                row.finish("cancelled")
+        if not rows:
+            return
+        joined = [BatchKVCache.merge([c] * len(rows)) for c in caches]
+        if self._cache is None:
+            self._cache = joined
+        else:
+            for mine, theirs in zip(self._cache, joined, strict=True):
+                mine.extend(theirs)
+        self.running.extend(rows)
+
+    # Decode.
+
+    def _decode(self) -> None:
+        rows = self.running
+        inputs = mx.array([[row.tokens[-1]] for row in rows])  # [B, 1]
+        try:
+            with activate(self._row_adapters.for_rows([row.adapters for row in rows])):
+                logits = self.model(inputs, cache=self._cache)[:, -1, :]  # [B, vocab]
+        except Exception as exc:  # noqa: BLE001 - the whole batch shared the failed call
+            self._fail_running(exc)
+            return
+        logits, failed = self._processed(rows, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, vocab]
+        chosen = self._choose(rows, logprobs, failed)  # [B]
+        try:
+            mx.eval(chosen, [row.sampler.key for row in rows], self._cache_state())
+        except Exception as exc:  # noqa: BLE001
+            self._fail_running(exc)
+            return
+        tokens = cast(list[int], chosen.tolist())
+        keep = []
+        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+            if i in failed:
+                self._fail([row], failed[i])
+            elif row.advance(token, self._sampled(row, token, logprobs, i)):
+                keep.append(i)
+            else:
+                self._store(row, i)
+        if len(keep) < len(rows):
+            self._keep(keep)
+
+    def _choose(
+        self, rows: list[Row], logprobs: mx.array, failed: dict[int, Exception]
+    ) -> mx.array:
+        """Every row's next token: one argmax for the greedy rows, each other row's own sampler."""
+        greedy = mx.argmax(logprobs, axis=-1)  # [B]
+        if all(row.sampler.greedy for row in rows):
+            return greedy
+        picks: list[mx.array] = []
+        for i, row in enumerate(rows):
+            if row.sampler.greedy or i in failed:
+                picks.append(greedy[i : i + 1])
+                continue
+            try:
+                picks.append(row.sampler.sample(logprobs[i : i + 1]))
+            except Exception as exc:  # noqa: BLE001 - this row's sampling settings failed
+                failed[i] = exc
+                picks.append(greedy[i : i + 1])
+        return mx.concatenate(picks)
+
+    def _processed(
+        self, rows: list[Row], logits: mx.array
+    ) -> tuple[mx.array, dict[int, Exception]]:
+        failed: dict[int, Exception] = {}
+        if not any(row.sampler.processors for row in rows):
+            return logits, failed
+        parts = []
+        for i, row in enumerate(rows):
+            part = logits[i : i + 1]
+            if row.sampler.processors:
+                try:
+                    part = row.sampler.process(mx.array(row.tokens), part)
+                except Exception as exc:  # noqa: BLE001
+                    failed[i] = exc
+            parts.append(part)
+        return mx.concatenate(parts), failed
+
+    def _sampled(self, row: Row, token: int, logprobs: mx.array, i: int) -> SampledToken | None:
+        params = row.job.params
+        if not params.logprobs or token in self.eos:
+            return None
+        return self.engine.logprob(token, logprobs[i], params.top_logprobs)
+
+    def _store(self, row: Row, index: int) -> None:
+        """Keep a finished row's cache (prompt + output) for the next turn of its conversation."""
+        if self._cache is None or self.engine.prompt_cache.max_size == 0:
+            return
+        cache = [c.extract(index) for c in self._cache]
+        mx.eval([c.state for c in cache])  # kept beyond this step: evaluate it now
+        offset = cache[0].offset if cache else 0
+        key = prompt_cache_key(self.engine.base_id, row.adapters)
+        if 0 < offset <= len(row.tokens):
+            self.engine.prompt_cache.insert_cache(key, row.tokens[:offset], cache)
+
+    def _keep(self, keep: list[int]) -> None:
+        self.running = [self.running[i] for i in keep]
+        if not keep:
+            self._cache = None
+        elif self._cache is not None:
+            for c in self._cache:
+                c.filter(keep)
+
+    def _cache_state(self) -> list[Any]:
+        return [c.state for c in self._cache] if self._cache else []
+
+    # Failure.
+
+    def _fail(self, rows: list[Row], error: BaseException) -> None:
+        log.error("generation failed: %s", error, exc_info=error)
+        for row in rows:
+            row.sink.failed(error)
+
+    def _fail_running(self, error: BaseException) -> None:
+        rows, self.running, self._cache = self.running, [], None
+        self._fail(rows, error)
+
+    def cancel_all(self, error: BaseException) -> None:
+        """Fail everything admitted or waiting (the worker is stopping)."""
+        rows = [*self.waiting, *(r for g in self.prefilling for r in g.rows), *self.running]
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.running, self._cache = [], None
+        for row in rows:
+            row.sink.failed(error)

@@ -1,0 +1,288 @@
+"""The batching scheduler on a tiny model: rows join and leave, prefill in chunks, keep their
+own sampling, adapters, stops and limits, and stay within the KV budget.
+
+The scheduler is driven step by step here, without the worker's thread, so each test can look
+at the batch between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from hotlora.adapters import AdapterManager, AdapterSet, parse_adapter_spec
+from hotlora.models.loader import load_model_dir
+from hotlora.server.engine import (
+    Delta,
+    Engine,
+    Event,
+    Finished,
+    GenerationJob,
+    SamplingParams,
+    Scheduler,
+)
+
+from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33], [40, 41, 42, 43, 44, 45]]
+
+
+class Recorder:
+    """A request's sink: what the scheduler reported, per choice."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, Event]] = []
+        self.errors: list[BaseException] = []
+        self.starts = 0
+
+    def started(self) -> None:
+        self.starts += 1
+
+    def event(self, position: int, event: Event) -> None:
+        self.events.append((position, event))
+
+    def failed(self, error: BaseException) -> None:
+        self.errors.append(error)
+
+    def text(self, position: int = 0) -> str:
+        return "".join(e.text for p, e in self.events if p == position and isinstance(e, Delta))
+
+    def finished(self, position: int = 0) -> Finished | None:
+        done = [e for p, e in self.events if p == position and isinstance(e, Finished)]
+        return done[0] if done else None
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    loaded = load_model_dir(tiny_model_dir)
+    root = tmp_path_factory.mktemp("adapters")
+    reference = tiny_model()
+    for seed, name in enumerate(("a", "b", "c")):
+        rank = 4 + 2 * seed  # different ranks: the side-by-side layout pads nothing
+        pairs = random_pairs(reference, seed=10 + seed, rank=rank)
+        write_mlx_adapter(root / name, pairs, rank=rank)
+    manager = AdapterManager(loaded.model, base_id="tiny", adapter_root=root, max_rank=64)
+    for name in ("a", "b", "c"):
+        manager.mount(name, name)
+    engine = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+    return engine, manager
+
+
+def adapters(manager: AdapterManager, spec: str) -> AdapterSet:
+    return manager.resolve(parse_adapter_spec(spec))
+
+
+def job(prompt: list[int], max_tokens: int = 8, adapter: AdapterSet | None = None, **params):
+    sampling = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **params})
+    if adapter is None:
+        return GenerationJob(prompt, sampling)
+    return GenerationJob(prompt, sampling, adapter)
+
+
+def run(scheduler: Scheduler, requests: Sequence[Sequence[GenerationJob]]) -> list[Recorder]:
+    """Add every request at once, then step until all are done."""
+    sinks = [Recorder() for _ in requests]
+    for jobs, sink in zip(requests, sinks, strict=True):
+        scheduler.add(jobs, sink)
+    for _ in range(500):
+        if scheduler.idle:
+            return sinks
+        scheduler.step()
+    raise AssertionError("the scheduler did not finish")
+
+
+def solo(engine: Engine, jobs: Sequence[GenerationJob]) -> Recorder:
+    return run(Scheduler(engine, max_batch=1), [jobs])[0]
+
+
+def test_rows_join_a_running_batch_and_leave_it_when_done(setup):
+    engine, _ = setup
+    scheduler = Scheduler(engine, max_batch=4)
+    first, second = Recorder(), Recorder()
+    scheduler.add([job(PROMPTS[0], max_tokens=3)], first)
+    scheduler.step()
+    assert len(scheduler.running) == 1
+    scheduler.add([job(PROMPTS[1], max_tokens=6)], second)
+    scheduler.step()  # the newcomer is prefilled and decodes in this same step
+    assert len(scheduler.running) == 2
+    scheduler.step()  # the first row's third token: it leaves at once
+    assert first.finished() == Finished("length", 3, 3, 0)
+    assert len(scheduler.running) == 1
+    while not scheduler.idle:
+        scheduler.step()
+    assert second.finished() == Finished("length", 5, 6, 0)
+    assert first.text() == solo(engine, [job(PROMPTS[0], max_tokens=3)]).text()
+    assert second.text() == solo(engine, [job(PROMPTS[1], max_tokens=6)]).text()
+
+
+def test_a_cancelled_row_leaves_mid_batch_and_the_others_carry_on(setup):
+    engine, _ = setup
+    scheduler = Scheduler(engine, max_batch=4)
+    jobs = [job(PROMPTS[i], max_tokens=10) for i in range(3)]
+    sinks = [Recorder() for _ in jobs]
+    for j, sink in zip(jobs, sinks, strict=True):
+        scheduler.add([j], sink)
+    scheduler.step()
+    scheduler.step()
+    jobs[1].cancelled.set()
+    scheduler.step()
+    cancelled = sinks[1].finished()
+    assert cancelled is not None and cancelled.finish_reason == "cancelled"
+    assert cancelled.completion_tokens == 2
+    assert len(scheduler.running) == 2
+    while not scheduler.idle:
+        scheduler.step()
+    for i in (0, 2):
+        assert sinks[i].text() == solo(engine, [job(PROMPTS[i], max_tokens=10)]).text()
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(setup):
+    engine, _ = setup
+    long_prompt = list(range(4, 104))  # 100 tokens: 99 to prefill, the last one decodes
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=16)
+    running, waiting = Recorder(), Recorder()
+    scheduler.add([job(PROMPTS[0], max_tokens=20)], running)
+    scheduler.step()
+    scheduler.add([job(long_prompt, max_tokens=4)], waiting)
+    for step in range(1, 7):  # ceil(99 / 16) = 7 chunks: the last one joins the batch
+        before = len(running.events)
+        scheduler.step()
+        assert len(running.events) == before + 1, f"the running row stalled at step {step}"
+        assert len(scheduler.running) == 1
+    scheduler.step()
+    assert len(scheduler.running) == 2
+    while not scheduler.idle:
+        scheduler.step()
+    whole = run(Scheduler(engine, max_batch=1, prefill_chunk=512), [[job(long_prompt, 4)]])[0]
+    assert waiting.text() == whole.text()
+
+
+def test_each_row_keeps_its_own_stops_and_max_tokens(setup):
+    engine, _ = setup
+    free = solo(engine, [job(PROMPTS[1], max_tokens=12)]).text()
+    stop = free[3:5]  # text the row will produce: it must stop right before it
+    requests = [
+        [job(PROMPTS[0], max_tokens=2)],
+        [job(PROMPTS[1], max_tokens=12, stop=(stop,))],
+        [job(PROMPTS[2], max_tokens=7)],
+    ]
+    sinks = run(Scheduler(engine, max_batch=4), requests)
+    assert sinks[0].finished() is not None and sinks[0].finished().completion_tokens == 2
+    assert sinks[1].finished().finish_reason == "stop"
+    assert sinks[1].text() == free[: free.index(stop)]
+    assert sinks[2].finished() == Finished("length", 2, 7, 0)
+
+
+def test_a_seeded_request_samples_the_same_alone_or_batched(setup):
+    engine, _ = setup
+    seeded = dict(temperature=1.0, seed=1234, max_tokens=12)
+    alone = solo(engine, [job(PROMPTS[3], **seeded)]).text()
+    mx.random.seed(99)  # MLX's global generator plays no part
+    crowd = [
+        [job(PROMPTS[0], temperature=1.0, max_tokens=12)],  # unseeded neighbours
+        [job(PROMPTS[3], **seeded)],
+        [job(PROMPTS[1], temperature=0.7, seed=7, max_tokens=12)],
+        [job(PROMPTS[2], max_tokens=12)],
+    ]
+    sinks = run(Scheduler(engine, max_batch=8), crowd)
+    assert sinks[1].text() == alone
+    other_seed = solo(engine, [job(PROMPTS[3], **{**seeded, "seed": 4321})]).text()
+    assert other_seed != alone
+
+
+def test_n_choices_share_one_prefill(setup, monkeypatch):
+    engine, _ = setup
+    scheduler = Scheduler(engine, max_batch=8)
+    calls: list[tuple[int, ...]] = []
+    model = scheduler.model
+
+    def counting(tokens, cache=None):
+        calls.append(tuple(tokens.shape))
+        return model(tokens, cache=cache)
+
+    monkeypatch.setattr(scheduler, "model", counting)
+    prompt = PROMPTS[4]
+    choices = [
+        job(prompt, temperature=1.0, seed=s, max_tokens=4) for s in range(3)
+    ]  # one prompt object, as a request's n choices share it
+    sink = run(scheduler, [choices])[0]
+    prefills = [shape for shape in calls if shape[1] > 1]
+    assert prefills == [(1, len(prompt) - 1)]
+    assert all(sink.finished(i) is not None for i in range(3))
+    assert len({sink.text(i) for i in range(3)}) > 1  # their own seeds
+
+
+def test_the_kv_budget_holds_new_rows_back_until_memory_frees(setup):
+    engine, _ = setup
+    one_row = (len(PROMPTS[0]) + 6 + 256) * engine.kv_bytes_per_token
+    scheduler = Scheduler(engine, max_batch=8, kv_cache_bytes=one_row)
+    sinks = [Recorder() for _ in range(3)]
+    for sink in sinks:
+        scheduler.add([job(PROMPTS[0], max_tokens=6)], sink)
+    while not scheduler.idle:
+        scheduler.step()
+        assert len(scheduler.running) <= 1
+        assert scheduler.kv_reserved() <= one_row
+        assert sum(s.starts for s in sinks) <= 1 + sum(s.finished() is not None for s in sinks)
+    assert [s.finished().finish_reason for s in sinks] == ["length"] * 3
+
+
+def test_max_batch_bounds_the_rows_decoding_together(setup):
+    engine, _ = setup
+    scheduler = Scheduler(engine, max_batch=2)
+    sinks = [Recorder() for _ in range(3)]
+    for i, sink in enumerate(sinks):
+        scheduler.add([job(PROMPTS[i], max_tokens=3)], sink)
+    scheduler.step()
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 1
+    assert sinks[2].starts == 0
+    while not scheduler.idle:
+        scheduler.step()
+    assert all(s.finished() is not None for s in sinks)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rows_with_different_adapter_sets_match_their_solo_answers(setup, seed):
+    engine, manager = setup
+    specs = ["", "a", "b", "a+b", "c", "b@0.5+c", "", "a"]
+    if seed:
+        specs = specs[::-1]
+    requests = [
+        [job(PROMPTS[i % len(PROMPTS)], max_tokens=10, adapter=adapters(manager, spec))]
+        for i, spec in enumerate(specs)
+    ]
+    batched = run(Scheduler(engine, max_batch=8), requests)
+    for request, sink in zip(requests, batched, strict=True):
+        fresh = [job(request[0].prompt, max_tokens=10, adapter=request[0].adapters)]
+        assert sink.text() == solo(engine, fresh).text()
+    # The adapters matter: each set gives another answer than the base on the same prompt.
+    base = solo(engine, [job(PROMPTS[1], max_tokens=10)]).text()
+    assert solo(engine, [job(PROMPTS[1], 10, adapters(manager, "a"))]).text() != base
+
+
+def test_a_finished_row_leaves_its_cache_for_the_next_turn(setup, tiny_model_dir: Path):
+    engine = Engine(load_model_dir(tiny_model_dir), base_id="tiny", prompt_cache_size=4)
+    first = solo(engine, [job(PROMPTS[4], max_tokens=4)])
+    again = solo(engine, [job(PROMPTS[4], max_tokens=4)])
+    assert again.text() == first.text()
+    assert first.finished().cached_tokens == 0
+    assert again.finished().cached_tokens == len(PROMPTS[4]) - 1
+
+
+def test_a_failed_model_call_fails_its_rows_and_the_scheduler_serves_on(setup, monkeypatch):
+    engine, _ = setup
+    scheduler = Scheduler(engine, max_batch=4)
+    model = scheduler.model
+
+    def broken(tokens, cache=None):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(scheduler, "model", broken)
+    failed = run(scheduler, [[job(PROMPTS[0])], [job(PROMPTS[1])]])
+    assert all(len(s.errors) == 1 for s in failed)
+    monkeypatch.setattr(scheduler, "model", model)
+    after = run(scheduler, [[job(PROMPTS[0], max_tokens=3)]])[0]
+    assert after.finished() == Finished("length", 3, 3, 0)
