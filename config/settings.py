@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -41,6 +42,28 @@ class Settings(BaseSettings):
     )
     prompt_cache_bytes: int = Field(
         default=1 << 30, ge=0, description="Memory the kept prompt KV caches may hold, in bytes."
+    )
+    # Batching.
+    max_batch: int = Field(
+        default=8, ge=1, description="Sequences decoded together in one batched step."
+    )
+    prefill_chunk: int = Field(
+        default=512,
+        ge=16,
+        description="Prompt tokens processed per step; running streams wait at most one chunk.",
+    )
+    kv_cache_bytes: int = Field(
+        default=2 << 30,
+        gt=0,
+        description="Memory the running batch's KV cache may reach; new requests wait beyond it.",
+    )
+    cpu_weights: Literal["auto", "float32", "quantized"] = Field(
+        default="auto",
+        description="On a machine without a GPU: serve float32 weights (fast BLAS) or keep them "
+        "as loaded. auto: float32 when the copy fits cpu_float_budget_bytes.",
+    )
+    cpu_float_budget_bytes: int | None = Field(
+        default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."
     )
     log_level: str = "info"
     warmup: bool = True

@@ -18,6 +18,14 @@ SETTING_FLAGS = {
     "--max-body-bytes": ("max_body_bytes", int, "Largest request body accepted (413 beyond)."),
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens when a request gives none."),
     "--max-tokens-limit": ("max_tokens_limit", int, "Largest max_tokens a request may ask for."),
+    "--max-batch": ("max_batch", int, "Sequences decoded together in one step (default 8)."),
+    "--prefill-chunk": ("prefill_chunk", int, "Prompt tokens processed per step (default 512)."),
+    "--kv-cache-bytes": ("kv_cache_bytes", int, "KV cache budget of the running batch (2 GiB)."),
+    "--cpu-weights": (
+        "cpu_weights",
+        str,
+        "auto, float32 or quantized: without a GPU, auto serves float32 weights when they fit.",
+    ),
     "--log-level": ("log_level", str, "critical, error, warning, info, debug or trace."),
     "--home": ("home", Path, "Cache directory (default ~/.cache/hotlora, or $HOTLORA_HOME)."),
     "--adapter-root": (

@@ -11,6 +11,7 @@ from pathlib import Path
 from hotlora.adapters import AdapterManager
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
+from hotlora.models.cpu_weights import choose_cpu_weights, to_float32
 from hotlora.models.embedded import ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.admin_protocol import ModelCard
@@ -70,6 +71,7 @@ class Runtime:
         log.info("%s", message)
 
     def _build(self, loaded: LoadedModel, path: Path) -> None:
+        self._choose_weights(loaded)
         self.model_path = path
         self.base_id = self.settings.served_model_name or path.name
         self.adapters = AdapterManager(
@@ -86,12 +88,31 @@ class Runtime:
             prompt_cache_size=self.settings.prompt_cache_size,
             prompt_cache_bytes=self.settings.prompt_cache_bytes,
         )
-        self.worker = GenerationWorker(engine, max_queue=self.settings.queue_size)
+        self.worker = GenerationWorker(
+            engine,
+            max_queue=self.settings.queue_size,
+            max_batch=self.settings.max_batch,
+            prefill_chunk=self.settings.prefill_chunk,
+            kv_cache_bytes=self.settings.kv_cache_bytes,
+        )
         self.inference = InferenceService(
             self.worker,
             self.settings,
             adapters=self.adapters,
             generation_defaults=generation_defaults(path),
+        )
+
+    def _choose_weights(self, loaded: LoadedModel) -> None:
+        """Float32 weights on a CPU-only machine when they fit (`--cpu-weights`); the log says
+        which weights are served and why."""
+        choice = choose_cpu_weights(
+            loaded.model, self.settings.cpu_weights, self.settings.cpu_float_budget_bytes
+        )
+        if choice.float32:
+            self._progress(f"converting the weights to float32 ({choice.reason})")
+            to_float32(loaded.model)
+        log.info(
+            "serving %s weights: %s", "float32" if choice.float32 else "as-loaded", choice.reason
         )
 
     async def _warm_up(self) -> None:

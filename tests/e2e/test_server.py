@@ -66,11 +66,21 @@ def test_chat_answers_paris_and_stream_equals_whole(client, model_id):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == text
 
 
-def test_greedy_equals_mlx_lm_generate(client, model_id, model_dir, tokenizer):
+def test_greedy_equals_mlx_lm_generate(client, model_id, model_dir, tokenizer, server):
+    """On the weights the server chose: mlx-lm on the same dequantized model without a GPU."""
+    import mlx.core as mx
     from mlx_lm import generate
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import dequantize_model, load_model
+
+    from hotlora.models.cpu_weights import choose_cpu_weights
 
     model, _ = load_model(model_dir)
+    if choose_cpu_weights(model, "auto").float32:
+        assert "serving float32 weights: no GPU" in server.log(200)
+        dequantize_model(model)
+        model.set_dtype(mx.float32)
+    else:
+        assert "serving as-loaded weights" in server.log(200)
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     reference = generate(model, tokenizer, prompt=prompt, max_tokens=24)
     served = client.chat.completions.create(

@@ -1,0 +1,95 @@
+"""Float32 weights on the CPU: when they are chosen, and that they generate what mlx-lm does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import dequantize_model, load
+
+from hotlora.models import cpu_weights
+from hotlora.models.cpu_weights import choose_cpu_weights, float32_bytes, to_float32
+from hotlora.models.loader import load_model_dir
+from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler
+
+from tests.support.tiny import write_tiny_llama
+
+PROMPT = [5, 17, 3, 99, 42, 7, 60, 61]
+
+
+def dtypes(model: nn.Module) -> set[mx.Dtype]:
+    return {value.dtype for _, value in tree_flatten(model.parameters())}
+
+
+def test_auto_serves_float32_on_a_cpu_when_the_copy_fits(tiny_model_dir: Path):
+    model = load_model_dir(tiny_model_dir).model
+    size = float32_bytes(model)
+    fits = choose_cpu_weights(model, "auto", budget=size)
+    assert fits.float32 and "no GPU" in fits.reason
+    over = choose_cpu_weights(model, "auto", budget=size - 1)
+    assert not over.float32 and "exceeds" in over.reason
+    assert not choose_cpu_weights(model, "quantized").float32
+    assert choose_cpu_weights(model, "float32", budget=1).float32
+
+
+def test_auto_keeps_the_weights_on_a_gpu(tiny_model_dir: Path, monkeypatch):
+    monkeypatch.setattr(cpu_weights, "has_gpu", lambda: True)
+    choice = choose_cpu_weights(load_model_dir(tiny_model_dir).model, "auto")
+    assert not choice.float32 and "GPU" in choice.reason
+
+
+def test_float32_size_counts_dequantized_weights(tmp_path: Path):
+    float_dir = write_tiny_llama(tmp_path / "float", quantize=False)
+    quant_dir = write_tiny_llama(tmp_path / "quant", quantize=True)
+    plain = load_model_dir(float_dir).model
+    expected = 4 * sum(v.size for _, v in tree_flatten(plain.parameters()))
+    assert float32_bytes(load_model_dir(quant_dir).model) == expected
+    assert not choose_cpu_weights(plain, "auto").float32  # float32 already: nothing to do
+
+
+def test_float32_weights_generate_what_mlx_lm_generates_on_the_dequantized_model(
+    tiny_model_dir: Path,
+):
+    reference, tokenizer = load(str(tiny_model_dir))
+    dequantize_model(reference)
+    reference.set_dtype(mx.float32)
+    expected = generate(
+        reference, tokenizer, prompt=PROMPT, max_tokens=16, sampler=make_sampler(temp=0.0)
+    )
+
+    loaded = load_model_dir(tiny_model_dir)
+    assert mx.uint32 in dtypes(loaded.model)
+    to_float32(loaded.model)
+    assert dtypes(loaded.model) == {mx.float32}
+    scheduler = Scheduler(Engine(loaded, base_id="tiny", prompt_cache_size=0), max_batch=1)
+    events = []
+
+    class Sink:
+        def started(self) -> None: ...
+
+        def event(self, position: int, event) -> None:
+            events.append(event)
+
+        def failed(self, error: BaseException) -> None:
+            raise error
+
+    scheduler.add([GenerationJob(PROMPT, SamplingParams(max_tokens=16, temperature=0.0))], Sink())
+    while not scheduler.idle:
+        scheduler.step()
+    text = "".join(getattr(e, "text", "") for e in events)
+    assert text == expected
+    assert len(expected) > 0
+
+
+@pytest.mark.parametrize("setting", ["auto", "float32", "quantized"])
+def test_the_setting_is_validated(setting: str, tiny_model_dir: Path):
+    from hotlora.config.settings import Settings
+
+    assert Settings(cpu_weights=setting).cpu_weights == setting
+    with pytest.raises(ValueError):
+        Settings(cpu_weights="fp8")
