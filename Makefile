@@ -6,12 +6,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 UNAME := $(shell uname -s)
 # MLX's Linux CPU wheel bundles the reference BLAS; Debian's OpenBLAS is ~50x faster for the
-# float matmuls of adapter training and dequantized models.
+# float matmuls of adapter training and of the float32 weights served on the CPU.
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 ifeq ($(UNAME),Linux)
-RUN_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
+# OpenBLAS picks its kernels from the CPU model; on CPUs it does not know (virtual machines
+# often report a generic model) it falls back to "Prescott", SSE3 kernels several times slower.
+# Then name the kernels the CPU's flags allow: SkylakeX with AVX-512, else Haswell with AVX2 and
+# FMA. A preset OPENBLAS_CORETYPE is left alone.
+BLAS_CORE = $(shell OPENBLAS_VERBOSE=2 $(PYTHON) -c 'import ctypes; ctypes.CDLL("$(OPENBLAS)")' 2>&1 | sed -n 's/^Core: //p')
+CPU_FLAGS = $(shell grep -m1 '^flags' /proc/cpuinfo)
+AVX512 = $(if $(filter-out $(CPU_FLAGS),avx512f avx512cd avx512bw avx512dq avx512vl),,yes)
+AVX2 = $(if $(filter-out $(CPU_FLAGS),avx2 fma),,yes)
+BEST_CORE = $(if $(AVX512),SkylakeX,$(if $(AVX2),Haswell))
+CORETYPE = $(if $(OPENBLAS_CORETYPE),,$(if $(filter Prescott,$(BLAS_CORE)),$(BEST_CORE)))
+RUN_ENV = $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) $(if $(CORETYPE),OPENBLAS_CORETYPE=$(CORETYPE)),)
 endif
 
 HOST ?= 127.0.0.1
