@@ -6,8 +6,12 @@ distinct short chat questions. The servers run as subprocesses on loopback ports
 are noisy. `base`: the base model on both servers, then mlx-lm's in-process `stream_generate`
 alone, as the decode ceiling. `adapters` (tests/bench_adapters.py): decode with LoRA adapters
 against the base, latency when requests switch adapters, and mount/unmount times.
+`concurrency` (tests/bench_concurrency.py): 1 and 8 concurrent streaming clients on hotlora
+(base, and four adapter sets mixed), mlx_lm.server batching, and llama.cpp's server when
+`LLAMA_SERVER` names its binary.
 
-    python -m tests.bench [--sections base,adapters] [--rounds 5] [--max-tokens 128] [--model DIR]
+    python -m tests.bench [--sections base,adapters,concurrency] [--rounds 5] [--max-tokens 128]
+                          [--clients 8] [--concurrency-tokens 96] [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from tests.bench_adapters import run_adapters
+from tests.bench_concurrency import run_concurrency
 from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
 
 WARMUP_QUESTION = "Describe the water cycle in detail."
@@ -76,16 +81,21 @@ class SectionResult:
 def print_table(result: SectionResult) -> None:
     """The shared results table: one line per system, then the section's notes."""
     print(f"\n== {result.title}")
+    if result.rows:
+        print_rows(result.rows)
+    for note in result.notes:
+        print(note)
+    sys.stdout.flush()
+
+
+def print_rows(rows: list[Row]) -> None:
     print(f"{'system':<18}{'ttft_p50_s':>12}{'decode_tok_s_p50':>18}{'n':>4}{'tokens_p50':>12}")
-    for row in result.rows:
+    for row in rows:
         tokens = statistics.median(s.tokens for s in row.samples)
         print(
             f"{row.system:<18}{row.ttft:>12.3f}{row.decode:>18.2f}"
             f"{len(row.samples):>4}{tokens:>12.0f}"
         )
-    for note in result.notes:
-        print(note)
-    sys.stdout.flush()
 
 
 def ratio_line(ours: Row, theirs: Row) -> str:
@@ -221,9 +231,18 @@ def section_adapters(args: argparse.Namespace, model_dir: Path) -> SectionResult
     return SectionResult(out.title, rows, out.notes)
 
 
+def section_concurrency(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """Many streaming clients at once: hotlora (base, mixed adapters) against its peers."""
+    out = run_concurrency(
+        model_dir, args.home, server_env(args.home), args.clients, args.concurrency_tokens
+    )
+    return SectionResult(out.title, [], out.lines)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
     "base": section_base,
     "adapters": section_adapters,
+    "concurrency": section_concurrency,
 }
 
 
@@ -244,6 +263,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=5, help="Timed requests per system.")
     p.add_argument("--max-tokens", type=int, default=128, help="New tokens per request.")
+    p.add_argument(
+        "--clients", type=int, default=8, help="Concurrent clients (section concurrency)."
+    )
+    p.add_argument(
+        "--concurrency-tokens",
+        type=int,
+        default=96,
+        help="New tokens per request in section concurrency.",
+    )
     p.add_argument("--model", type=Path, help="A model directory (default: the embedded model).")
     p.add_argument(
         "--home",
