@@ -119,6 +119,10 @@ class RowAdapterCache:
         self.keep = keep
         self._built: list[SideBySide] = []  # most recently used last
 
+    def clear(self) -> None:
+        """Forget every kept pair (the batch is empty: nothing would reuse them)."""
+        self._built.clear()
+
     def for_rows(self, rows: Sequence[AdapterSet]) -> AdapterSet | RowAdapters:
         """`rows[b]` is row b's set. One set on every row is applied as is (no mask).
 

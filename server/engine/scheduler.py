@@ -72,9 +72,12 @@ class Scheduler:
     def add(self, jobs: Sequence[GenerationJob], sink: Sink) -> None:
         """Queue one request's jobs, in order, behind everything already waiting."""
         tokenizer = self.engine.tokenizer
-        for position, job in enumerate(jobs):
-            # `tokenizer.detokenizer` is a fresh, reset copy on every access.
-            self.waiting.append(Row(job, sink, position, tokenizer.detokenizer, self.eos))
+        # `tokenizer.detokenizer` is a fresh, reset copy on every access. All rows or none.
+        rows = [
+            Row(job, sink, position, tokenizer.detokenizer, self.eos)
+            for position, job in enumerate(jobs)
+        ]
+        self.waiting.extend(rows)
 
     @property
     def idle(self) -> bool:
@@ -137,6 +140,11 @@ class Scheduler:
             self._decode()
 
     def _drop_cancelled(self) -> None:
+        if any(row.cancelled for row in self.waiting):
+            for row in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(row)
+                row.sink.started()
+                row.finish("cancelled")
         for group in list(self.prefilling):
             live = [r for r in group.rows if not r.cancelled]
             for row in group.rows:
@@ -191,9 +199,9 @@ class Scheduler:
         lengths = [len(c) for _, c in work]
         longest = max(lengths)
         layers = len(cast(list[Any], groups[0].cache))
-        cache = [
-            BatchKVCache.merge([cast(list[Any], g.cache)[i] for g in groups]) for i in range(layers)
-        ]
+        # Each layer's cache type merges its own kind (KVCache into BatchKVCache, ...).
+        per_layer = [[cast(list[Any], g.cache)[i] for g in groups] for i in range(layers)]
+        cache = [caches[0].merge(caches) for caches in per_layer]
         for c in cache:
             c.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
         tokens = mx.array([c + [0] * (longest - len(c)) for _, c in work])  # [G, longest]
@@ -238,7 +246,7 @@ class Scheduler:
                 row.finish("cancelled")
         if not rows:
             return
-        joined = [BatchKVCache.merge([c] * len(rows)) for c in caches]
+        joined = [c.merge([c] * len(rows)) for c in caches]
         if self._cache is None:
             self._cache = joined
         else:
@@ -323,17 +331,22 @@ class Scheduler:
         """Keep a finished row's cache (prompt + output) for the next turn of its conversation."""
         if self._cache is None or self.engine.prompt_cache.max_size == 0:
             return
-        cache = [c.extract(index) for c in self._cache]
-        mx.eval([c.state for c in cache])  # kept beyond this step: evaluate it now
-        offset = cache[0].offset if cache else 0
-        key = prompt_cache_key(self.engine.base_id, row.adapters)
-        if 0 < offset <= len(row.tokens):
-            self.engine.prompt_cache.insert_cache(key, row.tokens[:offset], cache)
+        try:
+            cache = [c.extract(index) for c in self._cache]
+            mx.eval([c.state for c in cache])  # kept beyond this step: evaluate it now
+            offset = cache[0].offset if cache else 0
+            key = prompt_cache_key(self.engine.base_id, row.adapters)
+            if 0 < offset <= len(row.tokens):
+                self.engine.prompt_cache.insert_cache(key, row.tokens[:offset], cache)
+        except Exception:  # noqa: BLE001 - the row is done; only the cache for later is lost
+            log.warning("could not keep a finished request's prompt cache", exc_info=True)
 
     def _keep(self, keep: list[int]) -> None:
         self.running = [self.running[i] for i in keep]
         if not keep:
             self._cache = None
+            if not self.prefilling:
+                self._row_adapters.clear()  # drop side-by-side copies of adapters
         elif self._cache is not None:
             for c in self._cache:
                 c.filter(keep)
@@ -346,10 +359,17 @@ class Scheduler:
     def _fail(self, rows: list[Row], error: BaseException) -> None:
         log.error("generation failed: %s", error, exc_info=error)
         for row in rows:
-            row.sink.failed(error)
+            row.sink.failed(row.position, error)
 
     def _fail_running(self, error: BaseException) -> None:
         rows, self.running, self._cache = self.running, [], None
+        self._fail(rows, error)
+
+    def fail_admitted(self, error: BaseException) -> None:
+        """Fail every admitted row (a step failed outside a model call); waiting rows stay."""
+        rows = [*(r for g in self.prefilling for r in g.rows), *self.running]
+        self.prefilling.clear()
+        self.running, self._cache = [], None
         self._fail(rows, error)
 
     def cancel_all(self, error: BaseException) -> None:
@@ -359,4 +379,4 @@ class Scheduler:
         self.prefilling.clear()
         self.running, self._cache = [], None
         for row in rows:
-            row.sink.failed(error)
+            row.sink.failed(row.position, error)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -16,6 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 from hotlora.config.errors import HotloraError
 from hotlora.server.engine.generate import Engine, Event, Finished, GenerationJob
 from hotlora.server.engine.scheduler import Scheduler
+
+log = logging.getLogger("hotlora")
 
 _DONE = object()
 
@@ -47,7 +50,7 @@ class Ticket:
         self.state = _State.WAITING
         self._worker = worker
         self._loop = asyncio.get_running_loop()
-        self._open = len(self.jobs)
+        self._closed: set[int] = set()  # jobs whose last event was sent
         self._failed = False
 
     def cancel(self) -> None:
@@ -61,20 +64,29 @@ class Ticket:
         self._worker._started(self)
 
     def event(self, position: int, event: Event) -> None:
+        if position in self._closed:
+            return
         self._put((position, event))
         if isinstance(event, Finished):
-            self._close_one()
+            self._close(position)
 
-    def failed(self, error: BaseException) -> None:
+    def failed(self, position: int, error: BaseException) -> None:
+        if position in self._closed:
+            return
         if not self._failed:
             self._failed = True
             self.cancel()  # the request failed: its other choices stop too
             self._put(error)
-        self._close_one()
+        self._close(position)
 
-    def _close_one(self) -> None:
-        self._open -= 1
-        if self._open == 0:
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every job that has not ended (the ticket never reached the scheduler)."""
+        for position in range(len(self.jobs)):
+            self.failed(position, error)
+
+    def _close(self, position: int) -> None:
+        self._closed.add(position)
+        if len(self._closed) == len(self.jobs):
             self._put(_DONE)
 
     def _put(self, item: object) -> None:
@@ -124,6 +136,8 @@ class GenerationWorker:
     def submit(self, jobs: Sequence[GenerationJob]) -> Ticket:
         """Admit a request's jobs now, or raise `QueueFull`; nothing is queued on refusal."""
         with self._lock:
+            if self._stopping:
+                raise WorkerStopped("The server is shutting down; retry on another replica.")
             if self._waiting >= self.max_queue:
                 raise QueueFull(
                     f"The server is busy: {self._waiting} requests are already waiting. "
@@ -165,15 +179,31 @@ class GenerationWorker:
 
     def _run(self) -> None:
         scheduler = self.scheduler
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self._inbox and scheduler.idle:
+                        self._lock.wait()
+                    if self._stopping:
+                        break
+                    arrived = list(self._inbox)
+                    self._inbox.clear()
+                for ticket in arrived:
+                    try:
+                        scheduler.add(ticket.jobs, ticket)
+                    except Exception as exc:  # noqa: BLE001 - this request fails, others go on
+                        log.exception("could not admit a request")
+                        ticket.fail_all(exc)
+                try:
+                    scheduler.step()
+                except Exception as exc:  # noqa: BLE001 - what ran fails, the worker serves on
+                    log.exception("generation step failed")
+                    scheduler.fail_admitted(exc)
+        finally:
+            stopped = WorkerStopped("The server is shutting down.")
             with self._lock:
-                while not self._stopping and not self._inbox and scheduler.idle:
-                    self._lock.wait()
-                if self._stopping:
-                    break
-                arrived = list(self._inbox)
-                self._inbox.clear()
-            for ticket in arrived:
-                scheduler.add(ticket.jobs, ticket)
-            scheduler.step()
-        scheduler.cancel_all(WorkerStopped("The server is shutting down."))
+                self._stopping = True
+                left, self._inbox = list(self._inbox), deque()
+            for ticket in left:
+                ticket.fail_all(stopped)
+            scheduler.cancel_all(stopped)

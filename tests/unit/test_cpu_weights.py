@@ -75,7 +75,7 @@ def test_float32_weights_generate_what_mlx_lm_generates_on_the_dequantized_model
         def event(self, position: int, event) -> None:
             events.append(event)
 
-        def failed(self, error: BaseException) -> None:
+        def failed(self, position: int, error: BaseException) -> None:
             raise error
 
     scheduler.add([GenerationJob(PROMPT, SamplingParams(max_tokens=16, temperature=0.0))], Sink())

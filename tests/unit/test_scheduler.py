@@ -44,7 +44,7 @@ class Recorder:
     def event(self, position: int, event: Event) -> None:
         self.events.append((position, event))
 
-    def failed(self, error: BaseException) -> None:
+    def failed(self, position: int, error: BaseException) -> None:
         self.errors.append(error)
 
     def text(self, position: int = 0) -> str:

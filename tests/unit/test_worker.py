@@ -16,7 +16,9 @@ from hotlora.server.engine import (
     GenerationWorker,
     QueueFull,
     SamplingParams,
+    WorkerStopped,
 )
+from hotlora.server.engine.rows import Row
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def job(max_tokens: int) -> GenerationJob:
 
 def test_admission_is_bounded_and_abandoned_tickets_free_their_place(engine: Engine):
     async def scenario() -> list[str]:
-        worker = GenerationWorker(engine, max_queue=1)
+        worker = GenerationWorker(engine, max_queue=1, max_batch=1)  # one request at a time
         worker.start()
         seen = []
         try:
@@ -57,7 +59,7 @@ def test_admission_is_bounded_and_abandoned_tickets_free_their_place(engine: Eng
     assert all(s.split(":")[1] in ("Delta", "Finished") for s in seen)
 
 
-def test_a_ticket_serves_its_jobs_back_to_back(engine: Engine):
+def test_a_tickets_jobs_run_together_and_each_ends_once(engine: Engine):
     async def scenario() -> list[tuple[int, object]]:
         worker = GenerationWorker(engine, max_queue=4)
         worker.start()
@@ -72,3 +74,49 @@ def test_a_ticket_serves_its_jobs_back_to_back(engine: Engine):
     assert [position for position, _ in finished] == [0, 1, 2]
     assert all(e.completion_tokens <= 2 for _, e in finished)
     assert all(isinstance(e, Delta | Finished) for _, e in events)
+
+
+def test_a_failing_step_fails_what_ran_and_the_worker_serves_on(engine: Engine, monkeypatch):
+    def broken(self, token, sampled):
+        raise RuntimeError("bookkeeping failed")
+
+    async def scenario() -> tuple[BaseException | None, list[object]]:
+        worker = GenerationWorker(engine)
+        worker.start()
+        try:
+            with monkeypatch.context() as patch:
+                patch.setattr(Row, "advance", broken)
+                error = None
+                try:
+                    [item async for item in worker.events(worker.submit([job(4), job(4)]))]
+                except RuntimeError as exc:
+                    error = exc
+            after = [item async for item in worker.events(worker.submit([job(3)]))]
+        finally:
+            await worker.stop()
+        return error, after
+
+    error, after = asyncio.run(scenario())
+    assert isinstance(error, RuntimeError) and "bookkeeping" in str(error)
+    assert isinstance(after[-1][1], Finished) and after[-1][1].completion_tokens == 3
+
+
+def test_stopping_fails_requests_in_flight_and_refuses_new_ones(engine: Engine):
+    async def scenario() -> BaseException | None:
+        worker = GenerationWorker(engine)
+        worker.start()
+        events = worker.events(worker.submit([job(400)]))
+        await anext(events)  # running
+        stopping = asyncio.create_task(worker.stop())
+        error = None
+        try:
+            async for _ in events:
+                pass
+        except WorkerStopped as exc:
+            error = exc
+        await stopping
+        with pytest.raises(WorkerStopped):
+            worker.submit([job(2)])
+        return error
+
+    assert isinstance(asyncio.run(scenario()), WorkerStopped)
