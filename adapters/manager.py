@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,6 +100,9 @@ class AdapterManager:
         self._lock = threading.Lock()
         self._mounted: dict[str, MountedAdapter] = {}
         self._in_use: dict[MountedAdapter, int] = {}
+        self._sets: weakref.WeakValueDictionary[tuple[tuple[int, float], ...], AdapterSet] = (
+            weakref.WeakValueDictionary()
+        )
 
     def mount(self, adapter_id: str, path: str | Path, replace: bool = False) -> AdapterInfo:
         """Validate the adapter at `path` (under the adapter root) and mount it as `adapter_id`.
@@ -217,7 +221,14 @@ class AdapterManager:
             if mounted is None:
                 raise AdapterNotFound(ref.id, self._mounted)
             entries.append(AppliedAdapter(mounted, ref.weight))
-        return AdapterSet(tuple(entries))
+        # Requests naming the same mounted adapters at the same weights share one set, so a
+        # stack is fused once, not once per request. Held weakly: a set lives only as long as
+        # a request holds it, and a remounted adapter is a new `MountedAdapter`, so a new set.
+        identity = tuple((id(entry.mounted), entry.weight) for entry in entries)
+        adapters = self._sets.get(identity)
+        if adapters is None:
+            adapters = self._sets[identity] = AdapterSet(tuple(entries))
+        return adapters
 
     def _count(self, adapters: AdapterSet, change: int) -> None:
         for entry in adapters.entries:

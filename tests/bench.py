@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from tests.bench_adapters import run_adapters
+from tests.bench_concurrency import QUESTIONS as CONCURRENT_QUESTIONS
 from tests.bench_concurrency import run_concurrency
 from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
 
@@ -289,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown section(s): {', '.join(unknown)}")
     if not 1 <= args.rounds <= len(QUESTIONS):
         p.error(f"--rounds must be 1..{len(QUESTIONS)} (one distinct question per round)")
+    if not 1 <= args.clients <= len(CONCURRENT_QUESTIONS):
+        p.error(f"--clients must be 1..{len(CONCURRENT_QUESTIONS)} (one question per client)")
     if args.max_tokens < 2:
         p.error("--max-tokens must be at least 2 to measure decoding")
     return args

@@ -51,6 +51,25 @@ QUESTIONS = [
     "Describe the journey of a river from mountain to sea.",
     "Write a story about two friends lost in a forest.",
 ]
+WARMUP_QUESTIONS = [
+    "Describe your favourite season.",
+    "Explain how a bicycle brake works.",
+    "Write a short note to a neighbour.",
+    "Describe a quiet library.",
+    "Explain what a volcano is.",
+    "Describe a train journey at night.",
+    "Write a limerick about a cat.",
+    "Explain how ice forms on a lake.",
+    "Describe a busy kitchen.",
+    "Explain what clouds are made of.",
+    "Describe a mountain village.",
+    "Write a haiku about the sea.",
+    "Explain how a kite flies.",
+    "Describe an old clock tower.",
+    "Explain what a comet is.",
+    "Describe a farmers' market.",
+]
+WARMUP_TOKENS = 8
 MIXED_SETS = ("a", "b", "m", "a+b")  # the adapter set of client i is MIXED_SETS[i % 4]
 
 AGGREGATE_VS_PEER = 5.0  # hotlora 8-stream aggregate / mlx_lm.server's, at least
@@ -132,12 +151,19 @@ def measure(
     extras: list[dict],
     concurrent: bool,
 ) -> Run:
-    """A warm-up, one stream alone, then (if `concurrent`) every question at once."""
+    """A warm-up, one stream alone, then (if `concurrent`) every question at once.
+
+    The warm-up runs the workload once, short and on other questions (so no prompt cache
+    helps later): every system is then measured serving, not starting up.
+    """
     name = server.spec.name
     run = Run(name)
     first = extras[0] if extras else {}
+    warm_up = WARMUP_QUESTIONS[: len(questions)]
+    if concurrent:
+        concurrent_chats(server, warm_up, WARMUP_TOKENS, extras)
     with httpx.Client() as client:
-        stream_chat(client, server, "Say hello.", 8, -1, first)
+        stream_chat(client, server, warm_up[0], WARMUP_TOKENS, -1, first)
         run.single = stream_chat(client, server, questions[0], max_tokens, 0, first)
     print(
         f"{name}: single stream ttft {run.single.ttft_s:.2f}s, "

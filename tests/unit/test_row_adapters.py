@@ -80,10 +80,18 @@ def test_sets_stay_apart_when_rows_are_reordered(setup):
         assert mx.abs(batched[i : i + 1] - alone).max().item() < 1e-4
 
 
-def test_requests_naming_the_same_adapters_share_their_columns(manager_and_model):
+def test_requests_naming_the_same_adapters_share_one_set(manager_and_model):
     manager, _ = manager_and_model
-    first, second = adapter_set(manager, "a@0.5+b"), adapter_set(manager, "a@0.5+b")
-    assert first is not second and first.key == second.key  # each request holds its own set
+    first = adapter_set(manager, "a@0.5+b")
+    assert adapter_set(manager, "a@0.5+b") is first  # its stack is fused once for both
+    assert adapter_set(manager, "a@0.5") is not first
+
+
+def test_equal_sets_share_their_columns(manager_and_model):
+    manager, _ = manager_and_model
+    first = adapter_set(manager, "a@0.5+b")
+    second = AdapterSet(first.entries)  # another object naming the same weights
+    assert first is not second and first.key == second.key
     cache = RowAdapterCache()
     assert cache.for_rows([first, second]) is first  # one set's computation for both rows
     mixed = cache.for_rows([first, second, adapter_set(manager, "b")])
