@@ -91,7 +91,9 @@ def choose_cpu_weights(
             f"{budget / 1e6:.0f} MB budget",
         )
     return WeightsChoice(
-        True, f"no GPU; {kind} weights as float32 take {size / 1e6:.0f} MB of {budget / 1e6:.0f}"
+        True,
+        f"no GPU; {kind} weights as float32 take {size / 1e6:.0f} MB of the "
+        f"{budget / 1e6:.0f} MB budget",
     )
 
 
