@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from hotlora.adapters import BASE_ONLY, AdapterSet
@@ -106,7 +107,7 @@ class Engine:
         return SampledToken(self.pieces(token), chosen, top)
 
 
-def _kv_bytes_per_token(model: Any) -> int:
+def _kv_bytes_per_token(model: nn.Module) -> int:
     """The KV cache bytes one token takes across every layer, measured on a one-token call."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)

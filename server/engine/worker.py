@@ -8,6 +8,7 @@ scheduler, steps it, and each ticket's events come back through its own asyncio 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import threading
@@ -90,7 +91,9 @@ class Ticket:
             self._put(_DONE)
 
     def _put(self, item: object) -> None:
-        self._loop.call_soon_threadsafe(self.events.put_nowait, item)
+        # A closed loop (the server has stopped) has nobody left to read the event.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
 class GenerationWorker:
