@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -85,12 +85,16 @@ class Scheduler:
 
     @property
     def admitted(self) -> int:
-        return len(self.running) + sum(len(g.rows) for g in self.prefilling)
+        return len(self._admitted_rows())
+
+    def _admitted_rows(self) -> list[Row]:
+        """Every row past admission: prefilling, then running."""
+        return [*(row for group in self.prefilling for row in group.rows), *self.running]
 
     def kv_reserved(self, extra: Sequence[Row] = ()) -> int:
         """Bytes the batch cache may reach with `extra` admitted: every row padded to the
         longest prompt + max_tokens, plus one allocation step of slack each."""
-        rows = [*self.running, *(r for g in self.prefilling for r in g.rows), *extra]
+        rows = [*self._admitted_rows(), *extra]
         if not rows:
             return 0
         longest = max(len(r.job.prompt) + r.job.params.max_tokens for r in rows)
@@ -99,11 +103,6 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting:
             head = self.waiting[0]
-            if head.cancelled:
-                self.waiting.popleft()
-                head.sink.started()
-                head.finish("cancelled")
-                continue
             room = self.max_batch - self.admitted
             if room <= 0:
                 return
@@ -113,7 +112,6 @@ class Scheduler:
                     row.sink is head.sink
                     and row.job.prompt is head.job.prompt
                     and row.adapters is head.adapters
-                    and not row.cancelled
                 ):
                     group.append(row)
                 else:
@@ -140,26 +138,15 @@ class Scheduler:
             self._decode()
 
     def _drop_cancelled(self) -> None:
-        if any(row.cancelled for row in self.waiting):
-            for row in [r for r in self.waiting if r.cancelled]:
-                self.waiting.remove(row)
-                row.sink.started()
-                row.finish("cancelled")
+        """Finish every cancelled row, wherever it is; a cancelled request never starts."""
+        self.waiting = deque(_without_cancelled(self.waiting))
         for group in list(self.prefilling):
-            live = [r for r in group.rows if not r.cancelled]
-            for row in group.rows:
-                if row.cancelled:
-                    row.finish("cancelled")
-            if live:
-                group.rows = live
-            else:
+            group.rows = _without_cancelled(group.rows)
+            if not group.rows:
                 self.prefilling.remove(group)
-        keep = [i for i, row in enumerate(self.running) if not row.cancelled]
-        if len(keep) < len(self.running):
-            for row in self.running:
-                if row.cancelled:
-                    row.finish("cancelled")
-            self._keep(keep)
+        live = {id(row) for row in _without_cancelled(self.running)}
+        if len(live) < len(self.running):
+            self._keep([i for i, row in enumerate(self.running) if id(row) in live])
 
     # Prefill.
 
@@ -240,10 +227,7 @@ class Scheduler:
     def _join(self, group: Group) -> None:
         """Move a prefilled group's rows into the decode batch."""
         caches = cast(list[Any], group.cache)
-        rows = [r for r in group.rows if not r.cancelled]
-        for row in group.rows:
-            if row.cancelled:
-                row.finish("cancelled")
+        rows = _without_cancelled(group.rows)
         if not rows:
             return
         joined = [c.merge([c] * len(rows)) for c in caches]
@@ -342,14 +326,21 @@ class Scheduler:
             log.warning("could not keep a finished request's prompt cache", exc_info=True)
 
     def _keep(self, keep: list[int]) -> None:
-        self.running = [self.running[i] for i in keep]
+        """Keep only these running rows (by index), and their rows of the batch cache."""
         if not keep:
-            self._cache = None
-            if not self.prefilling:
-                self._row_adapters.clear()  # drop side-by-side copies of adapters
-        elif self._cache is not None:
+            self._drop_batch()
+            return
+        self.running = [self.running[i] for i in keep]
+        if self._cache is not None:
             for c in self._cache:
                 c.filter(keep)
+
+    def _drop_batch(self) -> list[Row]:
+        """Empty the decode batch; returns the rows it held."""
+        rows, self.running, self._cache = self.running, [], None
+        if not self.prefilling:
+            self._row_adapters.clear()  # drop side-by-side copies of adapters
+        return rows
 
     def _cache_state(self) -> list[Any]:
         return [c.state for c in self._cache] if self._cache else []
@@ -362,21 +353,32 @@ class Scheduler:
             row.sink.failed(row.position, error)
 
     def _fail_running(self, error: BaseException) -> None:
-        rows, self.running, self._cache = self.running, [], None
-        self._fail(rows, error)
+        self._fail(self._drop_batch(), error)
+
+    def _take_admitted(self) -> list[Row]:
+        """Every admitted row, leaving nothing prefilling or running."""
+        prefilling = [row for group in self.prefilling for row in group.rows]
+        self.prefilling.clear()
+        return [*prefilling, *self._drop_batch()]
 
     def fail_admitted(self, error: BaseException) -> None:
         """Fail every admitted row (a step failed outside a model call); waiting rows stay."""
-        rows = [*(r for g in self.prefilling for r in g.rows), *self.running]
-        self.prefilling.clear()
-        self.running, self._cache = [], None
-        self._fail(rows, error)
+        self._fail(self._take_admitted(), error)
 
     def cancel_all(self, error: BaseException) -> None:
         """Fail everything admitted or waiting (the worker is stopping)."""
-        rows = [*self.waiting, *(r for g in self.prefilling for r in g.rows), *self.running]
+        rows = [*self.waiting, *self._take_admitted()]
         self.waiting.clear()
-        self.prefilling.clear()
-        self.running, self._cache = [], None
         for row in rows:
             row.sink.failed(row.position, error)
+
+
+def _without_cancelled(rows: Iterable[Row]) -> list[Row]:
+    """The rows still wanted, in order; each cancelled one is finished (read once per row)."""
+    live = []
+    for row in rows:
+        if row.cancelled:
+            row.finish("cancelled")
+        else:
+            live.append(row)
+    return live
