@@ -14,7 +14,12 @@ class AdapterError(HotloraError):
 
 
 class InvalidAdapter(AdapterError):
-    """The adapter's id, files or tensors do not fit this base model; nothing was mounted."""
+    """The adapter's id, files or tensors do not fit this base model; nothing was mounted.
+
+    A problem with the files is one with the `path` that names them; a bad id says `param="id"`.
+    """
+
+    param = "path"
 
 
 class AdapterPathRefused(AdapterError):

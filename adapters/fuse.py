@@ -20,8 +20,9 @@ def fuse_adapter(model_dir: Path, adapter_path: Path, out: Path) -> Path:
 
     Each target becomes `W' = W + scale * (A @ B).T`; a quantized base is dequantized, merged
     and quantized again with its own bits, group size and mode, so the result loads like the
-    base. The adapter is validated exactly as a mount would be, without the adapter-root
-    restriction (this runs on the operator's own files). `out` appears whole or not at all.
+    base. The adapter is validated exactly as a mount would be, without the adapter root or the
+    server's rank and file-size limits (this runs on the operator's own files). `out` appears
+    whole or not at all.
     """
     loaded_model = load_model_dir(Path(model_dir))
     model = loaded_model.model
@@ -30,6 +31,7 @@ def fuse_adapter(model_dir: Path, adapter_path: Path, out: Path) -> Path:
         Path(adapter_path).expanduser().resolve(),
         {path: linear_dims(linear) for path, linear in linears.items()},
         max_rank=sys.maxsize,
+        max_bytes=sys.maxsize,
     )
     for path, (a, b) in adapter.weights.items():
         replace_module(model, path, merge_linear(linears[path], a, b, adapter.config.scale))

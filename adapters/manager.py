@@ -20,11 +20,12 @@ import mlx.nn as nn
 
 from hotlora.adapters.adapter_errors import (
     AdapterConflict,
+    AdapterError,
     AdapterNotFound,
     InvalidAdapter,
     InvalidAdapterSpec,
 )
-from hotlora.adapters.adapter_files import read_adapter, resolve_under_root
+from hotlora.adapters.adapter_files import MAX_ADAPTER_BYTES, read_adapter, resolve_under_root
 from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet, AppliedAdapter, MountedAdapter
 from hotlora.adapters.projections import TargetDims, linear_dims
 from hotlora.adapters.slots import LoRASlot, install_slots, probe_input_dtypes
@@ -58,7 +59,7 @@ class AdapterInfo:
     mounted_layers: int  # slots it attaches to
     skipped_tensors: int
     mounted_at: int  # unix seconds
-    in_use: int  # requests computing with it now
+    in_use: int  # requests computing with any revision mounted under this id now
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,10 +89,19 @@ class AdapterManager:
     registry change half-way.
     """
 
-    def __init__(self, model: nn.Module, *, base_id: str, adapter_root: Path, max_rank: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        base_id: str,
+        adapter_root: Path,
+        max_rank: int,
+        max_bytes: int = MAX_ADAPTER_BYTES,
+    ):
         self.base_id = base_id
         self.adapter_root = Path(adapter_root).expanduser().resolve()
         self.max_rank = max_rank
+        self.max_bytes = max_bytes  # per adapter file, checked on disk before reading
         slots = install_slots(model)
         if not slots:
             log.warning("%s has no q/k/v/o/gate/up/down projections", type(model).__name__)
@@ -99,7 +109,9 @@ class AdapterManager:
         self._targets = {path: _target(slot, dtypes.get(path)) for path, slot in slots.items()}
         self._lock = threading.Lock()
         self._mounted: dict[str, MountedAdapter] = {}
-        self._in_use: dict[MountedAdapter, int] = {}
+        # Counted per id, not per revision: a request that started before a `replace` or an
+        # unmount still holds that id's arrays, and admins watching `in_use` must see it.
+        self._in_use: dict[str, int] = {}
         self._sets: weakref.WeakValueDictionary[tuple[tuple[int, float], ...], AdapterSet] = (
             weakref.WeakValueDictionary()
         )
@@ -117,9 +129,21 @@ class AdapterManager:
         if problem:
             raise InvalidAdapter(problem, param="id")
         directory = resolve_under_root(path, self.adapter_root)
-        loaded = read_adapter(
-            directory, self._targets, max_rank=self.max_rank, root=self.adapter_root
-        )
+        try:
+            loaded = read_adapter(
+                directory,
+                self._targets,
+                max_rank=self.max_rank,
+                max_bytes=self.max_bytes,
+                root=self.adapter_root,
+            )
+        except AdapterError as exc:
+            # The traceback's frames hold the refused file's arrays: drop them and free the
+            # memory now, not whenever the error is collected.
+            exc.__context__ = None
+            exc.with_traceback(None)
+            mx.clear_cache()
+            raise
         with self._lock:
             current = self._mounted.get(adapter_id)
             if current is not None and current.adapter.revision == loaded.revision:
@@ -232,11 +256,12 @@ class AdapterManager:
 
     def _count(self, adapters: AdapterSet, change: int) -> None:
         for entry in adapters.entries:
-            left = self._in_use.get(entry.mounted, 0) + change
+            adapter_id = entry.mounted.id
+            left = self._in_use.get(adapter_id, 0) + change
             if left:
-                self._in_use[entry.mounted] = left
+                self._in_use[adapter_id] = left
             else:
-                del self._in_use[entry.mounted]
+                del self._in_use[adapter_id]
 
     def _uncount(self, adapters: AdapterSet) -> None:
         with self._lock:
@@ -256,7 +281,7 @@ class AdapterManager:
             mounted_layers=len(adapter.weights),
             skipped_tensors=adapter.skipped_tensors,
             mounted_at=mounted.mounted_at,
-            in_use=self._in_use.get(mounted, 0),
+            in_use=self._in_use.get(mounted.id, 0),
         )
 
 

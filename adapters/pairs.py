@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 
@@ -31,10 +32,12 @@ def match_pairs(
 
     `targets` maps base module paths to their dimensions. Tensors for modules that are not one
     of the seven projections are skipped and counted; anything else that does not fit raises
-    `InvalidAdapter` naming the module.
+    `InvalidAdapter` naming the module, or the tensor for NaN or infinite values. The returned
+    arrays are evaluated.
     """
     by_canonical = {canonical_path(path): path for path in targets}
-    halves: dict[str, dict[str, tuple[str, mx.array]]] = {}
+    # base module path -> "lora_a"/"lora_b" -> (the file's spelling of the half, name, tensor)
+    halves: dict[str, dict[str, tuple[str, str, mx.array]]] = {}
     unknown: list[str] = []
     result = MatchedPairs()
     for name, tensor in tensors.items():
@@ -53,7 +56,7 @@ def match_pairs(
         slot = halves.setdefault(by_canonical[module], {})
         if half.lower() in slot:
             raise InvalidAdapter(f"{match['module']}: {half} is given twice ({name})")
-        slot[half.lower()] = (half, tensor)
+        slot[half.lower()] = (half, name, tensor)
 
     if not halves:
         raise InvalidAdapter(
@@ -66,19 +69,55 @@ def match_pairs(
             f"the adapter has tensors for modules the base model does not have ({names}); "
             "it was probably trained for another base model"
         )
+    checked: list[tuple[str, mx.array, mx.array]] = []  # (tensor name, as stored, as mounted)
     for path, pair in halves.items():
-        result.pairs[path] = _checked_pair(path, pair, targets[path], rank)
+        a, b = result.pairs[path] = _checked_pair(path, pair, targets[path], rank)
+        (_, a_name, a_stored), (_, b_name, b_stored) = pair["lora_a"], pair["lora_b"]
+        checked += [(a_name, a_stored, a), (b_name, b_stored, b)]
+    _check_finite(checked)
     return result
 
 
+def _check_finite(tensors: list[tuple[str, mx.array, mx.array]]) -> None:
+    """Refuse NaN or infinite values, as stored or once cast to the mount dtype (float32
+    values past float16's range become inf), naming the tensors.
+
+    One evaluation for every tensor, which also materialises the mounted arrays.
+    """
+    flags = mx.stack(  # [n, 2]: finite as stored, finite as mounted
+        [
+            mx.stack([mx.isfinite(stored).all(), mx.isfinite(mounted).all()])
+            for _, stored, mounted in tensors
+        ]
+    )
+    mx.eval(flags, [mounted for _, _, mounted in tensors])
+    rows = cast(list[list[bool]], flags.tolist())
+    stored_bad = [name for (name, _, _), (ok, _) in zip(tensors, rows, strict=True) if not ok]
+    if stored_bad:
+        names = ", ".join(stored_bad[:_SHOWN])
+        more = f" and {len(stored_bad) - _SHOWN} more" if len(stored_bad) > _SHOWN else ""
+        noun = "tensor" if len(stored_bad) == 1 else "tensors"
+        raise InvalidAdapter(f"NaN or infinite values in the {noun} {names}{more}")
+    for (name, _, mounted), (_, ok) in zip(tensors, rows, strict=True):
+        if not ok:
+            raise InvalidAdapter(
+                f"the tensor {name} has values beyond the range of {_dtype_name(mounted.dtype)}, "
+                "the dtype this base model's activations use"
+            )
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
 def _checked_pair(
-    path: str, pair: dict[str, tuple[str, mx.array]], dims: TargetDims, rank: int
+    path: str, pair: dict[str, tuple[str, str, mx.array]], dims: TargetDims, rank: int
 ) -> tuple[mx.array, mx.array]:
     for half in ("lora_a", "lora_b"):
         if half not in pair:
             other = "lora_b" if half == "lora_a" else "lora_a"
             raise InvalidAdapter(f"{path}: {other} is present but its {half} is missing")
-    (a_name, a), (_, b) = pair["lora_a"], pair["lora_b"]
+    (a_name, _, a), (_, _, b) = pair["lora_a"], pair["lora_b"]
     for name, tensor in (("lora_a", a), ("lora_b", b)):
         if tensor.ndim != 2:
             shape = tuple(tensor.shape)

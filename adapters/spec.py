@@ -14,7 +14,6 @@ since the caller can say `"sft@2"` if that is what they mean.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,9 @@ from hotlora.adapters.adapter_errors import InvalidAdapterSpec
 
 MAX_ADAPTERS_PER_REQUEST = 16
 MAX_ID_LENGTH = 64
+# A request's weight multiplies the adapter's trained scale; beyond this it only breaks the model
+# (and in half precision overflows the logits).
+MAX_WEIGHT = 10.0
 RESERVED_IDS = frozenset({"none"})
 
 _ID = re.compile(r"[A-Za-z0-9._-]+")
@@ -111,16 +113,20 @@ def _parse_entry(entry: Any) -> AdapterRef:
     weight = entry.get("scale", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
         raise InvalidAdapterSpec(f"adapter scale {weight!r} is not a number")
-    return _ref(entry["id"], float(weight))
+    return _ref(entry["id"], weight)
 
 
 def _ref(adapter_id: Any, weight: float) -> AdapterRef:
     problem = adapter_id_problem(adapter_id)
     if problem:
         raise InvalidAdapterSpec(problem)
-    if not math.isfinite(weight):
-        raise InvalidAdapterSpec(f"adapter weight for '{adapter_id}' must be finite")
-    return AdapterRef(adapter_id, weight)
+    # Compared before any conversion (an integer like 10**400 has no float); NaN fails too.
+    if not -MAX_WEIGHT <= weight <= MAX_WEIGHT:
+        raise InvalidAdapterSpec(
+            f"adapter weight for '{adapter_id}' must be a finite number between "
+            f"-{MAX_WEIGHT:g} and {MAX_WEIGHT:g}"
+        )
+    return AdapterRef(adapter_id, float(weight))
 
 
 def _checked(refs: list[AdapterRef]) -> tuple[AdapterRef, ...]:

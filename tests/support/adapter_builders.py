@@ -144,10 +144,13 @@ def merged_model(terms: Iterable[tuple[Pairs, float]]) -> nn.Module:
 
 
 def make_manager(
-    root: Path, *, quantize: bool = False, max_rank: int = 64
+    root: Path, *, quantize: bool = False, max_rank: int = 64, max_bytes: int = 2 << 30
 ) -> tuple[nn.Module, AdapterManager]:
     model = tiny_model(quantize=quantize)
-    return model, AdapterManager(model, base_id=BASE_ID, adapter_root=root, max_rank=max_rank)
+    manager = AdapterManager(
+        model, base_id=BASE_ID, adapter_root=root, max_rank=max_rank, max_bytes=max_bytes
+    )
+    return model, manager
 
 
 def manager_with_a_and_b(root: Path) -> tuple[nn.Module, AdapterManager]:

@@ -126,3 +126,36 @@ def test_mount_unmount_many_times_keeps_memory_flat(tmp_path: Path):
     # 200 mounts of 32 KiB each; a leak of even one would exceed the tolerance.
     assert abs(mx.get_active_memory() - start) < info.ram_bytes
     assert mx.array_equal(logits(model), base)
+
+
+def test_in_use_counts_requests_on_every_revision_of_an_id(tmp_path: Path):
+    _, manager = make_manager(tmp_path)
+    write_mlx_adapter(tmp_path / "v1", random_pairs(tiny_model(), seed=1))
+    write_mlx_adapter(tmp_path / "v2", random_pairs(tiny_model(), seed=2))
+    manager.mount("a", "v1")
+    on_v1 = select(manager, "a")
+    replaced = manager.mount("a", "v2", replace=True)
+    assert replaced.in_use == 1  # the request on v1 is still running
+    assert manager.get("a").in_use == 1
+    on_v2 = select(manager, "a")
+    [old], [new] = on_v1.adapters.entries, on_v2.adapters.entries
+    assert old.mounted.adapter.revision != new.mounted.adapter.revision == replaced.revision
+    assert manager.get("a").in_use == 2
+    on_v1.release()
+    assert manager.get("a").in_use == 1
+    on_v2.release()
+    assert manager.get("a").in_use == 0
+
+
+def test_in_use_follows_an_id_through_unmount_and_mount(tmp_path: Path):
+    _, manager = make_manager(tmp_path)
+    write_mlx_adapter(tmp_path / "v1", random_pairs(tiny_model(), seed=1))
+    write_mlx_adapter(tmp_path / "v2", random_pairs(tiny_model(), seed=2))
+    manager.mount("a", "v1")
+    running = select(manager, "a")
+    assert manager.unmount("a").in_use == 1
+    assert manager.mount("a", "v2").in_use == 1  # the request on v1 still holds an `a`
+    running.release()
+    assert manager.get("a").in_use == 0
+    select(manager, "a").release()
+    assert [(info.id, info.in_use) for info in manager.list()] == [("a", 0)]

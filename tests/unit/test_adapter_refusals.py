@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -13,10 +15,13 @@ import pytest
 from hotlora.adapters import (
     AdapterConflict,
     AdapterError,
+    AdapterManager,
     AdapterPathRefused,
     InvalidAdapter,
     activate,
 )
+from hotlora.adapters.adapter_config import read_adapter_config
+from hotlora.adapters.adapter_files import revision
 
 from tests.support.adapter_builders import (
     adapter_set,
@@ -31,6 +36,7 @@ from tests.support.adapter_builders import (
 )
 
 MAX_RANK = 8
+MAX_BYTES = 256 << 10  # the tiny model's adapters are about 60 KiB
 
 
 def good(root: Path, name: str = "bad") -> Path:
@@ -90,6 +96,50 @@ def bad_json(root: Path) -> str:
     return "bad"
 
 
+def edit_peft_config(root: Path, **changes: object) -> str:
+    directory = write_peft_adapter(root / "bad", random_pairs(tiny_model(), seed=3))
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config.update(changes)
+    (directory / "adapter_config.json").write_text(json.dumps(config))  # NaN, Infinity allowed
+    return "bad"
+
+
+def config_text(root: Path, text: str) -> str:
+    (good(root) / "adapter_config.json").write_text(text)
+    return "bad"
+
+
+def not_utf8(root: Path) -> str:
+    (good(root) / "adapter_config.json").write_bytes(b'{"lora_parameters": "\xff"}')
+    return "bad"
+
+
+def nested(depth: int) -> str:
+    """A valid mlx-lm config with one more key holding arrays nested `depth` levels deep."""
+    inner = "[" * (depth - 1) + "]" * (depth - 1)  # the config object itself is one level
+    return f'{{"lora_parameters": {{"rank": 4, "scale": 2.0}}, "extra": {inner}}}'
+
+
+def poisoned(root: Path, half: str, value: float, peft: bool = False) -> str:
+    """The good adapter with one value of the first layer's q_proj `half` set to `value`."""
+    pairs = random_pairs(tiny_model(), seed=3)
+    a, b = pairs[Q]
+    target = mx.array(a if half == "a" else b)
+    target[1, 2] = value
+    pairs[Q] = (target, b) if half == "a" else (a, target)
+    if peft:
+        write_peft_adapter(root / "bad", pairs)
+    else:
+        write_mlx_adapter(root / "bad", pairs)
+    return "bad"
+
+
+def oversized_weights(root: Path) -> str:
+    pairs = random_pairs(tiny_model(), seed=3)
+    write_mlx_adapter(root / "bad", pairs, extra_tensors={"padding": mx.zeros((MAX_BYTES // 4,))})
+    return "bad"
+
+
 def peft_rank_pattern(root: Path) -> str:
     directory = write_peft_adapter(root / "bad", random_pairs(tiny_model(), keys=["q_proj"]))
     config = json.loads((directory / "adapter_config.json").read_text())
@@ -134,6 +184,74 @@ CASES: list[tuple[str, str, Callable[[Path], str], type[AdapterError], str]] = [
     ("rank-mismatch", "sft", lambda r: edit_config(r, lora_parameters={"rank": 8, "scale": 1.0}),
      InvalidAdapter, "adapter_config.json says 8"),
     ("rank-pattern", "sft", peft_rank_pattern, InvalidAdapter, "rank_pattern"),
+    # Numbers that feed the scale: finite, in bounds, and named in the message.
+    ("rank-zero", "sft", lambda r: edit_config(r, lora_parameters={"rank": 0, "scale": 1.0}),
+     InvalidAdapter, "lora_parameters.rank must be a positive integer, got 0"),
+    ("rank-float", "sft", lambda r: edit_config(r, lora_parameters={"rank": 4.0, "scale": 1.0}),
+     InvalidAdapter, "lora_parameters.rank must be a positive integer, got 4.0"),
+    ("rank-bool", "sft", lambda r: edit_config(r, lora_parameters={"rank": True, "scale": 1.0}),
+     InvalidAdapter, "lora_parameters.rank must be a positive integer, got True"),
+    ("scale-nan-literal", "sft",
+     lambda r: edit_config(r, lora_parameters={"rank": 4, "scale": float("nan")}),
+     InvalidAdapter, "lora_parameters.scale must be a finite number, got nan"),
+    ("scale-inf-literal", "sft",
+     lambda r: edit_config(r, lora_parameters={"rank": 4, "scale": float("-inf")}),
+     InvalidAdapter, "lora_parameters.scale must be a finite number, got -inf"),
+    ("scale-beyond-bound", "sft",
+     lambda r: edit_config(r, lora_parameters={"rank": 4, "scale": 1.5e4}),
+     InvalidAdapter, "scale 15000 (lora_parameters.scale) is outside the bound |scale| <= 10000"),
+    ("scale-negative-bound", "sft",
+     lambda r: edit_config(r, lora_parameters={"rank": 4, "scale": -1e300}),
+     InvalidAdapter, "is outside the bound"),
+    ("scale-int-past-float", "sft",
+     lambda r: edit_config(r, lora_parameters={"rank": 4, "scale": 10**400}),
+     InvalidAdapter, "lora_parameters.scale must be a finite number"),
+    ("top-level-scale", "sft", lambda r: edit_config(r, lora_parameters={"rank": 4}, scale=2e4),
+     InvalidAdapter, "(scale) is outside the bound"),
+    ("peft-r-zero", "sft", lambda r: edit_peft_config(r, r=0), InvalidAdapter,
+     "r must be a positive integer, got 0"),
+    ("peft-r-string", "sft", lambda r: edit_peft_config(r, r="4"), InvalidAdapter,
+     "r must be a positive integer, got '4'"),
+    ("peft-r-negative", "sft", lambda r: edit_peft_config(r, r=-4), InvalidAdapter,
+     "r must be a positive integer, got -4"),
+    ("peft-alpha-inf", "sft", lambda r: edit_peft_config(r, lora_alpha=float("inf")),
+     InvalidAdapter, "lora_alpha must be a finite number, got inf"),
+    ("peft-alpha-missing", "sft", lambda r: edit_peft_config(r, lora_alpha=None),
+     InvalidAdapter, "lora_alpha must be a finite number, got None"),
+    ("peft-alpha-int-past-float", "sft", lambda r: edit_peft_config(r, lora_alpha=10**400),
+     InvalidAdapter, "lora_alpha must be a finite number"),
+    ("peft-alpha-beyond-bound", "sft", lambda r: edit_peft_config(r, lora_alpha=1e300),
+     InvalidAdapter, "(lora_alpha / r) is outside the bound"),
+    ("peft-rslora-beyond-bound", "sft",
+     lambda r: edit_peft_config(r, lora_alpha=3e4, use_rslora=True),
+     InvalidAdapter, "scale 15000 (lora_alpha / sqrt(r)) is outside the bound"),
+    ("peft-scale-nan", "sft", lambda r: edit_peft_config(r, scale=float("nan")), InvalidAdapter,
+     "scale must be a finite number, got nan"),
+    # The config file itself: size and nesting are checked before it is parsed.
+    ("config-too-deep", "sft", lambda r: config_text(r, nested(100_000)), InvalidAdapter,
+     "nests deeper than 32 levels"),
+    ("config-one-level-too-deep", "sft", lambda r: config_text(r, nested(33)), InvalidAdapter,
+     "nests deeper than 32 levels"),
+    ("config-too-large", "sft",
+     lambda r: config_text(r, json.dumps({"pad": " " * MAX_BYTES, "lora_parameters": {}})),
+     InvalidAdapter, f"adapter_config.json is over the limit of {MAX_BYTES} bytes"),
+    ("config-long-number", "sft",
+     lambda r: config_text(r, '{"lora_parameters": {"rank": 4, "scale": 1' + "0" * 5000 + "}}"),
+     InvalidAdapter, "cannot be read as JSON"),
+    ("config-not-utf8", "sft", not_utf8, InvalidAdapter, "cannot be read as JSON"),
+    # The weights: every value finite, as stored and as mounted; the file within the cap.
+    ("nan-in-a", "sft", lambda r: poisoned(r, "a", float("nan")), InvalidAdapter,
+     f"NaN or infinite values in the tensor {Q}.lora_a"),
+    ("inf-in-b", "sft", lambda r: poisoned(r, "b", float("inf")), InvalidAdapter,
+     f"NaN or infinite values in the tensor {Q}.lora_b"),
+    ("peft-nan", "sft", lambda r: poisoned(r, "b", float("-inf"), peft=True), InvalidAdapter,
+     f"NaN or infinite values in the tensor base_model.model.{Q}.lora_B.weight"),
+    ("weights-over-cap", "sft", oversized_weights, InvalidAdapter,
+     f"adapters.safetensors is over this server's limit of {MAX_BYTES} bytes per adapter file"),
+    # Paths the file system cannot take are refused, not a server error.
+    ("name-too-long", "sft", lambda r: "x" * 300, InvalidAdapter, "cannot be read"),
+    ("path-too-long", "sft", lambda r: "/".join(["y" * 200] * 30), InvalidAdapter,
+     "cannot be read"),
     ("missing-half", "sft", lambda r: with_tensors(r, {f"{Q}.lora_a": mx.zeros((64, 4))}),
      InvalidAdapter, "its lora_b is missing"),
     ("wrong-dims", "sft", lambda r: with_tensors(r, pair(Q, (64, 4), (4, 32))),
@@ -169,7 +287,7 @@ def snapshot(model, manager) -> tuple:
 def test_refused_mount_changes_nothing(tmp_path, adapter_id, make_path, error, words):
     root = tmp_path / "root"
     root.mkdir()
-    model, manager = make_manager(root, max_rank=MAX_RANK)
+    model, manager = make_manager(root, max_rank=MAX_RANK, max_bytes=MAX_BYTES)
     write_mlx_adapter(root / "ok", random_pairs(tiny_model()))
     manager.mount("ok", "ok")
     before = snapshot(model, manager)
@@ -181,6 +299,10 @@ def test_refused_mount_changes_nothing(tmp_path, adapter_id, make_path, error, w
     with pytest.raises(error) as caught:
         manager.mount(adapter_id, path)
     assert words in str(caught.value)
+    assert caught.value.param == ("path" if adapter_id == "sft" else "id")
+    if adapter_id == "sft":  # the same files, as a replacement of a mounted adapter
+        with pytest.raises(error):
+            manager.mount("ok", path, replace=True)
 
     assert snapshot(model, manager) == before
     assert mx.array_equal(logits(model), base)
@@ -221,3 +343,77 @@ def test_a_changed_scale_is_a_new_revision(tmp_path: Path):
     write_mlx_adapter(tmp_path / "a", pairs, scale=1.0)
     write_mlx_adapter(tmp_path / "b", pairs, scale=2.0)
     assert manager.mount("a", "a").revision != manager.mount("b", "b").revision
+
+
+def test_nesting_up_to_the_limit_and_brackets_in_strings_mount(tmp_path: Path):
+    _, manager = make_manager(tmp_path)
+    config_text(tmp_path, nested(32))
+    assert manager.mount("deep", "bad").rank == 4
+    brackets = '{"lora_parameters": {"rank": 4, "scale": 2.0}, "note": "' + "[{" * 1000 + '\\""}'
+    write_mlx_adapter(tmp_path / "strings", random_pairs(tiny_model(), seed=3))
+    (tmp_path / "strings" / "adapter_config.json").write_text(brackets)
+    assert manager.mount("strings", "strings").rank == 4
+
+
+def test_an_oversized_weight_file_is_refused_from_its_size_alone(tmp_path: Path, monkeypatch):
+    """A 3 GiB sparse file over the default 2 GiB cap: refused without being read or hashed."""
+    _, manager = make_manager(tmp_path)
+    directory = good(tmp_path)
+    with (directory / "adapters.safetensors").open("r+b") as stream:
+        stream.truncate(3 << 30)
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the file was opened for reading")
+
+    monkeypatch.setattr(mx, "load", unreachable)
+    monkeypatch.setattr(hashlib, "sha256", unreachable)
+    with pytest.raises(InvalidAdapter) as caught:
+        manager.mount("sft", "bad")
+    assert caught.value.param == "path"
+    assert str(caught.value) == (
+        f"adapters.safetensors is over this server's limit of {2 << 30} bytes per adapter file "
+        f"({3 << 30} bytes)"
+    )
+    assert manager.list() == []
+
+
+def test_a_file_that_grows_past_the_cap_while_hashed_is_refused(tmp_path: Path):
+    directory = good(tmp_path)
+    config = read_adapter_config(directory / "adapter_config.json", max_rank=8)
+    size = (directory / "adapters.safetensors").stat().st_size
+    assert len(revision(config, directory / "adapters.safetensors", max_bytes=size)) == 64
+    with pytest.raises(InvalidAdapter, match="grew past this server's limit"):
+        revision(config, directory / "adapters.safetensors", max_bytes=size - 1)
+
+
+def test_values_past_the_half_precision_range_are_refused(tmp_path: Path):
+    """float32 values the float16 activations cannot hold would turn into inf once mounted."""
+    model = tiny_model()
+    model.set_dtype(mx.float16)
+    manager = AdapterManager(model, base_id="tiny", adapter_root=tmp_path, max_rank=8)
+    poisoned(tmp_path, "b", 1e6)
+    with pytest.raises(InvalidAdapter) as caught:
+        manager.mount("sft", "bad")
+    assert str(caught.value) == (
+        f"the tensor {Q}.lora_b has values beyond the range of float16, the dtype this base "
+        "model's activations use"
+    )
+    assert manager.list() == []
+    make_manager(tmp_path)[1].mount("sft", "bad")  # float32 activations hold it
+
+
+def test_a_refused_mount_leaves_no_memory_behind(tmp_path: Path):
+    _, manager = make_manager(tmp_path)
+    pairs = random_pairs(tiny_model(), rank=64, seed=3)
+    a, b = pairs[Q]
+    pairs[Q] = (a, b * float("nan"))
+    write_mlx_adapter(tmp_path / "bad", pairs, rank=64)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    with pytest.raises(InvalidAdapter, match="NaN"):
+        manager.mount("sft", "bad")
+    # The error is still held (by `pytest.raises`), as a server holds it while it answers.
+    gc.collect()
+    assert mx.get_active_memory() == before
+    assert mx.get_cache_memory() == 0

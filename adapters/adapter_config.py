@@ -1,0 +1,180 @@
+"""Reading `adapter_config.json`: the rank and scale of the low-rank update, within bounds.
+
+The file is written by whoever can write under the adapter root, so it is read with limits: its
+size is checked before it is read, its nesting before it is parsed, and every number that feeds
+the scale before it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from hotlora.adapters.adapter_errors import InvalidAdapter
+
+CONFIG_FILE = "adapter_config.json"
+MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KiB
+MAX_CONFIG_DEPTH = 32  # real configs nest 2 or 3 deep; Python's JSON parser recurses per level
+# Bound on the adapter's effective scale (after `lora_alpha / r`). Trained adapters sit around
+# 0.1 to 100; beyond this the residual swamps the base and overflows half precision.
+MAX_SCALE = 1e4
+
+# A JSON string (escapes included) or a bracket: all the nesting scan needs to look at.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_SHOWN_CHARS = 40  # how much of a bad value an error message repeats
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What `adapter_config.json` says about the low-rank update."""
+
+    rank: int
+    scale: float
+    rslora: bool = False
+
+
+def read_adapter_config(
+    path: Path, *, max_rank: int, max_bytes: int = MAX_CONFIG_BYTES
+) -> AdapterConfig:
+    """Rank and scale from an mlx-lm or PEFT `adapter_config.json`.
+
+    mlx-lm: `lora_parameters.{rank, scale}`. PEFT: `r` and `lora_alpha`, scale `alpha / r`, or
+    `alpha / sqrt(r)` with `use_rslora`. A top-level `scale`, which some trainers write, wins
+    over `lora_alpha` since it is the number the trainer actually applied. The rank must be a
+    positive integer up to `max_rank`, the scale finite with `|scale| <= MAX_SCALE`; the file is
+    refused above `min(max_bytes, MAX_CONFIG_BYTES)` or nested deeper than `MAX_CONFIG_DEPTH`.
+    """
+    raw = _load(path, min(max_bytes, MAX_CONFIG_BYTES))
+    _check_kind(raw)
+
+    params = raw.get("lora_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise InvalidAdapter(f"{CONFIG_FILE}: lora_parameters must be an object")
+        rank = _rank(params.get("rank"), "lora_parameters.rank", max_rank)
+        field = "scale" if "scale" not in params and "scale" in raw else "lora_parameters.scale"
+        return AdapterConfig(rank, _scale(params.get("scale", raw.get("scale")), field))
+
+    for key in ("rank_pattern", "alpha_pattern"):
+        if raw.get(key):
+            raise InvalidAdapter(f"{CONFIG_FILE}: per-module ranks ({key}) are not supported")
+    rank = _rank(raw.get("r"), "r", max_rank)
+    rslora = bool(raw.get("use_rslora"))
+    if raw.get("scale") is not None:
+        return AdapterConfig(rank, _scale(raw["scale"], "scale"), rslora)
+    alpha = _finite(raw.get("lora_alpha"))
+    if alpha is None:
+        raise InvalidAdapter(
+            f"{CONFIG_FILE} gives no valid scale (scale or lora_alpha): lora_alpha must be a "
+            f"finite number, got {_shown(raw.get('lora_alpha'))}"
+        )
+    if rslora:
+        return AdapterConfig(rank, _scale(alpha / math.sqrt(rank), "lora_alpha / sqrt(r)"), True)
+    return AdapterConfig(rank, _scale(alpha / rank, "lora_alpha / r"))
+
+
+def _load(path: Path, max_bytes: int) -> dict[str, Any]:
+    """The config's JSON object, its size checked before reading and its depth before parsing."""
+    if not path.is_file():
+        raise InvalidAdapter(f"{path.parent} has no {CONFIG_FILE}")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise InvalidAdapter(f"{CONFIG_FILE} is over the limit of {max_bytes} bytes ({size} bytes)")
+    with path.open("rb") as stream:
+        data = stream.read(max_bytes + 1)  # bounded even if the file grew since the stat
+    if len(data) > max_bytes:
+        raise InvalidAdapter(f"{CONFIG_FILE} is over the limit of {max_bytes} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidAdapter(f"{CONFIG_FILE} cannot be read as JSON: {exc}") from None
+    _check_depth(text)
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # ValueError: also ints of over 4300 digits
+        raise InvalidAdapter(f"{CONFIG_FILE} cannot be read as JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidAdapter(f"{CONFIG_FILE} must hold a JSON object")
+    return raw
+
+
+def _check_depth(text: str) -> None:
+    """Refuse nesting deeper than `MAX_CONFIG_DEPTH` without parsing (the parser recurses)."""
+    depth = 0
+    for match in _STRING_OR_BRACKET.finditer(text):
+        token = match[0]
+        if token in ("[", "{"):
+            depth += 1
+            if depth > MAX_CONFIG_DEPTH:
+                raise InvalidAdapter(
+                    f"{CONFIG_FILE} nests deeper than {MAX_CONFIG_DEPTH} levels of objects or "
+                    "arrays"
+                )
+        elif token in ("]", "}"):
+            depth -= 1
+
+
+def _check_kind(raw: dict[str, Any]) -> None:
+    kind = raw.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise InvalidAdapter(
+            f"{CONFIG_FILE}: fine_tune_type {_shown(kind)} is not supported; only 'lora' "
+            "adapters mount"
+        )
+    peft_type = raw.get("peft_type")
+    if peft_type is not None and str(peft_type).upper() != "LORA":
+        raise InvalidAdapter(f"{CONFIG_FILE}: peft_type {_shown(peft_type)} is not supported")
+    if raw.get("use_dora"):
+        raise InvalidAdapter(f"{CONFIG_FILE}: DoRA adapters (use_dora) are not supported")
+
+
+def _rank(value: Any, field: str, max_rank: int) -> int:
+    if not _positive_int(value):
+        raise InvalidAdapter(
+            f"{CONFIG_FILE} gives no valid rank: {field} must be a positive integer, "
+            f"got {_shown(value)}"
+        )
+    if value > max_rank:
+        raise InvalidAdapter(
+            f"adapter rank {value} ({field}) is above this server's limit of {max_rank}"
+        )
+    return value
+
+
+def _scale(value: Any, field: str) -> float:
+    scale = _finite(value)
+    if scale is None:
+        raise InvalidAdapter(
+            f"{CONFIG_FILE} gives no valid scale: {field} must be a finite number, "
+            f"got {_shown(value)}"
+        )
+    if abs(scale) > MAX_SCALE:
+        raise InvalidAdapter(
+            f"{CONFIG_FILE}: the adapter scale {scale:g} ({field}) is outside the bound "
+            f"|scale| <= {MAX_SCALE:g}"
+        )
+    return scale
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float; None for anything else (strings, bools, NaN, 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _positive_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}..."
