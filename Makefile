@@ -27,7 +27,7 @@ endif
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup system-deps run test lint bench clean
+.PHONY: setup system-deps run test lint bench soak clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ ifeq ($(UNAME),Linux)
 	@if [ "$$(uname -m)" = x86_64 ] && [ ! -e $(OPENBLAS) ]; then \
 		echo "installing OpenBLAS (libopenblas0-pthread)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread; \
+	fi
+# The browser test drives Debian's Chromium (playwright's own download is not used).
+	@if ! command -v chromium >/dev/null; then \
+		echo "installing Chromium (chromium)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; \
 	fi
 endif
 
@@ -61,6 +66,9 @@ test: lint
 
 bench: setup
 	$(RUN_ENV) $(BIN)/python -m tests.bench
+
+soak: setup
+	$(RUN_ENV) $(BIN)/python -m tests.soak
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

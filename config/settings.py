@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Pages served from this machine, on any port: a local chat UI works out of the box.
+LOOPBACK_ORIGINS = "http://localhost:*,http://127.0.0.1:*,http://[::1]:*"
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://([^/\s:\[\]]+|\[[0-9a-fA-F:.]+\])(:(\d+|\*))?")
+
+
+def _split(origins: str) -> list[str]:
+    return [origin.strip() for origin in origins.split(",") if origin.strip()]
 
 
 def default_home() -> Path:
@@ -34,6 +43,20 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(default=1 << 20, gt=0, description="Larger request bodies get 413.")
     default_max_tokens: int = Field(default=512, gt=0)
+    default_temperature: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=2.0,
+        description="temperature when a request sets none; unset: the model's "
+        "generation_config.json value, else 1.",
+    )
+    default_top_p: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="top_p when a request sets none; unset: the model's generation_config.json "
+        "value, else 1.",
+    )
     max_tokens_limit: int = Field(default=4096, gt=0, description="Upper bound on max_tokens.")
     max_n: int = Field(default=8, ge=1, description="Upper bound on a request's `n`.")
     queue_size: int = Field(default=64, ge=1, description="Waiting requests beyond this get 503.")
@@ -65,6 +88,23 @@ class Settings(BaseSettings):
     cpu_float_budget_bytes: int | None = Field(
         default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."
     )
+    # The process.
+    drain_timeout: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM or Ctrl-C, seconds requests in flight get to finish.",
+    )
+    max_connections: int = Field(
+        default=256,
+        ge=1,
+        description="Open HTTP connections at most; beyond it new ones are closed, and requests "
+        "get 503.",
+    )
+    keep_alive_timeout: int = Field(
+        default=5,
+        ge=1,
+        description="Seconds an idle connection (or one that has sent nothing yet) stays open.",
+    )
     log_level: str = "info"
     warmup: bool = True
     # Adapters.
@@ -73,11 +113,23 @@ class Settings(BaseSettings):
         description="Adapters mount only from under here; $HOTLORA_HOME/adapters when unset.",
     )
     max_adapter_rank: int = Field(default=256, gt=0)
+    max_adapter_bytes: int = Field(
+        default=2 << 30,
+        gt=0,
+        description="Adapter weight files larger than this are refused at mount, from their size "
+        "on disk before anything is read (adapter_config.json is capped at 1 MiB regardless).",
+    )
     startup_adapters: dict[str, str] = Field(
         default_factory=dict, description="Adapters to mount before serving: id -> path."
     )
     api_key: str | None = None
     admin_api_key: str | None = None
+    allowed_origins: str = Field(
+        default=LOOPBACK_ORIGINS,
+        description="Browser origins that may call the API (CORS): a comma list of "
+        "scheme://host[:port] origins, where a port of `*` matches any port (and none); `*` "
+        "alone for every origin; empty for none. Default: loopback pages on any port.",
+    )
 
     @field_validator("api_key", "admin_api_key")
     @classmethod
@@ -93,6 +145,22 @@ class Settings(BaseSettings):
         if value not in {"critical", "error", "warning", "info", "debug", "trace"}:
             raise ValueError(f"unknown log level {value!r}")
         return value
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, value: str) -> str:
+        for origin in _split(value):
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: expected scheme://host[:port] (port may be *, "
+                    "no path), or * alone"
+                )
+        return value
+
+    @property
+    def allowed_origin_list(self) -> list[str]:
+        """`allowed_origins` split at its commas, blanks dropped."""
+        return _split(self.allowed_origins)
 
     @property
     def resolved_adapter_root(self) -> Path:

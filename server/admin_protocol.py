@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from hotlora.server.protocol import OpenAIBase
+from hotlora.server.protocol import RequestBody
 
 
 class ModelCard(BaseModel):
@@ -21,20 +21,20 @@ class ModelCard(BaseModel):
     parent: str | None = Field(default=None, description="The base model id, for adapters.")
 
 
-class MountAdapterRequest(OpenAIBase):
+class MountAdapterRequest(RequestBody):
     id: str = Field(description="The adapter id requests use: letters, digits, '.', '_', '-'.")
     path: str = Field(description="The adapter directory, under the server's adapter root.")
     replace: bool = Field(default=False, description="Swap an adapter mounted under this id.")
 
 
-class LoadLoraAdapterRequest(OpenAIBase):
+class LoadLoraAdapterRequest(RequestBody):
     """vLLM's spelling of a mount."""
 
     lora_name: str
     lora_path: str
 
 
-class UnloadLoraAdapterRequest(OpenAIBase):
+class UnloadLoraAdapterRequest(RequestBody):
     lora_name: str
 
 

@@ -7,13 +7,16 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from hotlora.config.settings import Settings
-from hotlora.server.auth import require_api_key
+from hotlora.server.cors import install_cors
 from hotlora.server.error_responses import install_error_handlers
+from hotlora.server.lifecycle import InFlight
 from hotlora.server.limits import BodyLimit
-from hotlora.server.routes import adapters, completions, health, models
+from hotlora.server.openapi import install_openapi
+from hotlora.server.request_ids import RequestIds
+from hotlora.server.routes import adapters, completions, health, models, responses_api
 from hotlora.server.runtime import Runtime
 
 
@@ -40,9 +43,13 @@ def create_app(
     app.state.runtime = runtime
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
+    app.add_middleware(InFlight, runtime=runtime)
+    install_cors(app, settings.allowed_origin_list)
+    app.add_middleware(RequestIds)  # outermost: a 413 or 500 carries the id too
     app.include_router(health.router)
-    inference = [Depends(require_api_key)]
-    app.include_router(models.router, dependencies=inference)
-    app.include_router(completions.router, dependencies=inference)
+    app.include_router(models.router)
+    app.include_router(completions.router)
+    app.include_router(responses_api.router)
     app.include_router(adapters.router)
+    install_openapi(app)
     return app

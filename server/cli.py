@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 SETTING_FLAGS = {
     # flag -> (settings field, type, help)
@@ -17,6 +18,16 @@ SETTING_FLAGS = {
     "--served-model-name": ("served_model_name", str, "The base model's id in the API."),
     "--max-body-bytes": ("max_body_bytes", int, "Largest request body accepted (413 beyond)."),
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens when a request gives none."),
+    "--default-temperature": (
+        "default_temperature",
+        float,
+        "temperature when a request gives none (default: the model's, else 1).",
+    ),
+    "--default-top-p": (
+        "default_top_p",
+        float,
+        "top_p when a request gives none (default: the model's, else 1).",
+    ),
     "--max-tokens-limit": ("max_tokens_limit", int, "Largest max_tokens a request may ask for."),
     "--max-batch": ("max_batch", int, "Sequences decoded together in one step (default 8)."),
     "--prefill-chunk": ("prefill_chunk", int, "Prompt tokens processed per step (default 512)."),
@@ -26,6 +37,21 @@ SETTING_FLAGS = {
         str,
         "auto, float32 or quantized: without a GPU, auto serves float32 weights when they fit.",
     ),
+    "--drain-timeout": (
+        "drain_timeout",
+        float,
+        "On SIGTERM or Ctrl-C, seconds requests in flight get to finish (default 30).",
+    ),
+    "--max-connections": (
+        "max_connections",
+        int,
+        "Open HTTP connections at most (default 256); requests beyond it get 503.",
+    ),
+    "--keep-alive-timeout": (
+        "keep_alive_timeout",
+        int,
+        "Seconds an idle connection stays open (default 5).",
+    ),
     "--log-level": ("log_level", str, "critical, error, warning, info, debug or trace."),
     "--home": ("home", Path, "Cache directory (default ~/.cache/hotlora, or $HOTLORA_HOME)."),
     "--adapter-root": (
@@ -34,8 +60,15 @@ SETTING_FLAGS = {
         "Adapters mount only from under this directory (default $HOTLORA_HOME/adapters).",
     ),
     "--max-adapter-rank": ("max_adapter_rank", int, "Refuse adapters of a higher rank."),
+    "--max-adapter-bytes": ("max_adapter_bytes", int, "Refuse larger adapter files (2 GiB)."),
     "--api-key": ("api_key", str, "Require 'Authorization: Bearer KEY' on inference routes."),
     "--admin-api-key": ("admin_api_key", str, "Require this bearer key on adapter admin routes."),
+    "--allowed-origins": (
+        "allowed_origins",
+        str,
+        "Browser origins that may call the API (CORS): a comma list (a port may be *), * for "
+        "any, '' for none (default: loopback origins, any port).",
+    ),
 }
 
 
@@ -67,10 +100,9 @@ def _serve_parser(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from hotlora.config.settings import Settings
     from hotlora.server.app import create_app
+    from hotlora.server.lifecycle import DrainingServer, uvicorn_config
 
     overrides = {
         field: getattr(args, flag[2:].replace("-", "_"))
@@ -83,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
     fatal: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def on_fatal(exc: BaseException) -> None:
         fatal.append(exc)
@@ -91,15 +123,30 @@ def _serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level
+    config = uvicorn_config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=settings.keep_alive_timeout,
     )
-    server = uvicorn.Server(config)
+    runtime = app.state.runtime
+    server = DrainingServer(config, drain=lambda: runtime.drain(settings.drain_timeout))
     server.run()
     if fatal:
         print(f"hotlora: could not start: {fatal[0]}", file=sys.stderr)
-        return 1
-    return 0
+    _exit_now(1 if fatal else 0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown: MLX aborts in its exit-time destructors once a
+    thread other than the main one has used it (ml-explore/mlx#3126), and the generation worker
+    is such a thread. Everything is shut down by now; only the logs are left to flush."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _import_gguf_parser(sub: Any) -> None:

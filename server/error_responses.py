@@ -6,6 +6,7 @@ Every non-2xx response carries `{"error": {"message", "type", "param", "code"}}`
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,11 +16,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
-from hotlora.server.engine import QueueFull, WorkerStopped
+from hotlora.server.engine import NonFiniteLogits, QueueFull, WorkerStopped
 from hotlora.server.request_errors import ClientDisconnected, NotReady, Unauthorized
+
+log = logging.getLogger("hotlora")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
     NotReady: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),
     QueueFull: HttpError(503, _UNAVAILABLE, {"Retry-After": "1"}),
     WorkerStopped: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),
+    NonFiniteLogits: HttpError(500, "server_error"),
 }
 
 
@@ -155,14 +161,64 @@ def _http_response(exc: StarletteHTTPException) -> JSONResponse:
     )
 
 
+class UnexpectedErrors:
+    """Answers an unexpected exception with the 500 error object and keeps the connection.
+
+    Starlette's own handler re-raises after answering, and uvicorn then closes the connection;
+    here the traceback is logged once and the client's keep-alive connection stays usable.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise  # too late for a status: the server ends the response
+            log.error("unexpected error on %s", scope.get("path"), exc_info=exc)
+            await error_response(exc)(scope, receive, send)
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def _allowed(app: FastAPI, request: Request) -> str:
+    """Every method some route serves on the request's path, asked of the routes themselves."""
+    allowed = [
+        method
+        for method in _METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] is Match.FULL
+            for route in app.routes
+        )
+    ]
+    return ", ".join(allowed)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error through `error_response`."""
 
-    async def handle(_: Request, exc: Exception) -> JSONResponse:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
+            # Starlette names the methods of the first route on the path; there may be more.
+            exc = StarletteHTTPException(405, headers={"Allow": _allowed(app, request)})
         return error_response(exc)
 
     for exc_type in (HotloraError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, handle)
+    app.add_middleware(UnexpectedErrors)
 
 
 def json_bytes(payload: Any) -> str:

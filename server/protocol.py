@@ -5,8 +5,7 @@ Fields that OpenAI does not have carry a `Field(description=...)`.
 
 from __future__ import annotations
 
-import time
-import uuid
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,6 +20,7 @@ from pydantic import (
 )
 
 from hotlora.adapters import AdapterRef, parse_adapter_spec
+from hotlora.config.errors import InvalidRequest
 
 MAX_STOP_SEQUENCES = 16
 # The `adapter` field: parsed at validation into the ordered adapter references.
@@ -40,9 +40,55 @@ AdapterSpec = Annotated[
 MAX_TOP_LOGPROBS = 20
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_JSON_DEPTH = 64
+
+
 class OpenAIBase(BaseModel):
     # Clients send fields we do not use (e.g. `user`, `store`); OpenAI ignores them too.
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities are refused wherever a number is read.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestBody(OpenAIBase):
+    """A whole request body: its text must be valid Unicode before any field reads it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON may escape lone UTF-16 surrogates ("\ud800"), which no encoder can write out.
+        where = _lone_surrogate(data, ())
+        if where is not None:
+            param = ".".join(where) or None
+            raise InvalidRequest(
+                f"The request contains text that is not valid Unicode (a lone UTF-16 surrogate) "
+                f"in '{param or 'body'}'.",
+                param=param,
+                code="invalid_value",
+            )
+        return data
+
+
+def _lone_surrogate(value: Any, path: tuple[str, ...], depth: int = 0) -> tuple[str, ...] | None:
+    """Where in a parsed JSON value a string (or key) holds a lone surrogate; None if nowhere."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if depth > MAX_JSON_DEPTH:
+        return None  # deeper than any field reads; left to the schema to refuse
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = (*path, str(key).encode("ascii", "backslashreplace").decode())
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return here
+            found = _lone_surrogate(item, here, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, (*path, str(i)), depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 class TextPart(OpenAIBase):
@@ -50,10 +96,76 @@ class TextPart(OpenAIBase):
     text: str
 
 
+_UNSUPPORTED_PARTS = {
+    "image_url": "images are",
+    "input_image": "images are",
+    "input_audio": "audio is",
+    "file": "files are",
+}
+
+
+_FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionDefinition(OpenAIBase):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIBase):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBase):
+    name: str
+
+
+class NamedToolChoice(OpenAIBase):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(OpenAIBase):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBase):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBase):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind in _UNSUPPORTED_PARTS:
+                    raise ValueError(
+                        f"{_UNSUPPORTED_PARTS[kind]} not supported by this server (a content "
+                        f"part of type '{kind}'); send text parts only"
+                    )
+        return value
+
+    @model_validator(mode="after")
+    def _tool_reply_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("messages with role 'tool' must have a 'tool_call_id'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -67,7 +179,7 @@ class StreamOptions(OpenAIBase):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBase):
+class SamplingFields(RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str
@@ -89,7 +201,10 @@ class SamplingFields(OpenAIBase):
         default=None, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability."
     )
     repetition_penalty: float | None = Field(
-        default=None, gt=0.0, description="Multiplicative penalty on recently seen tokens."
+        default=None,
+        ge=0.01,
+        le=10.0,
+        description="Multiplicative penalty on recently seen tokens (0.01 to 10; 1 is none).",
     )
     adapter: AdapterSpec = Field(
         default=(),
@@ -137,36 +252,73 @@ class SamplingFields(OpenAIBase):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class JsonSchemaFormat(OpenAIBase):
+    """`response_format.json_schema`: the JSON Schema the answer must validate against."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    # `schema` itself would shadow a pydantic attribute.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBase):
+    """`response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a response_format of type 'json_schema' needs 'json_schema'")
+        return self
+
+    @property
+    def enforced_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema the answer must match, enforced while decoding; None: plain text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.json_schema else None
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-
-    # Refused rather than ignored: a client relying on them must not get plain text silently.
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} is not supported; use 'text'")
-        return value
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tools are not supported by this server")
+    def _unique_tool_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in value or ()]
+        if len(names) != len(set(names)):
+            raise ValueError("tool function names must be unique")
         return value
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported by this server")
-        return value
+    def _choice_names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = {tool.function.name for tool in info.data.get("tools") or ()}
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names '{choice.function.name}', which is not in tools")
+        return choice
+
+    @property
+    def tool_use(self) -> str:
+        """'none', 'auto', 'required', or the function a named tool_choice requires."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice or "auto"
+        return choice.function.name if isinstance(choice, NamedToolChoice) else choice
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -210,104 +362,3 @@ class CompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
-
-
-# Responses.
-
-
-def completion_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None

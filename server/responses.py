@@ -5,10 +5,18 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterable
 
-from hotlora.server import protocol as p
+from hotlora.server import completion_objects as p
 from hotlora.server.engine import Delta, SampledToken
 from hotlora.server.error_responses import error_response
-from hotlora.server.serving import InferenceService, Outcome, Prepared, Submitted, UsageTally
+from hotlora.server.serving import (
+    Choice,
+    InferenceService,
+    Outcome,
+    Prepared,
+    Submitted,
+    UsageTally,
+)
+from hotlora.server.tool_calls import ToolCallStream
 
 DONE = "[DONE]"
 
@@ -18,10 +26,11 @@ def _dump_chunk(chunk: p.ChatCompletionChunk | p.CompletionResponse) -> str:
     body = chunk.model_dump(exclude_none=True)
     for choice in body["choices"]:
         choice.setdefault("finish_reason", None)
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    # JSON has no NaN or Infinity: a non-finite number fails the stream rather than go out.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
-def _finish(reason: str) -> str:
+def _finish(reason: str) -> p.FinishReason:
     # A cancelled job has no client left to read its reason.
     return "length" if reason == "length" else "stop"
 
@@ -64,20 +73,31 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> p.CompletionL
     )
 
 
+def _message(prepared: Prepared, choice: Choice) -> tuple[p.AssistantMessage, p.FinishReason]:
+    """The answer as an assistant message: its tool calls read out of its text, if it may call."""
+    finish = _finish(choice.finish_reason)
+    if prepared.tool_calls is None:
+        return p.AssistantMessage(content=choice.text), finish
+    text, calls = prepared.tool_calls.split(choice.text)
+    if not calls:
+        return p.AssistantMessage(content=text), finish
+    message = p.AssistantMessage(content=text if text.strip() else None, tool_calls=calls)
+    return message, "tool_calls" if finish == "stop" else finish
+
+
 def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionResponse:
+    choices = []
+    for c in outcome.choices:
+        message, finish = _message(prepared, c)
+        logprobs = _chat_logprobs(c.logprobs) if prepared.params.logprobs else None
+        choices.append(
+            p.ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
+        )
     return p.ChatCompletionResponse(
         id=p.completion_id("chatcmpl"),
         created=p.now(),
         model=prepared.lease.model,
-        choices=[
-            p.ChatChoice(
-                index=c.index,
-                message=p.AssistantMessage(content=c.text),
-                logprobs=_chat_logprobs(c.logprobs) if prepared.params.logprobs else None,
-                finish_reason=_finish(c.finish_reason),
-            )
-            for c in outcome.choices
-        ],
+        choices=choices,
         usage=_usage(outcome.usage),
     )
 
@@ -110,22 +130,45 @@ async def chat_stream(
     def chunk(choice: p.ChatChunkChoice) -> str:
         return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice]))
 
+    def call_chunks(index: int, calls: list[p.OutputToolCall], first: int) -> Iterable[str]:
+        for k, call in enumerate(calls, start=first):
+            delta = p.ChatDelta(tool_calls=[p.DeltaToolCall(index=k, **call.model_dump())])
+            yield chunk(p.ChatChunkChoice(index=index, delta=delta))
+
     started: set[int] = set()
+    tools: dict[int, ToolCallStream] = {}
     tally = UsageTally(prepared.n)
     async for index, event in service.events(submitted):
         if index not in started:
             started.add(index)
+            if prepared.tool_calls is not None:
+                tools[index] = prepared.tool_calls.stream()
             yield chunk(
                 p.ChatChunkChoice(index=index, delta=p.ChatDelta(role="assistant", content=""))
             )
+        stream = tools.get(index)
         if isinstance(event, Delta):
-            if event.text or event.logprobs:
+            text, calls, made = event.text, [], stream.count if stream else 0
+            if stream is not None:
+                text, calls = stream.feed(text)
+            if text or event.logprobs:
                 logprobs = _chat_logprobs(event.logprobs) if prepared.params.logprobs else None
-                delta = p.ChatDelta(content=event.text)
+                delta = p.ChatDelta(content=text)
                 yield chunk(p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
+            for line in call_chunks(index, calls, made):
+                yield line
         else:
             tally.add(index, event)
-            finish = _finish(event.finish_reason)
+            finish: p.FinishReason = _finish(event.finish_reason)
+            if stream is not None:
+                made = stream.count
+                text, calls = stream.flush()
+                if text:
+                    yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(content=text)))
+                for line in call_chunks(index, calls, made):
+                    yield line
+                if stream.count and finish == "stop":
+                    finish = "tool_calls"
             yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(), finish_reason=finish))
     if include_usage:
         usage = _usage(tally)

@@ -15,11 +15,19 @@ from hotlora.models.cpu_weights import choose_cpu_weights, to_float32
 from hotlora.models.embedded import ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.admin_protocol import ModelCard
-from hotlora.server.engine import Engine, GenerationJob, GenerationWorker, SamplingParams
+from hotlora.server.engine import (
+    Engine,
+    GenerationJob,
+    GenerationWorker,
+    SamplingParams,
+    WorkerStopped,
+)
 from hotlora.server.request_errors import NotReady
 from hotlora.server.serving import InferenceService
 
 log = logging.getLogger("hotlora")
+
+_LAST_WRITE_S = 5.0  # after the drain, how long ended requests get to write their answer
 
 
 def model_dir(settings: Settings, progress: Callable[[str], None] | None = None) -> Path:
@@ -44,6 +52,8 @@ class Runtime:
         self.adapters: AdapterManager | None = None
         self.ready = False
         self.status = "starting"
+        self.draining = False
+        self.in_flight = 0  # HTTP requests being answered, streams until their last event
         self._on_fatal = on_fatal
 
     async def start(self) -> None:
@@ -79,6 +89,7 @@ class Runtime:
             base_id=self.base_id,
             adapter_root=self.settings.resolved_adapter_root,
             max_rank=self.settings.max_adapter_rank,
+            max_bytes=self.settings.max_adapter_bytes,
         )
         for adapter_id, adapter_path in self.settings.startup_adapters.items():
             self.adapters.mount(adapter_id, adapter_path)
@@ -123,7 +134,27 @@ class Runtime:
         async for _ in self.worker.events(self.worker.submit([job])):
             pass
 
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests; let those in flight finish for up to `timeout` seconds, then end
+        them (`WorkerStopped`: a 503, or a stream's error event before `[DONE]`)."""
+        self.draining, self.ready, self.status = True, False, "shutting down"
+        loop = asyncio.get_running_loop()
+        log.info("shutting down: %d requests in flight, waiting up to %gs", self.in_flight, timeout)
+        deadline = loop.time() + timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.warning("drain timeout: ending %d requests still in flight", self.in_flight)
+        if self.worker is not None:
+            await self.worker.stop()
+        # The ended requests write their last bytes; a client that does not read them is cut.
+        deadline = loop.time() + _LAST_WRITE_S
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
     async def stop(self) -> None:
+        if self.inference is not None:
+            self.inference.close()
         if self.worker is not None:
             await self.worker.stop()
 
@@ -153,11 +184,17 @@ class Runtime:
         raise ModelNotFound(model_id, [card.id for card in self.model_cards()])
 
     def require_adapters(self) -> AdapterManager:
-        if not self.ready or self.adapters is None:
-            raise NotReady(f"The model is not ready yet ({self.status}).")
+        self._check_serving()
+        assert self.adapters is not None
         return self.adapters
 
     def require_inference(self) -> InferenceService:
+        self._check_serving()
+        assert self.inference is not None
+        return self.inference
+
+    def _check_serving(self) -> None:
+        if self.draining:
+            raise WorkerStopped("The server is shutting down; retry on another replica.")
         if not self.ready or self.inference is None:
             raise NotReady(f"The model is not ready yet ({self.status}).")
-        return self.inference

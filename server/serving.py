@@ -6,10 +6,14 @@ wait list refuses it in `submit`, both before the first byte of a response is se
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 
@@ -25,8 +29,14 @@ from hotlora.server.engine import (
     SamplingParams,
     Ticket,
 )
+from hotlora.server.engine.grammar import Grammar
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from hotlora.server.request_errors import ContextOverflow
+from hotlora.server.tool_calls import ToolCalls, ToolFormat, template_message
+
+log = logging.getLogger("hotlora")
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,6 +47,8 @@ class Prepared:
     prompts: list[list[int]]
     params: SamplingParams
     n: int
+    tool_calls: ToolCalls | None = None  # the request's tools, when its answer may call them
+    grammar: Grammar | None = None  # what `response_format` holds every choice to; None: free
 
     def jobs(self) -> list[GenerationJob]:
         """One job per choice, in choice-index order: each prompt's n choices in turn."""
@@ -47,7 +59,9 @@ class Prepared:
                 if params.seed is not None:
                     # Seeded choices are reproducible but not identical to each other.
                     params = replace(params, seed=params.seed + len(jobs))
-                jobs.append(GenerationJob(prompt, params, self.lease.adapters))
+                jobs.append(
+                    GenerationJob(prompt, params, self.lease.adapters, grammar=self.grammar)
+                )
         return jobs
 
 
@@ -105,22 +119,37 @@ class InferenceService:
         self.tokenizer = worker.engine.tokenizer
         self.settings = settings
         self.adapters = adapters
-        self._defaults = generation_defaults or {}
+        # The operator's settings win over the model's generation_config.json.
+        operator = {"temperature": settings.default_temperature, "top_p": settings.default_top_p}
+        self._defaults = {
+            **(generation_defaults or {}),
+            **{name: value for name, value in operator.items() if value is not None},
+        }
+        # One thread: the tokenizer is shared with the generation thread, never used in parallel
+        # by requests.
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hotlora-tokenize")
+        self.tool_format = ToolFormat.of(self.tokenizer)
+        self._told_no_tools = False
 
     # Preparation: every refusal happens here.
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        """Run tokenizer work (templating, encoding) on its own thread: a megabyte of prompt
+        takes a second, which the event loop must spend serving everyone else."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
+        messages = [template_message(m) for m in request.messages]
         if not getattr(self.tokenizer, "has_chat_template", True):
             raise InvalidRequest("This model has no chat template; use /v1/completions.")
-        try:
-            prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        except (TemplateError, ValueError, TypeError) as exc:
-            # Templates refuse conversations they cannot render (e.g. roles out of order).
-            raise InvalidRequest(
-                f"The model's chat template cannot render these messages: {exc}", param="messages"
-            ) from exc
-        return self._prepare(
+        tool_calls = self._tool_calls(request)
+        tools = tool_calls.tools if tool_calls else None
+        prompt = await self._off_loop(lambda: self._render_chat(messages, tools))
+        grammar = await self._grammar(request, tool_calls)
+        prepared = self._prepare(
             request,
             [prompt],
             "messages",
@@ -128,14 +157,83 @@ class InferenceService:
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs or 0,
         )
+        prepared.tool_calls = tool_calls
+        prepared.grammar = grammar
+        return prepared
 
-    def prepare_completion(self, request: CompletionRequest) -> Prepared:
+    async def _grammar(
+        self, request: ChatCompletionRequest, tool_calls: ToolCalls | None
+    ) -> Grammar | None:
+        """The grammar the answer is held to, compiled (or found in the cache) off the event
+        loop: `response_format`'s JSON, or the tool call `tool_choice` requires; None: free."""
+        fmt = request.response_format
+        schema = fmt.enforced_schema if fmt else None
+        use = request.tool_use
+        grammars = self.engine.grammars
+        if use not in ("none", "auto"):
+            if schema is not None:
+                raise InvalidRequest(
+                    "A JSON response_format cannot be combined with a tool_choice that requires "
+                    "a tool call: the answer must be the JSON.",
+                    param="response_format",
+                )
+            assert tool_calls is not None  # `_tool_calls` refused models without tool support
+            form = tool_calls.format
+            if not form.json_body or form.end is None:
+                raise InvalidRequest(
+                    f"tool_choice '{use}' cannot be enforced for this model's tool-call format; "
+                    "send 'auto' and the model may still call a tool.",
+                    param="tool_choice",
+                )
+            call = form.call_schema(tool_calls.tools, None if use == "required" else use)
+            start, end = form.start, form.end
+            return await self._off_loop(lambda: grammars.tool_call(start, end, call))
+        if schema is None:
+            return None
+        return await self._off_loop(lambda: grammars.json_schema(schema))
+
+    def _tool_calls(self, request: ChatCompletionRequest) -> ToolCalls | None:
+        """How this request's tools are shown and its tool calls read; None: plain text."""
+        use = request.tool_use
+        if use == "none":
+            return None
+        if self.tool_format is None:
+            if use != "auto":
+                raise InvalidRequest(
+                    "This model cannot call tools: its chat template has no tool support. "
+                    "Send tool_choice 'auto' or 'none' to be answered in plain text.",
+                    param="tool_choice",
+                )
+            if not self._told_no_tools:
+                self._told_no_tools = True
+                log.info("this model's chat template has no tool support: tools are not shown")
+            return None
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+        return ToolCalls(self.tool_format, tools)
+
+    def _render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except (TemplateError, ValueError, TypeError) as exc:
+            # Templates refuse conversations they cannot render (e.g. roles out of order).
+            raise InvalidRequest(
+                f"The model's chat template cannot render these messages: {exc}", param="messages"
+            ) from exc
+        # Encoded apart from the rendering, as `tokenize=True` does, through the call that lets
+        # the event loop run meanwhile (the tokenizer works without holding the GIL).
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def prepare_completion(self, request: CompletionRequest) -> Prepared:
         prompt = request.prompt
         if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        token_lists = [self._tokens(p) for p in prompts]
+        token_lists = await self._off_loop(lambda: [self._tokens(p) for p in prompts])
         n_logprobs = request.logprobs
         return self._prepare(
             request,
@@ -234,7 +332,8 @@ class InferenceService:
         vocab = self.engine.vocab_size
         out = []
         for key, value in bias.items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+            # ASCII digits only: `str.isdigit` also takes "²" and "١".
+            if not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < vocab:
                 raise InvalidRequest(
                     f"logit_bias keys must be token ids in 0..{vocab - 1}; got {key!r}.",
                     param="logit_bias",

@@ -10,6 +10,7 @@ from hotlora.server.engine.generate import (
     Event,
     Finished,
     GenerationJob,
+    NonFiniteLogits,
     SampledToken,
 )
 from hotlora.server.engine.sampling import SamplingParams
@@ -23,6 +24,7 @@ __all__ = [
     "Finished",
     "GenerationJob",
     "GenerationWorker",
+    "NonFiniteLogits",
     "QueueFull",
     "SampledToken",
     "SamplingParams",

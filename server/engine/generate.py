@@ -6,6 +6,7 @@ A job goes in (prompt, sampling parameters, the request's adapter set); text del
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -15,9 +16,23 @@ import mlx.nn as nn
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from hotlora.adapters import BASE_ONLY, AdapterSet
+from hotlora.config.errors import HotloraError
 from hotlora.models.loader import LoadedModel
+from hotlora.server.engine.grammar import Grammar, Grammars
 from hotlora.server.engine.sampling import SamplingParams
 from hotlora.server.engine.tokens import TokenPiece, TokenPieces
+
+
+class NonFiniteLogits(HotloraError):
+    """The model computed NaN or infinite logits for a row; it stops, the others go on."""
+
+    code = "non_finite_logits"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The model produced non-finite values (NaN or infinity) for this request; "
+            "generation was stopped."
+        )
 
 
 @dataclass
@@ -28,6 +43,7 @@ class GenerationJob:
     params: SamplingParams
     adapters: AdapterSet = BASE_ONLY
     cancelled: threading.Event = field(default_factory=threading.Event)
+    grammar: Grammar | None = None  # what the answer must follow (`response_format`); None: free
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,8 @@ class Engine:
         self.pieces = TokenPieces(self.tokenizer)
         self.prompt_cache = LRUPromptCache(max_size=prompt_cache_size, max_bytes=prompt_cache_bytes)
         self.kv_bytes_per_token = _kv_bytes_per_token(self.model)
+        self.special_ids = _special_ids(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.pieces, self.special_ids)
 
     @property
     def context_length(self) -> int:
@@ -102,9 +120,25 @@ class Engine:
             id_list = cast(list[int], ids.tolist())
             values = cast(list[float], logprobs[ids].tolist())
             pairs = sorted(zip(id_list, values, strict=True), key=lambda p: -p[1])
-            top = tuple((self.pieces(i), v) for i, v in pairs)
+            top = tuple((self.pieces(i), _finite(v)) for i, v in pairs)
         chosen = cast(float, logprobs[token].item())
-        return SampledToken(self.pieces(token), chosen, top)
+        return SampledToken(self.pieces(token), _finite(chosen), top)
+
+
+# OpenAI's log-probability for a token that cannot be sampled; JSON has no -Infinity.
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else IMPOSSIBLE_LOGPROB
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """Control tokens (`<|endoftext|>`, `<|im_start|>`, ...): generated, they add no text."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)
 
 
 def _kv_bytes_per_token(model: nn.Module) -> int:

@@ -14,6 +14,7 @@ from hotlora.server.engine.generate import (
     LayerCaches,
     SampledToken,
 )
+from hotlora.server.engine.grammar import Constraint
 from hotlora.server.engine.sampling import RowSampler
 from hotlora.server.engine.stops import StopMatcher
 
@@ -41,8 +42,10 @@ class Row:
     position: int  # the job's place in its request: the choice index
     detokenizer: Any  # a fresh copy of the tokenizer's streaming detokenizer
     eos: frozenset[int]
+    silent: frozenset[int] = frozenset()  # control tokens: generated, they add no text
     sampler: RowSampler = field(init=False)
     stops: StopMatcher = field(init=False)
+    constraint: Constraint | None = field(init=False)  # its grammar (`response_format`), if any
     tokens: list[int] = field(init=False)
     generated: int = 0
     cached: int = 0  # prompt tokens that came from the prompt cache
@@ -50,6 +53,7 @@ class Row:
     def __post_init__(self) -> None:
         self.sampler = RowSampler(self.job.params)
         self.stops = StopMatcher(list(self.job.params.stop))
+        self.constraint = self.job.grammar.start() if self.job.grammar else None
         self.tokens = list(self.job.prompt)
 
     @property
@@ -66,13 +70,16 @@ class Row:
         if token in self.eos:
             self.finish("stop")
             return False
+        if self.constraint is not None:
+            self.constraint.consume(token)
         self.tokens.append(token)
         self.generated += 1
-        self.detokenizer.add_token(token)
+        if token not in self.silent:
+            self.detokenizer.add_token(token)
         text = self.stops.feed(self.detokenizer.last_segment)
         if text or sampled is not None:
             self.sink.event(self.position, Delta(text, (sampled,) if sampled else ()))
-        if self.stops.stopped:
+        if self.stops.stopped or (self.constraint is not None and self.constraint.done):
             self.finish("stop")
             return False
         if self.generated >= params.max_tokens:

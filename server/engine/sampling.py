@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 LogitsFilter = Callable[[mx.array], mx.array]  # logprobs [1, vocab] -> logprobs [1, vocab]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (tokens so far, logits) -> logits
 SEED_RANGE = 2**64  # MLX keys take an unsigned 64-bit seed
+GREEDY_BELOW = 1e-5  # temperatures this low sample as greedy (vLLM's threshold too)
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class RowSampler:
     """One row's sampling: its processors, the filter chain, and the key it splits per token."""
 
     def __init__(self, params: SamplingParams):
-        self.greedy = params.temperature == 0
+        # Below this, 1/temperature overflows the scaled log-probabilities: it is argmax anyway.
+        self.greedy = params.temperature < GREEDY_BELOW
         self.temperature = params.temperature
         self.processors: list[LogitsProcessor] = make_logits_processors(
             logit_bias=dict(params.logit_bias) or None,

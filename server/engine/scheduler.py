@@ -35,9 +35,11 @@ from hotlora.server.engine.generate import (
     Engine,
     GenerationJob,
     LayerCaches,
+    NonFiniteLogits,
     SampledToken,
     prompt_cache_key,
 )
+from hotlora.server.engine.next_tokens import choose, constrained, processed
 from hotlora.server.engine.rows import Group, Row, Sink
 
 log = logging.getLogger("hotlora")
@@ -74,7 +76,7 @@ class Scheduler:
         tokenizer = self.engine.tokenizer
         # `tokenizer.detokenizer` is a fresh, reset copy on every access. All rows or none.
         rows = [
-            Row(job, sink, position, tokenizer.detokenizer, self.eos)
+            Row(job, sink, position, tokenizer.detokenizer, self.eos, self.engine.special_ids)
             for position, job in enumerate(jobs)
         ]
         self.waiting.extend(rows)
@@ -249,14 +251,19 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - the whole batch shared the failed call
             self._fail_running(exc)
             return
-        logits, failed = self._processed(rows, logits)
+        logits, failed = processed(rows, logits)
+        finite = mx.isfinite(logits).all(axis=-1)  # [B], before grammars mask tokens to -inf
+        logits = constrained(rows, logits, failed)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, vocab]
-        chosen = self._choose(rows, logprobs, failed)  # [B]
+        chosen = choose(rows, logprobs, failed)  # [B]
         try:
-            mx.eval(chosen, [row.sampler.key for row in rows], self._cache_state())
+            mx.eval(chosen, finite, [row.sampler.key for row in rows], self._cache_state())
         except Exception as exc:  # noqa: BLE001
             self._fail_running(exc)
             return
+        for i, ok in enumerate(cast(list[bool], finite.tolist())):
+            if not ok:
+                failed.setdefault(i, NonFiniteLogits())
         tokens = cast(list[int], chosen.tolist())
         keep = []
         for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
@@ -268,42 +275,6 @@ class Scheduler:
                 self._store(row, i)
         if len(keep) < len(rows):
             self._keep(keep)
-
-    def _choose(
-        self, rows: list[Row], logprobs: mx.array, failed: dict[int, Exception]
-    ) -> mx.array:
-        """Every row's next token: one argmax for the greedy rows, each other row's own sampler."""
-        greedy = mx.argmax(logprobs, axis=-1)  # [B]
-        if all(row.sampler.greedy for row in rows):
-            return greedy
-        picks: list[mx.array] = []
-        for i, row in enumerate(rows):
-            if row.sampler.greedy or i in failed:
-                picks.append(greedy[i : i + 1])
-                continue
-            try:
-                picks.append(row.sampler.sample(logprobs[i : i + 1]))
-            except Exception as exc:  # noqa: BLE001 - this row's sampling settings failed
-                failed[i] = exc
-                picks.append(greedy[i : i + 1])
-        return mx.concatenate(picks)
-
-    def _processed(
-        self, rows: list[Row], logits: mx.array
-    ) -> tuple[mx.array, dict[int, Exception]]:
-        failed: dict[int, Exception] = {}
-        if not any(row.sampler.processors for row in rows):
-            return logits, failed
-        parts = []
-        for i, row in enumerate(rows):
-            part = logits[i : i + 1]
-            if row.sampler.processors:
-                try:
-                    part = row.sampler.process(mx.array(row.tokens), part)
-                except Exception as exc:  # noqa: BLE001
-                    failed[i] = exc
-            parts.append(part)
-        return mx.concatenate(parts), failed
 
     def _sampled(self, row: Row, token: int, logprobs: mx.array, i: int) -> SampledToken | None:
         params = row.job.params

@@ -16,10 +16,10 @@ from hotlora.server.admin_protocol import (
     MountAdapterRequest,
     UnloadLoraAdapterRequest,
 )
-from hotlora.server.auth import require_admin_key
+from hotlora.server.auth import AdminRoute
 from hotlora.server.deps import RuntimeDep
 
-router = APIRouter(prefix="/v1", tags=["adapters"], dependencies=[Depends(require_admin_key)])
+router = APIRouter(prefix="/v1", tags=["adapters"], route_class=AdminRoute)
 
 
 def get_manager(runtime: RuntimeDep) -> AdapterManager:

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from hotlora.server.deps import RuntimeDep
+from hotlora.server.engine import WorkerStopped
 from hotlora.server.error_responses import error_response
 from hotlora.server.request_errors import NotReady
 
@@ -19,6 +20,8 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", response_model=None)
 async def ready(runtime: RuntimeDep) -> dict[str, str] | JSONResponse:
+    if runtime.draining:
+        return error_response(WorkerStopped("The server is shutting down."))
     if not runtime.ready:
         return error_response(NotReady(f"The model is not ready yet ({runtime.status})."))
     return {"status": "ready", "model": runtime.base_id or ""}

@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from hotlora.server.admin_protocol import ModelCard, ModelList
+from hotlora.server.auth import InferenceRoute
 from hotlora.server.deps import RuntimeDep
 
-router = APIRouter(prefix="/v1", tags=["models"])
+router = APIRouter(prefix="/v1", tags=["models"], route_class=InferenceRoute)
 
 
 @router.get("/models")

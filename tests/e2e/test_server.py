@@ -151,6 +151,33 @@ def test_openai_errors(client, model_id):
     assert info.value.body["param"] == "temperature"
 
 
+def test_open_webui_tool_requests_are_answered(client, model_id):
+    """Open WebUI attaches its built-in tools to every chat, with no tool_choice; this model's
+    template has no tool support, so the answer is plain text, as without the tools."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": f"Open WebUI's {name}.",
+                "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+            },
+        }
+        for name in ("search_web", "fetch_url", "get_current_time", "query_knowledge", "memory")
+    ]
+    kwargs = {"model": model_id, "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
+    with_tools = client.chat.completions.create(**kwargs, tools=tools)
+    plain = client.chat.completions.create(**kwargs)
+    assert with_tools.choices[0].message.content == plain.choices[0].message.content
+    assert "Paris" in with_tools.choices[0].message.content
+    streamed = client.chat.completions.create(**kwargs, tools=tools, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**kwargs, tools=tools, tool_choice="required")
+    assert info.value.body["param"] == "tool_choice"
+
+
 ERRORS = [
     # (method, path, raw body, status, code)
     ("POST", "/v1/chat/completions", b"{bad json", 400, "invalid_json"),

@@ -38,9 +38,8 @@ def make_client(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., 
         on_fatal: Callable[[BaseException], None] | None = None,
         **overrides: object,
     ) -> TestClient:
-        settings = Settings(
-            model=tiny_model_dir, home=tmp_path / "home", served_model_name="tiny", **overrides
-        )
+        fields = {"model": tiny_model_dir, "served_model_name": "tiny", **overrides}
+        settings = Settings(home=tmp_path / "home", **fields)
         app = create_app(settings, on_fatal=on_fatal)
         client = TestClient(app, raise_server_exceptions=raise_server_exceptions)
         client.__enter__()

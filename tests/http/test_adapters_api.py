@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from hotlora.adapters import parse_adapter_spec
+
 from tests.support.adapter_builders import (
     random_pairs,
     tiny_model,
@@ -227,3 +229,80 @@ def test_prompt_cache_is_keyed_by_adapter_revision(api: TestClient):
     mount(api, "a", "a2", replace=True)
     assert cached(api, adapter="a") == 0  # same name, new revision: nothing reused
     assert cached(api, adapter="a") == warm
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def nan_weights(root: Path) -> str:
+    pairs = random_pairs(tiny_model(quantize=True), seed=4)
+    a, b = pairs[Q]
+    pairs[Q] = (a * float("nan"), b)
+    write_mlx_adapter(root / "bad", pairs)
+    return "bad"
+
+
+def bad_config(root: Path, text: str) -> str:
+    write_mlx_adapter(root / "bad", random_pairs(tiny_model(quantize=True), seed=4))
+    (root / "bad" / "adapter_config.json").write_text(text)
+    return "bad"
+
+
+BAD_FILES = [
+    # (case id, path maker, words in the message); all 400 with param "path"
+    ("nan-tensor", nan_weights, f"NaN or infinite values in the tensor {Q}.lora_a"),
+    ("scale-bound", lambda r: bad_config(r, '{"lora_parameters": {"rank": 4, "scale": 1e9}}'),
+     "(lora_parameters.scale) is outside the bound |scale| <= 10000"),
+    ("scale-infinity", lambda r: bad_config(r, '{"r": 4, "lora_alpha": Infinity}'),
+     "lora_alpha must be a finite number, got inf"),
+    ("rank-zero", lambda r: bad_config(r, '{"lora_parameters": {"rank": 0, "scale": 1}}'),
+     "lora_parameters.rank must be a positive integer"),
+    ("config-deep", lambda r: bad_config(r, "[" * 50_000 + "]" * 50_000),
+     "nests deeper than 32 levels"),
+    ("config-large", lambda r: bad_config(r, " " * (1 << 20) + "{}"),
+     f"adapter_config.json is over the limit of {1 << 20} bytes"),
+    ("name-too-long", lambda r: "x" * 300, "cannot be read"),
+    ("path-too-long", lambda r: "/".join(["y" * 200] * 30), "cannot be read"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("make_path", "words"), [case[1:] for case in BAD_FILES], ids=[case[0] for case in BAD_FILES]
+)
+def test_bad_adapter_files_are_refused_with_a_400(api: TestClient, root: Path, make_path, words):
+    mount(api, "b", "b")
+    before = api.get("/v1/adapters").json()
+    path = make_path(root)
+    for body in ({"id": "x", "path": path}, {"id": "b", "path": path, "replace": True}):
+        response = api.post("/v1/adapters", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == ("path", "invalid_adapter")
+        assert words in error["message"]
+    assert api.get("/v1/adapters").json() == before
+
+
+def test_the_adapter_size_cap_is_a_setting(make_client, root: Path):
+    size = (root / "a" / "adapters.safetensors").stat().st_size
+    client = make_client(adapter_root=root, max_adapter_bytes=size - 1)
+    refused = mount(client, "a", "a")
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "path"
+    assert error["message"] == (
+        f"adapters.safetensors is over this server's limit of {size - 1} bytes per adapter file "
+        f"({size} bytes)"
+    )
+    assert client.get("/v1/adapters").json()["data"] == []
+    exact = make_client(adapter_root=root, max_adapter_bytes=size)
+    assert mount(exact, "a", "a").status_code == 201
+
+
+def test_in_use_after_replace_counts_the_old_revision(api: TestClient):
+    mount(api, "a", "a")
+    manager = api.app.state.runtime.adapters
+    running = manager.select("tiny", parse_adapter_spec("a"))  # a request still on the old files
+    assert mount(api, "a", "a2", replace=True).json()["in_use"] == 1
+    assert api.get("/v1/adapters/a").json()["in_use"] == 1
+    running.release()
+    assert api.get("/v1/adapters/a").json()["in_use"] == 0

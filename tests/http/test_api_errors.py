@@ -164,9 +164,12 @@ def test_stream_failure_becomes_an_error_event(make_client, monkeypatch):
 
 MORE_ERRORS = [
     ({**CHAT, "seed": 2**70}, "seed"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f g"}}]},
+        "tools.0.function.name",
+    ),
     ({**CHAT, "tool_choice": "required"}, "tool_choice"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ({**CHAT, "logit_bias": {"5": 500}}, "logit_bias"),
     ({**CHAT, "logit_bias": {"99999": 1}}, "logit_bias"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),

@@ -33,6 +33,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# A template that shows tools and writes tool calls as Qwen's does: JSON in <tool_call> tags.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:"
+    "{% for tool in tools %} {{ tool.function.name }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{% endfor %}{% else %}{{ message.content or '' }}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # Common English pairs, merged so that ordinary text takes fewer tokens than characters.
 _MERGES = (
     ("t", "h"), ("h", "e"), ("i", "n"), ("e", "r"), ("a", "n"), ("r", "e"), ("o", "n"),
@@ -57,7 +70,9 @@ def tiny_args() -> llama.ModelArgs:
     )
 
 
-def write_tiny_llama(dir: Path, quantize: bool = False, seed: int = 0) -> Path:
+def write_tiny_llama(
+    dir: Path, quantize: bool = False, seed: int = 0, chat_template: str = CHAT_TEMPLATE
+) -> Path:
     """Write a tiny random llama checkpoint into `dir` (created if needed) and return `dir`.
 
     `quantize` packs the linear and embedding weights to 4 bits (group 32) the way mlx-lm's
@@ -77,7 +92,7 @@ def write_tiny_llama(dir: Path, quantize: bool = False, seed: int = 0) -> Path:
     mx.save_safetensors(str(dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(dir / "config.json", config)
     _write_json(dir / "generation_config.json", {"eos_token_id": EOS_TOKEN_ID})
-    _write_tokenizer(dir)
+    _write_tokenizer(dir, chat_template)
     return dir
 
 
@@ -116,7 +131,7 @@ def _vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return {token: i for i, token in enumerate(tokens)}, merges
 
 
-def _write_tokenizer(dir: Path) -> None:
+def _write_tokenizer(dir: Path, chat_template: str) -> None:
     vocab, merges = _vocab()
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     tokenizer.decoder = decoders.Fuse()  # character pieces join without separators
@@ -133,7 +148,7 @@ def _write_tokenizer(dir: Path) -> None:
             "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
             "model_max_length": MAX_POSITION_EMBEDDINGS,
             "clean_up_tokenization_spaces": False,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": chat_template,
         },
     )
 

@@ -162,11 +162,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(s
 
 def test_each_row_keeps_its_own_stops_and_max_tokens(setup):
     engine, _ = setup
-    free = solo(engine, [job(PROMPTS[1], max_tokens=12)]).text()
+    free = solo(engine, [job(PROMPTS[3], max_tokens=12)]).text()
     stop = free[3:5]  # text the row will produce: it must stop right before it
+    assert len(stop) == 2
     requests = [
         [job(PROMPTS[0], max_tokens=2)],
-        [job(PROMPTS[1], max_tokens=12, stop=(stop,))],
+        [job(PROMPTS[3], max_tokens=12, stop=(stop,))],
         [job(PROMPTS[2], max_tokens=7)],
     ]
     sinks = run(Scheduler(engine, max_batch=4), requests)

@@ -1,0 +1,58 @@
+"""Each row's next token from the batch's logits: its logits processors, its grammar's mask,
+then one argmax for the greedy rows and each other row's own sampler.
+
+A row whose processors, grammar or sampler fail is named in `failed` (row index -> error): it
+stops, and the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from hotlora.server.engine.grammar import constrain
+from hotlora.server.engine.rows import Row
+
+
+def processed(rows: list[Row], logits: mx.array) -> tuple[mx.array, dict[int, Exception]]:
+    """The logits after each row's processors (penalties, `logit_bias`); the rows they failed."""
+    failed: dict[int, Exception] = {}
+    if not any(row.sampler.processors for row in rows):
+        return logits, failed
+    parts = []
+    for i, row in enumerate(rows):
+        part = logits[i : i + 1]
+        if row.sampler.processors:
+            try:
+                part = row.sampler.process(mx.array(row.tokens), part)
+            except Exception as exc:  # noqa: BLE001
+                failed[i] = exc
+        parts.append(part)
+    return mx.concatenate(parts), failed
+
+
+def constrained(rows: list[Row], logits: mx.array, failed: dict[int, Exception]) -> mx.array:
+    """Rows under a grammar (`response_format`) get -inf for every token it does not allow
+    next, before sampling and logprobs: they report the distribution sampled from."""
+    constraints = [row.constraint for row in rows]
+    if not any(constraints):
+        return logits
+    mx.async_eval(logits)  # the model call runs while the grammars compute their masks
+    return constrain(logits, constraints, failed)
+
+
+def choose(rows: list[Row], logprobs: mx.array, failed: dict[int, Exception]) -> mx.array:
+    """Every row's next token: one argmax for the greedy rows, each other row's own sampler."""
+    greedy = mx.argmax(logprobs, axis=-1)  # [B]
+    if all(row.sampler.greedy for row in rows):
+        return greedy
+    picks: list[mx.array] = []
+    for i, row in enumerate(rows):
+        if row.sampler.greedy or i in failed:
+            picks.append(greedy[i : i + 1])
+            continue
+        try:
+            picks.append(row.sampler.sample(logprobs[i : i + 1]))
+        except Exception as exc:  # noqa: BLE001 - this row's sampling settings failed
+            failed[i] = exc
+            picks.append(greedy[i : i + 1])
+    return mx.concatenate(picks)

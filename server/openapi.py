@@ -1,0 +1,166 @@
+"""The OpenAPI document as the server behaves: its real error statuses and the stream type.
+
+FastAPI documents a 422 the error handlers never send, and nothing else that can go wrong;
+`install_openapi` rewrites its output once: every error status in OpenAI's error object,
+the 200 of a mount that changed nothing, and the event stream of `stream: true`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from hotlora.server.completion_objects import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every non-2xx response (and of a stream's error event)."""
+
+    error: ErrorDetail
+
+
+_REF = "#/components/schemas/{model}"
+
+_ADMIN_POST = (400, 401, 409, 413, 503)
+# The error statuses each operation can answer with; 405 and unknown routes are not operations.
+ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
+    ("get", "/health"): (),
+    ("get", "/ready"): (503,),
+    ("get", "/v1/models"): (401, 503),
+    ("get", "/v1/models/{model_id}"): (401, 404, 503),
+    ("post", "/v1/chat/completions"): (400, 401, 404, 413, 500, 503),
+    ("post", "/v1/completions"): (400, 401, 404, 413, 500, 503),
+    ("post", "/v1/responses"): (400, 401, 404, 413, 500, 503),
+    ("post", "/v1/adapters"): _ADMIN_POST,
+    ("get", "/v1/adapters"): (401, 503),
+    ("get", "/v1/adapters/{adapter_id}"): (401, 404, 503),
+    ("delete", "/v1/adapters/{adapter_id}"): (401, 404, 503),
+    ("post", "/v1/load_lora_adapter"): _ADMIN_POST,
+    ("post", "/v1/unload_lora_adapter"): (400, 401, 404, 413, 503),
+}
+
+_DESCRIPTIONS = {
+    400: "Invalid request: unparsable JSON, a field out of range, or an unsupported option.",
+    401: "Missing or wrong bearer key.",
+    404: "Unknown model or adapter.",
+    409: "Another adapter is mounted under this id; mount with `replace` to swap it.",
+    413: "The request body is over the server's limit.",
+    500: "The model computed NaN or infinite logits for this request (`non_finite_logits`).",
+    503: "The model is loading, the wait list is full, or the server is shutting down.",
+}
+_HEADERS = {
+    401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "`Bearer`."}},
+    503: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait."}},
+}
+
+# The completion routes: the object answered without `stream`, the chunk streamed with it.
+_STREAMS = {
+    "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionChunk),
+    "/v1/completions": (CompletionResponse, CompletionResponse),
+}
+# A mount that finds the same files already mounted answers 200 instead of 201.
+_MOUNTS = ("/v1/adapters", "/v1/load_lora_adapter")
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _error(status: int) -> dict[str, Any]:
+    response: dict[str, Any] = {
+        "description": _DESCRIPTIONS[status],
+        "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+    }
+    if status in _HEADERS:
+        response["headers"] = _HEADERS[status]
+    return response
+
+
+def _event_stream(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event, as OpenAPI 3.1 describes each event of a `text/event-stream`."""
+    payload = {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {"contentMediaType": "application/json", "contentSchema": payload},
+                ],
+            }
+        },
+    }
+
+
+def _completion_ok(answer: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    return {
+        "description": (
+            f"The completion; with `stream: true`, server-sent events whose data are "
+            f"`{chunk.__name__}` objects (an error object if generation fails after the 200), "
+            f"then `[DONE]`."
+        ),
+        "content": {
+            "application/json": {"schema": _ref(answer)},
+            "text/event-stream": {"schema": _event_stream(chunk)},
+        },
+    }
+
+
+def truthful_openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document for `app`, with the responses the server really sends."""
+    doc = get_openapi(
+        title=app.title,
+        version=app.version,
+        openapi_version=app.openapi_version,
+        description=app.description,
+        routes=app.routes,
+    )
+    models = (ChatCompletionResponse, ChatCompletionChunk, CompletionResponse, ErrorResponse)
+    _, defs = models_json_schema([(m, "serialization") for m in models], ref_template=_REF)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(defs["$defs"])
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            if path in _STREAMS:
+                responses["200"] = _completion_ok(*_STREAMS[path])
+            if path in _MOUNTS and method == "post":
+                responses["200"] = {**responses["201"], "description": "Already mounted."}
+            for status in ERROR_STATUSES.get((method, path), ()):
+                responses[str(status)] = _error(status)
+    # The 422 body's schemas, once nothing refers to them (the second is used by the first).
+    for name in ("HTTPValidationError", "ValidationError"):
+        if json.dumps(_REF.format(model=name)) not in json.dumps(doc):
+            schemas.pop(name, None)
+    return doc
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve `truthful_openapi` at /openapi.json, built on first use and then cached."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = truthful_openapi(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

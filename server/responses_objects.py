@@ -1,0 +1,141 @@
+"""The Responses API's answer: the response object and its stream events, fields in the order
+of OpenAI's reference."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+def response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """A response as OpenAI's SDK reads it; the request's settings are echoed back."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool
+    previous_response_id: None = None
+    store: Literal[False] = False
+    temperature: float
+    text: dict[str, Any]
+    tool_choice: Literal["none", "auto"]
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_p: float
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class StreamEvent(BaseModel):
+    """One server-sent event of a streamed response; numbered as it is sent."""
+
+    type: str
+    sequence_number: int = 0
+
+
+class ResponseEvent(StreamEvent):
+    type: Literal[
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    ]
+    response: ResponseObject
+
+
+class OutputItemEvent(StreamEvent):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int
+    item: OutputMessage
+
+
+class ContentPartEvent(StreamEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class TextDeltaEvent(StreamEvent):
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class TextDoneEvent(StreamEvent):
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ErrorEvent(StreamEvent):
+    """A failure after the stream began; a `response.failed` event follows it."""
+
+    type: Literal["error"] = "error"
+    code: str | None
+    message: str
+    param: str | None

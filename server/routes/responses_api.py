@@ -1,0 +1,43 @@
+"""POST /v1/responses: OpenAI's Responses API, run as the chat completion it describes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from sse_starlette import EventSourceResponse
+
+from hotlora.server import responses_render as render
+from hotlora.server.auth import InferenceRoute
+from hotlora.server.deps import InferenceDep
+from hotlora.server.disconnects import until_disconnect
+from hotlora.server.responses_objects import ResponseObject
+from hotlora.server.responses_protocol import ResponsesRequest, responses_params
+
+router = APIRouter(prefix="/v1", tags=["inference"], route_class=InferenceRoute)
+
+_OK: dict[int | str, dict[str, Any]] = {
+    200: {
+        "model": ResponseObject,
+        "description": (
+            "The response; with `stream: true`, server-sent events named by their `type` "
+            "(`response.created` ... `response.completed`), no `[DONE]`."
+        ),
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+@router.post("/responses", response_model=None, responses=_OK)
+async def create_response(
+    body: ResponsesRequest, request: Request, service: InferenceDep
+) -> ResponseObject | EventSourceResponse:
+    chat = body.chat_request()
+    with responses_params():
+        submitted = service.submit(await service.prepare_chat(chat))
+    if body.stream:
+        # sse-starlette cancels the generator when the client goes away, which cancels the job.
+        events = render.response_stream(service, submitted, body)
+        return EventSourceResponse(events, sep="\n", ping=15)
+    outcome = await until_disconnect(request, service.run(submitted))
+    return render.response_object(body, submitted.prepared, outcome)

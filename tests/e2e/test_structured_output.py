@@ -1,0 +1,146 @@
+"""End to end: structured output from a real uvicorn process on the embedded model, through the
+official openai client, on the base model and under a really trained adapter."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.support.server_process import ServerProcess, hotlora_spec
+from tests.support.trained_adapters import TrainedAdapters
+
+pytestmark = pytest.mark.e2e
+
+MESSAGES = [
+    {
+        "role": "user",
+        "content": "Invent a person who lives in Paris. Answer in JSON with their name, age, "
+        "languages and address.",
+    }
+]
+MAX_TOKENS = 120  # the bounded schemas below fit in well under 100 tokens
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=16)
+    country: str = Field(max_length=16)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    languages: list[Literal["English", "French", "Spanish", "German"]] = Field(max_length=2)
+    address: Address
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "languages": {
+            "type": "array",
+            "items": {"enum": ["English", "French", "Spanish", "German"]},
+            "maxItems": 2,
+        },
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "country": {"type": "string", "maxLength": 16},
+            },
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "languages", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(embedded_model_dir: Path, trained_adapters: TrainedAdapters) -> Iterator[ServerProcess]:
+    spec = hotlora_spec(
+        "--model",
+        str(embedded_model_dir),
+        "--adapter-root",
+        str(trained_adapters.root),
+        "--adapter",
+        f"pirate={trained_adapters['pirate']}",
+    )
+    with ServerProcess(spec) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def model_id(embedded_model_dir: Path) -> str:
+    return embedded_model_dir.name
+
+
+@pytest.fixture(scope="module")
+def held(client, model_id) -> dict[str | None, openai.types.chat.ChatCompletion]:
+    """The greedy answer held to PERSON, per adapter (None: the base), asked once."""
+    answers = {}
+    for adapter in (None, "pirate"):
+        answers[adapter] = client.chat.completions.create(
+            model=model_id,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            },
+            extra_body={} if adapter is None else {"adapter": adapter},
+        )
+    return answers
+
+
+@pytest.mark.parametrize("adapter", [None, "pirate"])
+def test_a_nested_schema_answer_validates(held, adapter):
+    [choice] = held[adapter].choices
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_the_adapter_still_shapes_the_answer_inside_the_schema(client, model_id, held):
+    """Free, the pirate adapter answers in pirate speech; held to the schema, it answers
+    JSON, and not the base model's JSON."""
+    free = client.chat.completions.create(
+        model=model_id,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"adapter": "pirate"},
+    )
+    assert free.choices[0].message.content.startswith("Arrr")
+    assert held["pirate"].choices[0].message.content != held[None].choices[0].message.content
+
+
+@pytest.mark.parametrize("adapter", [None, "pirate"])
+def test_the_client_parses_its_pydantic_model(client, model_id, adapter):
+    # `parse` left `beta` in openai 1.92.
+    chat = client.chat if hasattr(client.chat.completions, "parse") else client.beta.chat
+    completion = chat.completions.parse(
+        model=model_id,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        response_format=Person,
+        extra_body={} if adapter is None else {"adapter": adapter},
+    )
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Person), message.content
+    assert message.parsed.address.city

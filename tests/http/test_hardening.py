@@ -1,0 +1,269 @@
+"""Inputs an attacker or an unlucky client sends: every one is a 400 naming its field, no number
+that is not finite reaches a response, and failures stay with the request that caused them."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import mlx.core as mx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from hotlora.server.engine import NonFiniteLogits
+from hotlora.server.error_responses import install_error_handlers
+
+from tests.support.sse import sse_events
+from tests.support.tiny import ENDOFTEXT_ID, IM_START_ID
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2}
+CHAT_JSON = '"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2'
+
+
+def chat(extra: str) -> str:
+    """A valid chat body in raw JSON, with `extra` fields."""
+    return '{"model": "tiny", ' + CHAT_JSON + ", " + extra + "}"
+
+
+# (path, raw JSON body, param). The JSON escapes lone UTF-16 surrogates, which Python decodes
+# into strings that no encoder can write out again.
+RAW_BODIES = [
+    ("/v1/chat/completions", '{"model": "\\ud800", ' + CHAT_JSON + "}", "model"),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny", "messages": [{"role": "user", "content": "a\\udfffb"}]}',
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny", "messages": [{"role": "user", "content": '
+        '[{"type": "text", "text": "\\udc00"}]}]}',
+        "messages.0.content.0.text",
+    ),
+    ("/v1/chat/completions", chat('"stop": ["\\ud800"]'), "stop.0"),
+    ("/v1/chat/completions", chat('"adapter": "\\ud800"'), "adapter"),
+    ("/v1/chat/completions", chat('"user": "\\ud800"'), "user"),
+    (
+        "/v1/chat/completions",
+        chat('"logit_bias": {"\\ud800": 1}'),
+        "logit_bias.\\ud800",
+    ),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\udc00b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\ud800"]}', "prompt.1"),
+    ("/v1/chat/completions", chat('"temperature": NaN'), None),
+    ("/v1/chat/completions", chat('"top_p": Infinity'), None),
+    ("/v1/adapters", '{"id": "a", "path": "\\ud800"}', "path"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), RAW_BODIES)
+def test_text_that_is_not_unicode_and_non_finite_numbers_are_400s(client, path, raw, param):
+    response = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+    else:  # the number's field
+        assert error["param"] in raw and "finite" in error["message"]
+
+
+BODIES = [
+    # logit_bias keys that `str.isdigit` takes but are no token id.
+    ({**CHAT, "logit_bias": {"²": 1}}, "logit_bias", "token ids"),
+    ({**CHAT, "logit_bias": {"١": 1}}, "logit_bias", "token ids"),
+    ({**CHAT, "logit_bias": {"1e3": 1}}, "logit_bias", "token ids"),
+    # Adapter weights: finite and bounded, however they are spelled.
+    ({**CHAT, "adapter": "x@1e308"}, "adapter", "between -10 and 10"),
+    ({**CHAT, "adapter": "x@nan"}, "adapter", "between -10 and 10"),
+    ({**CHAT, "adapter": [{"id": "x", "scale": 10**400}]}, "adapter", "between -10 and 10"),
+    ({**CHAT, "adapter": [{"id": "x", "scale": -11}]}, "adapter", "between -10 and 10"),
+    # A penalty that would scale the logits out of range.
+    ({**CHAT, "repetition_penalty": 5e-324}, "repetition_penalty", "greater than or equal"),
+    ({**CHAT, "repetition_penalty": 1e40}, "repetition_penalty", "less than or equal"),
+    # A content part whose type is not even a string.
+    (
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": {}, "text": ""}]}]},
+        "messages.0.content",
+        "",
+    ),
+    # Messages as OpenAI validates them.
+    (
+        {**CHAT, "messages": [{"role": "tool", "content": "42"}]},
+        "messages.0",
+        "tool_call_id",
+    ),
+    (
+        {
+            **CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ],
+        },
+        "messages.0.content",
+        "images are not supported",
+    ),
+    (
+        {
+            **CHAT,
+            "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+        },
+        "messages.0.content",
+        "audio is",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "says"), BODIES)
+def test_refusals_name_the_field(client, body, param, says):
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert says in error["message"]
+
+
+def test_a_vanishing_temperature_samples_as_greedy(client):
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 6}
+    greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()
+    tiny = client.post("/v1/completions", json={**body, "temperature": 1e-300, "seed": 3}).json()
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+def test_a_tool_reply_with_its_call_id_is_served(client):
+    messages = [
+        {"role": "user", "content": "what is 6 x 7?"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    response = client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", b'{"model": 5}'),
+        ("/v1/completions", b"[]"),
+        ("/v1/adapters", b'{"id": 7}'),
+    ],
+)
+def test_the_key_is_checked_before_the_body(make_client, path, body):
+    client = make_client(api_key="k")
+    response = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_control_tokens_add_no_text(client):
+    request = {"model": "tiny", "prompt": "the", "max_tokens": 4, "temperature": 0}
+    forced = {**request, "logit_bias": {str(ENDOFTEXT_ID): 100, str(IM_START_ID): 50}}
+    response = client.post("/v1/completions", json=forced).json()
+    assert response["choices"][0]["text"] == ""
+    assert response["usage"]["completion_tokens"] == 4  # generated, counted, not shown
+    streamed = client.post("/v1/completions", json={**forced, "stream": True})
+    texts = [json.loads(e)["choices"][0]["text"] for e in sse_events(streamed)[:-1]]
+    assert "".join(texts) == ""
+    # Logprobs still name the token that was generated.
+    with_logprobs = client.post("/v1/completions", json={**forced, "logprobs": 1}).json()
+    assert with_logprobs["choices"][0]["logprobs"]["tokens"][0] == "<|endoftext|>"
+
+
+POISON = 77  # a prompt ending in this token gets NaN logits from the wrapped model
+
+
+def poisoned(model):
+    """The model, computing NaN logits for every row whose input ends in POISON."""
+
+    def call(tokens: mx.array, cache=None):
+        logits = model(tokens, cache=cache)
+        bad = (tokens[:, -1:] == POISON)[..., None]  # [B, 1, 1]
+        return mx.where(bad, mx.array(float("nan")), logits)
+
+    return call
+
+
+def test_non_finite_logits_fail_that_request_only(make_client, monkeypatch):
+    client = make_client()
+    scheduler = client.app.state.runtime.worker.scheduler
+    monkeypatch.setattr(scheduler, "model", poisoned(scheduler.model))
+    bad = {"model": "tiny", "prompt": [5, 6, POISON], "max_tokens": 4, "temperature": 0}
+    good = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+    alone = client.post("/v1/completions", json=good).json()["choices"][0]["text"]
+
+    results: dict[str, object] = {}
+
+    def send(name, body):
+        results[name] = client.post("/v1/completions", json=body)
+
+    threads = [threading.Thread(target=send, args=a) for a in (("bad", bad), ("good", good))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed, served = results["bad"], results["good"]
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert error["code"] == NonFiniteLogits.code and "non-finite" in error["message"]
+    assert served.status_code == 200 and served.json()["choices"][0]["text"] == alone
+
+    stream = client.post("/v1/completions", json={**bad, "stream": True})
+    events = sse_events(stream)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == NonFiniteLogits.code
+    assert "NaN" not in "".join(events[:-2]).replace("non-finite values (NaN", "")
+    assert client.post("/v1/completions", json=good).status_code == 200
+
+
+def test_logprobs_are_finite_numbers(client):
+    body = {**CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 20, "temperature": 0}
+    body["logit_bias"] = {str(i): -100 for i in range(40)}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    text = response.text
+    assert "NaN" not in text and "Infinity" not in text
+    for token in response.json()["choices"][0]["logprobs"]["content"]:
+        assert all(-1e4 < t["logprob"] <= 0 for t in [token, *token["top_logprobs"]])
+
+
+def test_an_unexpected_error_is_a_500_object_and_not_re_raised():
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("/secret/internal detail")
+
+    # A re-raised error would surface here: TestClient raises server exceptions by default.
+    with TestClient(app) as client:
+        response = client.get("/boom")
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error"
+    assert "/secret" not in response.text
+
+
+def test_tokenizing_runs_off_the_event_loop(make_client, monkeypatch):
+    client = make_client()
+    tokenizer = client.app.state.runtime.worker.engine.tokenizer
+    threads: list[str] = []
+    template, encode = tokenizer.apply_chat_template, tokenizer._tokenizer.encode
+
+    def recording_template(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return template(*args, **kwargs)
+
+    def recording_encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recording_template)
+    monkeypatch.setattr(tokenizer._tokenizer, "encode", recording_encode)
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    body = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 1}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert len(threads) == 4  # the template, its encoding, each of two prompts
+    assert all(name.startswith("hotlora-tokenize") for name in threads), threads
