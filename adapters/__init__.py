@@ -5,7 +5,9 @@ A request's `adapter` field is parsed once (`parse_adapter_spec`, into `AdapterR
 `AdapterManager.select` turns it, with the `model` field, into an `AdapterLease` holding the
 request's own `AdapterSet`; `activate` makes that set the one the LoRA slots apply while the
 model runs, or, for a batch, a `RowAdapters` from `RowAdapterCache` that applies each row's
-own set.
+own set. With a `MountJournal` (the mount record `MountFile`, or a cluster's registry) every
+mount and unmount is recorded before it is made, and a `MountStore` mounts the recorded set
+again when a server starts.
 """
 
 from hotlora.adapters.adapter_errors import (
@@ -19,6 +21,14 @@ from hotlora.adapters.adapter_errors import (
 from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet
 from hotlora.adapters.fuse import fuse_adapter
 from hotlora.adapters.manager import AdapterInfo, AdapterLease, AdapterManager
+from hotlora.adapters.registry import (
+    MountedSet,
+    MountFile,
+    MountJournal,
+    MountRecord,
+    MountStore,
+    mount_file,
+)
 from hotlora.adapters.row_sets import RowAdapterCache, RowAdapters
 from hotlora.adapters.slots import activate
 from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
@@ -36,9 +46,15 @@ __all__ = [
     "AdapterSet",
     "InvalidAdapter",
     "InvalidAdapterSpec",
+    "MountFile",
+    "MountJournal",
+    "MountRecord",
+    "MountStore",
+    "MountedSet",
     "RowAdapterCache",
     "RowAdapters",
     "activate",
     "fuse_adapter",
+    "mount_file",
     "parse_adapter_spec",
 ]

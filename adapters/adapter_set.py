@@ -78,6 +78,11 @@ class AdapterSet:
         object.__setattr__(self, "_fused_by_slot", {})
         object.__setattr__(self, "key", tuple(entry.key for entry in self.entries))
 
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """The mounted ids in the set, in order; empty for the base alone."""
+        return tuple(entry.mounted.id for entry in self.entries)
+
     def slot_terms(self, path: str) -> tuple[Term, ...]:
         """This set's terms at the slot `path`: none, or one pair (a stack is fused)."""
         terms = self._fused_by_slot.get(path)

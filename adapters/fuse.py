@@ -13,6 +13,7 @@ from hotlora.adapters.adapter_files import read_adapter
 from hotlora.adapters.projections import find_targets, linear_dims, replace_module
 from hotlora.models.loader import load_model_dir
 from hotlora.models.model_files import atomic_model_dir, copy_aux_files
+from hotlora.models.progress import bar
 
 
 def fuse_adapter(model_dir: Path, adapter_path: Path, out: Path) -> Path:
@@ -33,8 +34,11 @@ def fuse_adapter(model_dir: Path, adapter_path: Path, out: Path) -> Path:
         max_rank=sys.maxsize,
         max_bytes=sys.maxsize,
     )
-    for path, (a, b) in adapter.weights.items():
-        replace_module(model, path, merge_linear(linears[path], a, b, adapter.config.scale))
+    merging = bar(adapter.weights.items(), "merging", total=len(adapter.weights))
+    for path, (a, b) in merging:
+        fused = merge_linear(linears[path], a, b, adapter.config.scale)
+        mx.eval(fused.parameters())  # one layer at a time: the bar moves, the peak stays low
+        replace_module(model, path, fused)
     with atomic_model_dir(Path(out)) as tmp:
         save_model(tmp, model)
         save_config(dict(loaded_model.config), tmp / "config.json")

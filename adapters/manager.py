@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +26,13 @@ from hotlora.adapters.adapter_errors import (
     InvalidAdapterSpec,
 )
 from hotlora.adapters.adapter_files import MAX_ADAPTER_BYTES, read_adapter, resolve_under_root
-from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet, AppliedAdapter, MountedAdapter
+from hotlora.adapters.adapter_set import (
+    BASE_ONLY,
+    SHORT_REVISION,
+    AdapterSet,
+    AppliedAdapter,
+    MountedAdapter,
+)
 from hotlora.adapters.projections import TargetDims, linear_dims
 from hotlora.adapters.slots import LoRASlot, install_slots, probe_input_dtypes
 from hotlora.adapters.spec import (
@@ -36,6 +42,9 @@ from hotlora.adapters.spec import (
     parse_adapter_spec,
 )
 from hotlora.config.errors import InvalidRequest, ModelNotFound
+
+if TYPE_CHECKING:
+    from hotlora.adapters.registry import MountJournal
 
 log = logging.getLogger("hotlora.adapters")
 
@@ -97,6 +106,7 @@ class AdapterManager:
         adapter_root: Path,
         max_rank: int,
         max_bytes: int = MAX_ADAPTER_BYTES,
+        journal: MountJournal | None = None,
     ):
         self.base_id = base_id
         self.adapter_root = Path(adapter_root).expanduser().resolve()
@@ -108,6 +118,10 @@ class AdapterManager:
         dtypes = probe_input_dtypes(model)
         self._targets = {path: _target(slot, dtypes.get(path)) for path, slot in slots.items()}
         self._lock = threading.Lock()
+        # Mounts and unmounts one at a time: each is recorded in the journal (the mount record,
+        # the cluster registry), which may refuse it, before the registry here changes.
+        self._journal = journal
+        self._admin = threading.Lock()
         self._mounted: dict[str, MountedAdapter] = {}
         # Counted per id, not per revision: a request that started before a `replace` or an
         # unmount still holds that id's arrays, and admins watching `in_use` must see it.
@@ -116,12 +130,23 @@ class AdapterManager:
             weakref.WeakValueDictionary()
         )
 
-    def mount(self, adapter_id: str, path: str | Path, replace: bool = False) -> AdapterInfo:
+    def mount(
+        self,
+        adapter_id: str,
+        path: str | Path,
+        replace: bool = False,
+        *,
+        revision: str | None = None,
+        record: bool = True,
+    ) -> AdapterInfo:
         """Validate the adapter at `path` (under the adapter root) and mount it as `adapter_id`.
 
         All or nothing: any problem raises before the registry changes. The same files under
         the same id return the existing info; other files raise `AdapterConflict` unless
         `replace`, which swaps atomically while running requests keep the old arrays.
+        With `revision`, files that no longer hash to it are refused (`AdapterConflict`, code
+        `adapter_changed`): a recorded mount is made again exactly or not at all. The journal
+        records the change first; `record=False` applies one recorded elsewhere.
         """
         problem = adapter_id_problem(adapter_id)
         if problem is None and adapter_id == self.base_id:
@@ -144,35 +169,53 @@ class AdapterManager:
             exc.with_traceback(None)
             mx.clear_cache()
             raise
-        with self._lock:
-            current = self._mounted.get(adapter_id)
-            if current is not None and current.adapter.revision == loaded.revision:
-                return self._info(current)
-            if current is not None and not replace:
-                raise AdapterConflict(
-                    f"adapter '{adapter_id}' is already mounted from {current.adapter.path} "
-                    f"(revision {current.short_revision}); unmount it or mount with replace"
-                )
-            mounted = MountedAdapter(adapter_id, loaded, int(time.time()))
-            self._mounted[adapter_id] = mounted
-            info = self._info(mounted)
+        if revision is not None and loaded.revision != revision:
+            found = loaded.revision
+            del loaded  # free the arrays of files that will not be mounted
+            mx.clear_cache()
+            raise AdapterConflict(
+                f"adapter '{adapter_id}' at {directory} changed since it was recorded (revision "
+                f"{revision[:SHORT_REVISION]}, now {found[:SHORT_REVISION]})",
+                code="adapter_changed",
+            )
+        with self._admin:
+            with self._lock:
+                current = self._mounted.get(adapter_id)
+                if current is not None and current.adapter.revision == loaded.revision:
+                    return self._info(current)
+                if current is not None and not replace:
+                    raise AdapterConflict(
+                        f"adapter '{adapter_id}' is already mounted from {current.adapter.path} "
+                        f"(revision {current.short_revision}); unmount it or mount with replace"
+                    )
+            if record and self._journal is not None:
+                self._journal.mounted(adapter_id, str(directory), loaded.revision, replace)
+            with self._lock:
+                current = self._mounted.get(adapter_id)
+                mounted = MountedAdapter(adapter_id, loaded, int(time.time()))
+                self._mounted[adapter_id] = mounted
+                info = self._info(mounted)
         if current is not None:
             del current
             mx.clear_cache()
         log.info("mounted adapter %s from %s (rev %s)", adapter_id, directory, info.revision[:12])
         return info
 
-    def unmount(self, adapter_id: str) -> AdapterInfo:
+    def unmount(self, adapter_id: str, *, record: bool = True) -> AdapterInfo:
         """Forget `adapter_id` and free its arrays once no running request holds them.
 
         The slots hold no adapter state, so dropping the registry entry is all it takes; new
-        requests naming it get `AdapterNotFound`.
+        requests naming it get `AdapterNotFound`. The journal records it first, as in `mount`.
         """
-        with self._lock:
-            mounted = self._mounted.pop(adapter_id, None)
-            if mounted is None:
-                raise AdapterNotFound(adapter_id, self._mounted)
-            info = self._info(mounted)
+        with self._admin:
+            with self._lock:
+                if adapter_id not in self._mounted:
+                    raise AdapterNotFound(adapter_id, self._mounted)
+            if record and self._journal is not None:
+                self._journal.unmounted(adapter_id)
+            with self._lock:
+                mounted = self._mounted.pop(adapter_id)
+                info = self._info(mounted)
         del mounted
         mx.clear_cache()
         log.info("unmounted adapter %s", adapter_id)

@@ -1,13 +1,16 @@
-"""Typed server settings: `HOTLORA_*` environment variables, overridden by `hotlora serve` flags."""
+"""Typed server settings, the one definition of every `hotlora serve` flag, `HOTLORA_*`
+variable and config file key (help, README table and error lines are made from it)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from hotlora.config.sources import ConfigFile, Metavar
 
 # Pages served from this machine, on any port: a local chat UI works out of the box.
 LOOPBACK_ORIGINS = "http://localhost:*,http://127.0.0.1:*,http://[::1]:*"
@@ -18,21 +21,35 @@ def _split(origins: str) -> list[str]:
     return [origin.strip() for origin in origins.split(",") if origin.strip()]
 
 
-def default_home() -> Path:
-    return Path("~/.cache/hotlora").expanduser()
-
-
 class Settings(BaseSettings):
-    """Everything the app factory needs; built once per app, never at import time."""
+    """Everything the app factory needs; built once per app, never at import time.
 
-    model_config = SettingsConfigDict(env_prefix="HOTLORA_", extra="ignore")
+    Sources, first wins: `hotlora serve` flags, init arguments, `HOTLORA_*` variables, the
+    TOML file named by `config`, the defaults. A field's name is its file key; `--kebab-name`
+    its flag (`cli_shortcuts` adds another name); `HOTLORA_` and its name in capitals its
+    variable. Every field has a description: it is the flag's help and the README's text.
+    """
 
+    model_config = SettingsConfigDict(
+        env_prefix="HOTLORA_",
+        extra="ignore",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_shortcuts={"startup-adapters": "adapter"},
+    )
+
+    config: Path | None = Field(
+        default=None,
+        description="A TOML file of settings, keyed by their names: max_batch = 16.",
+    )
     home: Path = Field(
-        default_factory=default_home,
+        default=Path("~/.cache/hotlora"),
+        validate_default=True,
         description="Cache directory: the imported embedded model and the default adapter root.",
     )
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="Address to bind.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
     model: Path | None = Field(
         default=None,
         description="An mlx-lm model directory; the embedded SmolLM2-135M-Instruct when unset.",
@@ -42,7 +59,9 @@ class Settings(BaseSettings):
         description="The id clients use for the base model; the directory name when unset.",
     )
     max_body_bytes: int = Field(default=1 << 20, gt=0, description="Larger request bodies get 413.")
-    default_max_tokens: int = Field(default=512, gt=0)
+    default_max_tokens: int = Field(
+        default=512, gt=0, description="max_tokens when a request sets none."
+    )
     default_temperature: float | None = Field(
         default=None,
         ge=0.0,
@@ -105,31 +124,95 @@ class Settings(BaseSettings):
         ge=1,
         description="Seconds an idle connection (or one that has sent nothing yet) stays open.",
     )
-    log_level: str = "info"
-    warmup: bool = True
+    log_level: str = Field(
+        default="info", description="critical, error, warning, info, debug or trace."
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Log lines as readable text, or as one JSON object per line (an access "
+        "line's request facts become keys).",
+    )
+    warmup: bool = Field(
+        default=True, description="Generate two tokens once the model loads, before /ready says so."
+    )
     # Adapters.
     adapter_root: Path | None = Field(
         default=None,
         description="Adapters mount only from under here; $HOTLORA_HOME/adapters when unset.",
     )
-    max_adapter_rank: int = Field(default=256, gt=0)
+    max_adapter_rank: int = Field(
+        default=256, gt=0, description="Adapters of a higher rank are refused at mount."
+    )
     max_adapter_bytes: int = Field(
         default=2 << 30,
         gt=0,
         description="Adapter weight files larger than this are refused at mount, from their size "
         "on disk before anything is read (adapter_config.json is capped at 1 MiB regardless).",
     )
-    startup_adapters: dict[str, str] = Field(
-        default_factory=dict, description="Adapters to mount before serving: id -> path."
+    startup_adapters: Annotated[dict[str, str], Metavar("NAME=PATH")] = Field(
+        default_factory=dict,
+        description="Adapters to mount before serving, id -> path (repeat the flag; a JSON object "
+        "in the variable, a table in the file). A bad one stops the start.",
     )
-    api_key: str | None = None
-    admin_api_key: str | None = None
+    persist_mounts: bool = Field(
+        default=False,
+        description="Record the mounted adapters in $HOTLORA_HOME/mounts.json and mount them "
+        "again on the next start; a recorded adapter whose files changed or vanished is "
+        "reported and left unmounted.",
+    )
+    # Ray Serve.
+    ray: bool = Field(
+        default=False,
+        description="Serve on Ray Serve: `replicas` copies of the server behind its HTTP proxy, "
+        "one adapter registry for all (needs the `ray` extra; RAY_ADDRESS names a cluster).",
+    )
+    replicas: int = Field(
+        default=1, ge=1, description="With ray: the replicas to start (the fewest, autoscaling)."
+    )
+    max_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="With ray: autoscale between `replicas` and this many on the requests each "
+        "replica has in flight (target: max_batch); unset: a fixed number of replicas.",
+    )
+    max_mounted_adapters: int | None = Field(
+        default=None,
+        ge=1,
+        description="With ray: adapters one replica keeps mounted at most, the least recently "
+        "used unmounted beyond it and mounted again from the registry when asked for; unset: "
+        "every replica mounts every registered adapter.",
+    )
+    api_key: str | None = Field(
+        default=None,
+        description="Require `Authorization: Bearer KEY` on the inference routes.",
+    )
+    admin_api_key: str | None = Field(
+        default=None,
+        description="Require this bearer key on the adapter admin routes; api_key when unset.",
+    )
     allowed_origins: str = Field(
         default=LOOPBACK_ORIGINS,
         description="Browser origins that may call the API (CORS): a comma list of "
         "scheme://host[:port] origins, where a port of `*` matches any port (and none); `*` "
         "alone for every origin; empty for none. Default: loopback pages on any port.",
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # pydantic-settings puts the flags (a CliSettingsSource) ahead of these.
+        return init_settings, env_settings, ConfigFile(settings_cls)
+
+    @field_validator("home")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
 
     @field_validator("api_key", "admin_api_key")
     @classmethod

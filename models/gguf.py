@@ -24,6 +24,7 @@ from mlx_lm.utils import save_config
 
 from hotlora.models.gguf_tokenizer import UnsupportedTokenizer, write_tokenizer_files
 from hotlora.models.model_files import atomic_model_dir, save_weights
+from hotlora.models.progress import evaluate
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0)
@@ -353,6 +354,7 @@ def import_gguf(src: Path, dest: Path) -> Path:
         rope_factors = None if rope_freqs is None else np.array(rope_freqs.astype(mx.float32))
         config = llama_config(header, rope_factors)
         weights = convert_tensors(loaded, header, src, config)
+        evaluate(weights, f"converting {src.name}")
         if (quantization := quantization_config(weights)) is not None:
             config["quantization"] = quantization
         save_weights(weights, tmp)

@@ -7,9 +7,11 @@ import io
 import json
 from pathlib import Path
 
+from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from hotlora.models.model_files import atomic_model_dir, copy_aux_files
+from hotlora.models.progress import evaluate
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -40,6 +42,8 @@ def quantize_model_dir(src: Path, dest: Path, bits: int = 4, group_size: int = 6
         # mlx-lm prints a bits-per-weight line; the caller decides what to report.
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = quantize_model(model, config, group_size, bits)
+        # Tensor by tensor, for the bar; at most the quantized model is held, as serving does.
+        evaluate(dict(tree_flatten(model.parameters())), f"quantizing to {bits} bits")
         save_model(tmp, model, donate_model=True)
         save_config(config, tmp / "config.json")
         copy_aux_files(src, tmp)

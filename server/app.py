@@ -16,7 +16,8 @@ from hotlora.server.lifecycle import InFlight
 from hotlora.server.limits import BodyLimit
 from hotlora.server.openapi import install_openapi
 from hotlora.server.request_ids import RequestIds
-from hotlora.server.routes import adapters, completions, health, models, responses_api
+from hotlora.server.routes import adapters, completions, health, metrics, models, responses_api
+from hotlora.server.routes.page import install_page
 from hotlora.server.runtime import Runtime
 
 
@@ -39,7 +40,10 @@ def create_app(
                 await loading
             await runtime.stop()
 
-    app = FastAPI(title="hotlora", version="0.1.0", lifespan=lifespan)
+    # The docs pages are served by `install_page`, from files in the package, not a CDN.
+    app = FastAPI(
+        title="hotlora", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.runtime = runtime
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
@@ -47,9 +51,11 @@ def create_app(
     install_cors(app, settings.allowed_origin_list)
     app.add_middleware(RequestIds)  # outermost: a 413 or 500 carries the id too
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(models.router)
     app.include_router(completions.router)
     app.include_router(responses_api.router)
     app.include_router(adapters.router)
+    install_page(app)
     install_openapi(app)
     return app

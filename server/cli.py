@@ -1,4 +1,4 @@
-"""The `hotlora` command: serve, import-gguf, quantize."""
+"""The `hotlora` command: serve, import-gguf, quantize, fuse."""
 
 from __future__ import annotations
 
@@ -6,114 +6,69 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, NoReturn
 
-SETTING_FLAGS = {
-    # flag -> (settings field, type, help)
-    "--host": ("host", str, "Address to bind (default 127.0.0.1)."),
-    "--port": ("port", int, "Port to bind (default 8000)."),
-    "--model": ("model", Path, "An mlx-lm model directory (default: the embedded SmolLM2-135M)."),
-    "--served-model-name": ("served_model_name", str, "The base model's id in the API."),
-    "--max-body-bytes": ("max_body_bytes", int, "Largest request body accepted (413 beyond)."),
-    "--default-max-tokens": ("default_max_tokens", int, "max_tokens when a request gives none."),
-    "--default-temperature": (
-        "default_temperature",
-        float,
-        "temperature when a request gives none (default: the model's, else 1).",
-    ),
-    "--default-top-p": (
-        "default_top_p",
-        float,
-        "top_p when a request gives none (default: the model's, else 1).",
-    ),
-    "--max-tokens-limit": ("max_tokens_limit", int, "Largest max_tokens a request may ask for."),
-    "--max-batch": ("max_batch", int, "Sequences decoded together in one step (default 8)."),
-    "--prefill-chunk": ("prefill_chunk", int, "Prompt tokens processed per step (default 512)."),
-    "--kv-cache-bytes": ("kv_cache_bytes", int, "KV cache budget of the running batch (2 GiB)."),
-    "--cpu-weights": (
-        "cpu_weights",
-        str,
-        "auto, float32 or quantized: without a GPU, auto serves float32 weights when they fit.",
-    ),
-    "--drain-timeout": (
-        "drain_timeout",
-        float,
-        "On SIGTERM or Ctrl-C, seconds requests in flight get to finish (default 30).",
-    ),
-    "--max-connections": (
-        "max_connections",
-        int,
-        "Open HTTP connections at most (default 256); requests beyond it get 503.",
-    ),
-    "--keep-alive-timeout": (
-        "keep_alive_timeout",
-        int,
-        "Seconds an idle connection stays open (default 5).",
-    ),
-    "--log-level": ("log_level", str, "critical, error, warning, info, debug or trace."),
-    "--home": ("home", Path, "Cache directory (default ~/.cache/hotlora, or $HOTLORA_HOME)."),
-    "--adapter-root": (
-        "adapter_root",
-        Path,
-        "Adapters mount only from under this directory (default $HOTLORA_HOME/adapters).",
-    ),
-    "--max-adapter-rank": ("max_adapter_rank", int, "Refuse adapters of a higher rank."),
-    "--max-adapter-bytes": ("max_adapter_bytes", int, "Refuse larger adapter files (2 GiB)."),
-    "--api-key": ("api_key", str, "Require 'Authorization: Bearer KEY' on inference routes."),
-    "--admin-api-key": ("admin_api_key", str, "Require this bearer key on adapter admin routes."),
-    "--allowed-origins": (
-        "allowed_origins",
-        str,
-        "Browser origins that may call the API (CORS): a comma list (a port may be *), * for "
-        "any, '' for none (default: loopback origins, any port).",
-    ),
-}
+from pydantic_settings import CliSettingsSource
+
+from hotlora.config.settings import Settings
+from hotlora.config.sources import InvalidSetting, load_settings, metavar
 
 
-def _adapter_pair(value: str) -> tuple[str, str]:
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
-    return name, path
+def package_version() -> str:
+    """The installed distribution's version; a checkout that was never installed has none."""
+    try:
+        return version("hotlora")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="Serve the OpenAI-compatible API.",
-        description="Serve the OpenAI-compatible API. Every flag also reads HOTLORA_<NAME>.",
+        description="Serve the OpenAI-compatible API. Every setting is a flag, a HOTLORA_<NAME> "
+        "environment variable and a key of the --config TOML file; a flag wins over the "
+        "variable, the variable over the file.",
     )
-    for flag, (_, kind, text) in SETTING_FLAGS.items():
-        p.add_argument(flag, type=kind, default=None, help=text)
-    p.add_argument(
-        "--adapter",
-        dest="adapters",
-        metavar="NAME=PATH",
-        type=_adapter_pair,
-        action="append",
-        default=[],
-        help="Mount an adapter at start-up (repeatable); a bad one stops the start.",
+
+    def add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> Any:
+        field = Settings.model_fields.get(kwargs.get("dest", ""))
+        shown = field and metavar(field)
+        if shown and "metavar" in kwargs:
+            kwargs["metavar"] = shown
+        return parser.add_argument(*names, **kwargs)
+
+    # The flags are Settings' fields, added to this subcommand by pydantic-settings.
+    source: CliSettingsSource[Settings] = CliSettingsSource(
+        Settings, root_parser=p, add_argument_method=add_argument
     )
-    p.set_defaults(handler=_serve)
+    p.set_defaults(handler=_serve, settings_source=source)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from hotlora.config.settings import Settings
+    began = time.perf_counter()
     from hotlora.server.app import create_app
     from hotlora.server.lifecycle import DrainingServer, uvicorn_config
+    from hotlora.server.log_format import configure_logging, uvicorn_logging
 
-    overrides = {
-        field: getattr(args, flag[2:].replace("-", "_"))
-        for flag, (field, _, _) in SETTING_FLAGS.items()
-        if getattr(args, flag[2:].replace("-", "_")) is not None
-    }
-    if args.adapters:
-        overrides["startup_adapters"] = dict(args.adapters)
-    settings = Settings(**overrides)
-    level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
-    logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
+    imported = time.perf_counter() - began
+    try:
+        settings = serve_settings(args)
+    except InvalidSetting as exc:
+        print(f"hotlora serve: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings)
+    logging.getLogger("hotlora").info(
+        "start-up: imports took %.2fs",
+        imported,
+        extra={"fields": {"phase": "imports", "seconds": round(imported, 3)}},
+    )
+    if settings.ray:
+        return _serve_on_ray(settings)
     fatal: list[BaseException] = []
     server: DrainingServer | None = None
 
@@ -130,6 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         limit_concurrency=settings.max_connections,
         timeout_keep_alive=settings.keep_alive_timeout,
+        **uvicorn_logging(settings),
     )
     runtime = app.state.runtime
     server = DrainingServer(config, drain=lambda: runtime.drain(settings.drain_timeout))
@@ -137,6 +93,20 @@ def _serve(args: argparse.Namespace) -> int:
     if fatal:
         print(f"hotlora: could not start: {fatal[0]}", file=sys.stderr)
     _exit_now(1 if fatal else 0)
+
+
+def _serve_on_ray(settings: Settings) -> int:
+    try:
+        from hotlora.server.ray_app import serve_on_ray
+    except ImportError as exc:
+        print(f"hotlora serve: --ray needs the `ray` extra ({exc})", file=sys.stderr)
+        return 2
+    return serve_on_ray(settings)
+
+
+def serve_settings(args: argparse.Namespace) -> Settings:
+    """`hotlora serve`'s settings from its parsed flags, the environment and the config file."""
+    return load_settings(Settings, args.settings_source, args)
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -225,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hotlora",
         description="OpenAI-compatible MLX server: one quantized base model, many LoRA adapters.",
     )
+    parser.add_argument("--version", action="version", version=f"hotlora {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in PARSERS:
         add(sub)

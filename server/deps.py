@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from hotlora.server.metrics import Metrics
 from hotlora.server.runtime import Runtime
 from hotlora.server.serving import InferenceService
 
@@ -18,5 +19,10 @@ def get_inference(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Inferenc
     return runtime.require_inference()
 
 
+def get_metrics(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Metrics:
+    return runtime.metrics
+
+
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 InferenceDep = Annotated[InferenceService, Depends(get_inference)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]

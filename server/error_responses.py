@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
+from hotlora.server.access_log import note_error
 from hotlora.server.engine import NonFiniteLogits, QueueFull, WorkerStopped
 from hotlora.server.request_errors import ClientDisconnected, NotReady, Unauthorized
 
@@ -68,6 +69,7 @@ def http_error(exc: HotloraError) -> HttpError | None:
 def error_body(
     message: str, type_: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
+    note_error(code or type_)  # the access log names what the request was answered with
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

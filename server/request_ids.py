@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import re
-import time
 import uuid
 from contextvars import ContextVar
 
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-access_log = logging.getLogger("hotlora.access")
+from hotlora.server.access_log import close_record, log_request, open_record
 
 HEADER = "x-request-id"
 # Printable ASCII without spaces: the id goes unquoted into headers and log lines.
@@ -51,8 +49,8 @@ class RequestIds:
         request_id = request_id_for(scope)
         scope.setdefault("state", {})["request_id"] = request_id
         token = _current.set(request_id)
+        record, record_token = open_record(request_id)
         status: int | None = None
-        began = time.perf_counter()
 
         async def tagged(message: Message) -> None:
             nonlocal status
@@ -69,11 +67,5 @@ class RequestIds:
             raise
         finally:
             _current.reset(token)
-            access_log.info(
-                "%s %s %s %.1fms id=%s",
-                scope["method"],
-                scope["path"],
-                status or "-",
-                (time.perf_counter() - began) * 1000,
-                request_id,
-            )
+            close_record(record_token)
+            log_request(scope, status, record)

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from hotlora.adapters import AdapterManager
+import mlx.core as mx
+
+from hotlora.adapters import AdapterManager, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.cpu_weights import choose_cpu_weights, to_float32
-from hotlora.models.embedded import ensure_embedded_model
+from hotlora.models.embedded import embedded_model_path, ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.admin_protocol import ModelCard
 from hotlora.server.engine import (
@@ -22,6 +25,7 @@ from hotlora.server.engine import (
     SamplingParams,
     WorkerStopped,
 )
+from hotlora.server.metrics import Metrics
 from hotlora.server.request_errors import NotReady
 from hotlora.server.serving import InferenceService
 
@@ -50,26 +54,40 @@ class Runtime:
         self.base_id: str | None = None
         self.model_path: Path | None = None
         self.adapters: AdapterManager | None = None
+        # Where the mounted set outlives this process: the mount record (--persist-mounts), or
+        # the cluster registry a Ray replica puts here before the app starts.
+        self.mount_store: MountStore | None = mount_file(settings)
         self.ready = False
         self.status = "starting"
         self.draining = False
         self.in_flight = 0  # HTTP requests being answered, streams until their last event
+        self.phases: dict[str, float] = {}  # start-up phase -> seconds it took
+        self.metrics = Metrics()
+        self.metrics.model_name = settings.served_model_name or ""
+        self.metrics.watch(self)
         self._on_fatal = on_fatal
 
     async def start(self) -> None:
         """Load, build the services, warm up; a failure is fatal for the server."""
         try:
             loop = asyncio.get_running_loop()
+            began = time.perf_counter()
             self.status = "loading model"
-            path = await loop.run_in_executor(None, model_dir, self.settings, self._progress)
-            loaded = await loop.run_in_executor(None, load_model_dir, path)
+            importing = self._phase("model import") if self._imports_model() else None
+            with importing or contextlib.nullcontext():
+                path = await loop.run_in_executor(None, model_dir, self.settings, self._progress)
+            with self._phase("model load"):
+                loaded = await loop.run_in_executor(None, load_model_dir, path)
             await loop.run_in_executor(None, self._build, loaded, path)
             assert self.worker is not None
             self.worker.start()
             self.status = "warming up"
             await self._warm_up()
+            # Batch sizes of served requests only: the warm-up's are not traffic.
+            self.worker.scheduler.on_decode = self.metrics.decoded
             self.ready, self.status = True, "ready"
-            log.info("ready: serving %s from %s", self.base_id, path)
+            took = time.perf_counter() - began
+            log.info("ready: serving %s from %s (started in %.2fs)", self.base_id, path, took)
         except Exception as exc:  # noqa: BLE001 - reported, then the server stops
             self.status = "failed"
             log.error("could not start: %s", exc)
@@ -80,19 +98,43 @@ class Runtime:
         self.status = message
         log.info("%s", message)
 
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Time one start-up phase; the log and GET /metrics report how long it took."""
+        began = time.perf_counter()
+        yield
+        took = time.perf_counter() - began
+        self.phases[name] = took
+        fields = {"phase": name, "seconds": round(took, 3)}
+        log.info("start-up: %s took %.2fs", name, took, extra={"fields": fields})
+
+    def _imports_model(self) -> bool:
+        """The embedded model is served and not imported yet: this start imports it."""
+        home = self.settings.home
+        imported = (embedded_model_path(home) / "config.json").is_file()
+        return self.settings.model is None and not imported
+
     def _build(self, loaded: LoadedModel, path: Path) -> None:
         self._choose_weights(loaded)
         self.model_path = path
         self.base_id = self.settings.served_model_name or path.name
+        self.metrics.model_name = self.base_id
         self.adapters = AdapterManager(
             loaded.model,
             base_id=self.base_id,
             adapter_root=self.settings.resolved_adapter_root,
             max_rank=self.settings.max_adapter_rank,
             max_bytes=self.settings.max_adapter_bytes,
+            journal=self.mount_store,
         )
-        for adapter_id, adapter_path in self.settings.startup_adapters.items():
-            self.adapters.mount(adapter_id, adapter_path)
+        if self.mount_store is not None:
+            with self._phase("adapter restore"):
+                self.mount_store.restore(self.adapters)
+        if self.settings.startup_adapters:
+            with self._phase("adapter mounts"):
+                for adapter_id, adapter_path in self.settings.startup_adapters.items():
+                    self.adapters.mount(adapter_id, adapter_path)
+                    self.metrics.adapter_mounted()
         engine = Engine(
             loaded,
             base_id=self.base_id,
@@ -111,17 +153,26 @@ class Runtime:
             self.settings,
             adapters=self.adapters,
             generation_defaults=generation_defaults(path),
+            metrics=self.metrics,
         )
 
     def _choose_weights(self, loaded: LoadedModel) -> None:
         """Float32 weights on a CPU-only machine when they fit (`--cpu-weights`); the log says
         which weights are served and why."""
+        cuda = getattr(mx, "cuda", None)  # absent from older MLX releases
+        log.info(
+            "MLX device: %s (Metal: %s, CUDA: %s)",
+            mx.default_device(),
+            mx.metal.is_available(),
+            cuda is not None and cuda.is_available(),
+        )
         choice = choose_cpu_weights(
             loaded.model, self.settings.cpu_weights, self.settings.cpu_float_budget_bytes
         )
         if choice.float32:
             self._progress(f"converting the weights to float32 ({choice.reason})")
-            to_float32(loaded.model)
+            with self._phase("float32 conversion"):
+                to_float32(loaded.model)
         log.info(
             "serving %s weights: %s", "float32" if choice.float32 else "as-loaded", choice.reason
         )
@@ -131,8 +182,9 @@ class Runtime:
             return
         prompt = list(self.worker.engine.tokenizer.encode("Hello", add_special_tokens=False))
         job = GenerationJob(prompt or [0], SamplingParams(max_tokens=2, temperature=0.0))
-        async for _ in self.worker.events(self.worker.submit([job])):
-            pass
+        with self._phase("warm-up"):
+            async for _ in self.worker.events(self.worker.submit([job])):
+                pass
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; let those in flight finish for up to `timeout` seconds, then end

@@ -30,8 +30,10 @@ from hotlora.server.engine import (
     Ticket,
 )
 from hotlora.server.engine.grammar import Grammar
+from hotlora.server.metrics import Metrics
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from hotlora.server.request_errors import ContextOverflow
+from hotlora.server.request_stats import RequestStats, UsageTally
 from hotlora.server.tool_calls import ToolCalls, ToolFormat, template_message
 
 log = logging.getLogger("hotlora")
@@ -82,22 +84,6 @@ class Choice:
 
 
 @dataclass
-class UsageTally:
-    """Token counts over a request's jobs; each prompt counts once, however many choices."""
-
-    n: int
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def add(self, index: int, finished: Finished) -> None:
-        self.completion_tokens += finished.completion_tokens
-        if index % self.n == 0:
-            self.prompt_tokens += finished.prompt_tokens
-            self.cached_tokens += finished.cached_tokens
-
-
-@dataclass
 class Outcome:
     choices: list[Choice]
     usage: UsageTally
@@ -113,12 +99,14 @@ class InferenceService:
         *,
         adapters: AdapterManager,
         generation_defaults: dict[str, float] | None = None,
+        metrics: Metrics | None = None,
     ):
         self.worker = worker
         self.engine = worker.engine
         self.tokenizer = worker.engine.tokenizer
         self.settings = settings
         self.adapters = adapters
+        self.metrics = metrics or Metrics()
         # The operator's settings win over the model's generation_config.json.
         operator = {"temperature": settings.default_temperature, "top_p": settings.default_top_p}
         self._defaults = {
@@ -367,13 +355,26 @@ class InferenceService:
 
     async def events(self, submitted: Submitted) -> AsyncIterator[tuple[int, Delta | Finished]]:
         """Every choice's events in order, tagged with its index; releases the lease after."""
+        prepared = submitted.prepared
+        stats = RequestStats(
+            self.metrics,
+            prepared.lease.model,
+            prepared.lease.adapters,
+            len(submitted.ticket.jobs),
+            prepared.n,
+        )
         try:
             async with contextlib.aclosing(self.worker.events(submitted.ticket)) as events:
                 async for index, event in events:
+                    stats.saw(index, event)
                     yield index, event
+        except Exception:
+            stats.failed = True
+            raise
         finally:
             self.worker.abandon(submitted.ticket)  # a no-op once finished
             submitted.prepared.lease.release()
+            stats.done()
 
 
 def _pick(value: Any, default: Any, fallback: Any) -> Any:

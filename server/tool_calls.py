@@ -39,7 +39,10 @@ class ToolFormat:
             function = tool["function"]
             if name is not None and function["name"] != name:
                 continue
-            arguments = function.get("parameters") or {"type": "object"}
+            arguments = dict(function.get("parameters") or {"type": "object"})
+            # Arguments the function does not declare are never wanted: held to its own.
+            if arguments.get("type") == "object":
+                arguments.setdefault("additionalProperties", False)
             options.append(
                 {
                     "type": "object",

@@ -22,6 +22,9 @@ os.environ["HOTLORA_HOME"] = str(TEST_HOME)
 # Anything that caches by the usual conventions (Hugging Face, XDG) caches here too.
 os.environ["HF_HOME"] = str(TEST_HOME / "huggingface")
 os.environ["XDG_CACHE_HOME"] = str(TEST_HOME / "xdg")
+# And whatever writes under the home directory (Ray's token, Chromium's profile data) writes here.
+(TEST_HOME / "home").mkdir(parents=True, exist_ok=True)
+os.environ["HOME"] = str(TEST_HOME / "home")
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -45,6 +46,16 @@ from hotlora.server.engine.rows import Group, Row, Sink
 log = logging.getLogger("hotlora")
 
 
+@dataclass(frozen=True)
+class Load:
+    """The batch as the last step left it, published whole for other threads (the metrics)."""
+
+    running: int = 0  # requests with a row prefilling or decoding
+    kv_reserved: int = 0  # bytes, as `kv_reserved()` counts them
+    running_adapters: frozenset[str] = frozenset()  # adapter ids of those rows
+    waiting_adapters: frozenset[str] = frozenset()  # adapter ids of rows not admitted yet
+
+
 class Scheduler:
     """The batch state and the step that advances it; driven by the worker's thread."""
 
@@ -68,6 +79,8 @@ class Scheduler:
         self.running: list[Row] = []
         self._cache: LayerCaches | None = None  # the running rows' batch KV cache, row-aligned
         self._row_adapters = RowAdapterCache()
+        self.load = Load()
+        self.on_decode: Callable[[int], None] | None = None  # told each decode step's batch size
 
     # Admission.
 
@@ -133,11 +146,23 @@ class Scheduler:
 
     def step(self) -> None:
         """Admit, prefill one chunk's worth, decode once for every running row."""
-        self._drop_cancelled()
-        self._admit()
-        self._prefill()
-        if self.running:
-            self._decode()
+        try:
+            self._drop_cancelled()
+            self._admit()
+            self._prefill()
+            if self.running:
+                self._decode()
+        finally:
+            self._publish()
+
+    def _publish(self) -> None:
+        admitted = self._admitted_rows()
+        self.load = Load(
+            running=len({id(row.sink) for row in admitted}),
+            kv_reserved=self.kv_reserved(),
+            running_adapters=frozenset(i for row in admitted for i in row.adapters.ids),
+            waiting_adapters=frozenset(i for row in self.waiting for i in row.adapters.ids),
+        )
 
     def _drop_cancelled(self) -> None:
         """Finish every cancelled row, wherever it is; a cancelled request never starts."""
@@ -244,6 +269,8 @@ class Scheduler:
 
     def _decode(self) -> None:
         rows = self.running
+        if self.on_decode is not None:
+            self.on_decode(len(rows))
         inputs = mx.array([[row.tokens[-1]] for row in rows])  # [B, 1]
         try:
             with activate(self._row_adapters.for_rows([row.adapters for row in rows])):
@@ -335,6 +362,7 @@ class Scheduler:
     def fail_admitted(self, error: BaseException) -> None:
         """Fail every admitted row (a step failed outside a model call); waiting rows stay."""
         self._fail(self._take_admitted(), error)
+        self._publish()
 
     def cancel_all(self, error: BaseException) -> None:
         """Fail everything admitted or waiting (the worker is stopping)."""
@@ -342,6 +370,7 @@ class Scheduler:
         self.waiting.clear()
         for row in rows:
             row.sink.failed(row.position, error)
+        self._publish()
 
 
 def _without_cancelled(rows: Iterable[Row]) -> list[Row]:

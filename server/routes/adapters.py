@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from hotlora.adapters import AdapterInfo, AdapterManager, AdapterNotFound
+from hotlora.adapters import AdapterError, AdapterInfo, AdapterManager, AdapterNotFound
 from hotlora.server.admin_protocol import (
     AdapterCard,
     AdapterList,
@@ -17,7 +17,8 @@ from hotlora.server.admin_protocol import (
     UnloadLoraAdapterRequest,
 )
 from hotlora.server.auth import AdminRoute
-from hotlora.server.deps import RuntimeDep
+from hotlora.server.deps import MetricsDep, RuntimeDep
+from hotlora.server.metrics import Metrics
 
 router = APIRouter(prefix="/v1", tags=["adapters"], route_class=AdminRoute)
 
@@ -34,22 +35,40 @@ def _card(info: AdapterInfo) -> dict[str, Any]:
 
 
 async def _mount(
-    manager: AdapterManager, adapter_id: str, path: str, replace: bool
+    manager: AdapterManager, metrics: Metrics, adapter_id: str, path: str, replace: bool
 ) -> JSONResponse:
     """201 when this call mounted something; 200 when the same revision was already there."""
     try:
         before: AdapterInfo | None = manager.get(adapter_id)
     except AdapterNotFound:
         before = None
-    # Reading and checking the files is blocking I/O; keep it off the event loop.
-    info = await asyncio.to_thread(manager.mount, adapter_id, path, replace)
+    try:
+        # Reading and checking the files is blocking I/O; keep it off the event loop.
+        info = await asyncio.to_thread(manager.mount, adapter_id, path, replace)
+    except AdapterError as exc:
+        metrics.adapter_refused("mount", exc.code)
+        raise
     unchanged = before is not None and before.revision == info.revision
+    if not unchanged:
+        metrics.adapter_mounted()
     return JSONResponse(_card(info), status_code=200 if unchanged else 201)
 
 
+async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -> dict[str, Any]:
+    try:
+        info = await asyncio.to_thread(manager.unmount, adapter_id)
+    except AdapterError as exc:
+        metrics.adapter_refused("unmount", exc.code)
+        raise
+    metrics.adapter_unmounted()
+    return {"id": info.id, "object": "adapter", "deleted": True}
+
+
 @router.post("/adapters", status_code=201, response_model=AdapterCard)
-async def mount_adapter(body: MountAdapterRequest, manager: ManagerDep) -> JSONResponse:
-    return await _mount(manager, body.id, body.path, body.replace)
+async def mount_adapter(
+    body: MountAdapterRequest, manager: ManagerDep, metrics: MetricsDep
+) -> JSONResponse:
+    return await _mount(manager, metrics, body.id, body.path, body.replace)
 
 
 @router.get("/adapters")
@@ -63,19 +82,21 @@ async def get_adapter(adapter_id: str, manager: ManagerDep) -> AdapterCard:
 
 
 @router.delete("/adapters/{adapter_id}")
-async def unmount_adapter(adapter_id: str, manager: ManagerDep) -> dict[str, Any]:
-    info = await asyncio.to_thread(manager.unmount, adapter_id)
-    return {"id": info.id, "object": "adapter", "deleted": True}
+async def unmount_adapter(
+    adapter_id: str, manager: ManagerDep, metrics: MetricsDep
+) -> dict[str, Any]:
+    return await _unmount(manager, metrics, adapter_id)
 
 
 @router.post("/load_lora_adapter", status_code=201, response_model=AdapterCard)
-async def load_lora_adapter(body: LoadLoraAdapterRequest, manager: ManagerDep) -> JSONResponse:
-    return await _mount(manager, body.lora_name, body.lora_path, False)
+async def load_lora_adapter(
+    body: LoadLoraAdapterRequest, manager: ManagerDep, metrics: MetricsDep
+) -> JSONResponse:
+    return await _mount(manager, metrics, body.lora_name, body.lora_path, False)
 
 
 @router.post("/unload_lora_adapter")
 async def unload_lora_adapter(
-    body: UnloadLoraAdapterRequest, manager: ManagerDep
+    body: UnloadLoraAdapterRequest, manager: ManagerDep, metrics: MetricsDep
 ) -> dict[str, Any]:
-    info = await asyncio.to_thread(manager.unmount, body.lora_name)
-    return {"id": info.id, "object": "adapter", "deleted": True}
+    return await _unmount(manager, metrics, body.lora_name)

@@ -23,7 +23,19 @@ _OK: dict[int | str, dict[str, Any]] = {
             "The response; with `stream: true`, server-sent events named by their `type` "
             "(`response.created` ... `response.completed`), no `[DONE]`."
         ),
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        # Each event, as OpenAPI 3.1 describes one event of a `text/event-stream`.
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["event", "data"],
+                    "properties": {
+                        "event": {"type": "string"},
+                        "data": {"type": "string", "contentMediaType": "application/json"},
+                    },
+                }
+            }
+        },
     }
 }
 

@@ -262,7 +262,8 @@ def test_one_access_log_line_names_the_request_id(
         missing = client.get("/nowhere")
     lines = [r.getMessage() for r in caplog.records if r.name == "hotlora.access"]
     assert len(lines) == 3
-    line = re.compile(r"(GET|POST) (\S+) (\d{3}) \d+\.\dms id=(\S+)")
+    # The line opens with these; the request's facts follow as key=value pairs.
+    line = re.compile(r"(GET|POST) (\S+) (\d{3}) \d+\.\dms id=(\S+)(?: \w+=\S+)*")
     parsed = [line.fullmatch(text).groups() for text in lines]
     assert parsed == [
         ("POST", "/v1/chat/completions", "200", "chat-1"),

@@ -1,0 +1,259 @@
+"""The record of the mounted set: which adapter ids are mounted from which files, at which revision.
+
+`MountedSet` holds the set (each id's path, revision and replace history) and applies mounts and
+unmounts with the manager's rules. `MountFile` keeps one on disk under HOTLORA_HOME, rewritten
+atomically on every change, and mounts it again on start-up; an entry whose files changed or
+vanished since is reported and left unmounted. The cluster registry holds the same `MountedSet`
+for many replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hotlora.adapters.adapter_errors import AdapterConflict, AdapterError, AdapterNotFound
+from hotlora.adapters.adapter_set import SHORT_REVISION
+
+if TYPE_CHECKING:
+    from hotlora.adapters.manager import AdapterManager
+    from hotlora.config.settings import Settings
+
+log = logging.getLogger("hotlora.adapters")
+
+MOUNTS_FILE = "mounts.json"
+FILE_FORMAT = 1
+HISTORY_LIMIT = 16  # past revisions kept per id
+
+
+class MountJournal(Protocol):
+    """Where the manager records a change before it makes it; raising refuses the change."""
+
+    def mounted(self, adapter_id: str, path: str, revision: str, replace: bool) -> None:
+        """`adapter_id` is about to be mounted from `path` (a directory) at `revision`."""
+
+    def unmounted(self, adapter_id: str) -> None:
+        """`adapter_id` is about to be unmounted."""
+
+
+class MountStore(MountJournal, Protocol):
+    """A journal that also brings a new manager to the recorded set before it serves."""
+
+    def restore(self, manager: AdapterManager) -> None:
+        """Mount what is recorded, on the runtime's start-up thread, before it is ready."""
+
+
+@dataclass(frozen=True)
+class PastRevision:
+    """What an id was mounted from until a replace swapped it."""
+
+    path: str
+    revision: str
+    mounted_at: int
+    replaced_at: int
+
+
+@dataclass(frozen=True)
+class MountRecord:
+    """One mounted id: the directory it was read from and the content hash it had then."""
+
+    id: str
+    path: str
+    revision: str
+    mounted_at: int
+    history: tuple[PastRevision, ...] = field(default=())  # oldest first
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MountRecord:
+        history = tuple(PastRevision(**past) for past in data.get("history", ()))
+        return cls(
+            id=str(data["id"]),
+            path=str(data["path"]),
+            revision=str(data["revision"]),
+            mounted_at=int(data["mounted_at"]),
+            history=history,
+        )
+
+
+class MountedSet:
+    """The mounted ids in mount order, and a version that grows with every change.
+
+    `mount` follows the manager's rules: the same revision again changes nothing, other files
+    under a mounted id conflict unless `replace`, which keeps the old revision in the history.
+    """
+
+    def __init__(self, records: dict[str, MountRecord] | None = None, version: int = 0):
+        self.records: dict[str, MountRecord] = dict(records or {})
+        self.version = version
+
+    def mount(
+        self, adapter_id: str, path: str, revision: str, *, replace: bool, now: int | None = None
+    ) -> bool:
+        """Record the mount; False when this revision was already recorded (nothing changed)."""
+        current = self.records.get(adapter_id)
+        if current is not None and current.revision == revision:
+            return False
+        if current is not None and not replace:
+            raise AdapterConflict(
+                f"adapter '{adapter_id}' is already mounted from {current.path} (revision "
+                f"{current.revision[:SHORT_REVISION]}); unmount it or mount with replace"
+            )
+        now = int(time.time()) if now is None else now
+        history: tuple[PastRevision, ...] = ()
+        if current is not None:
+            past = PastRevision(current.path, current.revision, current.mounted_at, now)
+            history = (*current.history, past)[-HISTORY_LIMIT:]
+        self.records[adapter_id] = MountRecord(adapter_id, path, revision, now, history)
+        self.version += 1
+        return True
+
+    def unmount(self, adapter_id: str) -> MountRecord:
+        """Forget `adapter_id`; `AdapterNotFound` when it is not recorded."""
+        record = self.records.pop(adapter_id, None)
+        if record is None:
+            raise AdapterNotFound(adapter_id, self.records)
+        self.version += 1
+        return record
+
+    def copy(self) -> MountedSet:
+        return MountedSet(copy.copy(self.records), self.version)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FILE_FORMAT,
+            "version": self.version,
+            "adapters": [record.to_json() for record in self.records.values()],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MountedSet:
+        if data.get("format") != FILE_FORMAT:
+            raise ValueError(f"unknown format {data.get('format')!r} (expected {FILE_FORMAT})")
+        records = [MountRecord.from_json(entry) for entry in data.get("adapters", ())]
+        return cls({record.id: record for record in records}, int(data.get("version", 0)))
+
+
+def read_mounted_set(path: Path) -> MountedSet:
+    """The set recorded at `path`; empty when there is no file yet."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return MountedSet()
+    try:
+        return MountedSet.from_json(json.loads(text))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a mounted-adapter record: {exc}") from None
+
+
+def write_mounted_set(path: Path, mounted: MountedSet) -> None:
+    """Replace the file at `path` in one step: a crash leaves the old file or the new, whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(descriptor, "w") as stream:
+            json.dump(mounted.to_json(), stream, indent=2)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _sync_directory(path.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the rename itself durable (not every file system allows opening a directory)."""
+    with contextlib.suppress(OSError):
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+class MountFile:
+    """The mounted set of one server, kept in a JSON file (`--persist-mounts`).
+
+    Each change is written before the manager makes it, so the file never names an adapter
+    that was not mounted; a failed write refuses the change.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._set = read_mounted_set(self.path)
+
+    @property
+    def records(self) -> list[MountRecord]:
+        with self._lock:
+            return list(self._set.records.values())
+
+    def mounted(self, adapter_id: str, path: str, revision: str, replace: bool) -> None:
+        with self._lock:
+            updated = self._set.copy()
+            if updated.mount(adapter_id, path, revision, replace=replace):
+                write_mounted_set(self.path, updated)
+                self._set = updated
+
+    def unmounted(self, adapter_id: str) -> None:
+        with self._lock:
+            updated = self._set.copy()
+            updated.unmount(adapter_id)
+            write_mounted_set(self.path, updated)
+            self._set = updated
+
+    def restore(self, manager: AdapterManager) -> None:
+        """Mount every recorded adapter again, exactly as recorded or not at all.
+
+        An entry whose directory vanished, whose files no longer hash to the recorded revision,
+        or that the manager refuses for any other reason is logged (WARNING, naming it and why)
+        and dropped from the record.
+        """
+        dropped = []
+        for record in self.records:
+            try:
+                manager.mount(record.id, record.path, revision=record.revision, record=False)
+            except AdapterError as exc:
+                report_unmountable(record, exc)
+                dropped.append(record.id)
+        if dropped:
+            with self._lock:
+                updated = self._set.copy()
+                for adapter_id in dropped:
+                    updated.unmount(adapter_id)
+                write_mounted_set(self.path, updated)
+                self._set = updated
+        if self._set.records:
+            log.info("mounted %d recorded adapters from %s", len(self._set.records), self.path)
+
+
+def report_unmountable(record: MountRecord, exc: AdapterError) -> None:
+    """The WARNING for a recorded adapter that is not mounted again."""
+    log.warning(
+        "not mounting recorded adapter %s (from %s, revision %s): %s",
+        record.id,
+        record.path,
+        record.revision[:SHORT_REVISION],
+        exc.message,
+    )
+
+
+def mount_file(settings: Settings) -> MountFile | None:
+    """The server's mount record under HOTLORA_HOME, with `--persist-mounts`; else None."""
+    if not settings.persist_mounts:
+        return None
+    return MountFile(settings.home.expanduser() / MOUNTS_FILE)

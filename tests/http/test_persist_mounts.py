@@ -1,0 +1,77 @@
+"""`--persist-mounts` over HTTP: a restarted app is ready with the recorded adapters mounted."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    root = tmp_path / "adapters"
+    model = tiny_model(quantize=True)
+    for seed, name in enumerate(("a", "a2", "b"), start=1):
+        write_mlx_adapter(root / name, random_pairs(model, seed=seed), scale=20.0)
+    return root
+
+
+def text(client: TestClient, adapter: str) -> str:
+    body = {**CHAT, "max_tokens": 12, "adapter": adapter}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def listed(client: TestClient) -> dict[str, str]:
+    return {card["id"]: card["path"] for card in client.get("/v1/adapters").json()["data"]}
+
+
+def stop(client: TestClient) -> None:
+    client.__exit__(None, None, None)
+
+
+def test_a_restarted_server_is_ready_with_the_same_adapters(make_client, root: Path, tmp_path):
+    first = make_client(adapter_root=root, persist_mounts=True)
+    assert first.post("/v1/adapters", json={"id": "a", "path": "a"}).status_code == 201
+    replaced = {"id": "a", "path": "a2", "replace": True}
+    assert first.post("/v1/adapters", json=replaced).status_code == 201
+    assert first.post("/v1/adapters", json={"id": "b", "path": "b"}).status_code == 201
+    answers = {name: text(first, name) for name in ("a", "b")}
+    assert first.delete("/v1/adapters/b").status_code == 200
+    stop(first)
+    assert (tmp_path / "home" / "mounts.json").is_file()
+
+    again = make_client(adapter_root=root, persist_mounts=True)  # returns once /ready is 200
+    assert listed(again) == {"a": str(root / "a2")}
+    assert text(again, "a") == answers["a"]
+    assert again.post("/v1/chat/completions", json={**CHAT, "adapter": "b"}).status_code == 404
+
+
+def test_changed_files_are_reported_at_start_and_not_mounted(make_client, root: Path, caplog):
+    first = make_client(adapter_root=root, persist_mounts=True)
+    for name in ("a", "b"):
+        assert first.post("/v1/adapters", json={"id": name, "path": name}).status_code == 201
+    stop(first)
+    shutil.rmtree(root / "a")
+    shutil.copytree(root / "a2", root / "a")  # same path, other weights
+    with caplog.at_level(logging.WARNING, logger="hotlora.adapters"):
+        again = make_client(adapter_root=root, persist_mounts=True)
+    assert listed(again) == {"b": str(root / "b")}
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "recorded adapter a " in warning and "changed since it was recorded" in warning
+
+
+def test_without_the_setting_nothing_is_recorded(make_client, root: Path, tmp_path):
+    first = make_client(adapter_root=root)
+    assert first.post("/v1/adapters", json={"id": "a", "path": "a"}).status_code == 201
+    stop(first)
+    assert not (tmp_path / "home" / "mounts.json").exists()
+    assert listed(make_client(adapter_root=root, persist_mounts=True)) == {}
