@@ -96,12 +96,28 @@ class TextPart(OpenAIBase):
     text: str
 
 
+# Content parts for inputs this server cannot read: what a refusal calls them (chat's and the
+# Responses API's spellings).
 _UNSUPPORTED_PARTS = {
     "image_url": "images are",
     "input_image": "images are",
     "input_audio": "audio is",
     "file": "files are",
+    "input_file": "files are",
 }
+
+
+def refuse_unreadable_parts(value: Any, text_parts: str) -> None:
+    """A ValueError for the first content part that is not text, naming what it holds."""
+    if not isinstance(value, list):
+        return
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in _UNSUPPORTED_PARTS:
+            raise ValueError(
+                f"{_UNSUPPORTED_PARTS[kind]} not supported by this server (a content part of "
+                f"type '{kind}'); send {text_parts} parts only"
+            )
 
 
 _FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -149,14 +165,7 @@ class ChatMessage(OpenAIBase):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            for part in value:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind in _UNSUPPORTED_PARTS:
-                    raise ValueError(
-                        f"{_UNSUPPORTED_PARTS[kind]} not supported by this server (a content "
-                        f"part of type '{kind}'); send text parts only"
-                    )
+        refuse_unreadable_parts(value, "text")
         return value
 
     @model_validator(mode="after")

@@ -23,17 +23,17 @@ from pydantic import (
 )
 
 from hotlora.config.errors import HotloraError, InvalidRequest
-from hotlora.server.protocol import AdapterSpec, ChatCompletionRequest, OpenAIBase, RequestBody
+from hotlora.server.protocol import (
+    AdapterSpec,
+    ChatCompletionRequest,
+    OpenAIBase,
+    RequestBody,
+    refuse_unreadable_parts,
+)
 
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
-
-_UNSUPPORTED_CONTENT = {
-    "input_image": "images are",
-    "input_file": "files are",
-    "input_audio": "audio is",
-}
 
 
 class InputText(OpenAIBase):
@@ -56,14 +56,7 @@ class InputMessage(OpenAIBase):
     def _text_parts_only(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [{"type": "input_text", "text": value}]
-        if isinstance(value, list):
-            for part in value:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind in _UNSUPPORTED_CONTENT:
-                    raise ValueError(
-                        f"{_UNSUPPORTED_CONTENT[kind]} not supported by this server (a content "
-                        f"part of type '{kind}'); send input_text parts only"
-                    )
+        refuse_unreadable_parts(value, "input_text")
         return value
 
     def text(self) -> str:

@@ -4,8 +4,6 @@ does, through headless Chromium (Debian's `chromium`, which `make setup` install
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, sync_playwright
+from playwright.sync_api import Browser
 
 from tests.support.server_process import ServerProcess, hotlora_spec
 
@@ -115,19 +113,6 @@ def server(embedded_model_dir: Path, allowed_origin: str) -> Iterator[ServerProc
     )
     with ServerProcess(spec) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.fail("no chromium on PATH: `make setup` installs it (apt-get install chromium)")
-    # Without the BLAS preloaded for MLX (`make test`): Chromium's GPU process dies of it.
-    env = {name: value for name, value in os.environ.items() if name != "LD_PRELOAD"}
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, headless=True, env=env)
-        yield browser
-        browser.close()
 
 
 def _open(browser: Browser, origin: str, api: str, screenshot: Path) -> dict[str, Any]:

@@ -5,9 +5,7 @@ every file from the server itself and no request to any other host."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +19,6 @@ from playwright.sync_api import (
     Response,
     Route,
     expect,
-    sync_playwright,
 )
 
 from tests.support.server_process import ServerProcess, hotlora_spec
@@ -58,19 +55,6 @@ def server(embedded_model_dir: Path, trained_adapters: TrainedAdapters) -> Itera
     )
     with ServerProcess(spec) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.fail("no chromium on PATH: `make setup` installs it (apt-get install chromium)")
-    # Without the BLAS preloaded for MLX (`make test`): Chromium's GPU process dies of it.
-    env = {name: value for name, value in os.environ.items() if name != "LD_PRELOAD"}
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, headless=True, env=env)
-        yield browser
-        browser.close()
 
 
 @dataclass

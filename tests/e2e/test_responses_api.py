@@ -3,7 +3,6 @@ official client, whole and streamed, on the base model and with a trained adapte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.support.server_process import ServerProcess, hotlora_spec
-from tests.support.trained_adapters import ANSWERS, TrainedAdapters
+from tests.support.trained_adapters import ANSWERS
 
 pytestmark = pytest.mark.e2e
 
@@ -21,22 +19,8 @@ GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 32}
 
 
 @pytest.fixture(scope="module")
-def server(embedded_model_dir: Path, trained_adapters: TrainedAdapters) -> Iterator[ServerProcess]:
-    spec = hotlora_spec(
-        "--model",
-        str(embedded_model_dir),
-        "--adapter-root",
-        str(trained_adapters.root),
-        "--adapter",
-        f"pirate={trained_adapters['pirate']}",
-    )
-    with ServerProcess(spec) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(pirate_client: openai.OpenAI) -> openai.OpenAI:
+    return pirate_client
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ official openai client, on the base model and under a really trained adapter."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -12,9 +11,6 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from tests.support.server_process import ServerProcess, hotlora_spec
-from tests.support.trained_adapters import TrainedAdapters
 
 pytestmark = pytest.mark.e2e
 
@@ -66,22 +62,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def server(embedded_model_dir: Path, trained_adapters: TrainedAdapters) -> Iterator[ServerProcess]:
-    spec = hotlora_spec(
-        "--model",
-        str(embedded_model_dir),
-        "--adapter-root",
-        str(trained_adapters.root),
-        "--adapter",
-        f"pirate={trained_adapters['pirate']}",
-    )
-    with ServerProcess(spec) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+def client(pirate_client: openai.OpenAI) -> openai.OpenAI:
+    return pirate_client
 
 
 @pytest.fixture(scope="module")
