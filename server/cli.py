@@ -50,17 +50,18 @@ def _serve_parser(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Settings first: a bad value stops the start before anything heavy is imported.
+    try:
+        settings = serve_settings(args)
+    except InvalidSetting as exc:
+        print(f"hotlora serve: {exc}", file=sys.stderr)
+        return 2
     began = time.perf_counter()
     from hotlora.server.app import create_app
     from hotlora.server.lifecycle import DrainingServer, uvicorn_config
     from hotlora.server.log_format import configure_logging, uvicorn_logging
 
     imported = time.perf_counter() - began
-    try:
-        settings = serve_settings(args)
-    except InvalidSetting as exc:
-        print(f"hotlora serve: {exc}", file=sys.stderr)
-        return 2
     configure_logging(settings)
     logging.getLogger("hotlora").info(
         "start-up: imports took %.2fs",
