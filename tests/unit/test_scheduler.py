@@ -16,9 +16,7 @@ import pytest
 from hotlora.adapters import AdapterManager, AdapterSet, parse_adapter_spec
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import (
-    Delta,
     Engine,
-    Event,
     Finished,
     GenerationJob,
     SamplingParams,
@@ -26,33 +24,9 @@ from hotlora.server.engine import (
 )
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+from tests.support.scheduling import Recorder, run
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33], [40, 41, 42, 43, 44, 45]]
-
-
-class Recorder:
-    """A request's sink: what the scheduler reported, per choice."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[int, Event]] = []
-        self.errors: list[BaseException] = []
-        self.starts = 0
-
-    def started(self) -> None:
-        self.starts += 1
-
-    def event(self, position: int, event: Event) -> None:
-        self.events.append((position, event))
-
-    def failed(self, position: int, error: BaseException) -> None:
-        self.errors.append(error)
-
-    def text(self, position: int = 0) -> str:
-        return "".join(e.text for p, e in self.events if p == position and isinstance(e, Delta))
-
-    def finished(self, position: int = 0) -> Finished | None:
-        done = [e for p, e in self.events if p == position and isinstance(e, Finished)]
-        return done[0] if done else None
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +54,6 @@ def job(prompt: list[int], max_tokens: int = 8, adapter: AdapterSet | None = Non
     if adapter is None:
         return GenerationJob(prompt, sampling)
     return GenerationJob(prompt, sampling, adapter)
-
-
-def run(scheduler: Scheduler, requests: Sequence[Sequence[GenerationJob]]) -> list[Recorder]:
-    """Add every request at once, then step until all are done."""
-    sinks = [Recorder() for _ in requests]
-    for jobs, sink in zip(requests, sinks, strict=True):
-        scheduler.add(jobs, sink)
-    for _ in range(500):
-        if scheduler.idle:
-            return sinks
-        scheduler.step()
-    raise AssertionError("the scheduler did not finish")
 
 
 def solo(engine: Engine, jobs: Sequence[GenerationJob]) -> Recorder:

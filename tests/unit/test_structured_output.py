@@ -8,7 +8,6 @@ here bounds its strings, numbers and arrays, so the JSON completes well within `
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import jsonschema
@@ -17,10 +16,7 @@ import pytest
 from hotlora.adapters import AdapterManager, AdapterSet, parse_adapter_spec
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import (
-    Delta,
     Engine,
-    Event,
-    Finished,
     GenerationJob,
     SamplingParams,
     Scheduler,
@@ -30,9 +26,11 @@ from hotlora.server.engine.generate import IMPOSSIBLE_LOGPROB
 from hotlora.server.engine.grammar import Grammar, GrammarFailed, UnsupportedSchema
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+from tests.support.scheduling import Recorder, run
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33]]
 MAX_TOKENS = 160  # the longest answer to PERSON takes ~110 of the tiny model's character tokens
+MAX_STEPS = 1000
 
 PERSON = {
     "type": "object",
@@ -65,34 +63,6 @@ POINT = {
 }
 
 
-class Recorder:
-    """A request's sink: what the scheduler reported, per choice."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[int, Event]] = []
-        self.errors: list[BaseException] = []
-
-    def started(self) -> None:
-        pass
-
-    def event(self, position: int, event: Event) -> None:
-        self.events.append((position, event))
-
-    def failed(self, position: int, error: BaseException) -> None:
-        self.errors.append(error)
-
-    def text(self, position: int = 0) -> str:
-        return "".join(e.text for p, e in self.events if p == position and isinstance(e, Delta))
-
-    def finished(self, position: int = 0) -> Finished:
-        [done] = [e for p, e in self.events if p == position and isinstance(e, Finished)]
-        return done
-
-    def logprobs(self, position: int = 0) -> list:
-        deltas = [e for p, e in self.events if p == position and isinstance(e, Delta)]
-        return [sampled for delta in deltas for sampled in delta.logprobs]
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     loaded = load_model_dir(tiny_model_dir)
@@ -123,21 +93,9 @@ def job(
     return GenerationJob(prompt, sampling, grammar=grammar, **extra)
 
 
-def run(scheduler: Scheduler, requests: Sequence[Sequence[GenerationJob]]) -> list[Recorder]:
-    """Add every request at once, then step until all are done."""
-    sinks = [Recorder() for _ in requests]
-    for jobs, sink in zip(requests, sinks, strict=True):
-        scheduler.add(jobs, sink)
-    for _ in range(1000):
-        if scheduler.idle:
-            return sinks
-        scheduler.step()
-    raise AssertionError("the scheduler did not finish")
-
-
 def solo(engine: Engine, one: GenerationJob) -> Recorder:
     fresh = GenerationJob(one.prompt, one.params, one.adapters, grammar=one.grammar)
-    return run(Scheduler(engine, max_batch=1), [[fresh]])[0]
+    return run(Scheduler(engine, max_batch=1), [[fresh]], MAX_STEPS)[0]
 
 
 def assert_valid(sink: Recorder, schema: dict, position: int = 0) -> dict:
@@ -183,7 +141,7 @@ def test_constrained_and_free_rows_batched_together_match_their_solo_answers(set
         [job(PROMPTS[2], person, adapter=adapters(manager, "a"), temperature=0.8, seed=5)],
         [job(PROMPTS[3], max_tokens=30)],
     ]
-    batched = run(Scheduler(engine, max_batch=8), requests)
+    batched = run(Scheduler(engine, max_batch=8), requests, MAX_STEPS)
     for [one], sink in zip(requests, batched, strict=True):
         assert sink.text() == solo(engine, one).text()
         assert sink.finished() == solo(engine, one).finished()
@@ -202,7 +160,7 @@ def test_n_choices_each_follow_their_own_matcher(setup):
     grammar = engine.grammars.json_schema(PERSON)
     prompt = PROMPTS[1]
     choices = [job(prompt, grammar, temperature=1.0, seed=s) for s in (1, 2, 3)]
-    [sink] = run(Scheduler(engine, max_batch=8), [choices])
+    [sink] = run(Scheduler(engine, max_batch=8), [choices], MAX_STEPS)
     values = [assert_valid(sink, PERSON, i) for i in range(3)]
     assert len({json.dumps(v) for v in values}) > 1  # their own seeds, their own JSON
 
@@ -227,7 +185,7 @@ def test_free_batches_never_compute_a_mask(setup, monkeypatch):
         raise AssertionError("a mask was computed for a batch without grammars")
 
     monkeypatch.setattr(next_tokens, "constrain", forbidden)
-    [sink] = run(Scheduler(engine, max_batch=4), [[job(PROMPTS[0], max_tokens=6)]])
+    [sink] = run(Scheduler(engine, max_batch=4), [[job(PROMPTS[0], max_tokens=6)]], MAX_STEPS)
     assert sink.finished().completion_tokens == 6
 
 
