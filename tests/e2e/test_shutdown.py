@@ -84,23 +84,31 @@ def refused_while_draining(url: str, model: str) -> None:
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
 
-def test_sigterm_lets_requests_in_flight_finish(embedded_model_dir: Path):
-    server = start(embedded_model_dir, "--drain-timeout", "60")
+def drain(
+    model_dir: Path, drain_timeout: str, max_tokens: int, sig: signal.Signals
+) -> tuple[ServerProcess, Requests]:
+    """A server with a stream and a plain request in flight, sent `sig`: what each got, once
+    the process has exited 0; new requests are refused meanwhile."""
+    server = start(model_dir, "--drain-timeout", drain_timeout)
     try:
-        running = Requests(server.url, server.model_id, max_tokens=24)
+        running = Requests(server.url, server.model_id, max_tokens=max_tokens)
         assert running.streaming.wait(60)
         time.sleep(0.2)  # the plain request is admitted too
         assert server.proc is not None
-        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(sig)
         time.sleep(0.3)
         refused_while_draining(server.url, server.model_id)
         running.join()
         assert server.proc.wait(timeout=60) == 0
     finally:
         server.stop()
-    events = running.stream_events
-    assert events[-1] == "[DONE]"
-    last = json.loads(events[-2])
+    assert running.stream_events[-1] == "[DONE]"
+    return server, running
+
+
+def test_sigterm_lets_requests_in_flight_finish(embedded_model_dir: Path):
+    server, running = drain(embedded_model_dir, "60", 24, signal.SIGTERM)
+    last = json.loads(running.stream_events[-2])
     assert last["choices"][0]["finish_reason"] == "length"
     assert running.plain is not None and running.plain.status_code == 200
     assert running.plain.json()["usage"]["completion_tokens"] == 24
@@ -108,22 +116,8 @@ def test_sigterm_lets_requests_in_flight_finish(embedded_model_dir: Path):
 
 
 def test_at_the_drain_deadline_requests_end_with_an_error(embedded_model_dir: Path):
-    server = start(embedded_model_dir, "--drain-timeout", "1")
-    try:
-        running = Requests(server.url, server.model_id, max_tokens=2000)
-        assert running.streaming.wait(60)
-        time.sleep(0.2)
-        assert server.proc is not None
-        server.proc.send_signal(signal.SIGINT)  # Ctrl-C drains the same way
-        time.sleep(0.3)
-        refused_while_draining(server.url, server.model_id)
-        running.join()
-        assert server.proc.wait(timeout=60) == 0
-    finally:
-        server.stop()
-    events = running.stream_events
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    _, running = drain(embedded_model_dir, "1", 2000, signal.SIGINT)  # Ctrl-C drains too
+    assert json.loads(running.stream_events[-2])["error"]["code"] == "shutting_down"
     assert running.plain is not None and running.plain.status_code == 503
     assert running.plain.json()["error"]["code"] == "shutting_down"
 
