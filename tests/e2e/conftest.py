@@ -28,14 +28,7 @@ def pirate_server(
 ) -> Iterator[ServerProcess]:
     """The embedded model with the `pirate` adapter mounted, shared by modules that only send
     requests (they mount nothing and change no setting)."""
-    spec = hotlora_spec(
-        "--model",
-        str(embedded_model_dir),
-        "--adapter-root",
-        str(trained_adapters.root),
-        "--adapter",
-        f"pirate={trained_adapters['pirate']}",
-    )
+    spec = hotlora_spec("--model", str(embedded_model_dir), *trained_adapters.serve_args("pirate"))
     with ServerProcess(spec) as srv:
         yield srv
 

@@ -86,14 +86,7 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api(model_dir: Path, trained_adapters: TrainedAdapters) -> Iterator[Api]:
-    spec = hotlora_spec(
-        "--model",
-        str(model_dir),
-        "--adapter-root",
-        str(trained_adapters.root),
-        "--adapter",
-        f"pirate={trained_adapters['pirate']}",
-    )
+    spec = hotlora_spec("--model", str(model_dir), *trained_adapters.serve_args("pirate"))
     with ServerProcess(spec) as server:
         api = Api(server, model_dir.name)
         api.base_first = api.text()

@@ -42,12 +42,7 @@ def server(embedded_model_dir: Path, trained_adapters: TrainedAdapters) -> Itera
     spec = hotlora_spec(
         "--model",
         str(embedded_model_dir),
-        "--adapter-root",
-        str(trained_adapters.root),
-        "--adapter",
-        f"pirate={trained_adapters['pirate']}",
-        "--adapter",
-        f"fortytwo={trained_adapters['fortytwo']}",
+        *trained_adapters.serve_args("pirate", "fortytwo"),
         "--api-key",
         API_KEY,
         "--admin-api-key",

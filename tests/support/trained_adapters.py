@@ -103,6 +103,11 @@ class TrainedAdapters:
     def __getitem__(self, name: str) -> Path:
         return self.paths[name]
 
+    def serve_args(self, *names: str) -> list[str]:
+        """`hotlora serve` flags: this adapter root, and the named adapters mounted at start."""
+        mounts = [arg for name in names for arg in ("--adapter", f"{name}={self[name]}")]
+        return ["--adapter-root", str(self.root), *mounts]
+
 
 def recipe_hash(name: str, model_dir: Path) -> str:
     """Everything the trained weights depend on: the recipe, the code version and the model."""
