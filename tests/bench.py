@@ -37,6 +37,7 @@ from tests.bench_adapters import run_adapters
 from tests.bench_concurrency import QUESTIONS as CONCURRENT_QUESTIONS
 from tests.bench_concurrency import run_concurrency
 from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
+from tests.support.model_args import add_model_args, resolve_model
 
 WARMUP_QUESTION = "Describe the water cycle in detail."
 # Distinct per round, so a prompt cache helps neither side beyond the chat template's shared
@@ -247,14 +248,6 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
 }
 
 
-def resolve_model(args: argparse.Namespace) -> Path:
-    if args.model is not None:
-        return args.model.expanduser().resolve()
-    from hotlora.models.embedded import ensure_embedded_model
-
-    return ensure_embedded_model(args.home)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -273,13 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=96,
         help="New tokens per request in section concurrency.",
     )
-    p.add_argument("--model", type=Path, help="A model directory (default: the embedded model).")
-    p.add_argument(
-        "--home",
-        type=Path,
-        default=Path(os.environ.get("HOTLORA_HOME", "~/.cache/hotlora")).expanduser(),
-        help="hotlora's cache directory (default: $HOTLORA_HOME or ~/.cache/hotlora).",
-    )
+    add_model_args(p)
     p.add_argument(
         "--skip-direct", action="store_true", help="Leave out the in-process stream_generate run."
     )

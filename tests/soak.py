@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.model_args import add_model_args, resolve_model
 from tests.support.server_process import ServerProcess, hotlora_spec
 from tests.support.soak_traffic import Tally, Traffic, churn_loop, client_loop
 
@@ -275,13 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--queue-size", type=int, default=2, help="The server's queue (503 once it is full)."
     )
-    p.add_argument("--model", type=Path, help="A model directory (default: the embedded model).")
-    p.add_argument(
-        "--home",
-        type=Path,
-        default=Path(os.environ.get("HOTLORA_HOME", "~/.cache/hotlora")).expanduser(),
-        help="hotlora's cache directory (default: $HOTLORA_HOME or ~/.cache/hotlora).",
-    )
+    add_model_args(p)
     args = p.parse_args(argv)
     if args.seconds < 2 * WARMUP_MIN_S:
         p.error(f"--seconds must be at least {2 * WARMUP_MIN_S:.0f} (twice the shortest warm-up)")
@@ -292,12 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.model is not None:
-        model_dir = args.model.expanduser().resolve()
-    else:
-        from hotlora.models.embedded import ensure_embedded_model
-
-        model_dir = ensure_embedded_model(args.home)
+    model_dir = resolve_model(args)
     print(f"model: {model_dir}", flush=True)
     with tempfile.TemporaryDirectory(prefix="hotlora-soak-") as tmp:
         root, logs = Path(tmp) / "adapters", Path(tmp) / "logs"
