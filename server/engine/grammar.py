@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -123,53 +123,39 @@ class Grammars:
     def json_schema(self, schema: dict[str, Any]) -> Grammar:
         """The grammar of JSON text that validates against `schema`; `UnsupportedSchema` if
         the schema is invalid or uses a feature the engine cannot enforce."""
-        try:
-            # Key order is kept: the schema's property order is the answer's key order.
-            text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
-        except ValueError as exc:
-            message = (
-                f"The response_format schema holds NaN or Infinity, which JSON cannot carry: {exc}."
-            )
-            raise UnsupportedSchema(message) from exc
-        with self._lock:
-            grammar = self._cache.get(text)
-            if grammar is not None:
-                self._cache.move_to_end(text)
-                return grammar
-            grammar = self._compile(text)
-            self._cache[text] = grammar
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-            return grammar
+        text = _schema_text(schema)
+        compile_json = llguidance.LLMatcher.grammar_from_json_schema
+        return self._cached(text, lambda: compile_json(text, overrides=_JSON_OPTIONS))
 
     def tool_call(self, start: str, end: str, schema: dict[str, Any]) -> Grammar:
         """The grammar of one tool call as `start` JSON `end`, the JSON valid under `schema`
         (the call's name and arguments): how `tool_choice` required or named is enforced."""
-        body = {**schema, "x-guidance": _JSON_OPTIONS}
+        body = _schema_text({**schema, "x-guidance": _JSON_OPTIONS})
         lark = (
-            f'start: {json.dumps(start)} "\\n"? call "\\n"? {json.dumps(end)}\n'
-            f"call: %json {json.dumps(body, ensure_ascii=False, allow_nan=False)}\n"
+            f'start: {json.dumps(start)} "\\n"? call "\\n"? {json.dumps(end)}\ncall: %json {body}\n'
         )
+        return self._cached(lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark))
+
+    def _cached(self, key: str, definition: Callable[[], str]) -> Grammar:
+        """The grammar kept under `key`, or the one `definition` gives, compiled and kept."""
         with self._lock:
-            grammar = self._cache.get(lark)
-            if grammar is None:
-                grammar = self._compile(lark, lark=True)
-                self._cache[lark] = grammar
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+                return grammar
+            grammar = self._compile(definition)
+            self._cache[key] = grammar
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
             return grammar
 
-    def _compile(self, text: str, lark: bool = False) -> Grammar:
+    def _compile(self, definition: Callable[[], str]) -> Grammar:
         table = self._token_table()
         try:
-            if lark:
-                definition = llguidance.LLMatcher.grammar_from_lark(text)
-            else:
-                compile_json = llguidance.LLMatcher.grammar_from_json_schema
-                definition = compile_json(text, overrides=_JSON_OPTIONS)
+            text = definition()
         except ValueError as exc:
             raise UnsupportedSchema(f"The response_format schema is not valid: {exc}.") from exc
-        matcher = llguidance.LLMatcher(table, definition, log_level=0)
+        matcher = llguidance.LLMatcher(table, text, log_level=0)
         if matcher.is_error():
             raise UnsupportedSchema(
                 f"The response_format schema cannot be enforced: {matcher.get_error()}."
@@ -193,6 +179,17 @@ class Grammars:
             words = _TokenBytes(hf, self._pieces, self._special_ids, eos[0])
             wrapper = llguidance.TokenizerWrapper(words)
             return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
+
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    """`schema` as JSON text, its key order kept (the answer's key order follows it)."""
+    try:
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:
+        message = (
+            f"The response_format schema holds NaN or Infinity, which JSON cannot carry: {exc}."
+        )
+        raise UnsupportedSchema(message) from exc
 
 
 class _TokenBytes:

@@ -321,3 +321,24 @@ def test_a_required_call_cannot_also_be_held_to_json(tool_client, choice):
     assert response.json()["error"]["param"] == "response_format"
     auto = tool_client.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
     assert auto.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        '{"type": "object", "properties": {"x": {"type": "number", "maximum": NaN}}}',
+        '{"type": "object", "properties": {"x": {"not": {"type": "string"}}}}',
+    ],
+)
+def test_parameters_a_required_call_cannot_be_held_to_are_400s(tool_client, parameters):
+    body = (
+        '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
+        '"tool_choice": "required", "tools": [{"type": "function", "function": '
+        '{"name": "f", "parameters": ' + parameters + "}}]}"
+    )
+    response = tool_client.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "tool's parameters" in error["message"]
