@@ -1,6 +1,10 @@
 """Each row's next token from the batch's logits: its logits processors, its grammar's mask,
 then one argmax for the greedy rows and each other row's own sampler.
 
+Only rows that sample or report logprobs get log-probabilities: on the CPU the softmax's `exp`
+over the vocabulary costs more per row than anything else after the model call (about 1.2 ms
+per row for a 49k vocabulary), and a greedy row's argmax needs none.
+
 A row whose processors, grammar or sampler fail is named in `failed` (row index -> error): it
 stops, and the rest of the batch goes on.
 """
@@ -30,6 +34,28 @@ def processed(rows: list[Row], logits: mx.array) -> tuple[mx.array, dict[int, Ex
     return mx.concatenate(parts), failed
 
 
+def finite_rows(logits: mx.array) -> mx.array:
+    """[B] bool: whether each row's logits are all finite.
+
+    One float32 sum per row: a NaN or an infinity anywhere makes it non-finite. So do finite
+    logits summing past float32's range (~3e38), which no working model produces.
+    """
+    return mx.isfinite(logits.astype(mx.float32).sum(axis=-1))
+
+
+def log_probabilities(rows: list[Row], logits: mx.array) -> dict[int, mx.array]:
+    """Log-probabilities [1, vocab] by row index, for the rows that sample or report logprobs."""
+    return {
+        i: _log_softmax(logits[i : i + 1])
+        for i, row in enumerate(rows)
+        if not row.sampler.greedy or row.job.params.logprobs
+    }
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def constrained(rows: list[Row], logits: mx.array, failed: dict[int, Exception]) -> mx.array:
     """Rows under a grammar (`response_format`) get -inf for every token it does not allow
     next, before sampling and logprobs: they report the distribution sampled from."""
@@ -40,9 +66,15 @@ def constrained(rows: list[Row], logits: mx.array, failed: dict[int, Exception])
     return constrain(logits, constraints, failed)
 
 
-def choose(rows: list[Row], logprobs: mx.array, failed: dict[int, Exception]) -> mx.array:
-    """Every row's next token: one argmax for the greedy rows, each other row's own sampler."""
-    greedy = mx.argmax(logprobs, axis=-1)  # [B]
+def choose(
+    rows: list[Row],
+    logits: mx.array,
+    logprobs: dict[int, mx.array],
+    failed: dict[int, Exception],
+) -> mx.array:
+    """Every row's next token: one argmax over the logits for the greedy rows, each other row's
+    own sampler on its log-probabilities."""
+    greedy = mx.argmax(logits, axis=-1)  # [B]
     if all(row.sampler.greedy for row in rows):
         return greedy
     picks: list[mx.array] = []
@@ -51,7 +83,7 @@ def choose(rows: list[Row], logprobs: mx.array, failed: dict[int, Exception]) ->
             picks.append(greedy[i : i + 1])
             continue
         try:
-            picks.append(row.sampler.sample(logprobs[i : i + 1]))
+            picks.append(row.sampler.sample(logprobs[i]))
         except Exception as exc:  # noqa: BLE001 - this row's sampling settings failed
             failed[i] = exc
             picks.append(greedy[i : i + 1])

@@ -40,7 +40,13 @@ from hotlora.server.engine.generate import (
     SampledToken,
     prompt_cache_key,
 )
-from hotlora.server.engine.next_tokens import choose, constrained, processed
+from hotlora.server.engine.next_tokens import (
+    choose,
+    constrained,
+    finite_rows,
+    log_probabilities,
+    processed,
+)
 from hotlora.server.engine.rows import Group, Row, Sink
 
 log = logging.getLogger("hotlora")
@@ -279,10 +285,10 @@ class Scheduler:
             self._fail_running(exc)
             return
         logits, failed = processed(rows, logits)
-        finite = mx.isfinite(logits).all(axis=-1)  # [B], before grammars mask tokens to -inf
+        finite = finite_rows(logits)  # [B], before grammars mask tokens to -inf
         logits = constrained(rows, logits, failed)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, vocab]
-        chosen = choose(rows, logprobs, failed)  # [B]
+        logprobs = log_probabilities(rows, logits)  # row index -> [1, vocab]
+        chosen = choose(rows, logits, logprobs, failed)  # [B]
         try:
             mx.eval(chosen, finite, [row.sampler.key for row in rows], self._cache_state())
         except Exception as exc:  # noqa: BLE001
@@ -303,11 +309,13 @@ class Scheduler:
         if len(keep) < len(rows):
             self._keep(keep)
 
-    def _sampled(self, row: Row, token: int, logprobs: mx.array, i: int) -> SampledToken | None:
+    def _sampled(
+        self, row: Row, token: int, logprobs: dict[int, mx.array], i: int
+    ) -> SampledToken | None:
         params = row.job.params
         if not params.logprobs or token in self.eos:
             return None
-        return self.engine.logprob(token, logprobs[i], params.top_logprobs)
+        return self.engine.logprob(token, logprobs[i][0], params.top_logprobs)
 
     def _store(self, row: Row, index: int) -> None:
         """Keep a finished row's cache (prompt + output) for the next turn of its conversation."""

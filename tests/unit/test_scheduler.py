@@ -7,6 +7,7 @@ at the batch between steps.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from hotlora.server.engine import (
     SamplingParams,
     Scheduler,
 )
+from hotlora.server.engine.next_tokens import finite_rows
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 from tests.support.scheduling import Recorder, run
@@ -154,6 +156,41 @@ def test_a_seeded_request_samples_the_same_alone_or_batched(setup):
     assert sinks[1].text() == alone
     other_seed = solo(engine, [job(PROMPTS[3], **{**seeded, "seed": 4321})]).text()
     assert other_seed != alone
+
+
+def test_logprobs_are_the_same_alone_or_beside_greedy_and_sampled_rows(setup):
+    engine, _ = setup
+    reported = dict(logprobs=True, top_logprobs=3, max_tokens=6)
+    alone = solo(engine, [job(PROMPTS[1], **reported)]).logprobs()
+    crowd = [
+        [job(PROMPTS[0], max_tokens=6)],  # greedy: no log-probabilities computed for it
+        [job(PROMPTS[1], **reported)],
+        [job(PROMPTS[2], temperature=0.8, seed=3, max_tokens=6)],
+    ]
+    batched = run(Scheduler(engine, max_batch=8), crowd)[1].logprobs()
+    assert len(alone) == 6
+    assert [s.token for s in batched] == [s.token for s in alone]
+    for mine, theirs in zip(batched, alone, strict=True):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [p for p, _ in mine.top] == [p for p, _ in theirs.top]
+        # Normalized: the chosen token's probability and its alternatives' stay within 1.
+        assert mine.logprob <= 0 and sum(math.exp(v) for _, v in mine.top) <= 1 + 1e-5
+
+
+def test_finite_rows_flags_nan_and_infinities_and_sums_half_precision_in_float32():
+    inf = float("inf")
+    rows = mx.array(
+        [
+            [1.0, 2.0, 3.0],
+            [1.0, float("nan"), 3.0],
+            [inf, 0.0, 1.0],
+            [-inf, 0.0, 1.0],
+            [inf, -inf, 0],
+        ]
+    )
+    assert finite_rows(rows).tolist() == [True, False, False, False, False]
+    # 49,152 logits of 30 sum to ~1.5e6, far past float16's 65,504: still finite.
+    assert finite_rows(mx.full((2, 49152), 30.0, dtype=mx.float16)).tolist() == [True, True]
 
 
 def test_n_choices_share_one_prefill(setup, monkeypatch):
