@@ -1,14 +1,16 @@
 """Different adapter sets on different rows of one batched model call.
 
 The base projection runs once for the whole batch; each slot then adds every row's own
-residual. The sets present in a batch are laid side by side along the rank axis, one
-`[in, R]` / `[R, out]` pair per slot (R: the ranks of every set, summed), and a per-row mask
-keeps each row's own columns, at its own scale, and zeroes the others:
+residual. The adapters the batch's sets use are laid side by side along the rank axis, each
+once, however many sets name it: one `[in, R]` / `[R, out]` pair per slot (R: the ranks of
+those adapters, summed). A per-row mask holds, on each adapter's columns, the scale the row's
+set gives it (its weight times the adapter's own scale), and zero on the others:
 
     y[b] += ((x[b] @ A_cat) * mask[b]) @ B_cat
 
-Two dense matmuls per slot whatever the number of sets. A masked column contributes an exact
-zero, so a row gets its own set's residual and nothing else.
+Two dense matmuls per slot whatever the number of sets, and a stack such as `a+b` beside `a`
+and `b` adds no columns of its own. A zero column contributes an exact zero, so a row gets its
+own set's residual and nothing else.
 """
 
 from __future__ import annotations
@@ -17,47 +19,45 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from hotlora.adapters.adapter_set import AdapterSet
+from hotlora.adapters.adapter_set import AdapterSet, MountedAdapter
 
-# Per set: the span of its columns in the side-by-side pair, and the scale on them.
-Span = tuple[int, int, float]
+# One slot's layout: each adapter with weights there, and the span of its columns.
+Layout = tuple[tuple[MountedAdapter, int, int], ...]
 
 
 class SideBySide:
-    """The distinct adapter sets of a batch (one per `key`), side by side per slot; built
-    lazily, then kept."""
+    """Distinct adapters (mounted revisions), side by side per slot; built lazily, then kept."""
 
-    def __init__(self, sets: Sequence[AdapterSet]):
-        self.sets = tuple(sets)
-        self.keys = frozenset(adapters.key for adapters in self.sets)
-        self._slots: dict[str, tuple[mx.array, mx.array, tuple[Span, ...]] | None] = {}
+    def __init__(self, adapters: Sequence[MountedAdapter]):
+        self.adapters = tuple(adapters)
+        self.members = frozenset(self.adapters)  # by identity: a replaced id is another member
+        self._slots: dict[str, tuple[mx.array, mx.array, Layout] | None] = {}
 
-    def slot(self, path: str) -> tuple[mx.array, mx.array, tuple[Span, ...]] | None:
-        """`(A_cat [in, R], B_cat [R, out], spans)` at one slot; None when no set has weights
-        there. Built on first use, on the thread that runs the model (MLX streams are per
-        thread)."""
+    def slot(self, path: str) -> tuple[mx.array, mx.array, Layout] | None:
+        """`(A_cat [in, R], B_cat [R, out], layout)` at one slot; None when no adapter has
+        weights there. Built on first use, on the thread that runs the model (MLX streams are
+        per thread)."""
         if path not in self._slots:
             self._slots[path] = self._build(path)
         return self._slots[path]
 
-    def _build(self, path: str) -> tuple[mx.array, mx.array, tuple[Span, ...]] | None:
-        a_parts, b_parts, spans = [], [], []
+    def _build(self, path: str) -> tuple[mx.array, mx.array, Layout] | None:
+        a_parts, b_parts, layout = [], [], []
         start = 0
-        for adapters in self.sets:
-            terms = adapters.slot_terms(path)
-            if not terms:
-                spans.append((start, start, 0.0))
+        for mounted in self.adapters:
+            pair = mounted.adapter.weights.get(path)
+            if pair is None:
                 continue
-            ((a, b, scale),) = terms  # a set's terms at one slot are fused into one pair
+            a, b = pair
             a_parts.append(a)
             b_parts.append(b)
-            spans.append((start, start + a.shape[1], scale))
+            layout.append((mounted, start, start + a.shape[1]))
             start += a.shape[1]
         if not a_parts:
             return None
         a_cat = mx.concatenate(a_parts, axis=1)  # [in, R]
         b_cat = mx.concatenate(b_parts, axis=0)  # [R, out]
-        return a_cat, b_cat, tuple(spans)
+        return a_cat, b_cat, tuple(layout)
 
 
 class RowAdapters:
@@ -65,18 +65,17 @@ class RowAdapters:
 
     def __init__(self, side_by_side: SideBySide, rows: Sequence[AdapterSet]):
         self.side_by_side = side_by_side
-        index = {adapters.key: i for i, adapters in enumerate(side_by_side.sets)}
-        self._which = [index[adapters.key] if adapters.entries else -1 for adapters in rows]
-        self._masks: dict[tuple[tuple[Span, ...], int], mx.array] = {}
+        self._rows = tuple(rows)
+        self._masks: dict[Layout, mx.array] = {}
 
     def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
         """`x` [B, L, in] and the base output `y` [B, L, out]; y plus each row's residual."""
         slot = self.side_by_side.slot(path)
         if slot is None:
             return y
-        a_cat, b_cat, spans = slot
+        a_cat, b_cat, layout = slot
         batch, length = x.shape[0], x.shape[1]
-        mask = self._mask(spans, a_cat)  # [B, R]
+        mask = self._mask(layout, a_cat)  # [B, R]
         # As matrices of rows ([B * L, ...]): one product each for the whole batch.
         h = x.reshape(batch * length, -1) @ a_cat  # [B * L, R]
         if length == 1:
@@ -88,31 +87,34 @@ class RowAdapters:
             return mx.addmm(flat, h, b_cat).reshape(y.shape)  # y + h @ B_cat in one product
         return (flat + (h @ b_cat).astype(y.dtype)).reshape(y.shape)
 
-    def _mask(self, spans: tuple[Span, ...], a_cat: mx.array) -> mx.array:
-        """[B, R]: a row's own columns at its set's scale, zero elsewhere. Slots with the
-        same layout (most of a model's) share one mask."""
-        width = a_cat.shape[1]
-        mask = self._masks.get((spans, width))
+    def _mask(self, layout: Layout, a_cat: mx.array) -> mx.array:
+        """[B, R]: on each adapter's columns, the scale the row's set gives it (summed if the
+        set names it twice); zero elsewhere. Slots with the same layout (most of a model's)
+        share one mask."""
+        mask = self._masks.get(layout)
         if mask is None:
+            spans = {id(mounted): (start, stop) for mounted, start, stop in layout}
             rows = []
-            for which in self._which:
-                row = [0.0] * width
-                if which >= 0:
-                    start, stop, scale = spans[which]
-                    row[start:stop] = [scale] * (stop - start)
+            for adapters in self._rows:
+                row = [0.0] * a_cat.shape[1]
+                for entry in adapters.entries:
+                    span = spans.get(id(entry.mounted))
+                    if span is not None and entry.weight != 0.0:
+                        for column in range(*span):
+                            row[column] += entry.scale
                 rows.append(row)
             mask = mx.array(rows, dtype=a_cat.dtype)
-            self._masks[(spans, width)] = mask
+            self._masks[layout] = mask
         return mask
 
 
 class RowAdapterCache:
     """Builds what the slots apply for a batch of rows.
 
-    Side-by-side pairs copy their sets' arrays, so they are built only when a batch needs a
-    set that none of the kept ones holds; a kept superset serves any batch whose sets it holds
-    (the columns of absent sets are masked out). Rows joining and leaving therefore rebuild
-    nothing while the same requests run.
+    Side-by-side pairs copy their adapters' arrays, so they are built only when a batch uses an
+    adapter that none of the kept ones holds; a kept superset serves any batch whose adapters
+    it holds (the columns of absent ones are masked out). Rows joining and leaving therefore
+    rebuild nothing while the same adapters are in use.
     """
 
     def __init__(self, keep: int = 2):
@@ -137,12 +139,17 @@ class RowAdapterCache:
             return rows[0]
         if len(distinct) == 1 and all(adapters.entries for adapters in rows):
             return rows[0]
+        used: dict[int, MountedAdapter] = {}  # in order of first use
+        for adapters in distinct.values():
+            for entry in adapters.entries:
+                if entry.weight != 0.0:
+                    used.setdefault(id(entry.mounted), entry.mounted)
         for side_by_side in reversed(self._built):
-            if side_by_side.keys.issuperset(distinct):
+            if side_by_side.members.issuperset(used.values()):
                 self._built.remove(side_by_side)
                 break
         else:
-            side_by_side = SideBySide(list(distinct.values()))
+            side_by_side = SideBySide(list(used.values()))
             if len(self._built) >= self.keep:
                 self._built.pop(0)
         self._built.append(side_by_side)

@@ -65,8 +65,47 @@ def test_a_kept_superset_serves_later_batches_without_a_rebuild(setup):
         batched = logits(model, tokens)
     assert mx.abs(batched[0:1] - solo_logits(model, sets["b"], TOKENS)).max().item() < 1e-4
     assert mx.abs(batched[1:2] - solo_logits(model, BASE_ONLY, TOKENS)).max().item() < 1e-4
-    fresh = cache.for_rows([sets["a@0.5+b"], sets["a"]])  # a set it lacks: built anew
+    # Other sets of the same adapters (another weight, another order) reuse its columns.
+    stacked = cache.for_rows([sets["a@0.5+b"], sets["b@-1"], sets["a"]])
+    assert isinstance(stacked, RowAdapters) and stacked.side_by_side is first.side_by_side
+    with activate(stacked):
+        batched = logits(model, mx.concatenate([TOKENS] * 3))
+    for i, spec in enumerate(["a@0.5+b", "b@-1", "a"]):
+        alone = solo_logits(model, sets[spec], TOKENS)
+        assert mx.abs(batched[i : i + 1] - alone).max().item() < 1e-4
+
+
+def test_an_adapter_no_kept_pair_holds_gets_a_new_one(tmp_path):
+    model, manager = manager_with_a_and_b(tmp_path)
+    cache = RowAdapterCache(keep=1)
+    first = cache.for_rows([adapter_set(manager, "a"), BASE_ONLY])
+    assert isinstance(first, RowAdapters)
+    # A stack with `b`, which the kept pair lacks.
+    fresh = cache.for_rows([adapter_set(manager, "a+b"), adapter_set(manager, "a")])
     assert isinstance(fresh, RowAdapters) and fresh.side_by_side is not first.side_by_side
+    # `b` replaced by another revision is another adapter: its columns are not the old ones.
+    manager.mount("b", "a", replace=True)
+    replaced = cache.for_rows([adapter_set(manager, "b"), adapter_set(manager, "a")])
+    assert isinstance(replaced, RowAdapters) and replaced.side_by_side is not fresh.side_by_side
+    with activate(replaced):
+        batched = logits(model, mx.concatenate([TOKENS, TOKENS]))
+    a_alone = solo_logits(model, adapter_set(manager, "a"), TOKENS)
+    for i in (0, 1):  # `b` now holds `a`'s weights: both rows compute `a`
+        assert mx.abs(batched[i : i + 1] - a_alone).max().item() < 1e-4
+
+
+def test_a_stack_beside_its_members_adds_no_columns(setup):
+    _, sets = setup
+    mixed = RowAdapterCache().for_rows([sets["a"], sets["b"], sets["a+b"], sets["a@0.5+b"]])
+    assert isinstance(mixed, RowAdapters)
+    assert len(mixed.side_by_side.adapters) == 2
+    path = next(iter(sets["a"].entries[0].mounted.adapter.weights))
+    slot = mixed.side_by_side.slot(path)
+    assert slot is not None
+    a_cat, _, _ = slot
+    rank_a = sets["a"].entries[0].mounted.adapter.weights[path][0].shape[1]
+    rank_b = sets["b"].entries[0].mounted.adapter.weights[path][0].shape[1]
+    assert a_cat.shape[1] == rank_a + rank_b
 
 
 def test_sets_stay_apart_when_rows_are_reordered(setup):
@@ -96,4 +135,4 @@ def test_equal_sets_share_their_columns(manager_and_model):
     assert cache.for_rows([first, second]) is first  # one set's computation for both rows
     mixed = cache.for_rows([first, second, adapter_set(manager, "b")])
     assert isinstance(mixed, RowAdapters)
-    assert len(mixed.side_by_side.sets) == 2
+    assert len(mixed.side_by_side.adapters) == 2
