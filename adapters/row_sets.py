@@ -30,7 +30,7 @@ class SideBySide:
 
     def __init__(self, adapters: Sequence[MountedAdapter]):
         self.adapters = tuple(adapters)
-        self.members = frozenset(self.adapters)  # by identity: a replaced id is another member
+        self.members = frozenset(self.adapters)
         self._slots: dict[str, tuple[mx.array, mx.array, Layout] | None] = {}
 
     def slot(self, path: str) -> tuple[mx.array, mx.array, Layout] | None:
@@ -93,13 +93,13 @@ class RowAdapters:
         share one mask."""
         mask = self._masks.get(layout)
         if mask is None:
-            spans = {id(mounted): (start, stop) for mounted, start, stop in layout}
+            spans = {mounted: (start, stop) for mounted, start, stop in layout}
             rows = []
             for adapters in self._rows:
                 row = [0.0] * a_cat.shape[1]
                 for entry in adapters.entries:
-                    span = spans.get(id(entry.mounted))
-                    if span is not None and entry.weight != 0.0:
+                    span = spans.get(entry.mounted)
+                    if span is not None:  # a weight of 0 adds a scale of 0
                         for column in range(*span):
                             row[column] += entry.scale
                 rows.append(row)
@@ -139,17 +139,19 @@ class RowAdapterCache:
             return rows[0]
         if len(distinct) == 1 and all(adapters.entries for adapters in rows):
             return rows[0]
-        used: dict[int, MountedAdapter] = {}  # in order of first use
-        for adapters in distinct.values():
-            for entry in adapters.entries:
-                if entry.weight != 0.0:
-                    used.setdefault(id(entry.mounted), entry.mounted)
+        # Adapters compare by identity: a replaced id is another adapter. In order of first use.
+        used = {
+            entry.mounted: None
+            for adapters in distinct.values()
+            for entry in adapters.entries
+            if entry.weight != 0.0
+        }
         for side_by_side in reversed(self._built):
-            if side_by_side.members.issuperset(used.values()):
+            if side_by_side.members.issuperset(used):
                 self._built.remove(side_by_side)
                 break
         else:
-            side_by_side = SideBySide(list(used.values()))
+            side_by_side = SideBySide(list(used))
             if len(self._built) >= self.keep:
                 self._built.pop(0)
         self._built.append(side_by_side)
