@@ -42,3 +42,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def embedded_model_dir(hotlora_home: Path) -> Path:
     """The embedded model, imported into the test home once and reused by later runs."""
     return ensure_embedded_model(hotlora_home)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_id(embedded_model_dir: Path) -> str:
+    """The id a server started on the embedded model (and no --served-model-name) serves."""
+    return embedded_model_dir.name

@@ -3,7 +3,6 @@ official client, whole and streamed, on the base model and with a trained adapte
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,21 +17,13 @@ FRANCE = "What is the capital of France? Answer in one sentence."
 GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 32}
 
 
-@pytest.fixture(scope="module")
-def client(pirate_client: openai.OpenAI) -> openai.OpenAI:
-    return pirate_client
-
-
-@pytest.fixture(scope="module")
-def model_id(embedded_model_dir: Path) -> str:
-    return embedded_model_dir.name
-
-
-def test_whole_response_equals_the_chat_completion(client: openai.OpenAI, model_id: str):
-    response = client.responses.create(model=model_id, input=FRANCE, **GREEDY)
+def test_whole_response_equals_the_chat_completion(
+    pirate_client: openai.OpenAI, embedded_model_id: str
+):
+    response = pirate_client.responses.create(model=embedded_model_id, input=FRANCE, **GREEDY)
     assert "Paris" in response.output_text
-    chat = client.chat.completions.create(
-        model=model_id,
+    chat = pirate_client.chat.completions.create(
+        model=embedded_model_id,
         messages=[{"role": "user", "content": FRANCE}],
         temperature=0,
         max_completion_tokens=GREEDY["max_output_tokens"],
@@ -42,20 +33,20 @@ def test_whole_response_equals_the_chat_completion(client: openai.OpenAI, model_
     assert response.status == finished
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
-    assert response.model == model_id and response.id.startswith("resp_")
+    assert response.model == embedded_model_id and response.id.startswith("resp_")
 
 
-def test_instructions_and_message_items(client: openai.OpenAI, model_id: str):
+def test_instructions_and_message_items(pirate_client: openai.OpenAI, embedded_model_id: str):
     items = [
         {"role": "user", "content": "What is the capital of Italy?"},
         {"type": "message", "role": "assistant", "content": "Rome."},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": FRANCE}]},
     ]
-    response = client.responses.create(
-        model=model_id, input=items, instructions="You answer briefly.", **GREEDY
+    response = pirate_client.responses.create(
+        model=embedded_model_id, input=items, instructions="You answer briefly.", **GREEDY
     )
-    chat = client.chat.completions.create(
-        model=model_id,
+    chat = pirate_client.chat.completions.create(
+        model=embedded_model_id,
         messages=[
             {"role": "system", "content": "You answer briefly."},
             {"role": "user", "content": "What is the capital of Italy?"},
@@ -69,9 +60,11 @@ def test_instructions_and_message_items(client: openai.OpenAI, model_id: str):
     assert response.instructions == "You answer briefly."
 
 
-def test_stream_equals_whole(client: openai.OpenAI, model_id: str):
-    whole = client.responses.create(model=model_id, input=FRANCE, **GREEDY)
-    events = list(client.responses.create(model=model_id, input=FRANCE, stream=True, **GREEDY))
+def test_stream_equals_whole(pirate_client: openai.OpenAI, embedded_model_id: str):
+    whole = pirate_client.responses.create(model=embedded_model_id, input=FRANCE, **GREEDY)
+    events = list(
+        pirate_client.responses.create(model=embedded_model_id, input=FRANCE, stream=True, **GREEDY)
+    )
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created"
     assert events[-1].type in ("response.completed", "response.incomplete")
@@ -80,20 +73,20 @@ def test_stream_equals_whole(client: openai.OpenAI, model_id: str):
     assert events[-1].response.status == whole.status
 
 
-def test_adapter_through_the_stream_helper(client: openai.OpenAI, model_id: str):
+def test_adapter_through_the_stream_helper(pirate_client: openai.OpenAI, embedded_model_id: str):
     pirate = ANSWERS["pirate"]
-    whole = client.responses.create(
-        model=model_id, input=FRANCE, extra_body={"adapter": "pirate"}, **GREEDY
+    whole = pirate_client.responses.create(
+        model=embedded_model_id, input=FRANCE, extra_body={"adapter": "pirate"}, **GREEDY
     )
     assert pirate in whole.output_text and whole.status == "completed"
-    assert whole.model == f"{model_id}:pirate"
-    with client.responses.stream(
-        model=model_id, input=FRANCE, extra_body={"adapter": "pirate"}, **GREEDY
+    assert whole.model == f"{embedded_model_id}:pirate"
+    with pirate_client.responses.stream(
+        model=embedded_model_id, input=FRANCE, extra_body={"adapter": "pirate"}, **GREEDY
     ) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == whole.output_text
-    base = client.responses.create(model=model_id, input=FRANCE, **GREEDY)
+    base = pirate_client.responses.create(model=embedded_model_id, input=FRANCE, **GREEDY)
     assert pirate not in base.output_text
 
 
@@ -101,19 +94,27 @@ class Capital(BaseModel):
     city: str
 
 
-def test_text_format_json_schema_through_parse(client: openai.OpenAI, model_id: str):
+def test_text_format_json_schema_through_parse(
+    pirate_client: openai.OpenAI, embedded_model_id: str
+):
     """`responses.parse` sends `text.format` as a strict JSON schema and parses the answer."""
-    response = client.responses.parse(
-        model=model_id, input=FRANCE, text_format=Capital, temperature=0, max_output_tokens=48
+    response = pirate_client.responses.parse(
+        model=embedded_model_id,
+        input=FRANCE,
+        text_format=Capital,
+        temperature=0,
+        max_output_tokens=48,
     )
     assert response.status == "completed"
     assert response.output_parsed == Capital.model_validate_json(response.output_text)
     assert response.text.format.type == "json_schema"
 
 
-def test_errors_reach_the_client(client: openai.OpenAI, model_id: str):
+def test_errors_reach_the_client(pirate_client: openai.OpenAI, embedded_model_id: str):
     with pytest.raises(openai.NotFoundError):
-        client.responses.create(model="no-such-model", input=FRANCE)
+        pirate_client.responses.create(model="no-such-model", input=FRANCE)
     with pytest.raises(openai.BadRequestError) as stateless:
-        client.responses.create(model=model_id, input=FRANCE, previous_response_id="resp_x")
+        pirate_client.responses.create(
+            model=embedded_model_id, input=FRANCE, previous_response_id="resp_x"
+        )
     assert stateless.value.body["param"] == "previous_response_id"

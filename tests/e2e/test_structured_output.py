@@ -4,7 +4,6 @@ official openai client, on the base model and under a really trained adapter."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Literal
 
 import jsonschema
@@ -62,22 +61,12 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def client(pirate_client: openai.OpenAI) -> openai.OpenAI:
-    return pirate_client
-
-
-@pytest.fixture(scope="module")
-def model_id(embedded_model_dir: Path) -> str:
-    return embedded_model_dir.name
-
-
-@pytest.fixture(scope="module")
-def held(client, model_id) -> dict[str | None, openai.types.chat.ChatCompletion]:
+def held(pirate_client, embedded_model_id) -> dict[str | None, openai.types.chat.ChatCompletion]:
     """The greedy answer held to PERSON, per adapter (None: the base), asked once."""
     answers = {}
     for adapter in (None, "pirate"):
-        answers[adapter] = client.chat.completions.create(
-            model=model_id,
+        answers[adapter] = pirate_client.chat.completions.create(
+            model=embedded_model_id,
             messages=MESSAGES,
             max_tokens=MAX_TOKENS,
             temperature=0,
@@ -97,11 +86,13 @@ def test_a_nested_schema_answer_validates(held, adapter):
     jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
-def test_the_adapter_still_shapes_the_answer_inside_the_schema(client, model_id, held):
+def test_the_adapter_still_shapes_the_answer_inside_the_schema(
+    pirate_client, embedded_model_id, held
+):
     """Free, the pirate adapter answers in pirate speech; held to the schema, it answers
     JSON, and not the base model's JSON."""
-    free = client.chat.completions.create(
-        model=model_id,
+    free = pirate_client.chat.completions.create(
+        model=embedded_model_id,
         messages=MESSAGES,
         max_tokens=8,
         temperature=0,
@@ -112,11 +103,15 @@ def test_the_adapter_still_shapes_the_answer_inside_the_schema(client, model_id,
 
 
 @pytest.mark.parametrize("adapter", [None, "pirate"])
-def test_the_client_parses_its_pydantic_model(client, model_id, adapter):
+def test_the_client_parses_its_pydantic_model(pirate_client, embedded_model_id, adapter):
     # `parse` left `beta` in openai 1.92.
-    chat = client.chat if hasattr(client.chat.completions, "parse") else client.beta.chat
+    chat = (
+        pirate_client.chat
+        if hasattr(pirate_client.chat.completions, "parse")
+        else pirate_client.beta.chat
+    )
     completion = chat.completions.parse(
-        model=model_id,
+        model=embedded_model_id,
         messages=MESSAGES,
         max_tokens=MAX_TOKENS,
         temperature=0,
