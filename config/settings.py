@@ -107,6 +107,11 @@ class Settings(BaseSettings):
     cpu_float_budget_bytes: int | None = Field(
         default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."
     )
+    cpu_vector_jit: bool = Field(
+        default=True,
+        description="On an x86-64 CPU with AVX2 and FMA and no GPU: MLX builds its fused CPU "
+        "kernels with them (same results; faster SiLU and attention softmax).",
+    )
     # The process.
     drain_timeout: float = Field(
         default=30.0,

@@ -14,7 +14,8 @@ import mlx.core as mx
 from hotlora.adapters import AdapterManager, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
-from hotlora.models.cpu_weights import choose_cpu_weights, to_float32
+from hotlora.models.cpu_kernels import enable_vector_jit, install_cpu_attention
+from hotlora.models.cpu_weights import choose_cpu_weights, has_gpu, to_float32
 from hotlora.models.embedded import embedded_model_path, ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.admin_protocol import ModelCard
@@ -176,6 +177,15 @@ class Runtime:
         log.info(
             "serving %s weights: %s", "float32" if choice.float32 else "as-loaded", choice.reason
         )
+        if has_gpu():
+            return
+        if not self.settings.cpu_vector_jit:
+            log.info("CPU kernels: baseline x86-64 (--no-cpu-vector-jit)")
+            return
+        jit = enable_vector_jit(self.settings.home)
+        if jit.enabled:
+            install_cpu_attention(loaded.model)
+        log.info("CPU kernels: %s", jit.reason)
 
     async def _warm_up(self) -> None:
         if not self.settings.warmup or self.worker is None:

@@ -125,7 +125,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
         "adapter_root": root,
         "max_batch": 2,
     }
-    reference = one_server_answers(Settings(home=work / "one", **fields))
+    # The reference app runs in this process and leaves its PATH and TMPDIR alone: it computes
+    # with MLX's baseline CPU kernels, the replicas with the vector ones, to the same answers.
+    reference = one_server_answers(Settings(home=work / "one", cpu_vector_jit=False, **fields))
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200_000_000)
     try:

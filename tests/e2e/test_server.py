@@ -72,11 +72,14 @@ def test_greedy_equals_mlx_lm_generate(client, model_id, model_dir, tokenizer, s
     from mlx_lm import generate
     from mlx_lm.utils import dequantize_model, load_model
 
+    from hotlora.models.cpu_kernels import vector_jit_unavailable
     from hotlora.models.cpu_weights import choose_cpu_weights
 
     model, _ = load_model(model_dir)
     if choose_cpu_weights(model, "auto").float32:
         assert "serving float32 weights: no GPU" in server.log(200)
+        if vector_jit_unavailable() is None:  # and this process computes with MLX's own kernels
+            assert "CPU kernels: fused kernels built with -mavx2 -mfma -mf16c" in server.log(200)
         dequantize_model(model)
         model.set_dtype(mx.float32)
     else:

@@ -38,7 +38,13 @@ def make_client(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., 
         on_fatal: Callable[[BaseException], None] | None = None,
         **overrides: object,
     ) -> TestClient:
-        fields = {"model": tiny_model_dir, "served_model_name": "tiny", **overrides}
+        # An app in this process leaves the test process's PATH and TMPDIR alone.
+        fields = {
+            "model": tiny_model_dir,
+            "served_model_name": "tiny",
+            "cpu_vector_jit": False,
+            **overrides,
+        }
         settings = Settings(home=tmp_path / "home", **fields)
         app = create_app(settings, on_fatal=on_fatal)
         client = TestClient(app, raise_server_exceptions=raise_server_exceptions)

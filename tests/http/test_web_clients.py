@@ -348,6 +348,7 @@ def sampling_config_client(
             model=model_with_sampling_config,
             home=tmp_path / "home",
             served_model_name="tiny",
+            cpu_vector_jit=False,
             **overrides,
         )
         client = TestClient(create_app(settings))
