@@ -46,6 +46,11 @@ ifeq ($(UNAME),Linux)
 		echo "installing OpenBLAS (libopenblas0-pthread)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread; \
 	fi
+# MLX builds its fused CPU kernels with g++ at run time (see the README's CPU section).
+	@if ! command -v g++ >/dev/null; then \
+		echo "installing g++"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++; \
+	fi
 # The browser test drives Debian's Chromium (playwright's own download is not used).
 	@if ! command -v chromium >/dev/null; then \
 		echo "installing Chromium (chromium)"; \

@@ -141,6 +141,11 @@ def test_only_the_cpu_image_preloads_openblas():
     assert "LD_PRELOAD" not in env_before(DOCKERFILES["cuda"], "USER")
 
 
+def test_the_cpu_image_has_the_compiler_mlx_builds_its_cpu_kernels_with():
+    (packages,) = [a for a in args_of(DOCKERFILES["cpu"], "RUN") if "apt-get install" in a]
+    assert "g++" in shlex.split(packages.partition("apt-get install")[2])
+
+
 def test_the_cuda_image_starts_from_nvidia_cuda():
     (base,) = args_of(DOCKERFILES["cuda"], "FROM")
     assert base.startswith("nvidia/cuda:") and "-runtime-" in base
