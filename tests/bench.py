@@ -11,7 +11,8 @@ against the base, latency when requests switch adapters, and mount/unmount times
 `LLAMA_SERVER` names its binary.
 
     python -m tests.bench [--sections base,adapters,concurrency] [--rounds 5] [--max-tokens 128]
-                          [--clients 8] [--concurrency-tokens 96] [--model DIR]
+                          [--clients 8] [--concurrency-tokens 96] [--concurrency-rounds 3]
+                          [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
 """
@@ -236,7 +237,12 @@ def section_adapters(args: argparse.Namespace, model_dir: Path) -> SectionResult
 def section_concurrency(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     """Many streaming clients at once: hotlora (base, mixed adapters) against its peers."""
     out = run_concurrency(
-        model_dir, args.home, server_env(args.home), args.clients, args.concurrency_tokens
+        model_dir,
+        args.home,
+        server_env(args.home),
+        args.clients,
+        args.concurrency_tokens,
+        args.concurrency_rounds,
     )
     return SectionResult(out.title, [], out.lines)
 
@@ -266,6 +272,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=96,
         help="New tokens per request in section concurrency.",
     )
+    p.add_argument(
+        "--concurrency-rounds",
+        type=int,
+        default=3,
+        help="Alternating rounds of hotlora's two servers in section concurrency.",
+    )
     add_model_args(p)
     p.add_argument(
         "--skip-direct", action="store_true", help="Leave out the in-process stream_generate run."
@@ -277,8 +289,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown section(s): {', '.join(unknown)}")
     if not 1 <= args.rounds <= len(QUESTIONS):
         p.error(f"--rounds must be 1..{len(QUESTIONS)} (one distinct question per round)")
-    if not 1 <= args.clients <= len(CONCURRENT_QUESTIONS):
-        p.error(f"--clients must be 1..{len(CONCURRENT_QUESTIONS)} (one question per client)")
+    asked = args.concurrency_rounds * (args.clients + 1)
+    if args.clients < 1 or args.concurrency_rounds < 1 or asked > len(CONCURRENT_QUESTIONS):
+        p.error(
+            f"--concurrency-rounds x (--clients + 1) must be 1..{len(CONCURRENT_QUESTIONS)} "
+            "(a question of its own for every stream of every round)"
+        )
     if args.max_tokens < 2:
         p.error("--max-tokens must be at least 2 to measure decoding")
     return args

@@ -1,10 +1,10 @@
 """`make bench`, section `concurrency`: many streaming clients at once, on the embedded model.
 
-Each system serves, in turn (one server busy at a time), first one streaming client alone, then
-`--clients` (8) streaming clients at once, each asking for `--max-tokens` (96) new tokens on a
-question of its own. Reported: single-stream time to first token and decode rate, aggregate
-tokens/s over the concurrent run (all completion tokens / wall time), the concurrent run's
-time-to-first-token median, and each server's peak RSS.
+Each system serves first one streaming client alone, then `--clients` (8) streaming clients at
+once, each asking for `--max-tokens` (96) new tokens on a question of its own. Reported: single-
+stream time to first token and decode rate, aggregate tokens/s over the concurrent run (all
+completion tokens / wall time), the concurrent run's time-to-first-token median, and each
+server's peak RSS.
 
 Systems: hotlora on the base model; hotlora with four adapter sets mixed across the clients
 (`a`, `b`, `m`, `a+b`; random rank-16 adapters on every projection); hotlora with its weights
@@ -12,6 +12,13 @@ kept quantized (`--cpu-weights quantized`, single stream only: the path served b
 weights); mlx_lm.server with `--decode-concurrency` and `--prompt-concurrency` set to the
 client count; and llama.cpp's `llama-server` on the same GGUF when `LLAMA_SERVER` names its
 binary.
+
+The two ratios hotlora is compared with itself on (8 streams against its single stream, mixed
+sets against the base) come from `--concurrency-rounds` (3) rounds: both hotlora servers run at
+once, taking turns, and each round measures the single stream and the 8 streams back to back on
+questions no earlier round asked (no prompt-cache hits). Each figure is the median over rounds of
+the per-round value, so a change in the machine's speed between rounds cancels out. The other
+systems, one at a time, run one round.
 """
 
 from __future__ import annotations
@@ -50,6 +57,26 @@ QUESTIONS = [
     "Explain how vaccines train the immune system.",
     "Describe the journey of a river from mountain to sea.",
     "Write a story about two friends lost in a forest.",
+    "Explain how a refrigerator keeps food cold.",
+    "Describe the busiest day at a small train station.",
+    "Write a long fable about a fox and a clever crow.",
+    "Explain how bees make honey and why it matters.",
+    "Describe a storm at sea from the deck of a ship.",
+    "Write a diary entry of an explorer crossing a desert.",
+    "Explain how a bridge carries the weight of traffic.",
+    "Describe the morning routine of a city baker.",
+    "Write a story about a child who finds a hidden door.",
+    "Explain how tides follow the moon.",
+    "Describe an afternoon in an old botanical garden.",
+    "Write a speech for the opening of a new library.",
+    "Explain how paper is made from trees.",
+    "Describe the sounds of a forest at night.",
+    "Write a story about a musician who loses her voice.",
+    "Explain how glass is made, from sand to window.",
+    "Describe a winter festival in a northern town.",
+    "Write a letter from a gardener to the next owner of her garden.",
+    "Explain how a submarine dives and surfaces.",
+    "Describe the workshop of a violin maker.",
 ]
 WARMUP_QUESTIONS = [
     "Describe your favourite season.",
@@ -79,14 +106,12 @@ SINGLE_TTFT_SPEEDUP = 4.0  # single-stream first token, quantized path / float32
 
 
 @dataclass
-class Run:
-    """One system's single stream and its concurrent run."""
+class Round:
+    """One system's single stream and, if measured, its concurrent run right after it."""
 
-    system: str
-    single: Sample | None = None
+    single: Sample
     concurrent: list[Sample] = dataclasses.field(default_factory=list)
     wall_s: float = 0.0
-    peak_rss_mb: float = 0.0
 
     @property
     def aggregate(self) -> float:
@@ -94,8 +119,50 @@ class Run:
         return tokens / self.wall_s if self.wall_s else float("nan")
 
     @property
+    def single_rate(self) -> float:
+        """The single stream's tokens per second end to end (first token wait included)."""
+        one = self.single
+        return one.tokens / (one.ttft_s + one.tokens / one.decode_tok_s)
+
+
+@dataclass
+class Run:
+    """One system's rounds; each figure is the median over them."""
+
+    system: str
+    rounds: list[Round] = dataclasses.field(default_factory=list)
+    peak_rss_mb: float = 0.0
+
+    @property
+    def concurrent(self) -> bool:
+        return bool(self.rounds) and bool(self.rounds[0].concurrent)
+
+    @property
+    def ttft_s(self) -> float:
+        return statistics.median(r.single.ttft_s for r in self.rounds)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return statistics.median(r.single.decode_tok_s for r in self.rounds)
+
+    @property
+    def aggregate(self) -> float:
+        return statistics.median(r.aggregate for r in self.rounds)
+
+    @property
     def ttft_p50(self) -> float:
-        return statistics.median(s.ttft_s for s in self.concurrent)
+        return statistics.median(
+            statistics.median(s.ttft_s for s in r.concurrent) for r in self.rounds
+        )
+
+    def per_round(self, value: Callable[[Round], float]) -> float:
+        return statistics.median(value(r) for r in self.rounds)
+
+
+def round_questions(round_: int, clients: int) -> tuple[str, list[str]]:
+    """The single stream's question and the clients' ones, none asked in an earlier round."""
+    chunk = QUESTIONS[round_ * (clients + 1) : (round_ + 1) * (clients + 1)]
+    return chunk[0], chunk[1:]
 
 
 @dataclass
@@ -144,42 +211,46 @@ def concurrent_chats(
     return [s for s in samples if isinstance(s, Sample)], wall
 
 
+def warm_up(server: ServerProcess, clients: int, extras: list[dict], concurrent: bool) -> None:
+    """The workload once, short and on other questions (so no prompt cache helps later): every
+    system is then measured serving, not starting up."""
+    questions = WARMUP_QUESTIONS[:clients]
+    if concurrent:
+        concurrent_chats(server, questions, WARMUP_TOKENS, extras)
+    with httpx.Client() as client:
+        stream_chat(client, server, questions[0], WARMUP_TOKENS, -1, extras[0] if extras else {})
+
+
 def measure(
     server: ServerProcess,
-    questions: list[str],
+    round_: int,
+    clients: int,
     max_tokens: int,
     extras: list[dict],
     concurrent: bool,
-) -> Run:
-    """A warm-up, one stream alone, then (if `concurrent`) every question at once.
-
-    The warm-up runs the workload once, short and on other questions (so no prompt cache
-    helps later): every system is then measured serving, not starting up.
-    """
+) -> Round:
+    """One stream alone, then (if `concurrent`) every client at once."""
     name = server.spec.name
-    run = Run(name)
-    first = extras[0] if extras else {}
-    warm_up = WARMUP_QUESTIONS[: len(questions)]
-    if concurrent:
-        concurrent_chats(server, warm_up, WARMUP_TOKENS, extras)
+    question, questions = round_questions(round_, clients)
     with httpx.Client() as client:
-        stream_chat(client, server, warm_up[0], WARMUP_TOKENS, -1, first)
-        run.single = stream_chat(client, server, questions[0], max_tokens, 0, first)
+        single = stream_chat(
+            client, server, question, max_tokens, round_, extras[0] if extras else {}
+        )
+    result = Round(single)
     print(
-        f"{name}: single stream ttft {run.single.ttft_s:.2f}s, "
-        f"decode {run.single.decode_tok_s:.1f} tok/s",
+        f"{name}, round {round_ + 1}: single stream ttft {single.ttft_s:.2f}s, "
+        f"decode {single.decode_tok_s:.1f} tok/s",
         flush=True,
     )
     if concurrent:
-        run.concurrent, run.wall_s = concurrent_chats(server, questions, max_tokens, extras)
+        result.concurrent, result.wall_s = concurrent_chats(server, questions, max_tokens, extras)
         print(
-            f"{name}: {len(questions)} streams, aggregate {run.aggregate:.1f} tok/s, "
-            f"ttft p50 {run.ttft_p50:.2f}s",
+            f"{name}, round {round_ + 1}: {clients} streams, aggregate "
+            f"{result.aggregate:.1f} tok/s, ttft p50 "
+            f"{statistics.median(s.ttft_s for s in result.concurrent):.2f}s",
             flush=True,
         )
-    assert server.proc is not None
-    run.peak_rss_mb = peak_rss_mb(server.proc.pid)
-    return run
+    return result
 
 
 def llama_server_spec(binary: Path, gguf: Path, clients: int) -> ServerSpec:
@@ -203,23 +274,24 @@ def _with_args(spec: ServerSpec, name: str, extra: Callable[[], list[str]]) -> S
 
 
 def run_concurrency(
-    model_dir: Path, home: Path, env: dict[str, str], clients: int, max_tokens: int
+    model_dir: Path, home: Path, env: dict[str, str], clients: int, max_tokens: int, rounds: int
 ) -> ConcurrencySection:
-    """Every system in turn; returns the printed table and the ratio lines."""
-    questions = QUESTIONS[:clients]
+    """hotlora's two servers in alternating rounds, then every other system in turn; returns the
+    printed table and the ratio lines."""
     adapter_root = home / "adapters"
     write_adapters(model_dir, adapter_root)
     mounts = [f"--adapter={i}={ADAPTER_DIRS[i]}" for i in ("a", "b", "m")]
     hot = hotlora_bench_spec(model_dir)
-    specs: list[tuple[ServerSpec, list[dict], bool]] = [
-        (hot, [{}] * clients, True),
+    paired: list[tuple[ServerSpec, list[dict]]] = [
+        (hot, [{}] * clients),
         (
             _with_args(
                 hot, "hotlora mixed", lambda: ["--adapter-root", str(adapter_root), *mounts]
             ),
             [{"adapter": MIXED_SETS[i % len(MIXED_SETS)]} for i in range(clients)],
-            True,
         ),
+    ]
+    alone: list[tuple[ServerSpec, list[dict], bool]] = [
         (_with_args(hot, "hotlora quantized", lambda: ["--cpu-weights", "quantized"]), [], False),
         (
             _with_args(
@@ -240,19 +312,39 @@ def run_concurrency(
     if llama:
         from hotlora.models.embedded import embedded_gguf_path
 
-        specs.append(
+        alone.append(
             (llama_server_spec(Path(llama), embedded_gguf_path(), clients), [{}] * clients, True)
         )
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="hotlora-bench-") as logs:
-        for spec, extras, concurrent in specs:
+        servers = launch([spec for spec, _ in paired], env, Path(logs))  # idle while not asked
+        try:
+            pair = [Run(server.spec.name) for server in servers]
+            for server, (_, extras) in zip(servers, paired, strict=True):
+                warm_up(server, clients, extras, True)
+            for round_ in range(rounds):
+                for run, server, (_, extras) in zip(pair, servers, paired, strict=True):
+                    run.rounds.append(measure(server, round_, clients, max_tokens, extras, True))
+            for run, server in zip(pair, servers, strict=True):
+                assert server.proc is not None
+                run.peak_rss_mb = peak_rss_mb(server.proc.pid)
+            runs.extend(pair)
+        finally:
+            for server in servers:
+                server.stop()
+        for spec, extras, concurrent in alone:
             (server,) = launch([spec], env, Path(logs))  # one server at a time
             try:
-                runs.append(measure(server, questions, max_tokens, extras, concurrent))
+                warm_up(server, clients, extras, concurrent)
+                run = Run(spec.name, [measure(server, 0, clients, max_tokens, extras, concurrent)])
+                assert server.proc is not None
+                run.peak_rss_mb = peak_rss_mb(server.proc.pid)
+                runs.append(run)
             finally:
                 server.stop()
     return ConcurrencySection(
-        f"concurrency: 1 and {clients} streaming clients, {max_tokens} new tokens, greedy",
+        f"concurrency: 1 and {clients} streaming clients, {max_tokens} new tokens, greedy "
+        f"(hotlora and hotlora mixed: medians of {rounds} alternating rounds)",
         table(runs, clients) + ratios({r.system: r for r in runs}, clients),
     )
 
@@ -264,12 +356,10 @@ def table(runs: list[Run], clients: int) -> list[str]:
     )
     lines = [head]
     for r in runs:
-        single = r.single
         agg = f"{r.aggregate:.1f}" if r.concurrent else "-"
         ttft = f"{r.ttft_p50:.2f}" if r.concurrent else "-"
         lines.append(
-            f"{r.system:<20}{single.ttft_s if single else float('nan'):>10.2f}"
-            f"{single.decode_tok_s if single else float('nan'):>11.1f}"
+            f"{r.system:<20}{r.ttft_s:>10.2f}{r.decode_tok_s:>11.1f}"
             f"{agg:>16}{ttft:>15}{r.peak_rss_mb:>13.0f}"
         )
     return lines
@@ -289,9 +379,12 @@ def check(
 def ratios(runs: dict[str, Run], clients: int) -> list[str]:
     hot, mixed, mlx = runs["hotlora"], runs["hotlora mixed"], runs["mlx_lm.server"]
     quant = runs["hotlora quantized"]
-    assert hot.single is not None and quant.single is not None
-    one = hot.single
-    single_rate = one.tokens / (one.ttft_s + one.tokens / one.decode_tok_s)  # end to end
+    # Per round, the 8 streams against the single stream just before them; the mixed server's
+    # round against the base server's round next to it.
+    own = hot.per_round(lambda r: r.aggregate / r.single_rate)
+    by_round = zip(mixed.rounds, hot.rounds, strict=True)
+    mixed_vs_base = statistics.median(m.aggregate / b.aggregate for m, b in by_round)
+    single_rate = hot.per_round(lambda r: r.single_rate)
     lines = [
         check(
             f"hotlora/mlx_lm.server, {clients} streams aggregate",
@@ -300,10 +393,10 @@ def ratios(runs: dict[str, Run], clients: int) -> list[str]:
         ),
         check(
             f"hotlora {clients} streams / its single stream ({single_rate:.1f} tok/s end to end)",
-            hot.aggregate / single_rate,
+            own,
             AGGREGATE_VS_SINGLE,
         ),
-        check("mixed adapter sets / base only, aggregate", mixed.aggregate / hot.aggregate, 0.85),
+        check("mixed adapter sets / base only, aggregate", mixed_vs_base, 0.85),
         check(
             f"hotlora ttft p50, {clients} clients",
             hot.ttft_p50,
@@ -320,12 +413,12 @@ def ratios(runs: dict[str, Run], clients: int) -> list[str]:
         ),  # fmt: skip
         check(
             "single-stream first token, quantized / float32 (speed-up)",
-            quant.single.ttft_s / one.ttft_s,
+            quant.ttft_s / hot.ttft_s,
             SINGLE_TTFT_SPEEDUP,
         ),
         check(
             "single-stream decode, float32 / quantized",
-            one.decode_tok_s / quant.single.decode_tok_s,
+            hot.decode_tok_s / quant.decode_tok_s,
             1.0,
         ),
     ]
