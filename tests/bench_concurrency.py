@@ -137,26 +137,25 @@ class Run:
     def concurrent(self) -> bool:
         return bool(self.rounds) and bool(self.rounds[0].concurrent)
 
+    def per_round(self, value: Callable[[Round], float]) -> float:
+        """The median over rounds of one per-round figure."""
+        return statistics.median(value(r) for r in self.rounds)
+
     @property
     def ttft_s(self) -> float:
-        return statistics.median(r.single.ttft_s for r in self.rounds)
+        return self.per_round(lambda r: r.single.ttft_s)
 
     @property
     def decode_tok_s(self) -> float:
-        return statistics.median(r.single.decode_tok_s for r in self.rounds)
+        return self.per_round(lambda r: r.single.decode_tok_s)
 
     @property
     def aggregate(self) -> float:
-        return statistics.median(r.aggregate for r in self.rounds)
+        return self.per_round(lambda r: r.aggregate)
 
     @property
     def ttft_p50(self) -> float:
-        return statistics.median(
-            statistics.median(s.ttft_s for s in r.concurrent) for r in self.rounds
-        )
-
-    def per_round(self, value: Callable[[Round], float]) -> float:
-        return statistics.median(value(r) for r in self.rounds)
+        return self.per_round(lambda r: statistics.median(s.ttft_s for s in r.concurrent))
 
 
 def round_questions(round_: int, clients: int) -> tuple[str, list[str]]:
