@@ -29,7 +29,7 @@ from hotlora.server.engine import (
     SamplingParams,
     Ticket,
 )
-from hotlora.server.engine.grammar import Grammar, UnsupportedSchema
+from hotlora.server.engine.grammar import Grammar
 from hotlora.server.metrics import Metrics
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from hotlora.server.request_errors import ContextOverflow
@@ -175,11 +175,7 @@ class InferenceService:
                 )
             call = form.call_schema(tool_calls.tools, None if use == "required" else use)
             start, end = form.start, form.end
-            try:
-                return await self._off_loop(lambda: grammars.tool_call(start, end, call))
-            except UnsupportedSchema as exc:
-                message = exc.message.replace("The response_format schema", "A tool's parameters")
-                raise InvalidRequest(message, param="tools", code=exc.code) from exc
+            return await self._off_loop(lambda: grammars.tool_call(start, end, call))
         if schema is None:
             return None
         return await self._off_loop(lambda: grammars.json_schema(schema))

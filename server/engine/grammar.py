@@ -43,8 +43,15 @@ _JSON_OPTIONS: Any = {
 }
 
 
+# Where a refused schema came from: how its error names it, and the request field.
+_Source = tuple[str, str]
+_RESPONSE_FORMAT: _Source = ("The response_format schema", "response_format")
+_TOOL_PARAMETERS: _Source = ("A tool's parameters", "tools")
+
+
 class UnsupportedSchema(InvalidRequest):
-    """A `response_format` schema that is not valid or uses what the grammar engine lacks."""
+    """A `response_format` schema (or a required tool call's parameters) that is not valid or
+    uses what the grammar engine lacks; `param` names the request field it came in."""
 
     code = "invalid_response_format"
     param = "response_format"
@@ -123,42 +130,47 @@ class Grammars:
     def json_schema(self, schema: dict[str, Any]) -> Grammar:
         """The grammar of JSON text that validates against `schema`; `UnsupportedSchema` if
         the schema is invalid or uses a feature the engine cannot enforce."""
-        text = _schema_text(schema)
+        text = _schema_text(schema, _RESPONSE_FORMAT)
         compile_json = llguidance.LLMatcher.grammar_from_json_schema
-        return self._cached(text, lambda: compile_json(text, overrides=_JSON_OPTIONS))
+        return self._cached(
+            text, lambda: compile_json(text, overrides=_JSON_OPTIONS), _RESPONSE_FORMAT
+        )
 
     def tool_call(self, start: str, end: str, schema: dict[str, Any]) -> Grammar:
         """The grammar of one tool call as `start` JSON `end`, the JSON valid under `schema`
         (the call's name and arguments): how `tool_choice` required or named is enforced."""
-        body = _schema_text({**schema, "x-guidance": _JSON_OPTIONS})
+        body = _schema_text({**schema, "x-guidance": _JSON_OPTIONS}, _TOOL_PARAMETERS)
         lark = (
             f'start: {json.dumps(start)} "\\n"? call "\\n"? {json.dumps(end)}\ncall: %json {body}\n'
         )
-        return self._cached(lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark))
+        return self._cached(
+            lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
+        )
 
-    def _cached(self, key: str, definition: Callable[[], str]) -> Grammar:
+    def _cached(self, key: str, definition: Callable[[], str], source: _Source) -> Grammar:
         """The grammar kept under `key`, or the one `definition` gives, compiled and kept."""
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is not None:
                 self._cache.move_to_end(key)
                 return grammar
-            grammar = self._compile(definition)
+            grammar = self._compile(definition, source)
             self._cache[key] = grammar
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return grammar
 
-    def _compile(self, definition: Callable[[], str]) -> Grammar:
+    def _compile(self, definition: Callable[[], str], source: _Source) -> Grammar:
         table = self._token_table()
+        subject, param = source
         try:
             text = definition()
         except ValueError as exc:
-            raise UnsupportedSchema(f"The response_format schema is not valid: {exc}.") from exc
+            raise UnsupportedSchema(f"{subject} is not valid: {exc}.", param=param) from exc
         matcher = llguidance.LLMatcher(table, text, log_level=0)
         if matcher.is_error():
             raise UnsupportedSchema(
-                f"The response_format schema cannot be enforced: {matcher.get_error()}."
+                f"{subject} cannot be enforced: {matcher.get_error()}.", param=param
             )
         return Grammar(matcher, _words(table.vocab_size))
 
@@ -181,15 +193,14 @@ class Grammars:
             return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
 
 
-def _schema_text(schema: dict[str, Any]) -> str:
+def _schema_text(schema: dict[str, Any], source: _Source) -> str:
     """`schema` as JSON text, its key order kept (the answer's key order follows it)."""
     try:
         return json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except ValueError as exc:
-        message = (
-            f"The response_format schema holds NaN or Infinity, which JSON cannot carry: {exc}."
-        )
-        raise UnsupportedSchema(message) from exc
+        subject, param = source
+        message = f"{subject} holds NaN or Infinity, which JSON cannot carry: {exc}."
+        raise UnsupportedSchema(message, param=param) from exc
 
 
 class _TokenBytes:
