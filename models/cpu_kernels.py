@@ -36,13 +36,13 @@ from mlx_lm.models import base as mlx_lm_base
 # What MLX's own AVX2 builds add to the JIT command, and the CPU features they need.
 JIT_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 _CPU_FEATURES = ("avx2", "fma", "f16c")
+_NO_COMPILER = "no g++ on PATH: MLX runs its fused kernels op by op"
 
 
 @dataclass(frozen=True)
 class VectorJit:
     enabled: bool
     reason: str
-    root: Path | None = None  # the wrapper and the kernels, when enabled
 
 
 def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -65,7 +65,7 @@ def vector_jit_unavailable() -> str | None:
     if missing:
         return f"the CPU lacks {', '.join(missing)}: baseline x86-64 kernels"
     if shutil.which("g++") is None:
-        return "no g++ on PATH: MLX runs its fused kernels op by op"
+        return _NO_COMPILER
     return None
 
 
@@ -78,9 +78,10 @@ def enable_vector_jit(home: Path) -> VectorJit:
         return VectorJit(False, reason)
     root = Path(home).expanduser() / "mlx-jit" / "-".join(_CPU_FEATURES)
     bin_dir = root / "bin"
-    compiler = shutil.which("g++", path=_path_without(bin_dir))
+    others = _path_without(bin_dir)  # PATH without the wrapper, which may be there already
+    compiler = shutil.which("g++", path=others)
     if compiler is None:
-        return VectorJit(False, "no g++ on PATH: MLX runs its fused kernels op by op")
+        return VectorJit(False, _NO_COMPILER)
     wrapper = f'#!/bin/sh\nexec {shlex.quote(compiler)} "$@" {" ".join(JIT_FLAGS)}\n'
     try:
         bin_dir.mkdir(parents=True, exist_ok=True)
@@ -94,9 +95,9 @@ def enable_vector_jit(home: Path) -> VectorJit:
     except OSError as exc:
         return VectorJit(False, f"cannot write {root} ({exc}): baseline x86-64 kernels")
     tempfile.gettempdir()  # fixes Python's choice before TMPDIR changes
-    os.environ["PATH"] = os.pathsep.join([str(bin_dir), _path_without(bin_dir)])
+    os.environ["PATH"] = os.pathsep.join([str(bin_dir), others])
     os.environ["TMPDIR"] = str(root / "tmp")
-    return VectorJit(True, f"fused kernels built with {' '.join(JIT_FLAGS)} in {root}", root)
+    return VectorJit(True, f"fused kernels built with {' '.join(JIT_FLAGS)} in {root}")
 
 
 def _path_without(directory: Path) -> str:

@@ -117,6 +117,7 @@ class Runtime:
 
     def _build(self, loaded: LoadedModel, path: Path) -> None:
         self._choose_weights(loaded)
+        self._choose_cpu_kernels(loaded)
         self.model_path = path
         self.base_id = self.settings.served_model_name or path.name
         self.metrics.model_name = self.base_id
@@ -177,6 +178,10 @@ class Runtime:
         log.info(
             "serving %s weights: %s", "float32" if choice.float32 else "as-loaded", choice.reason
         )
+
+    def _choose_cpu_kernels(self, loaded: LoadedModel) -> None:
+        """Without a GPU, MLX's fused CPU kernels built for this CPU and the attention that
+        uses them (`--cpu-vector-jit`); the log says which kernels run and why."""
         if has_gpu():
             return
         if not self.settings.cpu_vector_jit:
