@@ -170,10 +170,11 @@ class ConcurrencySection:
     lines: list[str]
 
 
-def peak_rss_mb(pid: int) -> float:
-    """The process's peak resident set (VmHWM), in MB; 0 where /proc has none."""
+def peak_rss_mb(server: ServerProcess) -> float:
+    """The server process's peak resident set (VmHWM), in MB; 0 where /proc has none."""
+    assert server.proc is not None
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     except OSError:
@@ -325,8 +326,7 @@ def run_concurrency(
                 for run, server, (_, extras) in zip(pair, servers, paired, strict=True):
                     run.rounds.append(measure(server, round_, clients, max_tokens, extras, True))
             for run, server in zip(pair, servers, strict=True):
-                assert server.proc is not None
-                run.peak_rss_mb = peak_rss_mb(server.proc.pid)
+                run.peak_rss_mb = peak_rss_mb(server)
             runs.extend(pair)
         finally:
             for server in servers:
@@ -336,8 +336,7 @@ def run_concurrency(
             try:
                 warm_up(server, clients, extras, concurrent)
                 run = Run(spec.name, [measure(server, 0, clients, max_tokens, extras, concurrent)])
-                assert server.proc is not None
-                run.peak_rss_mb = peak_rss_mb(server.proc.pid)
+                run.peak_rss_mb = peak_rss_mb(server)
                 runs.append(run)
             finally:
                 server.stop()
