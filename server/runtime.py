@@ -14,6 +14,7 @@ import mlx.core as mx
 from hotlora.adapters import AdapterManager, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
+from hotlora.models.batch_matmul import install_batch_matmul
 from hotlora.models.cpu_kernels import enable_vector_jit, install_cpu_attention
 from hotlora.models.cpu_weights import choose_cpu_weights, has_gpu, to_float32
 from hotlora.models.embedded import embedded_model_path, ensure_embedded_model
@@ -116,8 +117,8 @@ class Runtime:
         return self.settings.model is None and not imported
 
     def _build(self, loaded: LoadedModel, path: Path) -> None:
-        self._choose_weights(loaded)
-        self._choose_cpu_kernels(loaded)
+        float32 = self._choose_weights(loaded)
+        self._choose_cpu_kernels(loaded, float32)
         self.model_path = path
         self.base_id = self.settings.served_model_name or path.name
         self.metrics.model_name = self.base_id
@@ -158,9 +159,9 @@ class Runtime:
             metrics=self.metrics,
         )
 
-    def _choose_weights(self, loaded: LoadedModel) -> None:
+    def _choose_weights(self, loaded: LoadedModel) -> bool:
         """Float32 weights on a CPU-only machine when they fit (`--cpu-weights`); the log says
-        which weights are served and why."""
+        which weights are served and why. True when they are float32."""
         cuda = getattr(mx, "cuda", None)  # absent from older MLX releases
         log.info(
             "MLX device: %s (Metal: %s, CUDA: %s)",
@@ -178,19 +179,29 @@ class Runtime:
         log.info(
             "serving %s weights: %s", "float32" if choice.float32 else "as-loaded", choice.reason
         )
+        return choice.float32
 
-    def _choose_cpu_kernels(self, loaded: LoadedModel) -> None:
+    def _choose_cpu_kernels(self, loaded: LoadedModel, float32: bool) -> None:
         """Without a GPU, MLX's fused CPU kernels built for this CPU and the attention that
-        uses them (`--cpu-vector-jit`); the log says which kernels run and why."""
+        uses them (`--cpu-vector-jit`), and the batched decode projections of float32 weights
+        (`--cpu-batch-matmul`); the log says which kernels run and why."""
         if has_gpu():
             return
-        if not self.settings.cpu_vector_jit:
+        if self.settings.cpu_vector_jit:
+            jit = enable_vector_jit(self.settings.home)
+            if jit.enabled:
+                install_cpu_attention(loaded.model)
+            log.info("CPU kernels: %s", jit.reason)
+        else:
             log.info("CPU kernels: baseline x86-64 (--no-cpu-vector-jit)")
+        if not float32:
             return
-        jit = enable_vector_jit(self.settings.home)
-        if jit.enabled:
-            install_cpu_attention(loaded.model)
-        log.info("CPU kernels: %s", jit.reason)
+        if self.settings.cpu_batch_matmul:
+            rows = install_batch_matmul(loaded.model)
+            reason = rows.reason if rows.enabled else f"BLAS ({rows.reason})"
+        else:
+            reason = "BLAS (--no-cpu-batch-matmul)"
+        log.info("batched decode projections: %s", reason)
 
     async def _warm_up(self) -> None:
         if not self.settings.warmup or self.worker is None:

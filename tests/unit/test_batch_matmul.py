@@ -1,0 +1,118 @@
+"""The batched decode kernel: BLAS's products to rounding, the same bits for a row whatever the
+batch, and only where a batched decode step calls it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import BatchKVCache
+
+from hotlora.models import batch_matmul
+from hotlora.models.batch_matmul import (
+    MAX_ROWS,
+    RowsEmbedding,
+    RowsLinear,
+    install_batch_matmul,
+)
+from hotlora.models.loader import load_model_dir
+
+from tests.support.tiny import write_tiny_llama
+
+if (_why := batch_matmul.unavailable()) is not None:
+    pytest.skip(f"batched decode kernel: {_why}", allow_module_level=True)
+try:
+    from hotlora.models import _rows_matmul as native
+except ImportError:
+    pytest.fail("the batched decode kernel is not built: run `make setup`")
+
+
+def normal(shape: tuple[int, ...], seed: int) -> mx.array:
+    return mx.random.normal(shape, key=mx.random.key(seed))
+
+
+# (rows, in, out): short rows (8 a pass, 2 weight rows a block) and long ones (4 and 4), with
+# widths off the 16-lane vectors and weight rows off the blocks.
+SHAPES = [(2, 64, 96), (8, 576, 1536), (16, 576, 192), (3, 1536, 576), (11, 100, 37), (5, 7, 9)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernel_computes_x_times_w_transposed(shape: tuple[int, int, int]):
+    rows, k, n = shape
+    x, w = normal((rows, k), 1), normal((n, k), 2)
+    got = native.rows_matmul(x, w)
+    assert got.shape == (rows, n)
+    assert mx.allclose(got, x @ w.T, rtol=1e-4, atol=1e-4 * k**0.5).item()
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    x, w = normal((MAX_ROWS, 576), 3), normal((300, 576), 4)
+    whole = native.rows_matmul(x, w)
+    for size in (1, 2, 5, 8):
+        parts = [native.rows_matmul(x[i : i + size], w) for i in range(0, MAX_ROWS, size)]
+        assert mx.array_equal(mx.concatenate(parts)[:MAX_ROWS], whole).item(), size
+    # Another batch around row 0: its bits stay.
+    other = mx.concatenate([x[:1], normal((6, 576), 5)])
+    assert mx.array_equal(native.rows_matmul(other, w)[0], whole[0]).item()
+
+
+def test_strided_inputs_are_read_as_their_values():
+    x, w = normal((64, 8), 6).T, normal((40, 64), 7)  # x: a transposed view [8, 64]
+    assert mx.allclose(native.rows_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item()
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="x \\[M, K\\] and w \\[N, K\\]"):
+        native.rows_matmul(normal((2, 8), 1), normal((3, 9), 2))
+    with pytest.raises(ValueError, match="float32"):
+        native.rows_matmul(normal((2, 8), 1).astype(mx.float16), normal((3, 8), 2))
+
+
+def decode_logits(model: nn.Module, rows: int) -> tuple[mx.array, mx.array]:
+    """Prefill logits of a left-padded batch of `rows`, then one batched decode step's."""
+    prompts = mx.array([[(7 * r + j) % 120 + 1 for j in range(6)] for r in range(rows)])
+    cache = [BatchKVCache([r % 3 for r in range(rows)]) for _ in model.layers]
+    prefill = model(prompts, cache=cache)
+    step = model(mx.array([[r + 3] for r in range(rows)]), cache=cache)
+    mx.eval(prefill, step)
+    return prefill, step
+
+
+def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
+    model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
+    model.set_dtype(mx.float32)
+    prefill, step = decode_logits(model, 4)
+    _, alone = decode_logits(model, 1)
+
+    state = install_batch_matmul(model, threads=2)
+    assert state.enabled, state.reason
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is RowsLinear for m in linears)
+    assert type(model.model.embed_tokens) is RowsEmbedding  # the tied output layer
+
+    prefill_after, step_after = decode_logits(model, 4)
+    _, alone_after = decode_logits(model, 1)
+    # Prefill and a 1-row step are BLAS's, to the bit; the batched step is the kernel's.
+    assert mx.array_equal(prefill_after, prefill).item()
+    assert mx.array_equal(alone_after, alone).item()
+    assert not mx.array_equal(step_after, step).item()
+    assert mx.allclose(step_after, step, rtol=1e-4, atol=1e-4).item()
+    assert mx.array_equal(mx.argmax(step_after, -1), mx.argmax(step, -1)).item()
+
+
+def test_a_quantized_model_keeps_its_layers(tmp_path: Path):
+    model = load_model_dir(write_tiny_llama(tmp_path / "tiny", quantize=True)).model
+    install_batch_matmul(model, threads=2)
+    assert not any(isinstance(m, RowsLinear | RowsEmbedding) for _, m in model.named_modules())
+
+
+def test_it_explains_a_missing_build(monkeypatch):
+    def missing(name: str):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(batch_matmul.importlib, "import_module", missing)
+    state = install_batch_matmul(nn.Linear(4, 4))
+    assert not state.enabled
+    assert "not built" in state.reason and "make setup" in state.reason
