@@ -90,12 +90,14 @@ def build() -> Path:
     return target
 
 
-def _load() -> ModuleType | str:
-    """The extension, checked on a small product; else why it cannot serve."""
+def _load(threads: int) -> ModuleType | str:
+    """The extension on `threads` threads, checked on a small product; else why it cannot
+    serve."""
     try:
         native = importlib.import_module(f"hotlora.models.{_MODULE}")
     except ImportError as exc:
         return f"not built ({exc}); {_BUILD_HINT}"
+    native.set_threads(threads)
     x = mx.random.normal((3, 40), key=mx.random.key(0))
     w = mx.random.normal((5, 40), key=mx.random.key(1))
     try:
@@ -147,11 +149,10 @@ def install_batch_matmul(model: nn.Module, threads: int | None = None) -> BatchM
     global _native
     if (reason := unavailable()) is not None:
         return BatchMatmul(False, reason)
-    loaded = _load()
+    threads = threads or min(len(os.sched_getaffinity(0)), 8)
+    loaded = _load(threads)
     if isinstance(loaded, str):
         return BatchMatmul(False, loaded)
-    threads = threads or min(len(os.sched_getaffinity(0)), 8)
-    loaded.set_threads(threads)
     _native = loaded
     swapped = 0
     for _, module in model.named_modules():

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -180,11 +181,25 @@ class Pool {
   bool stop_ = false;
 };
 
-std::atomic<int> g_threads{1};
+// The threads of every product; set_threads replaces them between products.
+std::mutex g_pool_mutex;
+std::unique_ptr<Pool> g_pool;
 
-Pool& pool() {
-  static Pool instance(g_threads.load());
-  return instance;
+void run_on_pool(const std::function<void(int)>& task, int* parts) {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  if (!g_pool) g_pool = std::make_unique<Pool>(1);
+  *parts = g_pool->size();
+  g_pool->run(task);
+}
+
+int set_threads(int threads) {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  threads = std::max(1, threads);
+  if (!g_pool || g_pool->size() != threads) {
+    g_pool.reset();
+    g_pool = std::make_unique<Pool>(threads);
+  }
+  return g_pool->size();
 }
 
 class RowsMatmul : public mx::Primitive {
@@ -202,14 +217,13 @@ class RowsMatmul : public mx::Primitive {
     encoder.set_output_array(out);
     const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
     encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(), M, N, K] {
-      Pool& threads = pool();
-      const int parts = threads.size();
+      int parts = 1;  // set under the pool's lock, before any task runs
       const std::function<void(int)> task = [&](int i) {
         const int n0 = static_cast<int>(static_cast<int64_t>(N) * i / parts) & ~3;
         const int n1 = i + 1 == parts ? N : static_cast<int>(static_cast<int64_t>(N) * (i + 1) / parts) & ~3;
         rows_matmul_range(xp, wp, op, M, N, K, n0, n1);
       };
-      threads.run(task);
+      run_on_pool(task, &parts);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -237,8 +251,6 @@ mx::array rows_matmul(const mx::array& x, const mx::array& w) {
 NB_MODULE(_rows_matmul, m) {
   m.doc() = "x @ w.T for the few rows of a batched decode step, on the CPU";
   m.def("rows_matmul", &rows_matmul, "x"_a, "w"_a);
-  m.def(
-      "set_threads", [](int n) { g_threads.store(std::max(1, n)); }, "threads"_a,
-      "Threads for every later call; fixed once the first call has run.");
+  m.def("set_threads", &set_threads, "threads"_a, "The threads of every later product.");
   m.def("supported", [] { return static_cast<bool>(__builtin_cpu_supports("avx512f")); });
 }

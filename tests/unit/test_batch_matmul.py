@@ -58,6 +58,18 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     assert mx.array_equal(native.rows_matmul(other, w)[0], whole[0]).item()
 
 
+def test_the_thread_count_changes_nothing_but_the_threads():
+    x, w = normal((8, 576), 3), normal((1000, 576), 4)
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            assert native.set_threads(threads) == threads
+            results.append(native.rows_matmul(x, w))
+        assert all(mx.array_equal(r, results[0]).item() for r in results)
+    finally:
+        native.set_threads(1)
+
+
 def test_strided_inputs_are_read_as_their_values():
     x, w = normal((64, 8), 6).T, normal((40, 64), 7)  # x: a transposed view [8, 64]
     assert mx.allclose(native.rows_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item()
@@ -88,6 +100,7 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
 
     state = install_batch_matmul(model, threads=2)
     assert state.enabled, state.reason
+    assert "on 2 threads" in state.reason
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is RowsLinear for m in linears)
     assert type(model.model.embed_tokens) is RowsEmbedding  # the tied output layer
