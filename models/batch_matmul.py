@@ -8,12 +8,12 @@ once, straight into registers, and multiplies every row of x by it while it is t
 
 Each output is one dot product summed in a fixed order, so a row's result does not depend on
 the rest of the batch. It differs from BLAS in the last bits, so it serves only batched decode
-steps (`[B, 1, K]` inputs, 2 <= B <= 16): a request alone, and every prefill, keep BLAS and
-mlx-lm's results to the bit. Beyond 16 rows BLAS is faster again.
+steps (`[B, 1, K]` inputs, 2 <= B <= 16; 8 with AVX2): a request alone, and every prefill, keep
+BLAS and mlx-lm's results to the bit. Beyond that BLAS is faster again.
 
 The kernel is an MLX primitive in a small C++ extension, built by `make setup` (or
 `python -m hotlora.models.batch_matmul`) with g++ against MLX's headers and nanobind: it needs
-x86-64 with AVX-512.
+x86-64 with AVX-512, or AVX2 and FMA.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ import mlx.nn as nn
 
 from hotlora.models.cpu_kernels import cpu_features
 
-MIN_ROWS, MAX_ROWS = 2, 16
+MIN_ROWS = 2
+# Up to these many rows the kernel beats OpenBLAS here; by the vector instructions it uses.
+MAX_ROWS = {"avx512": 16, "avx2": 8}
 _SOURCE = Path(__file__).with_name("native") / "rows_matmul.cpp"
 _MODULE = "_rows_matmul"
 _BUILD_HINT = "`make setup` builds it"
@@ -53,8 +55,9 @@ def unavailable() -> str | None:
     """Why the kernel cannot run on this machine; None when it can."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return "not an x86-64 Linux machine"
-    if "avx512f" not in cpu_features():
-        return "the CPU lacks AVX-512"
+    features = cpu_features()
+    if "avx512f" not in features and not {"avx2", "fma"} <= features:
+        return "the CPU lacks AVX-512 and AVX2 with FMA"
     return None
 
 
@@ -108,6 +111,7 @@ def _load(threads: int) -> ModuleType | str:
 
 
 _native: ModuleType | None = None
+_max_rows = 0
 
 
 def _decode_rows(x: mx.array, weight: mx.array) -> mx.array | None:
@@ -116,7 +120,7 @@ def _decode_rows(x: mx.array, weight: mx.array) -> mx.array | None:
         _native is None
         or x.ndim != 3
         or x.shape[1] != 1
-        or not MIN_ROWS <= x.shape[0] <= MAX_ROWS
+        or not MIN_ROWS <= x.shape[0] <= _max_rows
         or x.dtype != mx.float32
         or weight.dtype != mx.float32
     ):
@@ -146,14 +150,14 @@ class RowsEmbedding(nn.Embedding):
 def install_batch_matmul(model: nn.Module, threads: int | None = None) -> BatchMatmul:
     """Route the model's float projections (and a tied output layer) through the kernel for
     batched decode steps. Changes the modules' classes in place; their weights are untouched."""
-    global _native
+    global _native, _max_rows
     if (reason := unavailable()) is not None:
         return BatchMatmul(False, reason)
     threads = threads or min(len(os.sched_getaffinity(0)), 8)
     loaded = _load(threads)
     if isinstance(loaded, str):
         return BatchMatmul(False, loaded)
-    _native = loaded
+    _native, _max_rows = loaded, MAX_ROWS[loaded.isa()]
     swapped = 0
     for _, module in model.named_modules():
         if type(module) is nn.Linear:
@@ -163,8 +167,8 @@ def install_batch_matmul(model: nn.Module, threads: int | None = None) -> BatchM
             module.__class__ = RowsEmbedding
     return BatchMatmul(
         True,
-        f"decode steps of {MIN_ROWS}-{MAX_ROWS} rows run {swapped} projections through the "
-        f"rows kernel on {threads} threads",
+        f"decode steps of {MIN_ROWS}-{_max_rows} rows run {swapped} projections through the "
+        f"rows kernel ({loaded.isa()}, {threads} threads)",
     )
 
 

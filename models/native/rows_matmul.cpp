@@ -5,10 +5,12 @@
 // multiplied by every row of x while it is there. Each output is one dot product summed in a
 // fixed order, so a row's result does not depend on the other rows of the batch.
 //
-// x: [M, K] float32, w: [N, K] float32 (a Linear's weight), out: [M, N]. AVX-512 only.
+// x: [M, K] float32, w: [N, K] float32 (a Linear's weight), out: [M, N]. AVX-512, or AVX2 with
+// FMA, chosen at run time; each gives its own fixed bits.
 
 #include <immintrin.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include <algorithm>
 #include <atomic>
@@ -18,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -34,86 +37,61 @@ namespace {
 
 constexpr int kPrefetch = 512;  // floats ahead of the weight rows being read
 
-// out[m, r] = x[m, :] . w[r, :] for m < P, r < R.
-template <int P, int R, bool kPrefetchW>
-__attribute__((target("avx512f"))) inline void block(
-    const float* x, const float* w, float* out, int K, int ldo) {
-  __m512 acc[R][P];
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < P; m++) acc[r][m] = _mm512_setzero_ps();
-  const int full = K & ~15;
-  int k = 0;
-  for (; k < full; k += 16) {
-    __m512 u[R];
-    for (int r = 0; r < R; r++) {
-      u[r] = _mm512_loadu_ps(w + static_cast<size_t>(r) * K + k);
-      if (kPrefetchW)
-        _mm_prefetch(
-            reinterpret_cast<const char*>(w + static_cast<size_t>(r) * K + k + kPrefetch),
-            _MM_HINT_T0);
-    }
-    for (int m = 0; m < P; m++) {
-      __m512 xv = _mm512_loadu_ps(x + static_cast<size_t>(m) * K + k);
-      for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(u[r], xv, acc[r][m]);
-    }
+using Range = void (*)(const float*, const float*, float*, int, int, int, int, int);
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+struct Isa {  // 32 vector registers: up to 16 accumulators, the weight rows and one x row
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kShortK = 768, kShortP = 8, kShortR = 2, kLongP = 4, kLongR = 4;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load_first(const float* p, int n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
   }
-  if (k < K) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 u[R];
-    for (int r = 0; r < R; r++) u[r] = _mm512_maskz_loadu_ps(tail, w + static_cast<size_t>(r) * K + k);
-    for (int m = 0; m < P; m++) {
-      __m512 xv = _mm512_maskz_loadu_ps(tail, x + static_cast<size_t>(m) * K + k);
-      for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(u[r], xv, acc[r][m]);
-    }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#include "rows_kernel.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+struct Isa {  // 16 vector registers: 8 accumulators
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kShortK = 4096, kShortP = 4, kShortR = 2, kLongP = 2, kLongR = 4;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_first(const float* p, int n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
   }
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < P; m++) out[static_cast<size_t>(m) * ldo + r] = _mm512_reduce_add_ps(acc[r][m]);
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+#include "rows_kernel.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+// The widest kernel this CPU runs; nullptr: none.
+Range best_kernel(const char** name) {
+  if (__builtin_cpu_supports("avx512f")) return *name = "avx512", avx512::rows_matmul_range;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return *name = "avx2", avx2::rows_matmul_range;
+  return *name = "none", nullptr;
 }
 
-// Rows [0, M) of x against weight rows [0, R): passes of P rows of x, the first one prefetching.
-template <int P, int R>
-__attribute__((target("avx512f"))) void rows_against(
-    const float* x, const float* w, float* out, int M, int K, int ldo) {
-  int m = 0;
-  for (bool first = true; m + P <= M; m += P, first = false) {
-    const float* xs = x + static_cast<size_t>(m) * K;
-    float* os = out + static_cast<size_t>(m) * ldo;
-    if (first)
-      block<P, R, true>(xs, w, os, K, ldo);
-    else
-      block<P, R, false>(xs, w, os, K, ldo);
-  }
-  const float* xs = x + static_cast<size_t>(m) * K;
-  float* os = out + static_cast<size_t>(m) * ldo;
-  switch (M - m) {  // fewer than P rows left
-    case 0: break;
-    case 1: block<1, R, false>(xs, w, os, K, ldo); break;
-    case 2: block<2, R, false>(xs, w, os, K, ldo); break;
-    case 3: block<3, R, false>(xs, w, os, K, ldo); break;
-    case 4: block<4, R, false>(xs, w, os, K, ldo); break;
-    case 5: block<5, R, false>(xs, w, os, K, ldo); break;
-    case 6: block<6, R, false>(xs, w, os, K, ldo); break;
-    default: block<7, R, false>(xs, w, os, K, ldo); break;
-  }
-}
-
-// Weight rows [n0, n1) against every row of x. Rows of x go in passes that stay in L1 beside
-// the weight block: 8 at a time for short rows (two weight rows a block), else 4 (four rows).
-template <int P, int R>
-__attribute__((target("avx512f"))) void weight_rows(
-    const float* x, const float* w, float* out, int M, int N, int K, int n0, int n1) {
-  int n = n0;
-  for (; n + R <= n1; n += R)
-    rows_against<P, R>(x, w + static_cast<size_t>(n) * K, out + n, M, K, N);
-  for (; n < n1; n++) rows_against<P, 1>(x, w + static_cast<size_t>(n) * K, out + n, M, K, N);
-}
-
-void rows_matmul_range(const float* x, const float* w, float* out, int M, int N, int K, int n0, int n1) {
-  if (K <= 768)
-    weight_rows<8, 2>(x, w, out, M, N, K, n0, n1);
-  else
-    weight_rows<4, 4>(x, w, out, M, N, K, n0, n1);
-}
+const char* g_isa = "none";
+std::atomic<Range> g_kernel{best_kernel(&g_isa)};
 
 // Threads for one call at a time. Between calls (a decode step makes hundreds, microseconds
 // apart) they spin a little, yielding, and then sleep until the next call.
@@ -216,12 +194,13 @@ class RowsMatmul : public mx::Primitive {
     encoder.set_input_array(w);
     encoder.set_output_array(out);
     const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
-    encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(), M, N, K] {
+    encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(), M, N, K,
+                      kernel = g_kernel.load()] {
       int parts = 1;  // set under the pool's lock, before any task runs
       const std::function<void(int)> task = [&](int i) {
         const int n0 = static_cast<int>(static_cast<int64_t>(N) * i / parts) & ~3;
         const int n1 = i + 1 == parts ? N : static_cast<int>(static_cast<int64_t>(N) * (i + 1) / parts) & ~3;
-        rows_matmul_range(xp, wp, op, M, N, K, n0, n1);
+        kernel(xp, wp, op, M, N, K, n0, n1);
       };
       run_on_pool(task, &parts);
     });
@@ -238,8 +217,8 @@ mx::array rows_matmul(const mx::array& x, const mx::array& w) {
     throw std::invalid_argument("rows_matmul: expected x [M, K] and w [N, K]");
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32)
     throw std::invalid_argument("rows_matmul: float32 only");
-  if (!__builtin_cpu_supports("avx512f"))
-    throw std::invalid_argument("rows_matmul: the CPU lacks AVX-512");
+  if (g_kernel.load() == nullptr)
+    throw std::invalid_argument("rows_matmul: the CPU lacks AVX2 and FMA");
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(
       {x.shape(0), w.shape(0)}, mx::float32, std::make_shared<RowsMatmul>(s),
@@ -252,5 +231,17 @@ NB_MODULE(_rows_matmul, m) {
   m.doc() = "x @ w.T for the few rows of a batched decode step, on the CPU";
   m.def("rows_matmul", &rows_matmul, "x"_a, "w"_a);
   m.def("set_threads", &set_threads, "threads"_a, "The threads of every later product.");
-  m.def("supported", [] { return static_cast<bool>(__builtin_cpu_supports("avx512f")); });
+  m.def("isa", [] { return std::string(g_isa); }, "The vector instructions the kernel uses.");
+  m.def(
+      "use_isa",
+      [](const std::string& name) {
+        if (name == "avx512" && __builtin_cpu_supports("avx512f"))
+          g_kernel = avx512::rows_matmul_range, g_isa = "avx512";
+        else if (name == "avx2" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+          g_kernel = avx2::rows_matmul_range, g_isa = "avx2";
+        else
+          return false;
+        return true;
+      },
+      "name"_a, "Use the avx512 or avx2 kernel for later products; False if the CPU lacks it.");
 }

@@ -38,8 +38,18 @@ def normal(shape: tuple[int, ...], seed: int) -> mx.array:
 SHAPES = [(2, 64, 96), (8, 576, 1536), (16, 576, 192), (3, 1536, 576), (11, 100, 37), (5, 7, 9)]
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request):
+    """Each kernel this CPU runs; the widest one again afterwards."""
+    widest = native.isa()
+    if not native.use_isa(request.param):
+        pytest.skip(f"the CPU lacks {request.param}")
+    yield request.param
+    native.use_isa(widest)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_kernel_computes_x_times_w_transposed(shape: tuple[int, int, int]):
+def test_the_kernel_computes_x_times_w_transposed(isa: str, shape: tuple[int, int, int]):
     rows, k, n = shape
     x, w = normal((rows, k), 1), normal((n, k), 2)
     got = native.rows_matmul(x, w)
@@ -47,18 +57,19 @@ def test_the_kernel_computes_x_times_w_transposed(shape: tuple[int, int, int]):
     assert mx.allclose(got, x @ w.T, rtol=1e-4, atol=1e-4 * k**0.5).item()
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
-    x, w = normal((MAX_ROWS, 576), 3), normal((300, 576), 4)
+def test_a_rows_result_does_not_depend_on_the_other_rows(isa: str):
+    rows = MAX_ROWS[isa]
+    x, w = normal((rows, 576), 3), normal((300, 576), 4)
     whole = native.rows_matmul(x, w)
     for size in (1, 2, 5, 8):
-        parts = [native.rows_matmul(x[i : i + size], w) for i in range(0, MAX_ROWS, size)]
-        assert mx.array_equal(mx.concatenate(parts)[:MAX_ROWS], whole).item(), size
+        parts = [native.rows_matmul(x[i : i + size], w) for i in range(0, rows, size)]
+        assert mx.array_equal(mx.concatenate(parts)[:rows], whole).item(), size
     # Another batch around row 0: its bits stay.
     other = mx.concatenate([x[:1], normal((6, 576), 5)])
     assert mx.array_equal(native.rows_matmul(other, w)[0], whole[0]).item()
 
 
-def test_the_thread_count_changes_nothing_but_the_threads():
+def test_the_thread_count_changes_nothing_but_the_threads(isa: str):
     x, w = normal((8, 576), 3), normal((1000, 576), 4)
     try:
         results = []
@@ -100,7 +111,7 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
 
     state = install_batch_matmul(model, threads=2)
     assert state.enabled, state.reason
-    assert "on 2 threads" in state.reason
+    assert f"({native.isa()}, 2 threads)" in state.reason
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is RowsLinear for m in linears)
     assert type(model.model.embed_tokens) is RowsEmbedding  # the tied output layer
@@ -129,3 +140,12 @@ def test_it_explains_a_missing_build(monkeypatch):
     state = install_batch_matmul(nn.Linear(4, 4))
     assert not state.enabled
     assert "not built" in state.reason and "make setup" in state.reason
+
+
+def test_no_kernel_without_the_vector_instructions(monkeypatch):
+    monkeypatch.setattr(batch_matmul, "cpu_features", lambda: {"sse2", "avx", "avx2"})
+    linear = nn.Linear(4, 4)
+    state = install_batch_matmul(linear)
+    assert not state.enabled
+    assert state.reason == "the CPU lacks AVX-512 and AVX2 with FMA"
+    assert type(linear) is nn.Linear
