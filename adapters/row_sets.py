@@ -69,28 +69,23 @@ class RowAdapters:
         self._masks: dict[Layout, mx.array] = {}
 
     def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
-        """`x` [B, L, in] and the base output `y` [B, L, out]; y plus each row's residual."""
+        """`x` [B, L, in] and the base output `y` [B, L, out]; y plus each row's residual.
+
+        MLX multiplies [B, L, in] by a matrix as one [B * L, in] product: three ops a slot,
+        few Python calls (a decode step builds this for every slot of the model)."""
         slot = self.side_by_side.slot(path)
         if slot is None:
             return y
         a_cat, b_cat, layout = slot
-        batch, length = x.shape[0], x.shape[1]
-        mask = self._mask(layout, a_cat)  # [B, R]
-        # As matrices of rows ([B * L, ...]): one product each for the whole batch.
-        h = x.reshape(batch * length, -1) @ a_cat  # [B * L, R]
-        if length == 1:
-            h = h * mask
-        else:
-            h = (h.reshape(batch, length, -1) * mask[:, None, :]).reshape(batch * length, -1)
-        flat = y.reshape(batch * length, -1)  # [B * L, out]
-        if h.dtype == flat.dtype == b_cat.dtype:
-            return mx.addmm(flat, h, b_cat).reshape(y.shape)  # y + h @ B_cat in one product
-        return (flat + (h @ b_cat).astype(y.dtype)).reshape(y.shape)
+        h = (x @ a_cat) * self._mask(layout, a_cat)  # [B, L, R]
+        if h.dtype == y.dtype == b_cat.dtype:
+            return mx.addmm(y, h, b_cat)  # y + h @ B_cat in one product
+        return y + (h @ b_cat).astype(y.dtype)
 
     def _mask(self, layout: Layout, a_cat: mx.array) -> mx.array:
-        """[B, R]: on each adapter's columns, the scale the row's set gives it (summed if the
-        set names it twice); zero elsewhere. Slots with the same layout (most of a model's)
-        share one mask."""
+        """[B, 1, R]: on each adapter's columns, the scale the row's set gives it (summed if
+        the set names it twice); zero elsewhere. Slots with the same layout (most of a
+        model's) share one mask."""
         mask = self._masks.get(layout)
         if mask is None:
             spans = {mounted: (start, stop) for mounted, start, stop in layout}
@@ -102,7 +97,7 @@ class RowAdapters:
                     if span is not None:  # a weight of 0 adds a scale of 0
                         for column in range(*span):
                             row[column] += entry.scale
-                rows.append(row)
+                rows.append([row])
             mask = mx.array(rows, dtype=a_cat.dtype)
             self._masks[layout] = mask
         return mask
