@@ -10,7 +10,9 @@ set gives it (its weight times the adapter's own scale), and zero on the others:
 
 Two dense matmuls per slot whatever the number of sets, and a stack such as `a+b` beside `a`
 and `b` adds no columns of its own. A zero column contributes an exact zero, so a row gets its
-own set's residual and nothing else.
+own set's residual and nothing else. A batched decode step on the CPU's float32 weights runs the
+base projection and both products as one call of the batch kernel
+(`hotlora.models.batch_matmul.lora_rows`), on transposed copies of the pair.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet, MountedAdapter
+from hotlora.models.batch_matmul import lora_rows, serves_lora
 
 # One slot's layout: each adapter with weights there, and the span of its columns.
 Layout = tuple[tuple[MountedAdapter, int, int], ...]
@@ -32,6 +36,7 @@ class SideBySide:
         self.adapters = tuple(adapters)
         self.members = frozenset(self.adapters)
         self._slots: dict[str, tuple[mx.array, mx.array, Layout] | None] = {}
+        self._transposed: dict[str, tuple[mx.array, mx.array]] = {}
 
     def slot(self, path: str) -> tuple[mx.array, mx.array, Layout] | None:
         """`(A_cat [in, R], B_cat [R, out], layout)` at one slot; None when no adapter has
@@ -40,6 +45,14 @@ class SideBySide:
         if path not in self._slots:
             self._slots[path] = self._build(path)
         return self._slots[path]
+
+    def transposed(self, path: str, a_cat: mx.array, b_cat: mx.array) -> tuple[mx.array, mx.array]:
+        """`(A_cat.T [R, in], B_cat.T [out, R])` at a slot, contiguous: the batch kernel's
+        layout. Built on first use, and only where that kernel runs."""
+        pair = self._transposed.get(path)
+        if pair is None:
+            pair = self._transposed[path] = (mx.contiguous(a_cat.T), mx.contiguous(b_cat.T))
+        return pair
 
     def _build(self, path: str) -> tuple[mx.array, mx.array, Layout] | None:
         a_parts, b_parts, layout = [], [], []
@@ -67,6 +80,18 @@ class RowAdapters:
         self.side_by_side = side_by_side
         self._rows = tuple(rows)
         self._masks: dict[Layout, mx.array] = {}
+
+    def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array:
+        """`base(x)` plus each row's residual: one call of the batch kernel where it serves."""
+        slot = self.side_by_side.slot(path)
+        if slot is None:
+            return base(x)
+        a_cat, b_cat, layout = slot
+        if a_cat.dtype == b_cat.dtype == mx.float32 and serves_lora(x, base):
+            a_t, b_t = self.side_by_side.transposed(path, a_cat, b_cat)
+            mask = self._mask(layout, a_cat)  # [B, 1, R]
+            return lora_rows(x, base, a_t, b_t, mask.reshape(mask.shape[0], -1))
+        return self.apply(path, x, base(x))
 
     def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
         """`x` [B, L, in] and the base output `y` [B, L, out]; y plus each row's residual.

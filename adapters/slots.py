@@ -43,11 +43,12 @@ class LoRASlot(nn.Module):
         self.path = path
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self.base(x)
         active = _ACTIVE.get()
         if active is None:
-            return y
-        return active.apply(self.path, x, y)
+            return self.base(x)
+        if isinstance(active, RowAdapters):  # a set per row: the base and residuals at once
+            return active.project(self.path, x, self.base)
+        return active.apply(self.path, x, self.base(x))
 
 
 @contextmanager

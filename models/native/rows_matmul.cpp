@@ -7,6 +7,10 @@
 //
 // x: [M, K] float32, w: [N, K] float32 (a Linear's weight), out: [M, N]. AVX-512, or AVX2 with
 // FMA, chosen at run time; each gives its own fixed bits.
+//
+// With LoRA (rows_matmul_lora): out = x @ w.T + ((x @ a_t.T) * mask) @ b_t.T, each row with its
+// own scales in `mask` [M, R], in the same pass: the low-rank columns extend every dot product,
+// so a batch of rows with different adapters costs one primitive per projection.
 
 #include <immintrin.h>
 #include <nanobind/nanobind.h>
@@ -37,7 +41,17 @@ namespace {
 
 constexpr int kPrefetch = 512;  // floats ahead of the weight rows being read
 
-using Range = void (*)(const float*, const float*, float*, int, int, int, int, int);
+// One pair of operands of a sum of products: rows of x [M, k] and of w [N, k], row-major.
+struct Seg {
+  const float* x = nullptr;
+  const float* w = nullptr;
+  int k = 0;  // 0: no operands
+  Seg rows(int m, int n) const {
+    return k ? Seg{x + static_cast<size_t>(m) * k, w + static_cast<size_t>(n) * k, k} : *this;
+  }
+};
+
+using Range = void (*)(const Seg&, const Seg&, float*, int, int, int, int);
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -184,23 +198,37 @@ class RowsMatmul : public mx::Primitive {
  public:
   explicit RowsMatmul(mx::Stream stream) : mx::Primitive(stream) {}
 
+  // inputs: x, w; with LoRA also a_t [R, K], b_t [N, R], mask [M, R].
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
+    for (const auto& input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
     const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
+    const bool lora = inputs.size() == 5;
+    const int R = lora ? inputs[2].shape(0) : 0;
+    const float* ap = lora ? inputs[2].data<float>() : nullptr;
+    const float* bp = lora ? inputs[3].data<float>() : nullptr;
+    const float* maskp = lora ? inputs[4].data<float>() : nullptr;
     encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(), M, N, K,
-                      kernel = g_kernel.load()] {
+                      R, ap, bp, maskp, kernel = g_kernel.load()] {
+      std::vector<float> h;  // [M, R]: each row's low-rank activations, times its scales
+      Seg extra;
+      if (R > 0) {
+        h.resize(static_cast<size_t>(M) * R);
+        kernel(Seg{xp, ap, K}, Seg{}, h.data(), M, R, 0, R);
+        for (size_t i = 0; i < h.size(); i++) h[i] *= maskp[i];
+        extra = Seg{h.data(), bp, R};
+      }
       int parts = 1;  // set under the pool's lock, before any task runs
       const std::function<void(int)> task = [&](int i) {
         const int n0 = static_cast<int>(static_cast<int64_t>(N) * i / parts) & ~3;
-        const int n1 = i + 1 == parts ? N : static_cast<int>(static_cast<int64_t>(N) * (i + 1) / parts) & ~3;
-        kernel(xp, wp, op, M, N, K, n0, n1);
+        const int n1 =
+            i + 1 == parts ? N : static_cast<int>(static_cast<int64_t>(N) * (i + 1) / parts) & ~3;
+        kernel(Seg{xp, wp, K}, extra, op, M, N, n0, n1);
       };
       run_on_pool(task, &parts);
     });
@@ -212,17 +240,38 @@ class RowsMatmul : public mx::Primitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
+void check_float32(const std::vector<mx::array>& arrays) {
+  for (const auto& a : arrays)
+    if (a.ndim() != 2 || a.dtype() != mx::float32)
+      throw std::invalid_argument("rows_matmul: float32 matrices only");
+  if (g_kernel.load() == nullptr)
+    throw std::invalid_argument("rows_matmul: the CPU lacks AVX2 and FMA");
+}
+
+mx::array rows_primitive(std::vector<mx::array> inputs) {
+  const auto s = mx::default_stream(mx::Device::cpu);
+  const mx::Shape shape = {inputs[0].shape(0), inputs[1].shape(0)};
+  for (auto& input : inputs) input = mx::contiguous(input, false, s);
+  return mx::array(shape, mx::float32, std::make_shared<RowsMatmul>(s), std::move(inputs));
+}
+
 mx::array rows_matmul(const mx::array& x, const mx::array& w) {
   if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
     throw std::invalid_argument("rows_matmul: expected x [M, K] and w [N, K]");
-  if (x.dtype() != mx::float32 || w.dtype() != mx::float32)
-    throw std::invalid_argument("rows_matmul: float32 only");
-  if (g_kernel.load() == nullptr)
-    throw std::invalid_argument("rows_matmul: the CPU lacks AVX2 and FMA");
-  const auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(
-      {x.shape(0), w.shape(0)}, mx::float32, std::make_shared<RowsMatmul>(s),
-      {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+  check_float32({x, w});
+  return rows_primitive({x, w});
+}
+
+mx::array rows_matmul_lora(
+    const mx::array& x, const mx::array& w, const mx::array& a_t, const mx::array& b_t,
+    const mx::array& mask) {
+  check_float32({x, w, a_t, b_t, mask});
+  const auto M = x.shape(0), K = x.shape(1), N = w.shape(0), R = a_t.shape(0);
+  if (w.shape(1) != K || a_t.shape(1) != K || b_t.shape(0) != N || b_t.shape(1) != R ||
+      mask.shape(0) != M || mask.shape(1) != R)
+    throw std::invalid_argument(
+        "rows_matmul_lora: expected x [M, K], w [N, K], a_t [R, K], b_t [N, R], mask [M, R]");
+  return rows_primitive({x, w, a_t, b_t, mask});
 }
 
 }  // namespace
@@ -230,6 +279,7 @@ mx::array rows_matmul(const mx::array& x, const mx::array& w) {
 NB_MODULE(_rows_matmul, m) {
   m.doc() = "x @ w.T for the few rows of a batched decode step, on the CPU";
   m.def("rows_matmul", &rows_matmul, "x"_a, "w"_a);
+  m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
   m.def("set_threads", &set_threads, "threads"_a, "The threads of every later product.");
   m.def("isa", [] { return std::string(g_isa); }, "The vector instructions the kernel uses.");
   m.def(

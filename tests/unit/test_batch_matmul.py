@@ -81,6 +81,40 @@ def test_the_thread_count_changes_nothing_but_the_threads(isa: str):
         native.set_threads(1)
 
 
+def lora_operands(rows: int, k: int, n: int, rank: int, seed: int) -> tuple[mx.array, ...]:
+    x, w = normal((rows, k), seed), normal((n, k), seed + 1)
+    a_t, b_t = normal((rank, k), seed + 2), normal((n, rank), seed + 3)
+    mask = mx.where(normal((rows, rank), seed + 4) > 0, 2.0, 0.0)  # per row: a scale, or none
+    return x, w, a_t, b_t, mask
+
+
+@pytest.mark.parametrize("shape", [(8, 576, 1536, 48), (3, 1536, 576, 16), (5, 100, 37, 7)])
+def test_the_lora_kernel_adds_each_rows_masked_residual(isa: str, shape: tuple[int, ...]):
+    x, w, a_t, b_t, mask = lora_operands(*shape, seed=10)
+    got = native.rows_matmul_lora(x, w, a_t, b_t, mask)
+    expected = x @ w.T + ((x @ a_t.T) * mask) @ b_t.T
+    assert mx.allclose(got, expected, rtol=1e-4, atol=1e-3).item()
+    # A row whose mask is zero gets the base projection alone.
+    bare = native.rows_matmul_lora(x, w, a_t, b_t, mx.zeros_like(mask))
+    assert mx.allclose(bare, x @ w.T, rtol=1e-4, atol=1e-3).item()
+
+
+def test_a_lora_rows_result_does_not_depend_on_the_other_rows(isa: str):
+    x, w, a_t, b_t, mask = lora_operands(8, 576, 300, 48, seed=20)
+    whole = native.rows_matmul_lora(x, w, a_t, b_t, mask)
+    for i in range(8):
+        alone = native.rows_matmul_lora(x[i : i + 1], w, a_t, b_t, mask[i : i + 1])
+        assert mx.array_equal(alone[0], whole[i]).item(), i
+
+
+def test_lora_operands_of_the_wrong_shape_are_refused():
+    x, w, a_t, b_t, mask = lora_operands(4, 64, 32, 8, seed=30)
+    with pytest.raises(ValueError, match="mask \\[M, R\\]"):
+        native.rows_matmul_lora(x, w, a_t, b_t, mask[:, :4])
+    with pytest.raises(ValueError, match="float32"):
+        native.rows_matmul_lora(x, w, a_t.astype(mx.float16), b_t, mask)
+
+
 def test_strided_inputs_are_read_as_their_values():
     x, w = normal((64, 8), 6).T, normal((40, 64), 7)  # x: a transposed view [8, 64]
     assert mx.allclose(native.rows_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item()

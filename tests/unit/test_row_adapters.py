@@ -5,7 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate
+from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate, row_sets
+from hotlora.adapters.slots import LoRASlot
+from hotlora.models import batch_matmul
 
 from tests.support.adapter_builders import TOKENS, adapter_set, logits, manager_with_a_and_b
 
@@ -136,3 +138,32 @@ def test_equal_sets_share_their_columns(manager_and_model):
     mixed = cache.for_rows([first, second, adapter_set(manager, "b")])
     assert isinstance(mixed, RowAdapters)
     assert len(mixed.side_by_side.adapters) == 2
+
+
+def test_a_decode_step_through_the_batch_kernel_gets_each_rows_residual(tmp_path, monkeypatch):
+    """Rows of one token each ([B, 1, in] at every projection) take the batch kernel's fused
+    path: the base projection and each row's residual in one call per slot."""
+    if (why := batch_matmul.unavailable()) is not None:
+        pytest.skip(f"batched decode kernel: {why}")
+    model, manager = manager_with_a_and_b(tmp_path)  # its own model: install changes its layers
+    model.set_dtype(mx.float32)
+    state = batch_matmul.install_batch_matmul(model, threads=2)
+    assert state.enabled, state.reason
+    fused = []
+
+    def counted(*args):
+        fused.append(args[1])
+        return batch_matmul.lora_rows(*args)
+
+    monkeypatch.setattr(row_sets, "lora_rows", counted)
+    sets = {spec: adapter_set(manager, spec) for spec in SPECS}
+    tokens = mx.array([[7]] * len(SPECS))  # [rows, 1]
+    with activate(RowAdapterCache().for_rows([sets[spec] for spec in SPECS])):
+        batched = logits(model, tokens)
+    slots = [m for _, m in model.named_modules() if isinstance(m, LoRASlot)]
+    assert len(fused) == len(slots) > 0  # every slot, in one call each
+    for i, spec in enumerate(SPECS):
+        alone = solo_logits(model, sets[spec], tokens[:1])  # one row: BLAS, not the kernel
+        difference = mx.abs(batched[i : i + 1] - alone).max().item()
+        assert difference < 1e-4, f"row {i} ({spec or 'base'}) differs by {difference}"
+    assert mx.abs(batched[1] - batched[2]).max().item() > 1e-2
