@@ -96,16 +96,30 @@ struct Isa {  // 16 vector registers: 8 accumulators
 }  // namespace avx2
 #pragma GCC pop_options
 
-// The widest kernel this CPU runs; nullptr: none.
-Range best_kernel(const char** name) {
-  if (__builtin_cpu_supports("avx512f")) return *name = "avx512", avx512::rows_matmul_range;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return *name = "avx2", avx2::rows_matmul_range;
-  return *name = "none", nullptr;
+// The kernels, widest first, with what the CPU needs for each.
+struct Kernel {
+  const char* isa;
+  bool (*supported)();
+  Range range;
+};
+const Kernel kKernels[] = {
+    {"avx512", [] { return static_cast<bool>(__builtin_cpu_supports("avx512f")); },
+     avx512::rows_matmul_range},
+    {"avx2",
+     [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); },
+     avx2::rows_matmul_range},
+};
+
+// The kernel named `isa` (nullptr: the widest this CPU runs); nullptr if the CPU lacks it.
+const Kernel* find_kernel(const std::string& isa = "") {
+  for (const auto& kernel : kKernels)
+    if ((isa.empty() || isa == kernel.isa) && kernel.supported()) return &kernel;
+  return nullptr;
 }
 
-const char* g_isa = "none";
-std::atomic<Range> g_kernel{best_kernel(&g_isa)};
+const Kernel* const kWidest = find_kernel();
+const char* g_isa = kWidest ? kWidest->isa : "none";
+std::atomic<Range> g_kernel{kWidest ? kWidest->range : nullptr};
 
 // Threads for one call at a time. Between calls (a decode step makes hundreds, microseconds
 // apart) they spin a little, yielding, and then sleep until the next call.
@@ -256,9 +270,9 @@ mx::array rows_primitive(std::vector<mx::array> inputs) {
 }
 
 mx::array rows_matmul(const mx::array& x, const mx::array& w) {
-  if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
-    throw std::invalid_argument("rows_matmul: expected x [M, K] and w [N, K]");
   check_float32({x, w});
+  if (x.shape(1) != w.shape(1))
+    throw std::invalid_argument("rows_matmul: expected x [M, K] and w [N, K]");
   return rows_primitive({x, w});
 }
 
@@ -285,12 +299,9 @@ NB_MODULE(_rows_matmul, m) {
   m.def(
       "use_isa",
       [](const std::string& name) {
-        if (name == "avx512" && __builtin_cpu_supports("avx512f"))
-          g_kernel = avx512::rows_matmul_range, g_isa = "avx512";
-        else if (name == "avx2" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-          g_kernel = avx2::rows_matmul_range, g_isa = "avx2";
-        else
-          return false;
+        const Kernel* kernel = name.empty() ? nullptr : find_kernel(name);
+        if (kernel == nullptr) return false;
+        g_kernel = kernel->range, g_isa = kernel->isa;
         return true;
       },
       "name"_a, "Use the avx512 or avx2 kernel for later products; False if the CPU lacks it.");
