@@ -90,7 +90,7 @@ class RowAdapters:
         if a_cat.dtype == b_cat.dtype == mx.float32 and serves_lora(x, base):
             a_t, b_t = self.side_by_side.transposed(path, a_cat, b_cat)
             mask = self._mask(layout, a_cat)  # [B, 1, R]
-            return lora_rows(x, base, a_t, b_t, mask.reshape(mask.shape[0], -1))
+            return lora_rows(x, base, a_t, b_t, mask)
         return self.apply(path, x, base(x))
 
     def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:

@@ -130,8 +130,7 @@ def _decode_rows(x: mx.array, weight: mx.array) -> mx.array | None:
     if not _serves(x, weight):
         return None
     assert _native is not None
-    rows = _native.rows_matmul(x.reshape(x.shape[0], x.shape[2]), weight)
-    return rows.reshape(x.shape[0], 1, weight.shape[0])
+    return _native.rows_matmul(x, weight)  # [B, 1, out]
 
 
 def serves_lora(x: mx.array, linear: nn.Module) -> bool:
@@ -144,13 +143,10 @@ def lora_rows(
 ) -> mx.array:
     """`linear(x) + ((x @ a_t.T) * mask) @ b_t.T` for a batched decode step, in one kernel call
     (`serves_lora` says when): x [B, 1, in], a_t [R, in], b_t [out, R], mask [B, R], each
-    row's scale on each low-rank column. Where the base projection's weights are read, so are
-    the low-rank pair's: about a quarter of the cost of three separate products."""
+    row's scale on each low-rank column (or [B, 1, R]). Where the base projection's weights are
+    read, so are the low-rank pair's: about a quarter of the cost of three separate products."""
     assert _native is not None
-    batch, _, width = x.shape
-    weight = linear.weight
-    rows = _native.rows_matmul_lora(x.reshape(batch, width), weight, a_t, b_t, mask)
-    return rows.reshape(batch, 1, weight.shape[0])
+    return _native.rows_matmul_lora(x, linear.weight, a_t, b_t, mask)  # [B, 1, out]
 
 
 class RowsLinear(nn.Linear):

@@ -5,12 +5,12 @@
 // multiplied by every row of x while it is there. Each output is one dot product summed in a
 // fixed order, so a row's result does not depend on the other rows of the batch.
 //
-// x: [M, K] float32, w: [N, K] float32 (a Linear's weight), out: [M, N]. AVX-512, or AVX2 with
-// FMA, chosen at run time; each gives its own fixed bits.
+// x: [..., K] float32 (M rows), w: [N, K] float32 (a Linear's weight), out: [..., N]. AVX-512,
+// or AVX2 with FMA, chosen at run time; each gives its own fixed bits.
 //
 // With LoRA (rows_matmul_lora): out = x @ w.T + ((x @ a_t.T) * mask) @ b_t.T, each row with its
-// own scales in `mask` [M, R], in the same pass: the low-rank columns extend every dot product,
-// so a batch of rows with different adapters costs one primitive per projection.
+// own scales in `mask` [..., R] (M rows), in the same pass: the low-rank columns extend every
+// dot product, so a batch of rows with different adapters costs one primitive per projection.
 
 #include <immintrin.h>
 #include <nanobind/nanobind.h>
@@ -27,6 +27,7 @@
 #include <string>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -121,44 +122,76 @@ const Kernel* const kWidest = find_kernel();
 const char* g_isa = kWidest ? kWidest->isa : "none";
 std::atomic<Range> g_kernel{kWidest ? kWidest->range : nullptr};
 
-// Threads for one call at a time. Between calls (a decode step makes hundreds, microseconds
-// apart) they spin a little, yielding, and then sleep until the next call.
+// Threads for one call at a time. A call's work is cut into chunks that every thread, the
+// caller's included, claims until none is left: a thread the OS has set aside for another
+// process holds up only a chunk it has claimed, never the whole call. Between calls (a decode
+// step makes hundreds, microseconds apart) the workers spin a little, yielding, then sleep.
 class Pool {
  public:
   explicit Pool(int threads) {
-    for (int i = 1; i < threads; i++) workers_.emplace_back([this, i] { loop(i); });
+    for (int i = 1; i < threads; i++) workers_.emplace_back([this] { loop(); });
   }
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-      generation_.fetch_add(1);
+      stop_.store(true);
+      state_.store(next_generation() << 32);
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
   }
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Runs task(0) here and task(i) on worker i; returns when all are done.
-  void run(const std::function<void(int)>& task) {
-    if (workers_.empty()) return task(0);
+  // task(c) for every c < chunks (at most 65535), on whichever threads claim them; returns when
+  // all are done.
+  void run(int chunks, const std::function<void(int)>& task) {
+    if (workers_.empty() || chunks == 1) {
+      for (int c = 0; c < chunks; c++) task(c);
+      return;
+    }
     task_ = &task;
-    pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t generation = next_generation();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      generation_.fetch_add(1, std::memory_order_release);
+      state_.store(generation << 32 | static_cast<uint64_t>(chunks) << 16,
+                   std::memory_order_release);
     }
     if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
-    task(0);
-    while (pending_.load(std::memory_order_acquire) > 0) _mm_pause();
+    const int mine = work(generation);
+    for (int spins = 1; done_.load(std::memory_order_acquire) + mine < chunks; spins++) {
+      _mm_pause();
+      if (spins % 64 == 0) std::this_thread::yield();
+    }
   }
 
  private:
-  void loop(int index) {
-    uint64_t seen = 0;
+  // state_: generation (32 bits) | chunks (16) | chunks claimed so far (16).
+  uint64_t next_generation() const {
+    return ((state_.load(std::memory_order_relaxed) >> 32) + 1) & 0xffffffffu;
+  }
+
+  // Claims and runs chunks of `generation` while any is left; returns how many it ran. A chunk
+  // claimed is one the caller waits for, so task_ stays this generation's until it is done.
+  int work(uint64_t generation) {
+    int ran = 0;
+    uint64_t s = state_.load(std::memory_order_acquire);
+    while (s >> 32 == generation && (s & 0xffff) < (s >> 16 & 0xffff)) {
+      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
+        (*task_)(static_cast<int>(s & 0xffff));
+        ran++;
+        s = state_.load(std::memory_order_acquire);
+      }
+    }
+    return ran;
+  }
+
+  void loop() {
+    uint64_t seen = 0;  // the generation a new pool starts at, even if this thread starts late
+    const auto changed = [&] { return state_.load(std::memory_order_acquire) >> 32 != seen; };
     while (true) {
       const auto start = std::chrono::steady_clock::now();
-      for (int spins = 1; generation_.load(std::memory_order_acquire) == seen; spins++) {
+      for (int spins = 1; !changed(); spins++) {
         _mm_pause();
         if (spins % 256 != 0) continue;
         if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(300)) {
@@ -167,35 +200,40 @@ class Pool {
         }
         std::unique_lock<std::mutex> lock(mutex_);
         sleeping_.fetch_add(1);
-        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        wake_.wait(lock, changed);
         sleeping_.fetch_sub(1);
       }
-      seen = generation_.load(std::memory_order_acquire);
-      if (stop_) return;
-      (*task_)(index);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      seen = state_.load(std::memory_order_acquire) >> 32;
+      if (stop_.load()) return;
+      if (const int ran = work(seen)) done_.fetch_add(ran, std::memory_order_release);
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int> done_{0};
   std::atomic<int> sleeping_{0};
+  std::atomic<bool> stop_{false};
   const std::function<void(int)>* task_ = nullptr;
-  bool stop_ = false;
 };
 
 // The threads of every product; set_threads replaces them between products.
 std::mutex g_pool_mutex;
 std::unique_ptr<Pool> g_pool;
 
-void run_on_pool(const std::function<void(int)>& task, int* parts) {
+// body(n0, n1) over [0, n) in chunks of at least `least` rows (bounds on multiples of 4, the
+// kernel's blocks), a few per thread of the pool so that the threads even out.
+void parallel_rows(int n, int least, const std::function<void(int, int)>& body) {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (!g_pool) g_pool = std::make_unique<Pool>(1);
-  *parts = g_pool->size();
-  g_pool->run(task);
+  const int threads = g_pool->size();
+  const int chunks = std::clamp(n / least, 1, threads == 1 ? 1 : 4 * threads);
+  const auto bound = [&](int c) {
+    return c == chunks ? n : static_cast<int>(static_cast<int64_t>(n) * c / chunks) & ~3;
+  };
+  g_pool->run(chunks, [&](int c) { body(bound(c), bound(c + 1)); });
 }
 
 int set_threads(int threads) {
@@ -208,11 +246,49 @@ int set_threads(int threads) {
   return g_pool->size();
 }
 
+// An input's elements in row-major order, read where the kernel runs: the input's own buffer
+// when it is row-contiguous (the usual case, no copy), else a packed copy of its strided view.
+// The layout is known when the primitive is evaluated; the data only once the inputs' own work,
+// queued before it on the stream, has run.
+class RowMajor {
+ public:
+  explicit RowMajor(const mx::array& a)
+      : data_(a.data<float>()), shape_(a.shape()), strides_(a.strides()),
+        contiguous_(a.flags().row_contiguous) {}
+
+  const float* get() {
+    if (contiguous_) return data_;
+    if (packed_.empty()) {
+      size_t size = 1;
+      for (int n : shape_) size *= n;
+      packed_.reserve(size);
+      pack(0, data_);
+    }
+    return packed_.data();
+  }
+
+ private:
+  void pack(size_t axis, const float* from) {
+    for (int i = 0; i < shape_[axis]; i++, from += strides_[axis]) {
+      if (axis + 1 == shape_.size())
+        packed_.push_back(*from);
+      else
+        pack(axis + 1, from);
+    }
+  }
+
+  const float* data_;
+  mx::Shape shape_;
+  mx::Strides strides_;
+  bool contiguous_;
+  std::vector<float> packed_;
+};
+
 class RowsMatmul : public mx::Primitive {
  public:
   explicit RowsMatmul(mx::Stream stream) : mx::Primitive(stream) {}
 
-  // inputs: x, w; with LoRA also a_t [R, K], b_t [N, R], mask [M, R].
+  // inputs: x [..., K], w; with LoRA also a_t [R, K], b_t [N, R], mask [..., R].
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
@@ -221,30 +297,30 @@ class RowsMatmul : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
-    const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
-    const bool lora = inputs.size() == 5;
-    const int R = lora ? inputs[2].shape(0) : 0;
-    const float* ap = lora ? inputs[2].data<float>() : nullptr;
-    const float* bp = lora ? inputs[3].data<float>() : nullptr;
-    const float* maskp = lora ? inputs[4].data<float>() : nullptr;
-    encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(), M, N, K,
-                      R, ap, bp, maskp, kernel = g_kernel.load()] {
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
+    const int R = inputs.size() == 5 ? inputs[2].shape(0) : 0;
+    std::vector<RowMajor> operands(inputs.begin(), inputs.end());
+    encoder.dispatch([operands = std::move(operands), op = out.data<float>(), M, N, K, R,
+                      kernel = g_kernel.load()]() mutable {
+      const float* xp = operands[0].get();
+      const float* wp = operands[1].get();
       std::vector<float> h;  // [M, R]: each row's low-rank activations, times its scales
       Seg extra;
       if (R > 0) {
+        const float* ap = operands[2].get();
+        const float* bp = operands[3].get();
+        const float* maskp = operands[4].get();
         h.resize(static_cast<size_t>(M) * R);
-        kernel(Seg{xp, ap, K}, Seg{}, h.data(), M, R, 0, R);
-        for (size_t i = 0; i < h.size(); i++) h[i] *= maskp[i];
+        parallel_rows(R, 8, [&](int r0, int r1) {
+          kernel(Seg{xp, ap, K}, Seg{}, h.data(), M, R, r0, r1);
+          for (int m = 0; m < M; m++)
+            for (int r = r0; r < r1; r++) h[m * R + r] *= maskp[m * R + r];
+        });
         extra = Seg{h.data(), bp, R};
       }
-      int parts = 1;  // set under the pool's lock, before any task runs
-      const std::function<void(int)> task = [&](int i) {
-        const int n0 = static_cast<int>(static_cast<int64_t>(N) * i / parts) & ~3;
-        const int n1 =
-            i + 1 == parts ? N : static_cast<int>(static_cast<int64_t>(N) * (i + 1) / parts) & ~3;
+      parallel_rows(N, 64, [&](int n0, int n1) {
         kernel(Seg{xp, wp, K}, extra, op, M, N, n0, n1);
-      };
-      run_on_pool(task, &parts);
+      });
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -256,23 +332,24 @@ class RowsMatmul : public mx::Primitive {
 
 void check_float32(const std::vector<mx::array>& arrays) {
   for (const auto& a : arrays)
-    if (a.ndim() != 2 || a.dtype() != mx::float32)
-      throw std::invalid_argument("rows_matmul: float32 matrices only");
+    if (a.ndim() < 2 || a.dtype() != mx::float32)
+      throw std::invalid_argument("rows_matmul: float32 arrays of two or more dimensions only");
   if (g_kernel.load() == nullptr)
     throw std::invalid_argument("rows_matmul: the CPU lacks AVX2 and FMA");
 }
 
+// x [..., K] against w [N, K]: out [..., N].
 mx::array rows_primitive(std::vector<mx::array> inputs) {
   const auto s = mx::default_stream(mx::Device::cpu);
-  const mx::Shape shape = {inputs[0].shape(0), inputs[1].shape(0)};
-  for (auto& input : inputs) input = mx::contiguous(input, false, s);
+  mx::Shape shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
   return mx::array(shape, mx::float32, std::make_shared<RowsMatmul>(s), std::move(inputs));
 }
 
 mx::array rows_matmul(const mx::array& x, const mx::array& w) {
   check_float32({x, w});
-  if (x.shape(1) != w.shape(1))
-    throw std::invalid_argument("rows_matmul: expected x [M, K] and w [N, K]");
+  if (w.ndim() != 2 || x.shape(-1) != w.shape(1))
+    throw std::invalid_argument("rows_matmul: expected x [..., K] and w [N, K]");
   return rows_primitive({x, w});
 }
 
@@ -280,11 +357,14 @@ mx::array rows_matmul_lora(
     const mx::array& x, const mx::array& w, const mx::array& a_t, const mx::array& b_t,
     const mx::array& mask) {
   check_float32({x, w, a_t, b_t, mask});
-  const auto M = x.shape(0), K = x.shape(1), N = w.shape(0), R = a_t.shape(0);
-  if (w.shape(1) != K || a_t.shape(1) != K || b_t.shape(0) != N || b_t.shape(1) != R ||
-      mask.shape(0) != M || mask.shape(1) != R)
+  const auto K = x.shape(-1), N = w.shape(0), R = a_t.shape(0);
+  const auto M = x.size() / K;
+  if (w.ndim() != 2 || a_t.ndim() != 2 || b_t.ndim() != 2 || w.shape(1) != K ||
+      a_t.shape(1) != K || b_t.shape(0) != N || b_t.shape(1) != R || mask.shape(-1) != R ||
+      mask.size() != M * R)
     throw std::invalid_argument(
-        "rows_matmul_lora: expected x [M, K], w [N, K], a_t [R, K], b_t [N, R], mask [M, R]");
+        "rows_matmul_lora: expected x [..., K] (M rows), w [N, K], a_t [R, K], b_t [N, R], "
+        "mask [..., R] (M rows)");
   return rows_primitive({x, w, a_t, b_t, mask});
 }
 

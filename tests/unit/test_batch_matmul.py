@@ -107,10 +107,36 @@ def test_a_lora_rows_result_does_not_depend_on_the_other_rows(isa: str):
         assert mx.array_equal(alone[0], whole[i]).item(), i
 
 
+def test_the_lora_kernels_thread_count_changes_nothing_but_the_threads(isa: str):
+    # Both phases are split among the threads: the low-rank activations, then the outputs.
+    x, w, a_t, b_t, mask = lora_operands(8, 576, 300, 48, seed=25)
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            assert native.set_threads(threads) == threads
+            results.append(native.rows_matmul_lora(x, w, a_t, b_t, mask))
+        assert all(mx.array_equal(r, results[0]).item() for r in results)
+    finally:
+        native.set_threads(1)
+
+
+def test_a_decode_steps_three_dimensional_rows_keep_their_shape():
+    x, w, a_t, b_t, mask = lora_operands(6, 64, 40, 8, seed=35)
+    x3, mask3 = x.reshape(6, 1, 64), mask.reshape(6, 1, 8)
+    plain = native.rows_matmul(x3, w)
+    assert plain.shape == (6, 1, 40)
+    assert mx.array_equal(plain.reshape(6, 40), native.rows_matmul(x, w)).item()
+    lora = native.rows_matmul_lora(x3, w, a_t, b_t, mask3)
+    assert lora.shape == (6, 1, 40)
+    assert mx.array_equal(lora.reshape(6, 40), native.rows_matmul_lora(x, w, a_t, b_t, mask)).item()
+
+
 def test_lora_operands_of_the_wrong_shape_are_refused():
     x, w, a_t, b_t, mask = lora_operands(4, 64, 32, 8, seed=30)
-    with pytest.raises(ValueError, match="mask \\[M, R\\]"):
+    with pytest.raises(ValueError, match="mask \\[\\.\\.\\., R\\] \\(M rows\\)"):
         native.rows_matmul_lora(x, w, a_t, b_t, mask[:, :4])
+    with pytest.raises(ValueError, match="mask"):  # R columns, but not one row of them per x row
+        native.rows_matmul_lora(x, w, a_t, b_t, mask[:2])
     with pytest.raises(ValueError, match="float32"):
         native.rows_matmul_lora(x, w, a_t.astype(mx.float16), b_t, mask)
 
@@ -118,11 +144,20 @@ def test_lora_operands_of_the_wrong_shape_are_refused():
 def test_strided_inputs_are_read_as_their_values():
     x, w = normal((64, 8), 6).T, normal((40, 64), 7)  # x: a transposed view [8, 64]
     assert mx.allclose(native.rows_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item()
+    # Every operand of the LoRA form a view: transposed, sliced with a step, broadcast.
+    w_view = normal((64, 80), 8).T[::2]  # [40, 64]
+    a_t, b_t = normal((64, 6), 9).T, normal((6, 40), 10).T  # [6, 64], [40, 6]
+    mask = mx.broadcast_to(mx.array([[0.5, 0.0, 2.0, 1.0, 0.0, 3.0]]), (8, 6))
+    got = native.rows_matmul_lora(x, w_view, a_t, b_t, mask)
+    expected = x @ w_view.T + ((x @ a_t.T) * mask) @ b_t.T
+    assert mx.allclose(got, expected, rtol=1e-4, atol=1e-4).item()
 
 
 def test_bad_inputs_are_refused():
-    with pytest.raises(ValueError, match="x \\[M, K\\] and w \\[N, K\\]"):
+    with pytest.raises(ValueError, match="x \\[\\.\\.\\., K\\] and w \\[N, K\\]"):
         native.rows_matmul(normal((2, 8), 1), normal((3, 9), 2))
+    with pytest.raises(ValueError, match="two or more dimensions"):
+        native.rows_matmul(normal((8,), 1), normal((3, 8), 2))
     with pytest.raises(ValueError, match="float32"):
         native.rows_matmul(normal((2, 8), 1).astype(mx.float16), normal((3, 8), 2))
 
