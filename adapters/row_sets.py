@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet, MountedAdapter
-from hotlora.models.batch_matmul import lora_rows, serves_lora
+from hotlora.models.batch_matmul import lora_rows, serves_lora, serves_rows
 
 # One slot's layout: each adapter with weights there, and the span of its columns.
 Layout = tuple[tuple[MountedAdapter, int, int], ...]
@@ -73,25 +73,53 @@ class SideBySide:
         return a_cat, b_cat, tuple(layout)
 
 
+# What a slot does for one batch: nothing (no adapter has weights there), or its side-by-side
+# pair with the rows' mask, and the batch kernel's operands where that kernel serves the slot.
+_Plan = tuple[mx.array, mx.array, mx.array, tuple[mx.array, mx.array, mx.array] | None] | None
+
+
 class RowAdapters:
-    """What the LoRA slots apply during one batched call: each row adds its own set's residual."""
+    """What the LoRA slots apply during one batched call: each row adds its own set's residual.
+
+    A decode step calls every slot once, so what each slot needs (pair, mask, the kernel's
+    operands) is looked up once per batch and kept: `RowAdapterCache` hands the same object to
+    every step while the batch's rows stay the same.
+    """
 
     def __init__(self, side_by_side: SideBySide, rows: Sequence[AdapterSet]):
         self.side_by_side = side_by_side
         self._rows = tuple(rows)
         self._masks: dict[Layout, mx.array] = {}
+        self._plans: dict[str, _Plan] = {}
+
+    def same_rows(self, rows: Sequence[AdapterSet]) -> bool:
+        """Whether these are this batch's rows (the same sets, in the same order)."""
+        return len(rows) == len(self._rows) and all(
+            mine is theirs for mine, theirs in zip(self._rows, rows, strict=True)
+        )
 
     def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array:
         """`base(x)` plus each row's residual: one call of the batch kernel where it serves."""
-        slot = self.side_by_side.slot(path)
-        if slot is None:
+        plan = self._plans[path] if path in self._plans else self._plan(path, base)
+        if plan is None:
             return base(x)
-        a_cat, b_cat, layout = slot
-        if a_cat.dtype == b_cat.dtype == mx.float32 and serves_lora(x, base):
-            a_t, b_t = self.side_by_side.transposed(path, a_cat, b_cat)
+        a_cat, b_cat, mask, fused = plan
+        if fused is not None and serves_rows(x):
+            return lora_rows(x, base, *fused)
+        return _add_residuals(x, base(x), a_cat, b_cat, mask)
+
+    def _plan(self, path: str, base: nn.Module) -> _Plan:
+        slot = self.side_by_side.slot(path)
+        plan: _Plan = None
+        if slot is not None:
+            a_cat, b_cat, layout = slot
             mask = self._mask(layout, a_cat)  # [B, 1, R]
-            return lora_rows(x, base, a_t, b_t, mask)
-        return self.apply(path, x, base(x))
+            fused = None
+            if a_cat.dtype == b_cat.dtype == mx.float32 and serves_lora(base):
+                fused = (*self.side_by_side.transposed(path, a_cat, b_cat), mask)
+            plan = (a_cat, b_cat, mask, fused)
+        self._plans[path] = plan
+        return plan
 
     def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
         """`x` [B, L, in] and the base output `y` [B, L, out]; y plus each row's residual.
@@ -102,10 +130,7 @@ class RowAdapters:
         if slot is None:
             return y
         a_cat, b_cat, layout = slot
-        h = (x @ a_cat) * self._mask(layout, a_cat)  # [B, L, R]
-        if h.dtype == y.dtype == b_cat.dtype:
-            return mx.addmm(y, h, b_cat)  # y + h @ B_cat in one product
-        return y + (h @ b_cat).astype(y.dtype)
+        return _add_residuals(x, y, a_cat, b_cat, self._mask(layout, a_cat))
 
     def _mask(self, layout: Layout, a_cat: mx.array) -> mx.array:
         """[B, 1, R]: on each adapter's columns, the scale the row's set gives it (summed if
@@ -128,6 +153,15 @@ class RowAdapters:
         return mask
 
 
+def _add_residuals(
+    x: mx.array, y: mx.array, a_cat: mx.array, b_cat: mx.array, mask: mx.array
+) -> mx.array:
+    h = (x @ a_cat) * mask  # [B, L, R]
+    if h.dtype == y.dtype == b_cat.dtype:
+        return mx.addmm(y, h, b_cat)  # y + h @ B_cat in one product
+    return y + (h @ b_cat).astype(y.dtype)
+
+
 class RowAdapterCache:
     """Builds what the slots apply for a batch of rows.
 
@@ -140,10 +174,12 @@ class RowAdapterCache:
     def __init__(self, keep: int = 2):
         self.keep = keep
         self._built: list[SideBySide] = []  # most recently used last
+        self._last: RowAdapters | None = None
 
     def clear(self) -> None:
         """Forget every kept pair (the batch is empty: nothing would reuse them)."""
         self._built.clear()
+        self._last = None
 
     def for_rows(self, rows: Sequence[AdapterSet]) -> AdapterSet | RowAdapters:
         """`rows[b]` is row b's set. One set on every row is applied as is (no mask).
@@ -159,6 +195,8 @@ class RowAdapterCache:
             return rows[0]
         if len(distinct) == 1 and all(adapters.entries for adapters in rows):
             return rows[0]
+        if self._last is not None and self._last.same_rows(rows):
+            return self._last  # the same rows as the last step: its masks and plans hold
         # Adapters compare by identity: a replaced id is another adapter. In order of first use.
         used = {
             entry.mounted: None
@@ -175,4 +213,5 @@ class RowAdapterCache:
             if len(self._built) >= self.keep:
                 self._built.pop(0)
         self._built.append(side_by_side)
-        return RowAdapters(side_by_side, rows)
+        self._last = RowAdapters(side_by_side, rows)
+        return self._last

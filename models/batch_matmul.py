@@ -114,37 +114,44 @@ _native: ModuleType | None = None
 _max_rows = 0
 
 
-def _serves(x: mx.array, weight: mx.array) -> bool:
+def serves_rows(x: mx.array) -> bool:
     """Whether x is a batched decode step's input ([B, 1, in], float32) the kernel takes."""
+    shape = x.shape
     return (
         _native is not None
-        and x.ndim == 3
-        and x.shape[1] == 1
-        and MIN_ROWS <= x.shape[0] <= _max_rows
-        and x.dtype == weight.dtype == mx.float32
+        and len(shape) == 3
+        and shape[1] == 1
+        and MIN_ROWS <= shape[0] <= _max_rows
+        and x.dtype == mx.float32
     )
 
 
 def _decode_rows(x: mx.array, weight: mx.array) -> mx.array | None:
     """`x @ weight.T` through the kernel when x is a batched decode step's input, else None."""
-    if not _serves(x, weight):
+    if weight.dtype != mx.float32 or not serves_rows(x):
         return None
     assert _native is not None
     return _native.rows_matmul(x, weight)  # [B, 1, out]
 
 
-def serves_lora(x: mx.array, linear: nn.Module) -> bool:
-    """Whether `lora_rows` takes this input of this projection."""
-    return type(linear) is RowsLinear and "bias" not in linear and _serves(x, linear.weight)
+def serves_lora(linear: nn.Module) -> bool:
+    """Whether `lora_rows` takes this projection, for inputs `serves_rows` takes."""
+    return (
+        _native is not None
+        and type(linear) is RowsLinear
+        and "bias" not in linear
+        and linear.weight.dtype == mx.float32
+    )
 
 
 def lora_rows(
     x: mx.array, linear: nn.Module, a_t: mx.array, b_t: mx.array, mask: mx.array
 ) -> mx.array:
     """`linear(x) + ((x @ a_t.T) * mask) @ b_t.T` for a batched decode step, in one kernel call
-    (`serves_lora` says when): x [B, 1, in], a_t [R, in], b_t [out, R], mask [B, R], each
-    row's scale on each low-rank column (or [B, 1, R]). Where the base projection's weights are
-    read, so are the low-rank pair's: about a quarter of the cost of three separate products."""
+    (`serves_lora` and `serves_rows` say when): x [B, 1, in], a_t [R, in], b_t [out, R],
+    mask [B, R] or [B, 1, R], each row's scale on each low-rank column. Where the base
+    projection's weights are read, so are the low-rank pair's: about a quarter of the cost of
+    three separate products."""
     assert _native is not None
     return _native.rows_matmul_lora(x, linear.weight, a_t, b_t, mask)  # [B, 1, out]
 

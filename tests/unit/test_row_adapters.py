@@ -55,6 +55,33 @@ def test_one_set_on_every_row_is_applied_as_is(setup):
     assert cache.for_rows([BASE_ONLY, BASE_ONLY]) is BASE_ONLY
 
 
+def test_steps_with_the_same_rows_share_one_batch_and_a_changed_row_gets_its_own(setup):
+    model, sets = setup
+    cache = RowAdapterCache()
+    rows = [sets["a"], sets["b"], BASE_ONLY]
+    first = cache.for_rows(rows)
+    assert isinstance(first, RowAdapters)
+    with activate(first):
+        before = logits(model, mx.concatenate([TOKENS] * 3))
+    assert cache.for_rows(list(rows)) is first  # the next step: masks and plans as they were
+    # A row joins, a row leaves, two swap: each is another batch, with masks of its own.
+    for changed in ([*rows, sets["a+b"]], rows[:2], [sets["b"], sets["a"], BASE_ONLY]):
+        batch = cache.for_rows(changed)
+        assert isinstance(batch, RowAdapters) and batch is not first
+        with activate(batch):
+            got = logits(model, mx.concatenate([TOKENS] * len(changed)))
+        for i, adapters in enumerate(changed):
+            alone = solo_logits(model, adapters, TOKENS)
+            assert mx.abs(got[i : i + 1] - alone).max().item() < 1e-4
+    # The first batch's rows again: the kept batch is not the one handed out any more.
+    again = cache.for_rows(rows)
+    assert again is not first
+    with activate(again):
+        assert mx.array_equal(logits(model, mx.concatenate([TOKENS] * 3)), before).item()
+    cache.clear()
+    assert cache.for_rows(rows) is not again
+
+
 def test_a_kept_superset_serves_later_batches_without_a_rebuild(setup):
     model, sets = setup
     cache = RowAdapterCache(keep=1)
