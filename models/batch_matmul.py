@@ -11,7 +11,12 @@ the rest of the batch. It differs from BLAS in the last bits, so it serves only 
 steps (`[B, 1, K]` inputs, 2 <= B <= 16; 8 with AVX2): a request alone, and every prefill, keep
 BLAS and mlx-lm's results to the bit. Beyond that BLAS is faster again.
 
-The kernel is an MLX primitive in a small C++ extension, built by `make setup` (or
+The step's RMSNorms and RoPEs take one primitive each there too (`RowsRMSNorm`, `RowsRoPE`):
+MLX's CPU backend composes them from ten to thirty small operations, each of which costs more
+to schedule (~7 us) than to compute at a few rows; per step that was about 2,000 of the graph's
+3,700 operations. Same formulas as MLX's, in float32, within rounding of its results.
+
+The kernels are MLX primitives in a small C++ extension, built by `make setup` (or
 `python -m hotlora.models.batch_matmul`) with g++ against MLX's headers and nanobind: it needs
 x86-64 with AVX-512, or AVX2 and FMA.
 """
@@ -24,6 +29,7 @@ import platform
 import subprocess
 import sys
 import sysconfig
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -174,9 +180,47 @@ class RowsEmbedding(nn.Embedding):
         return super().as_linear(x) if y is None else y
 
 
+class RowsRMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` whose batched decode steps take one primitive, not MLX's ten."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if serves_rows(x) and self.weight.dtype == mx.float32:
+            assert _native is not None
+            return _native.rms_norm_rows(x, self.weight, self.eps)
+        return super().__call__(x)
+
+
+class RowsRoPE(nn.RoPE):
+    """`nn.RoPE` whose batched decode steps (x [B, heads, 1, D], a position per row) take one
+    primitive, not MLX's thirty."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if (
+            _native is not None
+            and isinstance(offset, mx.array)
+            and offset.dtype == mx.int32
+            and offset.shape == (x.shape[0],)
+            and x.ndim == 4
+            and x.shape[2] == 1
+            and MIN_ROWS <= x.shape[0] <= _max_rows
+            and x.dtype == mx.float32
+        ):
+            return _native.rope_rows(x, offset, self.dims, self.traditional, self.base, self.scale)
+        return super().__call__(x, offset)
+
+
+_ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: RowsLinear,
+    nn.Embedding: RowsEmbedding,
+    nn.RMSNorm: RowsRMSNorm,
+    nn.RoPE: RowsRoPE,
+}
+
+
 def install_batch_matmul(model: nn.Module, threads: int | None = None) -> BatchMatmul:
-    """Route the model's float projections (and a tied output layer) through the kernel for
-    batched decode steps. Changes the modules' classes in place; their weights are untouched."""
+    """Route the model's float projections (and a tied output layer), norms and RoPE through
+    the kernels for batched decode steps. Changes the modules' classes in place; their weights
+    are untouched."""
     global _native, _max_rows
     if (reason := unavailable()) is not None:
         return BatchMatmul(False, reason)
@@ -185,17 +229,17 @@ def install_batch_matmul(model: nn.Module, threads: int | None = None) -> BatchM
     if isinstance(loaded, str):
         return BatchMatmul(False, loaded)
     _native, _max_rows = loaded, MAX_ROWS[loaded.isa()]
-    swapped = 0
+    swapped: Counter[type[nn.Module]] = Counter()
     for _, module in model.named_modules():
-        if type(module) is nn.Linear:
-            module.__class__ = RowsLinear
-            swapped += 1
-        elif type(module) is nn.Embedding:
-            module.__class__ = RowsEmbedding
+        rows_class = _ROWS_CLASSES.get(type(module))
+        if rows_class is not None:
+            module.__class__ = rows_class
+            swapped[rows_class] += 1
     return BatchMatmul(
         True,
-        f"decode steps of {MIN_ROWS}-{_max_rows} rows run {swapped} projections through the "
-        f"rows kernel ({loaded.isa()}, {threads} threads)",
+        f"decode steps of {MIN_ROWS}-{_max_rows} rows run {swapped[RowsLinear]} projections, "
+        f"{swapped[RowsRMSNorm]} norms and {swapped[RowsRoPE]} RoPEs through the rows kernels "
+        f"({loaded.isa()}, {threads} threads)",
     )
 
 

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -368,12 +369,157 @@ mx::array rows_matmul_lora(
   return rows_primitive({x, w, a_t, b_t, mask});
 }
 
+// The other per-row operations of a batched decode step, each one primitive: MLX's CPU backend
+// composes RMSNorm and RoPE from ten to thirty small operations, and at a few rows each costs
+// more to schedule than to compute. Same formulas as MLX's, in float32; rows are independent.
+
+// Shared by the primitives below: the output's allocation, and body(operands, out) queued on
+// the stream with the first `floats` inputs as RowMajor operands.
+template <typename Body>
+void dispatch_rows(const mx::Stream& stream, const std::vector<mx::array>& inputs, size_t floats,
+                   mx::array& out, Body body) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& input : inputs) encoder.set_input_array(input);
+  encoder.set_output_array(out);
+  std::vector<RowMajor> operands(inputs.begin(), inputs.begin() + floats);
+  encoder.dispatch([operands = std::move(operands), op = out.data<float>(), body]() mutable {
+    body(operands, op);
+  });
+}
+
+// x * rsqrt(mean(x^2) + eps) * weight over the last axis of x [..., D]; weight [D].
+class RowsRMSNorm : public mx::Primitive {
+ public:
+  RowsRMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const int D = inputs[0].shape(-1), M = static_cast<int>(inputs[0].size() / D);
+    dispatch_rows(stream(), inputs, 2, outputs[0], [M, D, eps = eps_](auto& operands, float* op) {
+      const float* xp = operands[0].get();
+      const float* wp = operands[1].get();
+      constexpr int kLanes = 16;  // independent partial sums, so that they vectorize
+      for (int m = 0; m < M; m++) {
+        const float* x = xp + static_cast<size_t>(m) * D;
+        float partial[kLanes] = {};
+        int d = 0;
+        for (; d + kLanes <= D; d += kLanes)
+          for (int l = 0; l < kLanes; l++) partial[l] += x[d + l] * x[d + l];
+        float sum = 0.0f;
+        for (; d < D; d++) sum += x[d] * x[d];
+        for (float p : partial) sum += p;
+        const float scale = 1.0f / std::sqrt(sum * (1.0f / D) + eps);
+        float* o = op + static_cast<size_t>(m) * D;
+        for (d = 0; d < D; d++) o[d] = x[d] * scale * wp[d];
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("rms_norm_rows runs on the CPU only");
+  }
+  const char* name() const override { return "RowsRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RowsRMSNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+// Rotary position embedding of x [B, N, T, D] at positions (offset[b] + t) * scale, as
+// mx.fast.rope: the first `dims` features rotated in pairs (i, i + dims / 2), or (2i, 2i + 1)
+// when traditional, by angle position * base^(-i / (dims / 2)); the rest copied.
+class RowsRoPE : public mx::Primitive {
+ public:
+  RowsRoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const int B = x.shape(0), N = x.shape(1), T = x.shape(2), D = x.shape(3);
+    const int32_t* offset = inputs[1].data<int32_t>();  // one per row, or one for all
+    const int64_t offset_stride = inputs[1].size() == 1 ? 0 : inputs[1].strides()[0];
+    const int half = dims_ / 2;
+    const bool traditional = traditional_;
+    const float scale = scale_;
+    std::vector<float> inv_freqs(half);
+    const float step = std::log(base_) / half;
+    for (int i = 0; i < half; i++) inv_freqs[i] = std::exp(static_cast<float>(-i) * step);
+    dispatch_rows(stream(), inputs, 1, outputs[0], [=](auto& operands, float* op) {
+      const float* xp = operands[0].get();
+      std::vector<float> cos_t(half), sin_t(half);
+      for (int b = 0; b < B; b++) {
+        for (int t = 0; t < T; t++) {
+          const int32_t start = offset[b * offset_stride];
+          const float position = (static_cast<float>(t) + static_cast<float>(start)) * scale;
+          for (int i = 0; i < half; i++) {
+            const float theta = position * inv_freqs[i];
+            cos_t[i] = std::cos(theta);
+            sin_t[i] = std::sin(theta);
+          }
+          for (int n = 0; n < N; n++) {
+            const size_t row = ((static_cast<size_t>(b) * N + n) * T + t) * D;
+            const float* in = xp + row;
+            float* o = op + row;
+            for (int i = 0; i < half; i++) {
+              const int i1 = traditional ? 2 * i : i, i2 = traditional ? 2 * i + 1 : i + half;
+              const float x1 = in[i1], x2 = in[i2];
+              o[i1] = x1 * cos_t[i] - x2 * sin_t[i];
+              o[i2] = x1 * sin_t[i] + x2 * cos_t[i];
+            }
+            for (int d = 2 * half; d < D; d++) o[d] = in[d];
+          }
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("rope_rows runs on the CPU only");
+  }
+  const char* name() const override { return "RowsRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RowsRoPE&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
+           scale_ == o.scale_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_;
+  float scale_;
+};
+
+mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 ||
+      weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
+    throw std::invalid_argument("rms_norm_rows: expected float32 x [..., D] and weight [D]");
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RowsRMSNorm>(s, eps), {x, weight});
+}
+
+mx::array rope_rows(const mx::array& x, const mx::array& offset, int dims, bool traditional,
+                    float base, float scale) {
+  if (x.dtype() != mx::float32 || x.ndim() != 4 || dims <= 0 || dims % 2 != 0 ||
+      dims > x.shape(3))
+    throw std::invalid_argument("rope_rows: expected float32 x [B, N, T, D] and even dims <= D");
+  if (offset.dtype() != mx::int32 || offset.ndim() > 1 ||
+      (offset.size() != 1 && static_cast<int>(offset.size()) != x.shape(0)))
+    throw std::invalid_argument("rope_rows: expected an int32 offset, one or one per row");
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<RowsRoPE>(s, dims, traditional, base, scale), {x, offset});
+}
+
 }  // namespace
 
 NB_MODULE(_rows_matmul, m) {
-  m.doc() = "x @ w.T for the few rows of a batched decode step, on the CPU";
+  m.doc() = "The projections, norms and RoPE of a batched decode step's few rows, on the CPU";
   m.def("rows_matmul", &rows_matmul, "x"_a, "w"_a);
   m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
+  m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
+  m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
+        "scale"_a);
   m.def("set_threads", &set_threads, "threads"_a, "The threads of every later product.");
   m.def("isa", [] { return std::string(g_isa); }, "The vector instructions the kernel uses.");
   m.def(

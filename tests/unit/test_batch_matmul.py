@@ -15,6 +15,8 @@ from hotlora.models.batch_matmul import (
     MAX_ROWS,
     RowsEmbedding,
     RowsLinear,
+    RowsRMSNorm,
+    RowsRoPE,
     install_batch_matmul,
 )
 from hotlora.models.loader import load_model_dir
@@ -162,6 +164,56 @@ def test_bad_inputs_are_refused():
         native.rows_matmul(normal((2, 8), 1).astype(mx.float16), normal((3, 8), 2))
 
 
+def test_the_norm_is_mlxs_rms_norm_to_rounding():
+    x, weight = normal((8, 1, 576), 40), 1.0 + 0.1 * normal((576,), 41)
+    got = native.rms_norm_rows(x, weight, 1e-5)
+    assert got.shape == x.shape
+    assert mx.allclose(got, mx.fast.rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6).item()
+    view = normal((576, 5), 42).T[:, None, :]  # [5, 1, 576], strided
+    expected = mx.fast.rms_norm(view, weight, 1e-6)
+    assert mx.allclose(native.rms_norm_rows(view, weight, 1e-6), expected, rtol=1e-5).item()
+    with pytest.raises(ValueError, match="weight \\[D\\]"):
+        native.rms_norm_rows(x, weight[:100], 1e-5)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize(("dims", "base", "scale"), [(64, 10000.0, 1.0), (32, 100000.0, 0.25)])
+def test_rope_is_mlxs_rope_to_rounding(traditional: bool, dims: int, base: float, scale: float):
+    x = normal((6, 9, 1, 64), 43)  # [B, heads, 1, D]: a decode step's queries
+    offset = mx.array([0, 5, -2, 17, 300, 511], dtype=mx.int32)  # each row's position
+    got = native.rope_rows(x, offset, dims, traditional, base, scale)
+    expected = mx.fast.rope(
+        x, dims, traditional=traditional, base=base, scale=scale, offset=offset
+    )
+    assert got.shape == x.shape
+    # At position 511 an angle's float32 spacing is 6e-5: sines and cosines computed another
+    # way differ in that digit.
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-4).item()
+    assert mx.allclose(got[:4], expected[:4], rtol=1e-5, atol=2e-6).item()  # positions <= 17
+    if dims < 64:  # the features past `dims` pass through
+        assert mx.array_equal(got[..., dims:], x[..., dims:]).item()
+    # One position for every row, and a transposed view as it comes from the projection.
+    keys = normal((6, 1, 4, 64), 44).transpose(0, 2, 1, 3)  # [6, 4, 1, 64]
+    one = mx.array([7], dtype=mx.int32)
+    expected = mx.fast.rope(
+        keys, dims, traditional=traditional, base=base, scale=scale, offset=one
+    )
+    assert mx.allclose(
+        native.rope_rows(keys, one, dims, traditional, base, scale), expected, atol=1e-5
+    ).item()
+
+
+def test_rope_refuses_what_it_does_not_compute():
+    x = normal((2, 3, 1, 8), 45)
+    offset = mx.array([1, 2], dtype=mx.int32)
+    with pytest.raises(ValueError, match="even dims"):
+        native.rope_rows(x, offset, 5, False, 10000.0, 1.0)
+    with pytest.raises(ValueError, match="int32 offset"):
+        native.rope_rows(x, mx.array([1, 2, 3], dtype=mx.int32), 8, False, 10000.0, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        native.rope_rows(x.astype(mx.float16), offset, 8, False, 10000.0, 1.0)
+
+
 def decode_logits(model: nn.Module, rows: int) -> tuple[mx.array, mx.array]:
     """Prefill logits of a left-padded batch of `rows`, then one batched decode step's."""
     prompts = mx.array([[(7 * r + j) % 120 + 1 for j in range(6)] for r in range(rows)])
@@ -184,6 +236,11 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is RowsLinear for m in linears)
     assert type(model.model.embed_tokens) is RowsEmbedding  # the tied output layer
+    norms = [m for _, m in model.named_modules() if isinstance(m, nn.RMSNorm)]
+    ropes = [m for _, m in model.named_modules() if isinstance(m, nn.RoPE)]
+    assert norms and all(type(m) is RowsRMSNorm for m in norms)
+    assert ropes and all(type(m) is RowsRoPE for m in ropes)
+    assert f"{len(norms)} norms and {len(ropes)} RoPEs" in state.reason
 
     prefill_after, step_after = decode_logits(model, 4)
     _, alone_after = decode_logits(model, 1)
