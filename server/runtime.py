@@ -183,7 +183,7 @@ class Runtime:
 
     def _choose_cpu_kernels(self, loaded: LoadedModel, float32: bool) -> None:
         """Without a GPU, MLX's fused CPU kernels built for this CPU and the attention that
-        uses them (`--cpu-vector-jit`), and the batched decode projections of float32 weights
+        uses them (`--cpu-vector-jit`), and the batched decode kernels of float32 weights
         (`--cpu-batch-matmul`); the log says which kernels run and why."""
         if has_gpu():
             return
@@ -198,10 +198,10 @@ class Runtime:
             return
         if self.settings.cpu_batch_matmul:
             rows = install_batch_matmul(loaded.model)
-            reason = rows.reason if rows.enabled else f"BLAS ({rows.reason})"
+            reason = rows.reason if rows.enabled else f"MLX's own (BLAS; {rows.reason})"
         else:
-            reason = "BLAS (--no-cpu-batch-matmul)"
-        log.info("batched decode projections: %s", reason)
+            reason = "MLX's own (BLAS; --no-cpu-batch-matmul)"
+        log.info("batched decode kernels: %s", reason)
 
     async def _warm_up(self) -> None:
         if not self.settings.warmup or self.worker is None:
