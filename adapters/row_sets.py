@@ -191,9 +191,8 @@ class RowAdapterCache:
         for adapters in rows:
             if adapters.entries:
                 distinct.setdefault(adapters.key, adapters)
-        if not distinct:
-            return rows[0]
-        if len(distinct) == 1 and all(adapters.entries for adapters in rows):
+        if not distinct or (len(distinct) == 1 and all(adapters.entries for adapters in rows)):
+            self._last = None  # one set for all: nothing of the last batch's is needed
             return rows[0]
         if self._last is not None and self._last.same_rows(rows):
             return self._last  # the same rows as the last step: its masks and plans hold

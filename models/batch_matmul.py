@@ -7,9 +7,10 @@ once, straight into registers, and multiplies every row of x by it while it is t
 8-row step's projections run about twice as fast.
 
 Each output is one dot product summed in a fixed order, so a row's result does not depend on
-the rest of the batch. It differs from BLAS in the last bits, so it serves only batched decode
-steps (`[B, 1, K]` inputs, 2 <= B <= 16; 8 with AVX2): a request alone, and every prefill, keep
-BLAS and mlx-lm's results to the bit. Beyond that BLAS is faster again.
+the rest of the batch. It differs from BLAS in the last bits, so it serves only batched calls
+of one token per row (`[B, 1, K]` inputs, 2 <= B <= 16; 8 with AVX2): decode steps, and a
+batched prefill whose chunks are all one token long. A request alone, and every longer prefill,
+keep BLAS and mlx-lm's results to the bit. Beyond 16 rows BLAS is faster again.
 
 The step's RMSNorms and RoPEs take one primitive each there too (`RowsRMSNorm`, `RowsRoPE`):
 MLX's CPU backend composes them from ten to thirty small operations, each of which costs more
@@ -197,16 +198,16 @@ class RowsRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if (
             _native is not None
-            and isinstance(offset, mx.array)
-            and offset.dtype == mx.int32
-            and offset.shape == (x.shape[0],)
             and x.ndim == 4
             and x.shape[2] == 1
             and MIN_ROWS <= x.shape[0] <= _max_rows
             and x.dtype == mx.float32
+            and isinstance(offset, mx.array)
+            and offset.dtype == mx.int32
+            and offset.shape == (x.shape[0],)
         ):
             return _native.rope_rows(x, offset, self.dims, self.traditional, self.base, self.scale)
-        return super().__call__(x, offset)
+        return super().__call__(x, offset)  # type: ignore[arg-type]  # mlx-lm passes arrays
 
 
 _ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {

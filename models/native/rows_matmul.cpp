@@ -239,7 +239,7 @@ void parallel_rows(int n, int least, const std::function<void(int, int)>& body) 
 
 int set_threads(int threads) {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
-  threads = std::max(1, threads);
+  threads = std::clamp(threads, 1, 256);  // a call's chunks (4 per thread) fit in 16 bits
   if (!g_pool || g_pool->size() != threads) {
     g_pool.reset();
     g_pool = std::make_unique<Pool>(threads);
@@ -333,8 +333,9 @@ class RowsMatmul : public mx::Primitive {
 
 void check_float32(const std::vector<mx::array>& arrays) {
   for (const auto& a : arrays)
-    if (a.ndim() < 2 || a.dtype() != mx::float32)
-      throw std::invalid_argument("rows_matmul: float32 arrays of two or more dimensions only");
+    if (a.ndim() < 2 || a.dtype() != mx::float32 || a.shape(-1) == 0)
+      throw std::invalid_argument(
+          "rows_matmul: float32 arrays of two or more dimensions, rows not empty, only");
   if (g_kernel.load() == nullptr)
     throw std::invalid_argument("rows_matmul: the CPU lacks AVX2 and FMA");
 }
@@ -492,7 +493,7 @@ class RowsRoPE : public mx::Primitive {
 
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps) {
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 ||
-      weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
+      weight.ndim() != 1 || weight.shape(0) != x.shape(-1) || x.shape(-1) == 0)
     throw std::invalid_argument("rms_norm_rows: expected float32 x [..., D] and weight [D]");
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RowsRMSNorm>(s, eps), {x, weight});

@@ -160,6 +160,10 @@ def test_bad_inputs_are_refused():
         native.rows_matmul(normal((2, 8), 1), normal((3, 9), 2))
     with pytest.raises(ValueError, match="two or more dimensions"):
         native.rows_matmul(normal((8,), 1), normal((3, 8), 2))
+    with pytest.raises(ValueError, match="rows not empty"):  # no division by a zero width
+        native.rows_matmul(mx.zeros((2, 0)), mx.zeros((3, 0)))
+    with pytest.raises(ValueError, match="weight \\[D\\]"):
+        native.rms_norm_rows(mx.zeros((2, 1, 0)), mx.zeros((0,)), 1e-5)
     with pytest.raises(ValueError, match="float32"):
         native.rows_matmul(normal((2, 8), 1).astype(mx.float16), normal((3, 8), 2))
 
@@ -182,9 +186,7 @@ def test_rope_is_mlxs_rope_to_rounding(traditional: bool, dims: int, base: float
     x = normal((6, 9, 1, 64), 43)  # [B, heads, 1, D]: a decode step's queries
     offset = mx.array([0, 5, -2, 17, 300, 511], dtype=mx.int32)  # each row's position
     got = native.rope_rows(x, offset, dims, traditional, base, scale)
-    expected = mx.fast.rope(
-        x, dims, traditional=traditional, base=base, scale=scale, offset=offset
-    )
+    expected = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
     assert got.shape == x.shape
     # At position 511 an angle's float32 spacing is 6e-5: sines and cosines computed another
     # way differ in that digit.
@@ -195,9 +197,7 @@ def test_rope_is_mlxs_rope_to_rounding(traditional: bool, dims: int, base: float
     # One position for every row, and a transposed view as it comes from the projection.
     keys = normal((6, 1, 4, 64), 44).transpose(0, 2, 1, 3)  # [6, 4, 1, 64]
     one = mx.array([7], dtype=mx.int32)
-    expected = mx.fast.rope(
-        keys, dims, traditional=traditional, base=base, scale=scale, offset=one
-    )
+    expected = mx.fast.rope(keys, dims, traditional=traditional, base=base, scale=scale, offset=one)
     assert mx.allclose(
         native.rope_rows(keys, one, dims, traditional, base, scale), expected, atol=1e-5
     ).item()
