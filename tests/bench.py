@@ -11,7 +11,7 @@ against the base, latency when requests switch adapters, and mount/unmount times
 `LLAMA_SERVER` names its binary.
 
     python -m tests.bench [--sections base,adapters,concurrency] [--rounds 5] [--max-tokens 128]
-                          [--clients 8] [--concurrency-tokens 96] [--concurrency-rounds 3]
+                          [--clients 8] [--concurrency-tokens 96] [--concurrency-rounds 5]
                           [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
@@ -275,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--concurrency-rounds",
         type=int,
-        default=3,
+        default=5,
         help="Alternating rounds of hotlora's two servers in section concurrency.",
     )
     add_model_args(p)

@@ -14,7 +14,7 @@ client count; and llama.cpp's `llama-server` on the same GGUF when `LLAMA_SERVER
 binary.
 
 The two ratios hotlora is compared with itself on (8 streams against its single stream, mixed
-sets against the base) come from `--concurrency-rounds` (3) rounds: both hotlora servers run at
+sets against the base) come from `--concurrency-rounds` (5) rounds: both hotlora servers run at
 once, taking turns, and each round measures the single stream and the 8 streams back to back on
 questions no earlier round asked (no prompt-cache hits). Each figure is the median over rounds of
 the per-round value, so a change in the machine's speed between rounds cancels out. The other
@@ -77,6 +77,18 @@ QUESTIONS = [
     "Write a letter from a gardener to the next owner of her garden.",
     "Explain how a submarine dives and surfaces.",
     "Describe the workshop of a violin maker.",
+    "Write a story about a lighthouse that guides a lost ship home.",
+    "Explain how a clock keeps time, from pendulum to quartz.",
+    "Describe a morning at a busy fishing harbour.",
+    "Write a letter from an astronaut to her younger self.",
+    "Explain how plants turn sunlight into food.",
+    "Describe the streets of an old town after the first snow.",
+    "Write a story about a baker who opens a shop on the moon.",
+    "Explain how an airplane stays in the air.",
+    "Describe a summer evening at a village fair.",
+    "Write a long fable about a tortoise who wants to fly.",
+    "Explain how a battery stores and releases energy.",
+    "Describe the inside of a busy post office before a holiday.",
 ]
 WARMUP_QUESTIONS = [
     "Describe your favourite season.",
