@@ -121,17 +121,6 @@ class RowAdapters:
         self._plans[path] = plan
         return plan
 
-    def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
-        """`x` [B, L, in] and the base output `y` [B, L, out]; y plus each row's residual.
-
-        MLX multiplies [B, L, in] by a matrix as one [B * L, in] product: three ops a slot,
-        few Python calls (a decode step builds this for every slot of the model)."""
-        slot = self.side_by_side.slot(path)
-        if slot is None:
-            return y
-        a_cat, b_cat, layout = slot
-        return _add_residuals(x, y, a_cat, b_cat, self._mask(layout, a_cat))
-
     def _mask(self, layout: Layout, a_cat: mx.array) -> mx.array:
         """[B, 1, R]: on each adapter's columns, the scale the row's set gives it (summed if
         the set names it twice); zero elsewhere. Slots with the same layout (most of a

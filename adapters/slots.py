@@ -26,7 +26,9 @@ class _Residuals(Protocol):
     def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array: ...
 
 
-_ACTIVE: ContextVar[_Residuals | None] = ContextVar("hotlora_active_adapters", default=None)
+_ACTIVE: ContextVar[_Residuals | RowAdapters | None] = ContextVar(
+    "hotlora_active_adapters", default=None
+)
 
 
 class LoRASlot(nn.Module):

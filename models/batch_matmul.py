@@ -121,16 +121,22 @@ _native: ModuleType | None = None
 _max_rows = 0
 
 
-def serves_rows(x: mx.array) -> bool:
-    """Whether x is a batched decode step's input ([B, 1, in], float32) the kernel takes."""
+def _one_token_rows(x: mx.array, ndim: int) -> bool:
+    """Whether x is float32 of `ndim` axes with one token a row (axis -2) and 2 to the
+    kernels' most rows (axis 0): a batched decode step's, with the kernels loaded."""
     shape = x.shape
     return (
         _native is not None
-        and len(shape) == 3
-        and shape[1] == 1
+        and len(shape) == ndim
+        and shape[-2] == 1
         and MIN_ROWS <= shape[0] <= _max_rows
         and x.dtype == mx.float32
     )
+
+
+def serves_rows(x: mx.array) -> bool:
+    """Whether x is a batched decode step's input ([B, 1, in], float32) the kernel takes."""
+    return _one_token_rows(x, 3)
 
 
 def _decode_rows(x: mx.array, weight: mx.array) -> mx.array | None:
@@ -197,15 +203,12 @@ class RowsRoPE(nn.RoPE):
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if (
-            _native is not None
-            and x.ndim == 4
-            and x.shape[2] == 1
-            and MIN_ROWS <= x.shape[0] <= _max_rows
-            and x.dtype == mx.float32
+            _one_token_rows(x, 4)
             and isinstance(offset, mx.array)
             and offset.dtype == mx.int32
             and offset.shape == (x.shape[0],)
         ):
+            assert _native is not None
             return _native.rope_rows(x, offset, self.dims, self.traditional, self.base, self.scale)
         return super().__call__(x, offset)  # type: ignore[arg-type]  # mlx-lm passes arrays
 

@@ -285,6 +285,21 @@ class RowMajor {
   std::vector<float> packed_;
 };
 
+// Shared by the primitives of this file: the output's allocation, and body(operands, out) queued on
+// the stream with the first `floats` inputs as RowMajor operands.
+template <typename Body>
+void dispatch_rows(const mx::Stream& stream, const std::vector<mx::array>& inputs, size_t floats,
+                   mx::array& out, Body body) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& input : inputs) encoder.set_input_array(input);
+  encoder.set_output_array(out);
+  std::vector<RowMajor> operands(inputs.begin(), inputs.begin() + floats);
+  encoder.dispatch([operands = std::move(operands), op = out.data<float>(), body]() mutable {
+    body(operands, op);
+  });
+}
+
 class RowsMatmul : public mx::Primitive {
  public:
   explicit RowsMatmul(mx::Stream stream) : mx::Primitive(stream) {}
@@ -292,17 +307,10 @@ class RowsMatmul : public mx::Primitive {
   // inputs: x [..., K], w; with LoRA also a_t [R, K], b_t [N, R], mask [..., R].
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
-    const auto& w = inputs[1];
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
-    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = inputs[1].shape(0);
     const int R = inputs.size() == 5 ? inputs[2].shape(0) : 0;
-    std::vector<RowMajor> operands(inputs.begin(), inputs.end());
-    encoder.dispatch([operands = std::move(operands), op = out.data<float>(), M, N, K, R,
-                      kernel = g_kernel.load()]() mutable {
+    dispatch_rows(stream(), inputs, inputs.size(), outputs[0],
+                  [M, N, K, R, kernel = g_kernel.load()](auto& operands, float* op) {
       const float* xp = operands[0].get();
       const float* wp = operands[1].get();
       std::vector<float> h;  // [M, R]: each row's low-rank activations, times its scales
@@ -373,21 +381,6 @@ mx::array rows_matmul_lora(
 // The other per-row operations of a batched decode step, each one primitive: MLX's CPU backend
 // composes RMSNorm and RoPE from ten to thirty small operations, and at a few rows each costs
 // more to schedule than to compute. Same formulas as MLX's, in float32; rows are independent.
-
-// Shared by the primitives below: the output's allocation, and body(operands, out) queued on
-// the stream with the first `floats` inputs as RowMajor operands.
-template <typename Body>
-void dispatch_rows(const mx::Stream& stream, const std::vector<mx::array>& inputs, size_t floats,
-                   mx::array& out, Body body) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (const auto& input : inputs) encoder.set_input_array(input);
-  encoder.set_output_array(out);
-  std::vector<RowMajor> operands(inputs.begin(), inputs.begin() + floats);
-  encoder.dispatch([operands = std::move(operands), op = out.data<float>(), body]() mutable {
-    body(operands, op);
-  });
-}
 
 // x * rsqrt(mean(x^2) + eps) * weight over the last axis of x [..., D]; weight [D].
 class RowsRMSNorm : public mx::Primitive {
