@@ -244,19 +244,19 @@ class ClusterMounts:
         """Make this replica's mounts match the registry's set; on a worker thread."""
         manager = self._manager
         assert manager is not None
+        records, known = self._records, self._known
         if snapshot is not None and self._newer(snapshot):
-            generation, version, records = snapshot
-            if self._known is not None and generation != self._known[0]:
-                self._offer_to_new_registry(manager, records)
-                snapshot = self._registry.call("snapshot", None)
-                generation, version, records = snapshot
-            self._records = {record.id: record for record in records}
-            self._known = (generation, version)
+            generation, version, listed = snapshot
+            if known is not None and generation != known[0]:
+                self._offer_to_new_registry(manager, listed)
+                generation, version, listed = self._registry.call("snapshot", None)
+            records = {record.id: record for record in listed}
+            known = (generation, version)
         here = {info.id: info.revision for info in manager.list()}
         for adapter_id in here:
-            if adapter_id not in self._records:
+            if adapter_id not in records:
                 self._unmount(manager, adapter_id)
-        for adapter_id, record in self._records.items():
+        for adapter_id, record in records.items():
             have = here.get(adapter_id)
             if have == record.revision:
                 continue
@@ -264,6 +264,9 @@ class ClusterMounts:
                 continue  # mounted when a request asks for it
             self._mount(manager, record, stale=have is not None)
         self._evict(manager, keep=wanted)
+        # Only now is this version the one followed: an admission that finds it current goes
+        # ahead without waiting, so it must find its revisions mounted.
+        self._records, self._known = records, known
 
     def _newer(self, snapshot: Snapshot) -> bool:
         if self._known is None or snapshot[0] != self._known[0]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,44 @@ def test_a_change_on_one_replica_reaches_the_other_on_admission(root, registry):
     assert two.mounted() == {}
     with pytest.raises(AdapterNotFound):
         two.manager.get("a")
+
+
+def test_an_admission_while_a_change_is_mounted_waits_for_it(root, registry, monkeypatch):
+    one, two = Replica(root, registry), Replica(root, registry)
+    one.manager.mount("a", "a")
+    two.admit()
+    one.manager.mount("a", "a2", replace=True)
+    mounting, finish = threading.Event(), threading.Event()
+    mount = two.manager.mount
+
+    def slow_mount(*args: Any, **kwargs: Any) -> Any:
+        mounting.set()
+        assert finish.wait(10)
+        return mount(*args, **kwargs)
+
+    monkeypatch.setattr(two.manager, "mount", slow_mount)
+
+    async def admitted_with(*wanted: str) -> dict[str, str]:
+        release = await two.mounts.admit(wanted)
+        seen = two.mounted()
+        release()
+        return seen
+
+    async def changes() -> None:
+        following = asyncio.create_task(admitted_with())  # the watcher's round, say
+        assert await asyncio.to_thread(mounting.wait, 10)
+        request = asyncio.create_task(admitted_with("a"))
+        await asyncio.sleep(0.1)
+        # The registry's new revision is being mounted: the request may not go ahead on the old.
+        assert not request.done()
+        finish.set()
+        assert await following == {"a": "a2"}
+        assert await request == {"a": "a2"}
+
+    try:
+        asyncio.run(changes())
+    finally:
+        finish.set()
 
 
 def test_the_registry_refuses_as_one_server_would(root, registry):
