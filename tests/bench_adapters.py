@@ -323,11 +323,14 @@ def switching_notes(timed: dict[str, list[Timed]]) -> list[str]:
             f"{name:<28}{p50[name]:>14.3f}{min(seconds):>8.3f}{max(seconds):>8.3f}"
             f"{len(ts):>4}{tokens:>12.0f}"
         )
-    ratio = p50[alternating] / p50[same]
-    mark = "" if ratio <= SWITCH_TARGET else " MISSED"
+    # Judged per block, as the concurrency section judges per round: the two workloads take
+    # turns block by block, so a block's ratio sees one machine state where a p50 over all
+    # requests mixes several.
+    paired = block_ratio(timed[alternating], timed[same])
+    mark = "" if paired <= SWITCH_TARGET else " MISSED"
     notes.append(
-        f"ratio hotlora alternating/one adapter: p50 {ratio:.2f}x (target <= {SWITCH_TARGET}x)"
-        f"{mark}; per-block ratio median {block_ratio(timed[alternating], timed[same]):.2f}x"
+        f"ratio hotlora alternating/one adapter: per-block ratio median {paired:.2f}x "
+        f"(target <= {SWITCH_TARGET}x){mark}; p50 {p50[alternating] / p50[same]:.2f}x"
     )
     vs_mlx = p50[alternating] / p50[mlx]
     notes.append(
