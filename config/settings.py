@@ -116,7 +116,7 @@ class Settings(BaseSettings):
         default=True,
         description="On an x86-64 CPU with AVX-512 or AVX2, float32 weights and no GPU: the "
         "projections of batched decode steps (2-16 rows) read each weight once for all rows, "
-        "and their norms and RoPEs take one operation each (built by make setup).",
+        "and their norms, RoPEs and attention take one operation each (built by make setup).",
     )
     # The process.
     drain_timeout: float = Field(

@@ -15,7 +15,9 @@ keep BLAS and mlx-lm's results to the bit. Beyond 16 rows BLAS is faster again.
 The step's RMSNorms and RoPEs take one primitive each there too (`RowsRMSNorm`, `RowsRoPE`):
 MLX's CPU backend composes them from ten to thirty small operations, each of which costs more
 to schedule (~7 us) than to compute at a few rows; per step that was about 2,000 of the graph's
-3,700 operations. Same formulas as MLX's, in float32, within rounding of its results.
+3,700 operations. Same formulas as MLX's, in float32, within rounding of its results. So does
+the step's attention (`rows_attention`): about twenty operations a layer, two of them BLAS
+products of a few rows, become one primitive that reads each row's cached keys and values once.
 
 The kernels are MLX primitives in a small C++ extension, built by `make setup` (or
 `python -m hotlora.models.batch_matmul`) with g++ against MLX's headers and nanobind: it needs
@@ -30,15 +32,19 @@ import platform
 import subprocess
 import sys
 import sysconfig
+import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import base as mlx_lm_base
 
-from hotlora.models.cpu_kernels import cpu_features
+from hotlora.models.cpu_kernels import cpu_attention, cpu_features
 
 MIN_ROWS = 2
 # Up to these many rows the kernel beats OpenBLAS here; by the vector instructions it uses.
@@ -213,6 +219,103 @@ class RowsRoPE(nn.RoPE):
         return super().__call__(x, offset)  # type: ignore[arg-type]  # mlx-lm passes arrays
 
 
+# Set while a model with the kernels installed runs, on the thread that runs it: the attention
+# function is a module global of mlx-lm's architecture files, shared by every model of the
+# process, and only those models' steps may take the kernel.
+_running = threading.local()
+
+
+class _RowsModel(nn.Module):
+    """Mixed into an installed model's own class: its calls let `rows_attention` serve."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_running, "rows", False)
+        _running.rows = True
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _running.rows = outer
+
+
+_ROWS_MODELS: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _rows_model_class(cls: type[nn.Module]) -> type[nn.Module]:
+    if issubclass(cls, _RowsModel):
+        return cls
+    if cls not in _ROWS_MODELS:
+        _ROWS_MODELS[cls] = type(cls.__name__, (_RowsModel, cls), {"__module__": cls.__module__})
+    return _ROWS_MODELS[cls]
+
+
+Attention = Callable[..., mx.array]
+
+
+def _serves_attention(queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> bool:
+    """Whether an installed model's batched decode step calls attention with these: float32
+    queries [B, H, 1, D], keys and values [B, Hkv, S, *], a bool mask [B, 1, 1, S]."""
+    if not (getattr(_running, "rows", False) and _one_token_rows(queries, 4)):
+        return False
+    batch, heads, _, width = queries.shape
+    return (
+        keys.ndim == 4
+        and values.ndim == 4
+        and keys.dtype == values.dtype == mx.float32
+        and keys.shape[0] == values.shape[0] == batch
+        and keys.shape[1] == values.shape[1]
+        and heads % keys.shape[1] == 0
+        and keys.shape[2] == values.shape[2]
+        and keys.shape[3] == width
+        and isinstance(mask, mx.array)
+        and mask.dtype == mx.bool_
+        and mask.shape == (batch, 1, 1, keys.shape[2])
+    )
+
+
+def rows_attention(fallback: Attention) -> Attention:
+    """mlx-lm's `scaled_dot_product_attention` for an architecture module: a batched decode
+    step of an installed model through the attention kernel, every other call to `fallback`."""
+
+    def attention(
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        if (
+            sinks is None
+            and not hasattr(cache, "bits")
+            and _serves_attention(queries, keys, values, mask)
+        ):
+            assert _native is not None
+            return _native.attention_rows(queries, keys, values, mask, scale)
+        return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    attention.rows_fallback = fallback  # type: ignore[attr-defined]
+    return attention
+
+
+def _install_attention(model: nn.Module) -> list[str]:
+    """Point the model's architecture modules at `rows_attention` (over `cpu_attention`, MLX's
+    own results to the bit, where they had mlx-lm's); returns the modules that take it."""
+    served = []
+    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
+        module = sys.modules.get(name)
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is None:
+            continue
+        if current is mlx_lm_base.scaled_dot_product_attention:
+            current = cpu_attention
+        if current is cpu_attention:
+            module.scaled_dot_product_attention = rows_attention(current)  # type: ignore[union-attr]
+        if hasattr(module.scaled_dot_product_attention, "rows_fallback"):  # type: ignore[union-attr]
+            served.append(name.rsplit(".", 1)[-1])
+    return served
+
+
 _ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: RowsLinear,
     nn.Embedding: RowsEmbedding,
@@ -239,10 +342,14 @@ def install_batch_matmul(model: nn.Module, threads: int | None = None) -> BatchM
         if rows_class is not None:
             module.__class__ = rows_class
             swapped[rows_class] += 1
+    attention = _install_attention(model)
+    if attention:
+        model.__class__ = _rows_model_class(type(model))
     return BatchMatmul(
         True,
         f"decode steps of {MIN_ROWS}-{_max_rows} rows run {swapped[RowsLinear]} projections, "
-        f"{swapped[RowsRMSNorm]} norms and {swapped[RowsRoPE]} RoPEs through the rows kernels "
+        f"{swapped[RowsRMSNorm]} norms, {swapped[RowsRoPE]} RoPEs and "
+        f"{' and '.join(attention) or 'no'} attention through the rows kernels "
         f"({loaded.isa()}, {threads} threads)",
     )
 

@@ -85,3 +85,124 @@ void rows_matmul_range(const Seg& main, const Seg& extra, float* out, int M, int
   else
     weight_rows<Isa::kLongP, Isa::kLongR>(main, extra, out, M, N, n0, n1);
 }
+
+// The attention of one query token, for the G query heads of one row that share a KV head
+// (`attend`, below). Scores of the keys a row does not see are the lowest float, as MLX's
+// `where(mask, scores, lowest)` makes them; their probabilities are then exactly zero.
+constexpr float kLowest = -std::numeric_limits<float>::max();
+
+// scores[g, s] = q[g] . k[s] for the GN query heads of q [GN, D] and the visible keys.
+template <int GN>
+inline void group_scores(const float* q, int D, const float* k, int64_t k_step,
+                         const bool* visible, int64_t visible_step, int S, float* scores) {
+  const int full = D - D % Isa::kLanes;
+  for (int s = 0; s < S; s++) {
+    if (!visible[s * visible_step]) {
+      for (int g = 0; g < GN; g++) scores[static_cast<size_t>(g) * S + s] = kLowest;
+      continue;
+    }
+    const float* ks = k + s * k_step;
+    typename Isa::V acc[GN];
+    for (int g = 0; g < GN; g++) acc[g] = Isa::zero();
+    int d = 0;
+    for (; d < full; d += Isa::kLanes) {
+      const typename Isa::V kv = Isa::load(ks + d);
+      for (int g = 0; g < GN; g++) acc[g] = Isa::fma(Isa::load(q + g * D + d), kv, acc[g]);
+    }
+    if (d < D) {
+      const typename Isa::V kv = Isa::load_first(ks + d, D - d);
+      for (int g = 0; g < GN; g++)
+        acc[g] = Isa::fma(Isa::load_first(q + g * D + d, D - d), kv, acc[g]);
+    }
+    for (int g = 0; g < GN; g++) scores[static_cast<size_t>(g) * S + s] = Isa::sum(acc[g]);
+  }
+}
+
+// out[g] = sum over the visible s of p[g, s] * v[s], for GN rows of probabilities p [GN, S].
+template <int GN>
+inline void group_values(const float* p, int S, const float* v, int64_t v_step, int Dv,
+                         const bool* visible, int64_t visible_step, float* out) {
+  for (int d = 0; d < Dv; d += Isa::kLanes) {
+    const int n = std::min(Isa::kLanes, Dv - d);
+    typename Isa::V acc[GN];
+    for (int g = 0; g < GN; g++) acc[g] = Isa::zero();
+    for (int s = 0; s < S; s++) {
+      if (!visible[s * visible_step]) continue;
+      const float* vs = v + s * v_step + d;
+      const typename Isa::V vv = n == Isa::kLanes ? Isa::load(vs) : Isa::load_first(vs, n);
+      for (int g = 0; g < GN; g++)
+        acc[g] = Isa::fma(Isa::set1(p[static_cast<size_t>(g) * S + s]), vv, acc[g]);
+    }
+    for (int g = 0; g < GN; g++) {
+      float lanes[Isa::kLanes];
+      Isa::store(lanes, acc[g]);
+      std::copy(lanes, lanes + n, out + static_cast<size_t>(g) * Dv + d);
+    }
+  }
+}
+
+// MLX's exp on the CPU (`mlx/backend/cpu/simd/math.h`): 2^(x log2 e), the fraction by a
+// polynomial, the integer part in the exponent bits.
+inline float exp_poly(float in) {
+  const float clamped = std::clamp(in, -100.0f, 100.0f);  // the integer part stays an int
+  const float x2 = clamped * 1.442695f;
+  const float ipart = std::floor(x2 + 0.5f);
+  const float fpart = x2 - ipart;
+  float x = 1.535336188319500e-4f;
+  x = std::fma(x, fpart, 1.339887440266574e-3f);
+  x = std::fma(x, fpart, 9.618437357674640e-3f);
+  x = std::fma(x, fpart, 5.550332471162809e-2f);
+  x = std::fma(x, fpart, 2.402264791363012e-1f);
+  x = std::fma(x, fpart, 6.931472028550421e-1f);
+  x = std::fma(x, fpart, 1.000000000000000f);
+  const int32_t bits = (static_cast<int32_t>(ipart) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof power);
+  if (std::isnan(in)) return in;
+  if (in > 88.0f) return std::numeric_limits<float>::infinity();
+  if (in < -88.0f) return 0.0f;
+  return power * x;
+}
+
+// Each row of scores [G, S] replaced by its softmax: exp(s - max) * (1 / sum), as MLX's precise
+// float32 softmax computes it.
+inline void softmax_rows(float* scores, int G, int S) {
+  for (int g = 0; g < G; g++) {
+    float* row = scores + static_cast<size_t>(g) * S;
+    float top = kLowest;
+    for (int s = 0; s < S; s++) top = std::max(top, row[s]);
+    float total = 0.0f;
+    for (int s = 0; s < S; s++) total += row[s] = exp_poly(row[s] - top);
+    const float inv = 1.0f / total;
+    for (int s = 0; s < S; s++) row[s] *= inv;
+  }
+}
+
+// out [G, Dv] = softmax(q [G, D] . k^T over the visible keys) . v: the G query heads of one
+// row that share a KV head, q already scaled; keys and values are S rows `k_step` and `v_step`
+// floats apart, the mask S flags `visible_step` apart. scores: G * S floats of scratch.
+void attend(const float* q, int G, int D, const float* k, int64_t k_step, const float* v,
+            int64_t v_step, int Dv, const bool* visible, int64_t visible_step, int S,
+            float* scores, float* out) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const float* qg = q + static_cast<size_t>(g0) * D;
+    float* sg = scores + static_cast<size_t>(g0) * S;
+    switch (std::min(4, G - g0)) {
+      case 1: group_scores<1>(qg, D, k, k_step, visible, visible_step, S, sg); break;
+      case 2: group_scores<2>(qg, D, k, k_step, visible, visible_step, S, sg); break;
+      case 3: group_scores<3>(qg, D, k, k_step, visible, visible_step, S, sg); break;
+      default: group_scores<4>(qg, D, k, k_step, visible, visible_step, S, sg); break;
+    }
+  }
+  softmax_rows(scores, G, S);
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const float* pg = scores + static_cast<size_t>(g0) * S;
+    float* og = out + static_cast<size_t>(g0) * Dv;
+    switch (std::min(4, G - g0)) {
+      case 1: group_values<1>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
+      case 2: group_values<2>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
+      case 3: group_values<3>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
+      default: group_values<4>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
+    }
+  }
+}

@@ -22,7 +22,9 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -54,6 +56,8 @@ struct Seg {
 };
 
 using Range = void (*)(const Seg&, const Seg&, float*, int, int, int, int);
+using Attend = void (*)(const float*, int, int, const float*, int64_t, const float*, int64_t, int,
+                        const bool*, int64_t, int, float*, float*);
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -68,6 +72,8 @@ struct Isa {  // 32 vector registers: up to 16 accumulators, the weight rows and
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
   }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
 };
 #include "rows_kernel.h"
@@ -88,6 +94,8 @@ struct Isa {  // 16 vector registers: 8 accumulators
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
   }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static float sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -103,13 +111,14 @@ struct Kernel {
   const char* isa;
   bool (*supported)();
   Range range;
+  Attend attend;
 };
 const Kernel kKernels[] = {
     {"avx512", [] { return static_cast<bool>(__builtin_cpu_supports("avx512f")); },
-     avx512::rows_matmul_range},
+     avx512::rows_matmul_range, avx512::attend},
     {"avx2",
      [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); },
-     avx2::rows_matmul_range},
+     avx2::rows_matmul_range, avx2::attend},
 };
 
 // The kernel named `isa` (nullptr: the widest this CPU runs); nullptr if the CPU lacks it.
@@ -122,6 +131,7 @@ const Kernel* find_kernel(const std::string& isa = "") {
 const Kernel* const kWidest = find_kernel();
 const char* g_isa = kWidest ? kWidest->isa : "none";
 std::atomic<Range> g_kernel{kWidest ? kWidest->range : nullptr};
+std::atomic<Attend> g_attend{kWidest ? kWidest->attend : nullptr};
 
 // Threads for one call at a time. A call's work is cut into chunks that every thread, the
 // caller's included, claims until none is left: a thread the OS has set aside for another
@@ -484,6 +494,97 @@ class RowsRoPE : public mx::Primitive {
   float scale_;
 };
 
+// A KV cache's keys or values [B, heads, S, D] for `attention_rows`: read in place when each
+// position's D floats are contiguous (a slice of the cache), else from a packed copy.
+class CacheView {
+ public:
+  explicit CacheView(const mx::array& a)
+      : source_(a), data_(a.data<float>()), strides_(a.strides()), in_place_(a.strides(3) == 1) {
+    if (!in_place_) {
+      strides_[3] = 1, strides_[2] = a.shape(3);
+      strides_[1] = strides_[2] * a.shape(2), strides_[0] = strides_[1] * a.shape(1);
+    }
+  }
+  // In the task, once the data is there.
+  void prepare() {
+    if (!in_place_) data_ = source_.get();
+  }
+  const float* at(int b, int h) const { return data_ + b * strides_[0] + h * strides_[1]; }
+  int64_t step() const { return strides_[2]; }
+
+ private:
+  RowMajor source_;
+  const float* data_;
+  mx::Strides strides_;
+  bool in_place_;
+};
+
+// softmax(q * scale . k^T over the keys the mask shows) . v for one query token a row: a batched
+// decode step's attention, each row on its own keys, in one primitive where MLX's CPU backend
+// takes about twenty. q [B, H, 1, D]; k [B, Hkv, S, D] and v [B, Hkv, S, Dv], views of a KV
+// cache; mask [B, 1, 1, S] bool. Query head h reads KV head h / (H / Hkv), as MLX groups them.
+class RowsAttention : public mx::Primitive {
+ public:
+  RowsAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    const auto& mask = inputs[3];
+    const int B = q.shape(0), H = q.shape(1), D = q.shape(3);
+    const int Hkv = inputs[1].shape(1), S = inputs[1].shape(2), Dv = inputs[2].shape(3);
+    const int G = H / Hkv;
+    const bool* visible = mask.data<bool>();
+    const int64_t mask_row = mask.strides(0), mask_step = mask.strides(3);
+    dispatch_rows(stream(), inputs, 1, outputs[0],
+                  [=, scale = scale_, keys = CacheView(inputs[1]), values = CacheView(inputs[2]),
+                   attend = g_attend.load()](auto& operands, float* op) mutable {
+      const float* qp = operands[0].get();
+      keys.prepare(), values.prepare();
+      parallel_rows(B * Hkv, 1, [&](int u0, int u1) {
+        std::vector<float> scaled(static_cast<size_t>(G) * D), scores(static_cast<size_t>(G) * S);
+        for (int u = u0; u < u1; u++) {
+          const int b = u / Hkv, h = u % Hkv;
+          const size_t first = static_cast<size_t>(b) * H + static_cast<size_t>(h) * G;
+          const float* qh = qp + first * D;
+          for (size_t i = 0; i < scaled.size(); i++) scaled[i] = qh[i] * scale;
+          attend(scaled.data(), G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(),
+                 Dv, visible + b * mask_row, mask_step, S, scores.data(), op + first * Dv);
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("attention_rows runs on the CPU only");
+  }
+  const char* name() const override { return "RowsAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const RowsAttention&>(other).scale_;
+  }
+
+ private:
+  float scale_;
+};
+
+mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v,
+                         const mx::array& mask, float scale) {
+  check_float32({q, k, v});
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || mask.ndim() != 4 ||
+      mask.dtype() != mx::bool_)
+    throw std::invalid_argument(
+        "attention_rows: expected q [B, H, 1, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] and a "
+        "bool mask [B, 1, 1, S]");
+  const int B = q.shape(0), H = q.shape(1), Hkv = k.shape(1), S = k.shape(2);
+  if (q.shape(2) != 1 || k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hkv ||
+      v.shape(2) != S || k.shape(3) != q.shape(3) || Hkv == 0 || H % Hkv != 0 || S == 0 ||
+      mask.shape() != mx::Shape{B, 1, 1, S})
+    throw std::invalid_argument(
+        "attention_rows: expected q [B, H, 1, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] with H a "
+        "multiple of Hkv, and a bool mask [B, 1, 1, S]");
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({B, H, 1, v.shape(3)}, mx::float32, std::make_shared<RowsAttention>(s, scale),
+                   {q, k, v, mask});
+}
+
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps) {
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 ||
       weight.ndim() != 1 || weight.shape(0) != x.shape(-1) || x.shape(-1) == 0)
@@ -514,6 +615,7 @@ NB_MODULE(_rows_matmul, m) {
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
+  m.def("attention_rows", &attention_rows, "q"_a, "k"_a, "v"_a, "mask"_a, "scale"_a);
   m.def("set_threads", &set_threads, "threads"_a, "The threads of every later product.");
   m.def("isa", [] { return std::string(g_isa); }, "The vector instructions the kernel uses.");
   m.def(
@@ -521,7 +623,7 @@ NB_MODULE(_rows_matmul, m) {
       [](const std::string& name) {
         const Kernel* kernel = name.empty() ? nullptr : find_kernel(name);
         if (kernel == nullptr) return false;
-        g_kernel = kernel->range, g_isa = kernel->isa;
+        g_kernel = kernel->range, g_attend = kernel->attend, g_isa = kernel->isa;
         return true;
       },
       "name"_a, "Use the avx512 or avx2 kernel for later products; False if the CPU lacks it.");

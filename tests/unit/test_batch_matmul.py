@@ -8,6 +8,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache
 
 from hotlora.models import batch_matmul
@@ -19,6 +21,7 @@ from hotlora.models.batch_matmul import (
     RowsRoPE,
     install_batch_matmul,
 )
+from hotlora.models.cpu_kernels import cpu_attention
 from hotlora.models.loader import load_model_dir
 
 from tests.support.tiny import write_tiny_llama
@@ -214,6 +217,63 @@ def test_rope_refuses_what_it_does_not_compute():
         native.rope_rows(x.astype(mx.float16), offset, 8, False, 10000.0, 1.0)
 
 
+def attention_operands(
+    rows: int, heads: int, kv_heads: int, length: int, width: int, seed: int
+) -> tuple[mx.array, ...]:
+    """A decode step's queries, its keys and values as views of a larger cache (as
+    `BatchKVCache` hands them over), and a mask with each row's own left padding."""
+    queries = normal((rows, heads, 1, width), seed)
+    keys = normal((rows, kv_heads, length + 30, width), seed + 1)[..., :length, :]
+    values = normal((rows, kv_heads, length + 30, width), seed + 2)[..., :length, :]
+    padding = mx.array([(3 * r) % min(length, 7) for r in range(rows)])
+    mask = create_causal_mask(1, offset=length - 1, left_padding=padding)  # [B, 1, 1, S]
+    return queries, keys, values, mask
+
+
+# (rows, query heads, KV heads, keys, width): the embedded model's 9 heads on 3, one KV head for
+# all, no grouping, widths off the vector lanes.
+ATTENTION = [(8, 9, 3, 37, 64), (2, 4, 4, 5, 20), (3, 8, 2, 300, 64), (16, 6, 1, 17, 72)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION)
+def test_attention_is_mlxs_to_rounding(isa: str, shape: tuple[int, ...]):
+    queries, keys, values, mask = attention_operands(*shape, seed=50)
+    scale = shape[-1] ** -0.5
+    got = native.attention_rows(queries, keys, values, mask, scale)
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    assert got.shape == expected.shape == queries.shape
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+    assert mx.allclose(got, cpu_attention(queries, keys, values, None, scale, mask), atol=1e-6)
+    # Values stored transposed: read as their values.
+    strided = mx.swapaxes(mx.swapaxes(values, -1, -2) * 1, -1, -2)
+    again = native.attention_rows(queries, keys, strided, mask, scale)
+    assert mx.allclose(again, expected, rtol=1e-5, atol=1e-6).item()
+
+
+def test_a_rows_attention_does_not_depend_on_the_other_rows(isa: str):
+    queries, keys, values, mask = attention_operands(8, 9, 3, 40, 64, seed=60)
+    whole = native.attention_rows(queries, keys, values, mask, 0.125)
+    for rows in ([0, 1], [5, 2, 7]):
+        pick = mx.array(rows)
+        part = native.attention_rows(queries[pick], keys[pick], values[pick], mask[pick], 0.125)
+        assert mx.array_equal(part, whole[pick]).item()
+    # A key a row does not see changes nothing of its result, however large.
+    hidden = mx.where(mask[:, :, 0, :, None], keys, 1e30)
+    assert mx.array_equal(native.attention_rows(queries, hidden, values, mask, 0.125), whole)
+
+
+def test_attention_refuses_what_it_does_not_compute():
+    queries, keys, values, mask = attention_operands(2, 4, 2, 6, 8, seed=70)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        native.attention_rows(queries[:, :3], keys, values, mask, 1.0)
+    with pytest.raises(ValueError, match="bool mask"):
+        native.attention_rows(queries, keys, values, mask[..., :5], 1.0)
+    with pytest.raises(ValueError, match="bool mask"):
+        native.attention_rows(queries, keys, values, mask.astype(mx.float32), 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        native.attention_rows(queries, keys.astype(mx.float16), values, mask, 1.0)
+
+
 def decode_logits(model: nn.Module, rows: int) -> tuple[mx.array, mx.array]:
     """Prefill logits of a left-padded batch of `rows`, then one batched decode step's."""
     prompts = mx.array([[(7 * r + j) % 120 + 1 for j in range(6)] for r in range(rows)])
@@ -240,7 +300,8 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
     ropes = [m for _, m in model.named_modules() if isinstance(m, nn.RoPE)]
     assert norms and all(type(m) is RowsRMSNorm for m in norms)
     assert ropes and all(type(m) is RowsRoPE for m in ropes)
-    assert f"{len(norms)} norms and {len(ropes)} RoPEs" in state.reason
+    assert f"{len(norms)} norms, {len(ropes)} RoPEs and llama attention" in state.reason
+    assert isinstance(model, llama.Model) and type(model).__name__ == "Model"
 
     prefill_after, step_after = decode_logits(model, 4)
     _, alone_after = decode_logits(model, 1)
@@ -250,6 +311,46 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
     assert not mx.array_equal(step_after, step).item()
     assert mx.allclose(step_after, step, rtol=1e-4, atol=1e-4).item()
     assert mx.array_equal(mx.argmax(step_after, -1), mx.argmax(step, -1)).item()
+
+
+class CountingAttention:
+    """The extension, counting its attention calls."""
+
+    def __init__(self, native: object):
+        self.native, self.calls = native, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.native, name)
+
+    def attention_rows(self, *args: object) -> mx.array:
+        self.calls += 1
+        return self.native.attention_rows(*args)  # type: ignore[attr-defined]
+
+
+def test_a_model_without_the_kernels_keeps_mlxs_attention(tmp_path: Path, monkeypatch):
+    # Two models of one architecture share its attention function: only an installed model's
+    # steps may take the kernel.
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    path = write_tiny_llama(tmp_path / "tiny")
+    plain, installed = (load_model_dir(path).model for _ in range(2))
+    for model in (plain, installed):
+        model.set_dtype(mx.float32)
+    before = decode_logits(plain, 4)
+    assert install_batch_matmul(installed, threads=2).enabled
+    assert hasattr(llama.scaled_dot_product_attention, "rows_fallback")
+    counting = CountingAttention(batch_matmul._native)
+    monkeypatch.setattr(batch_matmul, "_native", counting)
+    after = decode_logits(plain, 4)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, after, strict=True))
+    decode_logits(installed, 1)
+    assert counting.calls == 0
+    # The installed model's batched step, and only it, takes the kernel: once a layer. Its
+    # logits are the kernels', to rounding of the plain model's.
+    prefill, step = decode_logits(installed, 4)
+    assert counting.calls == len(installed.layers)
+    assert mx.array_equal(prefill, before[0]).item()
+    assert mx.allclose(step, before[1], rtol=1e-4, atol=1e-4).item()
+    assert not mx.array_equal(step, before[1]).item()
 
 
 def test_a_quantized_model_keeps_its_layers(tmp_path: Path):

@@ -100,7 +100,10 @@ def test_other_inputs_go_to_mlx_lms_attention():
 
 def test_a_model_with_cpu_attention_computes_the_same_logits(tmp_path: Path, monkeypatch):
     """Prefill (causal) and a left-padded batched decode (array mask), before and after."""
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    # As mlx-lm leaves it, whatever models of this process had installed before.
+    monkeypatch.setattr(
+        llama, "scaled_dot_product_attention", mlx_lm_base.scaled_dot_product_attention
+    )
     model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
     model.set_dtype(mx.float32)
     prompts = mx.array([[5, 17, 3, 99, 42, 7], [0, 0, 8, 9, 60, 61], [0, 0, 0, 0, 4, 12]])
