@@ -115,8 +115,9 @@ class Settings(BaseSettings):
     cpu_batch_matmul: bool = Field(
         default=True,
         description="On an x86-64 CPU with AVX-512 or AVX2, float32 weights and no GPU: the "
-        "projections of batched decode steps (2-16 rows) read each weight once for all rows, "
-        "and their norms, RoPEs and attention take one operation each (built by make setup).",
+        "projections of batched decode steps (2-16 rows) read each weight once for all rows "
+        "and their attention takes one operation; every step's norms and RoPEs take one "
+        "operation each, to MLX's bits (built by make setup).",
     )
     # The process.
     drain_timeout: float = Field(

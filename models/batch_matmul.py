@@ -12,12 +12,14 @@ of one token per row (`[B, 1, K]` inputs, 2 <= B <= 16; 8 with AVX2): decode ste
 batched prefill whose chunks are all one token long. A request alone, and every longer prefill,
 keep BLAS and mlx-lm's results to the bit. Beyond 16 rows BLAS is faster again.
 
-The step's RMSNorms and RoPEs take one primitive each there too (`RowsRMSNorm`, `RowsRoPE`):
-MLX's CPU backend composes them from ten to thirty small operations, each of which costs more
-to schedule (~7 us) than to compute at a few rows; per step that was about 2,000 of the graph's
-3,700 operations. Same formulas as MLX's, in float32, within rounding of its results. So does
-the step's attention (`rows_attention`): about twenty operations a layer, two of them BLAS
-products of a few rows, become one primitive that reads each row's cached keys and values once.
+The model's RMSNorms and RoPEs take one primitive each (`RowsRMSNorm`, `RowsRoPE`): MLX's CPU
+backend composes them from ten to thirty small operations, each of which costs more to schedule
+(~7 us) than to compute at a few rows; per step that was about 2,000 of the graph's 3,700
+operations. Each computes MLX's composition operation for operation, with MLX's own exp, sin and
+cos, so its results are MLX's to the bit: every float32 call takes it, a request decoding alone
+and prefill included. A batched decode step's attention (`rows_attention`) is one primitive too:
+about twenty operations a layer, two of them BLAS products of a few rows, become one that reads
+each row's cached keys and values once; like the projections, it is within rounding of MLX.
 
 The kernels are MLX primitives in a small C++ extension, built by `make setup` (or
 `python -m hotlora.models.batch_matmul`) with g++ against MLX's headers and nanobind: it needs
@@ -194,27 +196,31 @@ class RowsEmbedding(nn.Embedding):
 
 
 class RowsRMSNorm(nn.RMSNorm):
-    """`nn.RMSNorm` whose batched decode steps take one primitive, not MLX's ten."""
+    """`nn.RMSNorm` as one primitive, not MLX's ten, on float32: MLX's results to the bit, so
+    every call takes it (a request alone and prefill too)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if serves_rows(x) and self.weight.dtype == mx.float32:
-            assert _native is not None
+        if _native is not None and x.dtype == self.weight.dtype == mx.float32 and x.size:
             return _native.rms_norm_rows(x, self.weight, self.eps)
         return super().__call__(x)
 
 
 class RowsRoPE(nn.RoPE):
-    """`nn.RoPE` whose batched decode steps (x [B, heads, 1, D], a position per row) take one
-    primitive, not MLX's thirty."""
+    """`nn.RoPE` as one primitive, not MLX's thirty, on float32 [B, heads, L, D] with one
+    position for all rows or one per row: MLX's results to the bit, so every call takes it."""
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if isinstance(offset, int) and -(2**31) <= offset < 2**31:
+            offset = mx.array([offset], dtype=mx.int32)
         if (
-            _one_token_rows(x, 4)
+            _native is not None
+            and x.ndim == 4
+            and x.size
+            and x.dtype == mx.float32
             and isinstance(offset, mx.array)
             and offset.dtype == mx.int32
-            and offset.shape == (x.shape[0],)
+            and offset.shape in ((1,), (x.shape[0],))
         ):
-            assert _native is not None
             return _native.rope_rows(x, offset, self.dims, self.traditional, self.base, self.scale)
         return super().__call__(x, offset)  # type: ignore[arg-type]  # mlx-lm passes arrays
 

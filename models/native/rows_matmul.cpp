@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/simd/math.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -388,11 +389,14 @@ mx::array rows_matmul_lora(
   return rows_primitive({x, w, a_t, b_t, mask});
 }
 
-// The other per-row operations of a batched decode step, each one primitive: MLX's CPU backend
-// composes RMSNorm and RoPE from ten to thirty small operations, and at a few rows each costs
-// more to schedule than to compute. Same formulas as MLX's, in float32; rows are independent.
+// RMSNorm and RoPE, each one primitive: MLX's CPU backend composes them from ten to thirty small
+// operations, and at a few rows each costs more to schedule than to compute. Each is MLX's
+// composition step for step, in float32 (one rounding an operation, MLX's own exp, sin and
+// cos), so its results are MLX's to the bit; this code is built without FMA, as MLX is, so that
+// no product and sum are fused into one rounding.
 
-// x * rsqrt(mean(x^2) + eps) * weight over the last axis of x [..., D]; weight [D].
+// x * rsqrt(mean(x^2) + eps) * weight over the last axis of x [..., D]; weight [D]. The squares
+// are summed in order, as MLX's CPU reduction sums them.
 class RowsRMSNorm : public mx::Primitive {
  public:
   RowsRMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
@@ -402,19 +406,20 @@ class RowsRMSNorm : public mx::Primitive {
     dispatch_rows(stream(), inputs, 2, outputs[0], [M, D, eps = eps_](auto& operands, float* op) {
       const float* xp = operands[0].get();
       const float* wp = operands[1].get();
-      constexpr int kLanes = 16;  // independent partial sums, so that they vectorize
+      const float inverse_d = static_cast<float>(1.0 / D);  // MLX's mean: the sum times 1 / D
       for (int m = 0; m < M; m++) {
         const float* x = xp + static_cast<size_t>(m) * D;
-        float partial[kLanes] = {};
-        int d = 0;
-        for (; d + kLanes <= D; d += kLanes)
-          for (int l = 0; l < kLanes; l++) partial[l] += x[d + l] * x[d + l];
         float sum = 0.0f;
-        for (; d < D; d++) sum += x[d] * x[d];
-        for (float p : partial) sum += p;
-        const float scale = 1.0f / std::sqrt(sum * (1.0f / D) + eps);
+        for (int d = 0; d < D; d++) {
+          const float square = x[d] * x[d];
+          sum += square;
+        }
+        const float scale = 1.0f / std::sqrt(sum * inverse_d + eps);
         float* o = op + static_cast<size_t>(m) * D;
-        for (d = 0; d < D; d++) o[d] = x[d] * scale * wp[d];
+        for (int d = 0; d < D; d++) {
+          const float normed = x[d] * scale;
+          o[d] = normed * wp[d];
+        }
       }
     });
   }
@@ -429,6 +434,8 @@ class RowsRMSNorm : public mx::Primitive {
  private:
   float eps_;
 };
+
+float simd_exp(float x) { return mx::simd::exp(mx::simd::Simd<float, 1>(x)).value; }
 
 // Rotary position embedding of x [B, N, T, D] at positions (offset[b] + t) * scale, as
 // mx.fast.rope: the first `dims` features rotated in pairs (i, i + dims / 2), or (2i, 2i + 1)
@@ -448,7 +455,7 @@ class RowsRoPE : public mx::Primitive {
     const float scale = scale_;
     std::vector<float> inv_freqs(half);
     const float step = std::log(base_) / half;
-    for (int i = 0; i < half; i++) inv_freqs[i] = std::exp(static_cast<float>(-i) * step);
+    for (int i = 0; i < half; i++) inv_freqs[i] = simd_exp(static_cast<float>(-i) * step);
     dispatch_rows(stream(), inputs, 1, outputs[0], [=](auto& operands, float* op) {
       const float* xp = operands[0].get();
       std::vector<float> cos_t(half), sin_t(half);
@@ -458,8 +465,8 @@ class RowsRoPE : public mx::Primitive {
           const float position = (static_cast<float>(t) + static_cast<float>(start)) * scale;
           for (int i = 0; i < half; i++) {
             const float theta = position * inv_freqs[i];
-            cos_t[i] = std::cos(theta);
-            sin_t[i] = std::sin(theta);
+            cos_t[i] = mx::simd::cos(mx::simd::Simd<float, 1>(theta)).value;
+            sin_t[i] = mx::simd::sin(mx::simd::Simd<float, 1>(theta)).value;
           }
           for (int n = 0; n < N; n++) {
             const size_t row = ((static_cast<size_t>(b) * N + n) * T + t) * D;
@@ -468,8 +475,10 @@ class RowsRoPE : public mx::Primitive {
             for (int i = 0; i < half; i++) {
               const int i1 = traditional ? 2 * i : i, i2 = traditional ? 2 * i + 1 : i + half;
               const float x1 = in[i1], x2 = in[i2];
-              o[i1] = x1 * cos_t[i] - x2 * sin_t[i];
-              o[i2] = x1 * sin_t[i] + x2 * cos_t[i];
+              const float x1c = x1 * cos_t[i], x2s = x2 * sin_t[i];
+              const float x1s = x1 * sin_t[i], x2c = x2 * cos_t[i];
+              o[i1] = x1c - x2s;
+              o[i2] = x1s + x2c;
             }
             for (int d = 2 * half; d < D; d++) o[d] = in[d];
           }

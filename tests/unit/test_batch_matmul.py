@@ -171,39 +171,57 @@ def test_bad_inputs_are_refused():
         native.rows_matmul(normal((2, 8), 1).astype(mx.float16), normal((3, 8), 2))
 
 
-def test_the_norm_is_mlxs_rms_norm_to_rounding():
-    x, weight = normal((8, 1, 576), 40), 1.0 + 0.1 * normal((576,), 41)
-    got = native.rms_norm_rows(x, weight, 1e-5)
-    assert got.shape == x.shape
-    assert mx.allclose(got, mx.fast.rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6).item()
-    view = normal((576, 5), 42).T[:, None, :]  # [5, 1, 576], strided
+@pytest.mark.parametrize("shape", [(8, 1, 576), (1, 1, 576), (1, 37, 576), (3, 5, 100)])
+def test_the_norm_is_mlxs_rms_norm_to_the_bit(shape: tuple[int, ...]):
+    for seed in range(5):
+        x = normal(shape, 40 + seed) * (1 + seed)
+        weight = 1.0 + 0.1 * normal((shape[-1],), 50 + seed)
+        for eps in (1e-5, 1e-6):
+            got = native.rms_norm_rows(x, weight, eps)
+            assert got.shape == x.shape
+            assert mx.array_equal(got, mx.fast.rms_norm(x, weight, eps)).item()
+    view = normal((shape[-1], 5), 42).T[:, None, :]  # [5, 1, D], strided
     expected = mx.fast.rms_norm(view, weight, 1e-6)
-    assert mx.allclose(native.rms_norm_rows(view, weight, 1e-6), expected, rtol=1e-5).item()
+    assert mx.array_equal(native.rms_norm_rows(view, weight, 1e-6), expected).item()
     with pytest.raises(ValueError, match="weight \\[D\\]"):
-        native.rms_norm_rows(x, weight[:100], 1e-5)
+        native.rms_norm_rows(x, weight[:50], 1e-5)
 
 
+# [B, heads, L, D]: decode steps of one row and of several, and prefills.
+ROPE_SHAPES = [(1, 9, 1, 64), (6, 9, 1, 64), (1, 9, 17, 64), (2, 4, 6, 32)]
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES)
 @pytest.mark.parametrize("traditional", [False, True])
-@pytest.mark.parametrize(("dims", "base", "scale"), [(64, 10000.0, 1.0), (32, 100000.0, 0.25)])
-def test_rope_is_mlxs_rope_to_rounding(traditional: bool, dims: int, base: float, scale: float):
-    x = normal((6, 9, 1, 64), 43)  # [B, heads, 1, D]: a decode step's queries
-    offset = mx.array([0, 5, -2, 17, 300, 511], dtype=mx.int32)  # each row's position
-    got = native.rope_rows(x, offset, dims, traditional, base, scale)
-    expected = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
-    assert got.shape == x.shape
-    # At position 511 an angle's float32 spacing is 6e-5: sines and cosines computed another
-    # way differ in that digit.
-    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-4).item()
-    assert mx.allclose(got[:4], expected[:4], rtol=1e-5, atol=2e-6).item()  # positions <= 17
-    if dims < 64:  # the features past `dims` pass through
-        assert mx.array_equal(got[..., dims:], x[..., dims:]).item()
-    # One position for every row, and a transposed view as it comes from the projection.
-    keys = normal((6, 1, 4, 64), 44).transpose(0, 2, 1, 3)  # [6, 4, 1, 64]
-    one = mx.array([7], dtype=mx.int32)
-    expected = mx.fast.rope(keys, dims, traditional=traditional, base=base, scale=scale, offset=one)
-    assert mx.allclose(
-        native.rope_rows(keys, one, dims, traditional, base, scale), expected, atol=1e-5
-    ).item()
+@pytest.mark.parametrize(("dims", "base", "scale"), [(1.0, 10000.0, 1.0), (0.5, 100000.0, 0.25)])
+def test_rope_is_mlxs_rope_to_the_bit(
+    shape: tuple[int, ...], traditional: bool, dims: float, base: float, scale: float
+):
+    x = normal(shape, 43)
+    rotated = int(shape[-1] * dims)
+    rows = shape[0]
+    for offset in (0, 5, 511, 2999):
+        at = mx.array([offset], dtype=mx.int32)  # one position for every row
+        expected = mx.fast.rope(
+            x, rotated, traditional=traditional, base=base, scale=scale, offset=offset
+        )
+        got = native.rope_rows(x, at, rotated, traditional, base, scale)
+        assert got.shape == x.shape
+        assert mx.array_equal(got, expected).item()
+    each = mx.array([(37 * r) % 600 - 2 * r for r in range(rows)], dtype=mx.int32)  # one a row
+    expected = mx.fast.rope(
+        x, rotated, traditional=traditional, base=base, scale=scale, offset=each
+    )
+    assert mx.array_equal(native.rope_rows(x, each, rotated, traditional, base, scale), expected)
+    if rotated < shape[-1]:  # the features past `dims` pass through
+        assert mx.array_equal(got[..., rotated:], x[..., rotated:]).item()
+    # A transposed view, as keys come from their projection.
+    keys = normal((rows, shape[2], shape[1], shape[3]), 44).transpose(0, 2, 1, 3)
+    expected = mx.fast.rope(
+        keys, rotated, traditional=traditional, base=base, scale=scale, offset=7
+    )
+    got = native.rope_rows(keys, mx.array([7], dtype=mx.int32), rotated, traditional, base, scale)
+    assert mx.array_equal(got, expected).item()
 
 
 def test_rope_refuses_what_it_does_not_compute():
@@ -305,7 +323,8 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
 
     prefill_after, step_after = decode_logits(model, 4)
     _, alone_after = decode_logits(model, 1)
-    # Prefill and a 1-row step are BLAS's, to the bit; the batched step is the kernel's.
+    # Prefill and a 1-row step are MLX's to the bit (BLAS's products; norms and RoPEs that
+    # compute MLX's operations); the batched step is the kernels'.
     assert mx.array_equal(prefill_after, prefill).item()
     assert mx.array_equal(alone_after, alone).item()
     assert not mx.array_equal(step_after, step).item()
