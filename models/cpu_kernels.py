@@ -153,13 +153,13 @@ def cpu_attention(
     batch, n_heads, q_len, _ = queries.shape
     n_kv_heads, kv_len = keys.shape[1], keys.shape[2]
     repeats = n_heads // n_kv_heads
-    # The query heads sharing a KV head are rows of one product, not a broadcast batch of
-    # one-row products: the same dot products, a `repeats`-th of the BLAS calls.
     q = queries * mx.array(scale, dtype=queries.dtype)
-    q = q.reshape(batch, n_kv_heads, repeats * q_len, -1)  # [B, n_kv_heads, repeats * L, D]
-    scores = q @ mx.swapaxes(keys, -1, -2)  # [B, n_kv_heads, repeats * L, S]
     if repeats > 1:
-        scores = scores.reshape(batch, n_kv_heads, repeats, q_len, kv_len)
+        # The query heads sharing a KV head as a broadcast batch of products, as MLX groups
+        # them: one product of all their rows would take other BLAS kernels, and other bits.
+        q = q.reshape(batch, n_kv_heads, repeats, q_len, -1)  # [B, n_kv_heads, repeats, L, D]
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = q @ mx.swapaxes(keys, -1, -2)  # [B, n_kv_heads, (repeats,) L, S]
     if isinstance(mask, str):  # "causal": query i sees keys up to its own position
         q_idx = mx.arange(kv_len - q_len, kv_len)[:, None]
         mask = q_idx >= mx.arange(kv_len)[None]
@@ -175,8 +175,7 @@ def cpu_attention(
             scores = mx.where(mask, scores, lowest)
         else:
             scores = scores + mask
-    probs = softmax(scores).reshape(batch, n_kv_heads, repeats * q_len, kv_len)
-    return (probs @ values).reshape(batch, n_heads, q_len, -1)
+    return (softmax(scores) @ values).reshape(batch, n_heads, q_len, -1)
 
 
 def install_cpu_attention(model: nn.Module) -> list[str]:
