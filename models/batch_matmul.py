@@ -305,17 +305,15 @@ def rows_attention(fallback: Attention) -> Attention:
 
 
 def _install_attention(model: nn.Module) -> list[str]:
-    """Point the model's architecture modules at `rows_attention` (over `cpu_attention`, MLX's
-    own results to the bit, where they had mlx-lm's); returns the modules that take it."""
+    """Point the model's architecture modules at `rows_attention`, over the function they had
+    (mlx-lm's, or `cpu_attention`); returns the modules that take it."""
     served = []
     for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
         module = sys.modules.get(name)
         current = getattr(module, "scaled_dot_product_attention", None)
         if current is None:
             continue
-        if current is mlx_lm_base.scaled_dot_product_attention:
-            current = cpu_attention
-        if current is cpu_attention:
+        if current in (mlx_lm_base.scaled_dot_product_attention, cpu_attention):
             module.scaled_dot_product_attention = rows_attention(current)  # type: ignore[union-attr]
         if hasattr(module.scaled_dot_product_attention, "rows_fallback"):  # type: ignore[union-attr]
             served.append(name.rsplit(".", 1)[-1])

@@ -178,12 +178,39 @@ inline void softmax_rows(float* scores, int G, int S) {
   }
 }
 
+// out [G, Dv] = p [G, S] . v over the visible positions.
+inline void weigh_values(const float* p, int G, int S, const float* v, int64_t v_step, int Dv,
+                         const bool* visible, int64_t visible_step, float* out) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const float* pg = p + static_cast<size_t>(g0) * S;
+    float* og = out + static_cast<size_t>(g0) * Dv;
+    switch (std::min(4, G - g0)) {
+      case 1: group_values<1>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
+      case 2: group_values<2>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
+      case 3: group_values<3>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
+      default: group_values<4>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
+    }
+  }
+}
+
 // out [G, Dv] = softmax(q [G, D] . k^T over the visible keys) . v: the G query heads of one
 // row that share a KV head, q already scaled; keys and values are S rows `k_step` and `v_step`
 // floats apart, the mask S flags `visible_step` apart. scores: G * S floats of scratch.
+// A hidden position weighs exactly zero and its value is not read (a NaN there stays out, where
+// MLX's 0 * NaN would spread it). A row that sees no key at all weighs every position alike, as
+// MLX's softmax over scores that are all the lowest float does.
 void attend(const float* q, int G, int D, const float* k, int64_t k_step, const float* v,
             int64_t v_step, int Dv, const bool* visible, int64_t visible_step, int S,
             float* scores, float* out) {
+  bool any = false;
+  for (int s = 0; s < S && !any; s++) any = visible[s * visible_step];
+  if (!any) {
+    static const bool kEvery = true;
+    std::fill(scores, scores + static_cast<size_t>(G) * S, kLowest);
+    softmax_rows(scores, G, S);
+    weigh_values(scores, G, S, v, v_step, Dv, &kEvery, 0, out);
+    return;
+  }
   for (int g0 = 0; g0 < G; g0 += 4) {
     const float* qg = q + static_cast<size_t>(g0) * D;
     float* sg = scores + static_cast<size_t>(g0) * S;
@@ -195,14 +222,5 @@ void attend(const float* q, int G, int D, const float* k, int64_t k_step, const 
     }
   }
   softmax_rows(scores, G, S);
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    const float* pg = scores + static_cast<size_t>(g0) * S;
-    float* og = out + static_cast<size_t>(g0) * Dv;
-    switch (std::min(4, G - g0)) {
-      case 1: group_values<1>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
-      case 2: group_values<2>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
-      case 3: group_values<3>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
-      default: group_values<4>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
-    }
-  }
+  weigh_values(scores, G, S, v, v_step, Dv, visible, visible_step, out);
 }

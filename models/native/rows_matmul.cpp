@@ -235,15 +235,18 @@ class Pool {
 std::mutex g_pool_mutex;
 std::unique_ptr<Pool> g_pool;
 
-// body(n0, n1) over [0, n) in chunks of at least `least` rows (bounds on multiples of 4, the
-// kernel's blocks), a few per thread of the pool so that the threads even out.
-void parallel_rows(int n, int least, const std::function<void(int, int)>& body) {
+// body(n0, n1) over [0, n) in chunks of at least `least` rows (bounds on multiples of `align`:
+// 4, the matmul kernel's blocks, unless told), a few per thread of the pool so that the threads
+// even out.
+void parallel_rows(int n, int least, const std::function<void(int, int)>& body, int align = 4) {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (!g_pool) g_pool = std::make_unique<Pool>(1);
   const int threads = g_pool->size();
   const int chunks = std::clamp(n / least, 1, threads == 1 ? 1 : 4 * threads);
   const auto bound = [&](int c) {
-    return c == chunks ? n : static_cast<int>(static_cast<int64_t>(n) * c / chunks) & ~3;
+    if (c == chunks) return n;
+    const auto at = static_cast<int>(static_cast<int64_t>(n) * c / chunks);
+    return at - at % align;
   };
   g_pool->run(chunks, [&](int c) { body(bound(c), bound(c + 1)); });
 }
@@ -559,7 +562,7 @@ class RowsAttention : public mx::Primitive {
           attend(scaled.data(), G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(),
                  Dv, visible + b * mask_row, mask_step, S, scores.data(), op + first * Dv);
         }
-      });
+      }, /*align=*/1);  // a row's KV head a unit: no blocks of 4 to keep
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {

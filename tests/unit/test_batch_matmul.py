@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache
@@ -32,6 +33,15 @@ try:
     from hotlora.models import _rows_matmul as native
 except ImportError:
     pytest.fail("the batched decode kernel is not built: run `make setup`")
+
+
+@pytest.fixture(autouse=True)
+def mlx_lm_attention(monkeypatch):
+    """Each test starts from mlx-lm's own attention function, and leaves it as it was: installing
+    the kernels points the architecture's module global elsewhere."""
+    monkeypatch.setattr(
+        llama, "scaled_dot_product_attention", mlx_lm_base.scaled_dot_product_attention
+    )
 
 
 def normal(shape: tuple[int, ...], seed: int) -> mx.array:
@@ -280,6 +290,15 @@ def test_a_rows_attention_does_not_depend_on_the_other_rows(isa: str):
     assert mx.array_equal(native.attention_rows(queries, hidden, values, mask, 0.125), whole)
 
 
+def test_a_row_that_sees_no_key_weighs_every_value_alike_as_mlx_does():
+    queries, keys, values, mask = attention_operands(3, 4, 2, 9, 16, seed=80)
+    mask = mx.concatenate([mask[:1], mx.zeros_like(mask[1:2]), mask[2:]])  # row 1 sees nothing
+    got = native.attention_rows(queries, keys, values, mask, 0.25)
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask=mask)
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+    assert mx.allclose(got[1, 0, 0], values[1, 0].mean(axis=0), atol=1e-6).item()
+
+
 def test_attention_refuses_what_it_does_not_compute():
     queries, keys, values, mask = attention_operands(2, 4, 2, 6, 8, seed=70)
     with pytest.raises(ValueError, match="multiple of Hkv"):
@@ -348,15 +367,15 @@ class CountingAttention:
 
 def test_a_model_without_the_kernels_keeps_mlxs_attention(tmp_path: Path, monkeypatch):
     # Two models of one architecture share its attention function: only an installed model's
-    # steps may take the kernel.
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    # steps may take the kernel, and every other call keeps the function the module had.
     path = write_tiny_llama(tmp_path / "tiny")
     plain, installed = (load_model_dir(path).model for _ in range(2))
     for model in (plain, installed):
         model.set_dtype(mx.float32)
     before = decode_logits(plain, 4)
     assert install_batch_matmul(installed, threads=2).enabled
-    assert hasattr(llama.scaled_dot_product_attention, "rows_fallback")
+    fallback = llama.scaled_dot_product_attention.rows_fallback  # type: ignore[attr-defined]
+    assert fallback is mlx_lm_base.scaled_dot_product_attention
     counting = CountingAttention(batch_matmul._native)
     monkeypatch.setattr(batch_matmul, "_native", counting)
     after = decode_logits(plain, 4)

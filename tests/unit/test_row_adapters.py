@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import llama
 
 from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate, row_sets
 from hotlora.adapters.slots import LoRASlot
@@ -174,6 +175,8 @@ def test_a_decode_step_through_the_batch_kernel_gets_each_rows_residual(tmp_path
         pytest.skip(f"batched decode kernel: {why}")
     model, manager = manager_with_a_and_b(tmp_path)  # its own model: install changes its layers
     model.set_dtype(mx.float32)
+    # Install points the architecture's attention function elsewhere: as it was afterwards.
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
     state = batch_matmul.install_batch_matmul(model, threads=2)
     assert state.enabled, state.reason
     fused = []
