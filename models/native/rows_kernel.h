@@ -178,19 +178,26 @@ inline void softmax_rows(float* scores, int G, int S) {
   }
 }
 
+// part(g0, GN) over the G query heads, GN of them (up to 4, a compile-time constant) at a time.
+template <typename Part>
+inline void by_heads(int G, Part part) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min(4, G - g0)) {
+      case 1: part(g0, std::integral_constant<int, 1>{}); break;
+      case 2: part(g0, std::integral_constant<int, 2>{}); break;
+      case 3: part(g0, std::integral_constant<int, 3>{}); break;
+      default: part(g0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
 // out [G, Dv] = p [G, S] . v over the visible positions.
 inline void weigh_values(const float* p, int G, int S, const float* v, int64_t v_step, int Dv,
                          const bool* visible, int64_t visible_step, float* out) {
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    const float* pg = p + static_cast<size_t>(g0) * S;
-    float* og = out + static_cast<size_t>(g0) * Dv;
-    switch (std::min(4, G - g0)) {
-      case 1: group_values<1>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
-      case 2: group_values<2>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
-      case 3: group_values<3>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
-      default: group_values<4>(pg, S, v, v_step, Dv, visible, visible_step, og); break;
-    }
-  }
+  by_heads(G, [&](int g0, auto heads) {
+    group_values<decltype(heads)::value>(p + static_cast<size_t>(g0) * S, S, v, v_step, Dv,
+                                         visible, visible_step, out + static_cast<size_t>(g0) * Dv);
+  });
 }
 
 // out [G, Dv] = softmax(q [G, D] . k^T over the visible keys) . v: the G query heads of one
@@ -211,16 +218,10 @@ void attend(const float* q, int G, int D, const float* k, int64_t k_step, const 
     weigh_values(scores, G, S, v, v_step, Dv, &kEvery, 0, out);
     return;
   }
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    const float* qg = q + static_cast<size_t>(g0) * D;
-    float* sg = scores + static_cast<size_t>(g0) * S;
-    switch (std::min(4, G - g0)) {
-      case 1: group_scores<1>(qg, D, k, k_step, visible, visible_step, S, sg); break;
-      case 2: group_scores<2>(qg, D, k, k_step, visible, visible_step, S, sg); break;
-      case 3: group_scores<3>(qg, D, k, k_step, visible, visible_step, S, sg); break;
-      default: group_scores<4>(qg, D, k, k_step, visible, visible_step, S, sg); break;
-    }
-  }
+  by_heads(G, [&](int g0, auto heads) {
+    group_scores<decltype(heads)::value>(q + static_cast<size_t>(g0) * D, D, k, k_step, visible,
+                                         visible_step, S, scores + static_cast<size_t>(g0) * S);
+  });
   softmax_rows(scores, G, S);
   weigh_values(scores, G, S, v, v_step, Dv, visible, visible_step, out);
 }
