@@ -351,10 +351,10 @@ def install_batch_matmul(model: nn.Module, threads: int | None = None) -> BatchM
         model.__class__ = _rows_model_class(type(model))
     return BatchMatmul(
         True,
-        f"decode steps of {MIN_ROWS}-{_max_rows} rows run {swapped[RowsLinear]} projections, "
-        f"{swapped[RowsRMSNorm]} norms, {swapped[RowsRoPE]} RoPEs and "
-        f"{' and '.join(attention) or 'no'} attention through the rows kernels "
-        f"({loaded.isa()}, {threads} threads)",
+        f"decode steps of {MIN_ROWS}-{_max_rows} rows run {swapped[RowsLinear]} projections "
+        f"and {' and '.join(attention) or 'no'} attention through the rows kernels "
+        f"({loaded.isa()}, {threads} threads); every float32 step runs {swapped[RowsRMSNorm]} "
+        f"norms and {swapped[RowsRoPE]} RoPEs as one operation each",
     )
 
 

@@ -337,7 +337,8 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
     ropes = [m for _, m in model.named_modules() if isinstance(m, nn.RoPE)]
     assert norms and all(type(m) is RowsRMSNorm for m in norms)
     assert ropes and all(type(m) is RowsRoPE for m in ropes)
-    assert f"{len(norms)} norms, {len(ropes)} RoPEs and llama attention" in state.reason
+    assert "projections and llama attention through the rows kernels" in state.reason
+    assert f"{len(norms)} norms and {len(ropes)} RoPEs as one operation each" in state.reason
     assert isinstance(model, llama.Model) and type(model).__name__ == "Model"
 
     prefill_after, step_after = decode_logits(model, 4)
