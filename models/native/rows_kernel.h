@@ -142,7 +142,10 @@ inline void group_values(const float* p, int S, const float* v, int64_t v_step, 
 }
 
 // MLX's exp on the CPU (`mlx/backend/cpu/simd/math.h`): 2^(x log2 e), the fraction by a
-// polynomial, the integer part in the exponent bits.
+// polynomial, the integer part in the exponent bits. A copy rather than MLX's header function:
+// built here under the ISA's target, its fused multiply-adds are instructions, where the
+// header's, built for baseline x86-64 as the RoPE needs them, are libm calls (the attention
+// took twice as long with them).
 inline float exp_poly(float in) {
   const float clamped = std::clamp(in, -100.0f, 100.0f);  // the integer part stays an int
   const float x2 = clamped * 1.442695f;

@@ -315,9 +315,18 @@ void dispatch_rows(const mx::Stream& stream, const std::vector<mx::array>& input
   });
 }
 
-class RowsMatmul : public mx::Primitive {
+// The primitives of this file run on the CPU only.
+class CpuPrimitive : public mx::Primitive {
  public:
-  explicit RowsMatmul(mx::Stream stream) : mx::Primitive(stream) {}
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+};
+
+class RowsMatmul : public CpuPrimitive {
+ public:
+  explicit RowsMatmul(mx::Stream stream) : CpuPrimitive(stream) {}
 
   // inputs: x [..., K], w; with LoRA also a_t [R, K], b_t [N, R], mask [..., R].
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -346,9 +355,6 @@ class RowsMatmul : public mx::Primitive {
         kernel(Seg{xp, wp, K}, extra, op, M, N, n0, n1);
       });
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("rows_matmul runs on the CPU only");
   }
   const char* name() const override { return "RowsMatmul"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
@@ -401,9 +407,9 @@ mx::array rows_matmul_lora(
 
 // x * rsqrt(mean(x^2) + eps) * weight over the last axis of x [..., D]; weight [D]. The squares
 // are summed in order, as MLX's CPU reduction sums them.
-class RowsRMSNorm : public mx::Primitive {
+class RowsRMSNorm : public CpuPrimitive {
  public:
-  RowsRMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  RowsRMSNorm(mx::Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const int D = inputs[0].shape(-1), M = static_cast<int>(inputs[0].size() / D);
@@ -427,9 +433,6 @@ class RowsRMSNorm : public mx::Primitive {
       }
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("rms_norm_rows runs on the CPU only");
-  }
   const char* name() const override { return "RowsRMSNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     return eps_ == static_cast<const RowsRMSNorm&>(other).eps_;
@@ -444,10 +447,10 @@ float simd_exp(float x) { return mx::simd::exp(mx::simd::Simd<float, 1>(x)).valu
 // Rotary position embedding of x [B, N, T, D] at positions (offset[b] + t) * scale, as
 // mx.fast.rope: the first `dims` features rotated in pairs (i, i + dims / 2), or (2i, 2i + 1)
 // when traditional, by angle position * base^(-i / (dims / 2)); the rest copied.
-class RowsRoPE : public mx::Primitive {
+class RowsRoPE : public CpuPrimitive {
  public:
   RowsRoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
-      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+      : CpuPrimitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
@@ -489,9 +492,6 @@ class RowsRoPE : public mx::Primitive {
         }
       }
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("rope_rows runs on the CPU only");
   }
   const char* name() const override { return "RowsRoPE"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -536,9 +536,9 @@ class CacheView {
 // decode step's attention, each row on its own keys, in one primitive where MLX's CPU backend
 // takes about twenty. q [B, H, 1, D]; k [B, Hkv, S, D] and v [B, Hkv, S, Dv], views of a KV
 // cache; mask [B, 1, 1, S] bool. Query head h reads KV head h / (H / Hkv), as MLX groups them.
-class RowsAttention : public mx::Primitive {
+class RowsAttention : public CpuPrimitive {
  public:
-  RowsAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  RowsAttention(mx::Stream stream, float scale) : CpuPrimitive(stream), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
@@ -565,9 +565,6 @@ class RowsAttention : public mx::Primitive {
         }
       }, /*align=*/1);  // a row's KV head a unit: no blocks of 4 to keep
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("attention_rows runs on the CPU only");
   }
   const char* name() const override { return "RowsAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -622,7 +619,9 @@ mx::array rope_rows(const mx::array& x, const mx::array& offset, int dims, bool 
 }  // namespace
 
 NB_MODULE(_rows_matmul, m) {
-  m.doc() = "The projections, norms and RoPE of a batched decode step's few rows, on the CPU";
+  m.doc() =
+      "The projections and attention of a batched decode step's few rows, and the norms and "
+      "RoPE of every step, on the CPU";
   m.def("rows_matmul", &rows_matmul, "x"_a, "w"_a);
   m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
