@@ -46,7 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 
-from hotlora.models.cpu_kernels import cpu_attention, cpu_features
+from hotlora.models.cpu_kernels import attention_globals, cpu_attention, cpu_features
 
 MIN_ROWS = 2
 # Up to these many rows the kernel beats OpenBLAS here; by the vector instructions it uses.
@@ -308,15 +308,11 @@ def _install_attention(model: nn.Module) -> list[str]:
     """Point the model's architecture modules at `rows_attention`, over the function they had
     (mlx-lm's, or `cpu_attention`); returns the modules that take it."""
     served = []
-    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
-        module = sys.modules.get(name)
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is None:
-            continue
+    for module, current in attention_globals(model):
         if current in (mlx_lm_base.scaled_dot_product_attention, cpu_attention):
-            module.scaled_dot_product_attention = rows_attention(current)  # type: ignore[union-attr]
-        if hasattr(module.scaled_dot_product_attention, "rows_fallback"):  # type: ignore[union-attr]
-            served.append(name.rsplit(".", 1)[-1])
+            module.scaled_dot_product_attention = rows_attention(current)
+        if hasattr(module.scaled_dot_product_attention, "rows_fallback"):
+            served.append(module.__name__.rsplit(".", 1)[-1])
     return served
 
 
@@ -329,9 +325,9 @@ _ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 
 
 def install_batch_matmul(model: nn.Module, threads: int | None = None) -> BatchMatmul:
-    """Route the model's float projections (and a tied output layer), norms and RoPE through
-    the kernels for batched decode steps. Changes the modules' classes in place; their weights
-    are untouched."""
+    """Route the model's float projections (a tied output layer too) and attention through the
+    kernels for batched decode steps, and its norms and RoPEs for every float32 step. Changes
+    the modules' classes in place; their weights are untouched."""
     global _native, _max_rows
     if (reason := unavailable()) is not None:
         return BatchMatmul(False, reason)

@@ -25,8 +25,10 @@ import shlex
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -184,10 +186,18 @@ def install_cpu_attention(model: nn.Module) -> list[str]:
     mlx-lm's architecture files call `scaled_dot_product_attention` as a module global; a
     module whose global is anything but mlx-lm's own function is left alone."""
     changed = []
+    for module, current in attention_globals(model):
+        if current is mlx_lm_base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = cpu_attention  # type: ignore[attr-defined]
+            changed.append(module.__name__)
+    return changed
+
+
+def attention_globals(model: nn.Module) -> Iterator[tuple[ModuleType, Any]]:
+    """The modules of the model's classes that have a `scaled_dot_product_attention` global
+    (mlx-lm's architecture files call it as one), each with its current value."""
     for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
         module = sys.modules.get(name)
         current = getattr(module, "scaled_dot_product_attention", None)
-        if current is mlx_lm_base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = cpu_attention  # type: ignore[union-attr]
-            changed.append(name)
-    return changed
+        if module is not None and current is not None:
+            yield module, current
