@@ -320,10 +320,13 @@ class InferenceService:
         vocab = self.engine.vocab_size
         out = []
         for key, value in bias.items():
-            # ASCII digits only: `str.isdigit` also takes "²" and "١".
-            if not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < vocab:
+            # ASCII digits only: `str.isdigit` also takes "²" and "١". No more of them than the
+            # vocabulary's size has: Python refuses to read over 4,300 digits as an int.
+            too_long = len(key) > len(str(vocab))
+            if too_long or not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < vocab:
+                shown = key if len(key) <= 16 else f"{key[:16]}..."
                 raise InvalidRequest(
-                    f"logit_bias keys must be token ids in 0..{vocab - 1}; got {key!r}.",
+                    f"logit_bias keys must be token ids in 0..{vocab - 1}; got {shown!r}.",
                     param="logit_bias",
                 )
             out.append((int(key), value))

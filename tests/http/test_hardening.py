@@ -74,6 +74,9 @@ BODIES = [
     ({**CHAT, "logit_bias": {"²": 1}}, "logit_bias", "token ids"),
     ({**CHAT, "logit_bias": {"١": 1}}, "logit_bias", "token ids"),
     ({**CHAT, "logit_bias": {"1e3": 1}}, "logit_bias", "token ids"),
+    # More digits than Python reads as an int (4,300).
+    ({**CHAT, "logit_bias": {"1" * 4301: 1}}, "logit_bias", "token ids"),
+    ({**CHAT, "logit_bias": {"-" + "0" * 5000: 1}}, "logit_bias", "token ids"),
     # Adapter weights: finite and bounded, however they are spelled.
     ({**CHAT, "adapter": "x@1e308"}, "adapter", "between -10 and 10"),
     ({**CHAT, "adapter": "x@nan"}, "adapter", "between -10 and 10"),
