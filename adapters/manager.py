@@ -42,6 +42,7 @@ from hotlora.adapters.spec import (
     parse_adapter_spec,
 )
 from hotlora.config.errors import InvalidRequest, ModelNotFound
+from hotlora.config.log_text import printable
 
 if TYPE_CHECKING:
     from hotlora.adapters.registry import MountJournal
@@ -198,7 +199,12 @@ class AdapterManager:
         if current is not None:
             del current
             mx.clear_cache()
-        log.info("mounted adapter %s from %s (rev %s)", adapter_id, directory, info.revision[:12])
+        log.info(
+            "mounted adapter %s from %s (rev %s)",
+            printable(adapter_id),
+            printable(directory),
+            info.revision[:12],
+        )
         return info
 
     def unmount(self, adapter_id: str, *, record: bool = True) -> AdapterInfo:
@@ -218,7 +224,7 @@ class AdapterManager:
                 info = self._info(mounted)
         del mounted
         mx.clear_cache()
-        log.info("unmounted adapter %s", adapter_id)
+        log.info("unmounted adapter %s", printable(adapter_id))
         return info
 
     def select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease:

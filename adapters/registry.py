@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from hotlora.adapters.adapter_errors import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.adapters.adapter_set import SHORT_REVISION
+from hotlora.config.log_text import printable
 
 if TYPE_CHECKING:
     from hotlora.adapters.manager import AdapterManager
@@ -238,17 +239,18 @@ class MountFile:
                 write_mounted_set(self.path, updated)
                 self._set = updated
         if self._set.records:
-            log.info("mounted %d recorded adapters from %s", len(self._set.records), self.path)
+            count = len(self._set.records)
+            log.info("mounted %d recorded adapters from %s", count, printable(self.path))
 
 
 def report_unmountable(record: MountRecord, exc: AdapterError) -> None:
     """The WARNING for a recorded adapter that is not mounted again."""
     log.warning(
         "not mounting recorded adapter %s (from %s, revision %s): %s",
-        record.id,
-        record.path,
-        record.revision[:SHORT_REVISION],
-        exc.message,
+        printable(record.id),
+        printable(record.path),
+        printable(record.revision[:SHORT_REVISION]),
+        printable(exc.message),
     )
 
 

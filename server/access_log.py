@@ -3,7 +3,8 @@
 The request-id middleware opens a `RequestRecord` for each request; the inference service fills
 in the generation facts and the error mapping the refusal's code, from whatever task runs them
 (a stream's generator runs in a task of its own, which shares the record through the context).
-Neither headers nor bodies are read here: keys and prompts never reach the log.
+Neither headers nor bodies are read here: keys and prompts never reach the log, and the text line
+escapes what the client wrote (`printable`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import Scope
+
+from hotlora.config.log_text import printable
 
 access_log = logging.getLogger("hotlora.access")
 
@@ -80,7 +83,8 @@ def log_request(scope: Scope, status: int | None, record: RequestRecord) -> None
         "finish_reason": record.finish_reason,
         "error": record.error,
     }
-    access_log.info("%s", _text(fields), extra={"fields": fields})
+    # The path, the model and the adapter ids are the client's text.
+    access_log.info("%s", printable(_text(fields)), extra={"fields": fields})
 
 
 def _ms(seconds: float) -> float:

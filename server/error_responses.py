@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
+from hotlora.config.log_text import printable
 from hotlora.server.access_log import note_error
 from hotlora.server.engine import NonFiniteLogits, QueueFull, WorkerStopped
 from hotlora.server.request_errors import ClientDisconnected, NotReady, Unauthorized
@@ -189,7 +190,7 @@ class UnexpectedErrors:
         except Exception as exc:
             if started:
                 raise  # too late for a status: the server ends the response
-            log.error("unexpected error on %s", scope.get("path"), exc_info=exc)
+            log.error("unexpected error on %s", printable(scope.get("path")), exc_info=exc)
             await error_response(exc)(scope, receive, send)
 
 

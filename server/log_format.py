@@ -7,9 +7,18 @@ import logging
 from datetime import datetime, timezone
 from typing import Any
 
+from hotlora.config.log_text import printable
 from hotlora.config.settings import Settings
 
 TEXT_FORMAT = "%(levelname)s:     %(name)s: %(message)s"
+
+
+class TextFormatter(logging.Formatter):
+    """`TEXT_FORMAT`, each line's message passed through `printable` (a traceback, added after
+    it, keeps its lines): whatever a log call forgot to escape cannot forge a line either."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
 
 
 class JsonFormatter(logging.Formatter):
@@ -36,7 +45,7 @@ def configure_logging(settings: Settings) -> None:
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     handler = logging.StreamHandler()
     json_lines = settings.log_format == "json"
-    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler])
 
 

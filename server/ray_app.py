@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from hotlora.adapters import InvalidAdapterSpec, parse_adapter_spec
+from hotlora.config.log_text import printable
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
 from hotlora.server.asgi_relay import Lifespan, Part, RelayedRequest, call_app, relayed_response
@@ -148,7 +149,12 @@ class HotloraIngress:
             start = await parts.__anext__()
         except Exception as exc:  # noqa: BLE001 - no replica could take it; say so, as JSON
             parts.cancel()
-            log.warning("no replica answered %s %s: %s", relayed.method, relayed.path, exc)
+            log.warning(
+                "no replica answered %s %s: %s",
+                printable(relayed.method),
+                printable(relayed.path),
+                printable(exc),
+            )
             body = error_body(
                 "No replica could answer; retry.", "service_unavailable", code="no_replica"
             )

@@ -37,6 +37,7 @@ from hotlora.adapters.registry import (
     report_unmountable,
     write_mounted_set,
 )
+from hotlora.config.log_text import printable
 from hotlora.config.settings import Settings
 
 log = logging.getLogger("hotlora.adapters")
@@ -227,7 +228,7 @@ class ClusterMounts:
             try:
                 (await self.admit())()
             except Exception as exc:  # noqa: BLE001 - the next round tries again
-                log.warning("could not follow the adapter registry: %s", exc)
+                log.warning("could not follow the adapter registry: %s", printable(exc))
 
     def _over_cap(self) -> bool:
         """More mounted than the cap: what admitted requests held beyond it is evictable once

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hotlora.config.log_text import printable
 from hotlora.server.completion_objects import OutputFunctionCall, OutputToolCall
 from hotlora.server.protocol import ChatMessage
 
@@ -88,7 +89,10 @@ class ToolCalls:
         try:
             parsed = self.format.parse(body, self.tools)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
-            log.info("could not read a tool call (%s: %s); kept as text", type(exc).__name__, exc)
+            problem = printable(exc)  # it may quote the model's text
+            log.info(
+                "could not read a tool call (%s: %s); kept as text", type(exc).__name__, problem
+            )
             return None
         calls = []
         for call in parsed if isinstance(parsed, list) else [parsed]:

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import (
 )
 
 from hotlora.adapters import RowAdapterCache, activate
+from hotlora.config.log_text import printable
 from hotlora.server.engine.generate import (
     Engine,
     GenerationJob,
@@ -354,7 +355,7 @@ class Scheduler:
     # Failure.
 
     def _fail(self, rows: list[Row], error: BaseException) -> None:
-        log.error("generation failed: %s", error, exc_info=error)
+        log.error("generation failed: %s", printable(error), exc_info=error)
         for row in rows:
             row.sink.failed(row.position, error)
 

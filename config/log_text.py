@@ -1,0 +1,16 @@
+"""Text from outside the server (a request, a file name) made fit for one log line.
+
+It lives here, below `server/` and `adapters/`, so that every package's log calls use it.
+"""
+
+from __future__ import annotations
+
+
+def printable(text: object) -> str:
+    """`text` with each character that is not printable (line breaks, terminal escapes, bidi
+    overrides) written as its Python escape: text from a request can neither start a log line
+    of its own nor restyle one."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
