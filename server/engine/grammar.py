@@ -18,6 +18,7 @@ requests batched together each follow their own place in their own grammar.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,6 +33,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from hotlora.config.errors import HotloraError, InvalidRequest
 from hotlora.server.engine.tokens import TokenPieces
 
+log = logging.getLogger("hotlora")
+
 # JSON as the model writes it: no free whitespace, which a small model can repeat until
 # `max_tokens` runs out. Overrides win over a schema's own `x-guidance` options, and a keyword
 # the engine cannot enforce is refused rather than ignored.
@@ -41,6 +44,12 @@ _JSON_OPTIONS: Any = {
     "key_separator": ": ",
     "lenient": False,
 }
+# Schemas larger than this are refused before they are compiled. A long literal (a `const`, an
+# `enum` value) costs the lexer time on every constrained decode step in proportion to its
+# length, and past a few hundred KB the lexer runs out of fuel partway through the answer.
+MAX_SCHEMA_BYTES = 64 * 1024
+# Errors that never quote the grammar: a refusal's message goes to the client and to the log.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 
 # Where a refused schema came from: how its error names it, and the request field.
@@ -55,6 +64,10 @@ class UnsupportedSchema(InvalidRequest):
 
     code = "invalid_response_format"
     param = "response_format"
+
+    def __init__(self, message: str, *, param: str, kind: str):
+        super().__init__(message, param=param)
+        self.kind = kind  # what the log says of it: the schema's text never reaches the log
 
 
 class GrammarFailed(HotloraError):
@@ -148,7 +161,25 @@ class Grammars:
         )
 
     def _cached(self, key: str, definition: Callable[[], str], source: _Source) -> Grammar:
-        """The grammar kept under `key`, or the one `definition` gives, compiled and kept."""
+        """The grammar kept under `key`, or the one `definition` gives, compiled and kept; a
+        refusal is logged by the schema's size and the kind of problem, never its text."""
+        subject, param = source
+        size = len(key.encode())
+        if size > MAX_SCHEMA_BYTES:
+            log.info("refused %s of %d bytes: over %d bytes", param, size, MAX_SCHEMA_BYTES)
+            raise UnsupportedSchema(
+                f"{subject} is {size} bytes as JSON; this server compiles schemas of at most "
+                f"{MAX_SCHEMA_BYTES} bytes.",
+                param=param,
+                kind="too large",
+            )
+        try:
+            return self._cached_compile(key, definition, source)
+        except UnsupportedSchema as exc:
+            log.info("refused %s of %d bytes: %s", param, size, exc.kind)
+            raise
+
+    def _cached_compile(self, key: str, definition: Callable[[], str], source: _Source) -> Grammar:
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is not None:
@@ -166,11 +197,19 @@ class Grammars:
         try:
             text = definition()
         except ValueError as exc:
-            raise UnsupportedSchema(f"{subject} is not valid: {exc}.", param=param) from exc
-        matcher = llguidance.LLMatcher(table, text, log_level=0)
+            raise UnsupportedSchema(
+                f"{subject} is not valid: {exc}.", param=param, kind="not valid"
+            ) from exc
+        matcher = llguidance.LLMatcher(table, text, log_level=0, limits=_LIMITS)
+        if not matcher.is_error():
+            # The first mask builds what every row's first step needs (shared by the copies):
+            # built here, off the decode loop, and a lexer that cannot build it is refused now.
+            matcher.compute_bitmask()
         if matcher.is_error():
             raise UnsupportedSchema(
-                f"{subject} cannot be enforced: {matcher.get_error()}.", param=param
+                f"{subject} cannot be enforced: {matcher.get_error()}.",
+                param=param,
+                kind="cannot be enforced",
             )
         return Grammar(matcher, _words(table.vocab_size))
 
@@ -200,7 +239,7 @@ def _schema_text(schema: dict[str, Any], source: _Source) -> str:
     except ValueError as exc:
         subject, param = source
         message = f"{subject} holds NaN or Infinity, which JSON cannot carry: {exc}."
-        raise UnsupportedSchema(message, param=param) from exc
+        raise UnsupportedSchema(message, param=param, kind="not valid") from exc
 
 
 class _TokenBytes:

@@ -4,6 +4,7 @@ streamed and with several choices, and a 400 naming what cannot be enforced."""
 from __future__ import annotations
 
 import json
+import logging
 
 import jsonschema
 import pytest
@@ -150,3 +151,44 @@ def test_what_cannot_be_enforced_is_a_400_naming_it(client: TestClient, body, pa
     assert error["type"] == "invalid_request_error"
     assert error["param"].startswith(param)
     assert named in error["message"]
+
+
+# A schema whose literal is too long for the grammar engine's lexer (~600 KB as JSON).
+HUGE = {
+    "type": "object",
+    "properties": {"motto": {"const": "pirate " * 86_000}},
+    "required": ["motto"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", _bad(schema_format(HUGE)), "response_format"),
+        ("/v1/chat/completions", _bad(schema_format(HUGE), stream=True), "response_format"),
+        (
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "input": "hi",
+                "stream": True,
+                "text": {"format": {"type": "json_schema", "name": "motto", "schema": HUGE}},
+            },
+            "text.format",
+        ),
+    ],
+)
+def test_a_huge_schema_is_refused_before_generation_and_logged_by_size(
+    make_client, caplog, path, body, param
+):
+    client = make_client(max_body_bytes=2 << 20)
+    with caplog.at_level(logging.INFO, logger="hotlora"):
+        response = client.post(path, json=body)
+    assert response.status_code == 400, response.text[:500]
+    error = response.json()["error"]
+    assert error["param"] == param and "bytes" in error["message"]
+    assert len(response.text) < 1000
+    logged = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith("refused response_format of 60") for m in logged), logged
+    assert all(len(m) < 1000 and "pirate" not in m for m in logged)

@@ -230,3 +230,24 @@ def test_a_schema_the_engine_cannot_enforce_is_refused_by_name(setup, schema, na
         engine.grammars.json_schema(schema)
     assert named in refused.value.message
     assert refused.value.param == "response_format"
+
+
+def test_a_huge_schema_is_refused_before_it_is_compiled(setup):
+    engine, _ = setup
+    with pytest.raises(UnsupportedSchema) as refused:
+        engine.grammars.json_schema({"const": "a" * 600_000})
+    assert "bytes" in refused.value.message and refused.value.param == "response_format"
+    call = {"type": "object", "properties": {"name": {"const": "b" * 600_000}}}
+    with pytest.raises(UnsupportedSchema) as refused:
+        engine.grammars.tool_call("<call>", "</call>", call)
+    assert refused.value.param == "tools"
+
+
+def test_a_grammar_error_does_not_quote_the_grammar(setup):
+    engine, _ = setup
+    motto = "quiet waters run deep " * 200
+    constraint = engine.grammars.json_schema({"const": motto}).start()
+    [wrong] = engine.tokenizer.encode("x", add_special_tokens=False)
+    constraint.consume(wrong)  # the grammar forces a quote first
+    assert constraint.error and len(constraint.error) < 200
+    assert "quiet" not in constraint.error
