@@ -26,6 +26,8 @@ MAX_ID_LENGTH = 64
 # (and in half precision overflows the logits).
 MAX_WEIGHT = 10.0
 RESERVED_IDS = frozenset({"none"})
+# URLs drop these as path segments ("/v1/adapters/.." is "/v1"): no route could name them.
+DOT_SEGMENTS = frozenset({".", ".."})
 
 _ID = re.compile(r"[A-Za-z0-9._-]+")
 _SEPARATOR = re.compile(r"[+,]")
@@ -54,6 +56,8 @@ def adapter_id_problem(value: object) -> str | None:
         )
     if value.lower() in RESERVED_IDS:
         return f"'{value}' is reserved: it selects the base model alone"
+    if value in DOT_SEGMENTS:
+        return f"adapter id '{value}' is a path segment that URLs drop: no route could name it"
     return None
 
 

@@ -128,6 +128,9 @@ MOUNT_REFUSALS = [
     ({"id": "a+b", "path": "a"}, 400, "id", "may only contain"),
     ({"id": "none", "path": "a"}, 400, "id", "reserved"),
     ({"id": "", "path": "a"}, 400, "id", "empty"),
+    # Ids that URLs normalise away: mounted, no DELETE could name them.
+    ({"id": ".", "path": "a"}, 400, "id", "path segment"),
+    ({"id": "..", "path": "a"}, 400, "id", "path segment"),
     ({"path": "a"}, 400, "id", ""),
 ]
 
@@ -141,6 +144,20 @@ def test_refused_mount_changes_nothing(api: TestClient, body, status, param, wor
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
     assert api.get("/v1/adapters").json() == before
+
+
+# Ids at the edges of the id rules; each must be one a URL can name as it is.
+EDGE_IDS = [".a", "a.", "...", "a..b", "-", "_", ".-_", "A" * 64, "0"]
+
+
+def test_every_mountable_id_can_be_read_and_unmounted_by_its_url(api: TestClient):
+    for adapter_id in EDGE_IDS:
+        assert mount(api, adapter_id, "a").status_code == 201, adapter_id
+    for adapter_id in EDGE_IDS:
+        url = f"/v1/adapters/{adapter_id}"
+        assert api.get(url).json()["id"] == adapter_id
+        assert api.delete(url).json() == {"id": adapter_id, "object": "adapter", "deleted": True}
+    assert api.get("/v1/adapters").json()["data"] == []
 
 
 REQUEST_REFUSALS = [
