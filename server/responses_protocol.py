@@ -125,6 +125,12 @@ class ResponsesRequest(RequestBody):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     truncation: Literal["disabled"] = "disabled"
+    seed: int | None = Field(
+        default=None,
+        ge=-(2**63),
+        lt=2**64,
+        description="Sample reproducibly: the same seed and request give the same answer.",
+    )
     adapter: AdapterSpec = Field(
         default=(),
         description=(
@@ -203,6 +209,7 @@ class ResponsesRequest(RequestBody):
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "seed": self.seed,
             "stream": self.stream,
             "adapter": [{"id": ref.id, "scale": ref.weight} for ref in self.adapter],
         }

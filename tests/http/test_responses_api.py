@@ -151,6 +151,27 @@ def test_a_finished_answer_is_completed(client: TestClient, monkeypatch: pytest.
     assert response.output[0].status == "completed"
 
 
+def test_seed_reproduces_sampling_as_chat_does(client: TestClient):
+    body = {"model": "tiny", "input": "hi there", "max_output_tokens": 16, "temperature": 1.5}
+
+    def answer(seed: int) -> str:
+        return client.post("/v1/responses", json={**body, "seed": seed}).json()["output"][0][
+            "content"
+        ][0]["text"]
+
+    first = answer(7)
+    assert answer(7) == first
+    same = chat(
+        client,
+        [{"role": "user", "content": "hi there"}],
+        max_tokens=16,
+        temperature=1.5,
+        seed=7,
+    )
+    assert same["choices"][0]["message"]["content"] == first
+    assert len({answer(seed) for seed in range(8, 12)} | {first}) > 1  # the seed decides
+
+
 def test_settings_and_metadata_are_echoed(client: TestClient):
     body = {
         **GREEDY,
