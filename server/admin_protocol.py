@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from hotlora.server.protocol import RequestBody
 
@@ -24,7 +24,7 @@ class ModelCard(BaseModel):
 class MountAdapterRequest(RequestBody):
     id: str = Field(description="The adapter id requests use: letters, digits, '.', '_', '-'.")
     path: str = Field(description="The adapter directory, under the server's adapter root.")
-    replace: bool = Field(default=False, description="Swap an adapter mounted under this id.")
+    replace: StrictBool = Field(default=False, description="Swap an adapter mounted under this id.")
 
 
 class LoadLoraAdapterRequest(RequestBody):

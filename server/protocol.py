@@ -13,6 +13,9 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
@@ -46,7 +49,9 @@ MAX_JSON_DEPTH = 64
 
 class OpenAIBase(BaseModel):
     # Clients send fields we do not use (e.g. `user`, `store`); OpenAI ignores them too.
-    # NaN and infinities are refused wherever a number is read.
+    # NaN and infinities are refused wherever a number is read. Request fields are typed
+    # `StrictInt`, `StrictFloat` and `StrictBool`: as OpenAI does, "3", true and 3.5 are refused
+    # where an integer goes, and "0.5" and true where a number does, never converted.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
@@ -127,7 +132,7 @@ class FunctionDefinition(OpenAIBase):
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(OpenAIBase):
@@ -185,31 +190,31 @@ class ChatMessage(OpenAIBase):
 
 
 class StreamOptions(OpenAIBase):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    max_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1)
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    n: StrictInt = Field(default=1, ge=1)
+    logit_bias: dict[str, StrictFloat] | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(
         default=None, ge=0, description="Sample from the k most likely tokens; 0 disables."
     )
-    min_p: float | None = Field(
+    min_p: StrictFloat | None = Field(
         default=None, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability."
     )
-    repetition_penalty: float | None = Field(
+    repetition_penalty: StrictFloat | None = Field(
         default=None,
         ge=0.01,
         le=10.0,
@@ -270,7 +275,7 @@ class JsonSchemaFormat(OpenAIBase):
     description: str | None = None
     # `schema` itself would shadow a pydantic attribute.
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(OpenAIBase):
@@ -295,13 +300,13 @@ class ResponseFormat(OpenAIBase):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
 
     @field_validator("tools")
     @classmethod
@@ -341,10 +346,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = Field(default=None, ge=1, le=1)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     suffix: str | None = None
 
     @field_validator("prompt")

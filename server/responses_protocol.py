@@ -17,6 +17,9 @@ from typing import Any, Literal
 from pydantic import (
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -73,7 +76,7 @@ class TextFormat(OpenAIBase):
     description: str | None = None
     # `schema` itself would shadow a pydantic method.
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @model_validator(mode="after")
     def _schema_named(self) -> TextFormat:
@@ -104,28 +107,28 @@ class TextConfig(OpenAIBase):
 class ResponsesRequest(RequestBody):
     """POST /v1/responses: one generation, nothing stored."""
 
-    background: bool = False
+    background: StrictBool = False
     conversation: str | dict[str, Any] | None = None
     input: list[InputMessage] = Field(min_length=1)
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
     metadata: dict[str, str] | None = None
     model: str
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     previous_response_id: str | None = None
     prompt: dict[str, Any] | None = None
-    store: bool | None = Field(
+    store: StrictBool | None = Field(
         default=None,
         description="Accepted for compatibility; this server is stateless and stores nothing.",
     )
-    stream: bool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    stream: StrictBool = False
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     text: TextConfig = Field(default_factory=TextConfig)
     tool_choice: Literal["none", "auto"] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     truncation: Literal["disabled"] = "disabled"
-    seed: int | None = Field(
+    seed: StrictInt | None = Field(
         default=None,
         ge=-(2**63),
         lt=2**64,

@@ -130,6 +130,47 @@ def test_refusals_name_the_field(client, body, param, says):
     assert says in error["message"]
 
 
+COMPLETION = {"model": "tiny", "prompt": "the", "max_tokens": 2}
+RESPONSE = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+# Numbers and booleans as OpenAI reads them: a string, a boolean or a fraction where an integer
+# goes is refused, not converted. (path, body, param)
+NOT_CONVERTED = [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "3"}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2.5}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": "3"}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "n": "1"}, "n"),
+    ("/v1/chat/completions", {**CHAT, "seed": "7"}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "top_p": True}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "top_k": False}, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": "10"}}, "logit_bias.5"),
+    ("/v1/chat/completions", {**CHAT, "stream": "true"}, "stream"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": "2", "logprobs": True}, "top_logprobs"),
+    ("/v1/completions", {**COMPLETION, "prompt": [5, "6"]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [5, True]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "logprobs": True}, "logprobs"),
+    ("/v1/responses", {**RESPONSE, "max_output_tokens": "3"}, "max_output_tokens"),
+    ("/v1/responses", {**RESPONSE, "temperature": "1"}, "temperature"),
+    ("/v1/responses", {**RESPONSE, "seed": True}, "seed"),
+    ("/v1/adapters", {"id": "a", "path": "a", "replace": "yes"}, "replace"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), NOT_CONVERTED)
+def test_strings_and_booleans_are_not_numbers(client, path, body, param):
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value")
+
+
+def test_integral_numbers_serve_where_a_float_goes(client):
+    body = {**CHAT, "temperature": 1, "top_p": 1, "logit_bias": {"5": 3}}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
 def test_a_vanishing_temperature_samples_as_greedy(client):
     body = {"model": "tiny", "prompt": "the", "max_tokens": 6}
     greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()
