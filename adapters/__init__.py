@@ -31,9 +31,10 @@ from hotlora.adapters.registry import (
 )
 from hotlora.adapters.row_sets import RowAdapterCache, RowAdapters
 from hotlora.adapters.slots import activate
-from hotlora.adapters.spec import AdapterRef, parse_adapter_spec
+from hotlora.adapters.spec import ADAPTER_ID_SCHEMA, AdapterRef, parse_adapter_spec
 
 __all__ = [
+    "ADAPTER_ID_SCHEMA",
     "BASE_ONLY",
     "AdapterConflict",
     "AdapterError",

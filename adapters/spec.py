@@ -30,6 +30,26 @@ RESERVED_IDS = frozenset({"none"})
 DOT_SEGMENTS = frozenset({".", ".."})
 
 _ID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.upper()}{c.lower()}]" for c in word)
+
+
+# The rules above as JSON Schema, for the API's document (the base model's id, known only at run
+# time, aside); `adapter_id_problem` enforces them.
+ADAPTER_ID_SCHEMA: dict[str, Any] = {
+    "minLength": 1,
+    "maxLength": MAX_ID_LENGTH,
+    "pattern": f"^{_ID.pattern}$",
+    "not": {
+        "anyOf": [
+            {"enum": sorted(DOT_SEGMENTS)},
+            # Any case; written out, since not every regex dialect has `(?i)`.
+            *({"pattern": f"^{_any_case(word)}$"} for word in sorted(RESERVED_IDS)),
+        ]
+    },
+}
 _SEPARATOR = re.compile(r"[+,]")
 
 

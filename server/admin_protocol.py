@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, StrictBool
 
+from hotlora.adapters import ADAPTER_ID_SCHEMA
 from hotlora.server.protocol import RequestBody
 
 
@@ -22,7 +23,11 @@ class ModelCard(BaseModel):
 
 
 class MountAdapterRequest(RequestBody):
-    id: str = Field(description="The adapter id requests use: letters, digits, '.', '_', '-'.")
+    # The document shows the id rules; the manager enforces them, with messages of its own.
+    id: str = Field(
+        description="The adapter id requests use: letters, digits, '.', '_', '-'.",
+        json_schema_extra=ADAPTER_ID_SCHEMA,
+    )
     path: str = Field(description="The adapter directory, under the server's adapter root.")
     replace: StrictBool = Field(default=False, description="Swap an adapter mounted under this id.")
 
@@ -30,12 +35,12 @@ class MountAdapterRequest(RequestBody):
 class LoadLoraAdapterRequest(RequestBody):
     """vLLM's spelling of a mount."""
 
-    lora_name: str
+    lora_name: str = Field(json_schema_extra=ADAPTER_ID_SCHEMA)
     lora_path: str
 
 
 class UnloadLoraAdapterRequest(RequestBody):
-    lora_name: str
+    lora_name: str = Field(json_schema_extra=ADAPTER_ID_SCHEMA)
 
 
 class AdapterCard(BaseModel):

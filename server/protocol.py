@@ -345,8 +345,25 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+# A prompt as the document shows it: no empty text, list or token list (`_non_empty` refuses them).
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+        {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+        },
+    ]
+}
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Annotated[
+        str | list[str] | list[StrictInt] | list[list[StrictInt]], WithJsonSchema(_PROMPT_SCHEMA)
+    ]
     best_of: StrictInt | None = Field(default=None, ge=1, le=1)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
@@ -357,6 +374,9 @@ class CompletionRequest(SamplingFields):
     def _non_empty(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be an empty list")
+        # Refused whatever the tokenizer would make of them (one that adds BOS makes a token).
+        if value == "" or (isinstance(value, list) and any(p in ("", []) for p in value)):
+            raise ValueError("prompt must not be empty, nor hold an empty prompt")
         return value
 
     @field_validator("suffix")

@@ -18,6 +18,7 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
+from jsonschema import Draft202012Validator
 
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
@@ -224,3 +225,56 @@ def test_405_names_the_allowed_methods(client: TestClient, path: str):
     assert response.status_code == 405
     assert set(response.headers["allow"].replace(" ", "").split(",")) == allowed
     assert set(response.json()["error"]) == ERROR_KEYS
+
+
+# Bodies the server refuses: the document must not call them valid. (path, body)
+REFUSED = [
+    ("/v1/adapters", {"id": "", "path": "b"}),
+    ("/v1/adapters", {"id": "a" * 65, "path": "b"}),
+    ("/v1/adapters", {"id": "a+b", "path": "b"}),
+    ("/v1/adapters", {"id": "..", "path": "b"}),
+    ("/v1/adapters", {"id": "None", "path": "b"}),
+    ("/v1/load_lora_adapter", {"lora_name": "", "lora_path": "b"}),
+    ("/v1/load_lora_adapter", {"lora_name": ".", "lora_path": "b"}),
+    ("/v1/unload_lora_adapter", {"lora_name": ""}),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}),
+    ("/v1/completions", {"model": "tiny", "prompt": []}),
+    ("/v1/completions", {"model": "tiny", "prompt": ["the", ""]}),
+    ("/v1/completions", {"model": "tiny", "prompt": [[5], []]}),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": "3"}),
+    ("/v1/chat/completions", {**CHAT, "messages": []}),
+    ("/v1/chat/completions", {**CHAT, "stream": "true"}),
+]
+
+
+def request_schema(document: dict[str, Any], path: str) -> Draft202012Validator:
+    """A validator for `path`'s POST body as the document describes it."""
+    content = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    return Draft202012Validator({**content["schema"], "components": document["components"]})
+
+
+@pytest.mark.parametrize(("path", "body"), REFUSED)
+def test_what_the_server_refuses_the_document_does_not_allow(
+    small_app: TestClient, document: dict[str, Any], path: str, body: dict[str, Any]
+):
+    response = small_app.post(path, json=body)
+    assert response.status_code in (400, 404), response.text
+    assert not request_schema(document, path).is_valid(body)
+
+
+# Their neighbours that the server takes: the document allows them too.
+SERVED = [
+    ("/v1/adapters", {"id": "...", "path": "b"}),
+    ("/v1/adapters", {"id": "b" * 64, "path": "b"}),
+    ("/v1/completions", {"model": "tiny", "prompt": " ", "max_tokens": 1}),
+    ("/v1/completions", {"model": "tiny", "prompt": [[5], [6, 7]], "max_tokens": 1}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), SERVED)
+def test_what_the_server_takes_the_document_allows(
+    small_app: TestClient, document: dict[str, Any], path: str, body: dict[str, Any]
+):
+    response = small_app.post(path, json=body)
+    assert response.status_code in (200, 201), response.text
+    assert request_schema(document, path).is_valid(body)
