@@ -14,6 +14,7 @@ import copy
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -159,9 +160,10 @@ def read_mounted_set(path: Path) -> MountedSet:
 
 
 def write_mounted_set(path: Path, mounted: MountedSet) -> None:
-    """Replace the file at `path` in one step: a crash leaves the old file or the new, whole."""
+    """Replace the file at `path` in one step: a crash leaves the old file or the new, whole
+    (and, killed before the rename, a temporary file that `remove_stale_temporaries` clears)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path))
     try:
         with os.fdopen(descriptor, "w") as stream:
             json.dump(mounted.to_json(), stream, indent=2)
@@ -174,6 +176,27 @@ def write_mounted_set(path: Path, mounted: MountedSet) -> None:
             os.unlink(temporary)
         raise
     _sync_directory(path.parent)
+
+
+def _temporary_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def remove_stale_temporaries(path: Path) -> list[str]:
+    """Delete the temporary files a killed `write_mounted_set` left beside `path`; their names.
+
+    Only names `mkstemp` gives with this file's prefix (eight of its characters after it) are
+    touched. Call it before anything writes the file: a write under way has one of these too.
+    """
+    stale = re.compile(re.escape(_temporary_prefix(path)) + r"[a-z0-9_]{8}")
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in path.parent.iterdir():
+            if stale.fullmatch(entry.name) and entry.is_file():
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+                    removed.append(entry.name)
+    return removed
 
 
 def _sync_directory(directory: Path) -> None:
@@ -190,12 +213,17 @@ class MountFile:
     """The mounted set of one server, kept in a JSON file (`--persist-mounts`).
 
     Each change is written before the manager makes it, so the file never names an adapter
-    that was not mounted; a failed write refuses the change.
+    that was not mounted; a failed write refuses the change. Opening it clears the temporary
+    files of writes that a killed server left (one server keeps one file).
     """
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self._lock = threading.Lock()
+        removed = remove_stale_temporaries(self.path)
+        if removed:
+            names = ", ".join(removed)
+            log.info("removed %s: writes of %s that did not finish", names, printable(self.path))
         self._set = read_mounted_set(self.path)
 
     @property

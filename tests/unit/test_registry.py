@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,6 +182,39 @@ def test_a_record_that_cannot_be_written_refuses_the_change(root, record_path, m
     assert list(revisions(manager)) == ["a"]
     assert [r.id for r in record.records] == ["a"]
     assert [path.name for path in record_path.parent.iterdir()] == ["mounts.json"]
+
+
+# A process that records a mount and is killed (SIGKILL) between writing the new record and
+# renaming it over the old one, as a crash or an OOM kill can.
+KILLED_MID_WRITE = """
+import os, signal, sys
+from hotlora.adapters import MountFile
+from hotlora.adapters import registry
+
+def killed(src, dst):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+registry.os.replace = killed
+MountFile(sys.argv[1]).mounted("b", "/adapters/b", "r2", False)
+"""
+
+
+def test_writes_a_killed_server_left_are_cleared_at_start(record_path, caplog):
+    MountFile(record_path).mounted("a", "/adapters/a", "r1", False)
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(record_path)])
+    assert killed.returncode == -signal.SIGKILL
+    home = record_path.parent
+    [left] = [path.name for path in home.iterdir() if path.name != "mounts.json"]
+    assert left.startswith(".mounts.json.")
+    # Names the record's writes never take stay.
+    others = [".mounts.json.keep", "mounts.json.bak", ".mounts.jsonabcdefgh", ".other.abcdefgh"]
+    for name in others:
+        (home / name).write_text("mine")
+    with caplog.at_level(logging.INFO, logger="hotlora.adapters"):
+        record = MountFile(record_path)
+    assert sorted(path.name for path in home.iterdir()) == sorted(["mounts.json", *others])
+    assert [r.id for r in record.records] == ["a"]  # the killed writes changed nothing
+    assert f"removed {left}: writes of {record_path} that did not finish" in caplog.messages
 
 
 def test_a_journal_that_refuses_leaves_the_manager_unchanged(root):
