@@ -159,6 +159,16 @@ def read_mounted_set(path: Path) -> MountedSet:
         raise ValueError(f"{path} is not a mounted-adapter record: {exc}") from None
 
 
+def open_mounted_set(path: Path) -> MountedSet:
+    """The set recorded at `path`, for the one process that keeps it: first the temporary files
+    of its writes that a killed process left are deleted."""
+    removed = remove_stale_temporaries(path)
+    if removed:
+        names = ", ".join(removed)
+        log.info("removed %s: writes of %s that did not finish", names, printable(path))
+    return read_mounted_set(path)
+
+
 def write_mounted_set(path: Path, mounted: MountedSet) -> None:
     """Replace the file at `path` in one step: a crash leaves the old file or the new, whole
     (and, killed before the rename, a temporary file that `remove_stale_temporaries` clears)."""
@@ -220,11 +230,7 @@ class MountFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._lock = threading.Lock()
-        removed = remove_stale_temporaries(self.path)
-        if removed:
-            names = ", ".join(removed)
-            log.info("removed %s: writes of %s that did not finish", names, printable(self.path))
-        self._set = read_mounted_set(self.path)
+        self._set = open_mounted_set(self.path)
 
     @property
     def records(self) -> list[MountRecord]:

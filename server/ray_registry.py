@@ -33,7 +33,7 @@ from hotlora.adapters import (
 )
 from hotlora.adapters.registry import (
     MOUNTS_FILE,
-    read_mounted_set,
+    open_mounted_set,
     report_unmountable,
     write_mounted_set,
 )
@@ -55,7 +55,7 @@ class AdapterRegistry:
 
     def __init__(self, record_path: str | None = None):
         self._path = Path(record_path) if record_path else None
-        self._set = read_mounted_set(self._path) if self._path else MountedSet()
+        self._set = open_mounted_set(self._path) if self._path else MountedSet()
         self._generation = uuid.uuid4().hex
 
     def snapshot(self, known: tuple[str, int] | None = None) -> Snapshot | None:

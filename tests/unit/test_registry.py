@@ -20,6 +20,7 @@ from hotlora.adapters import (
     MountFile,
 )
 from hotlora.adapters.registry import HISTORY_LIMIT, read_mounted_set
+from hotlora.server.ray_registry import AdapterRegistry
 
 from tests.support.adapter_builders import (
     BASE_ID,
@@ -215,6 +216,12 @@ def test_writes_a_killed_server_left_are_cleared_at_start(record_path, caplog):
     assert sorted(path.name for path in home.iterdir()) == sorted(["mounts.json", *others])
     assert [r.id for r in record.records] == ["a"]  # the killed writes changed nothing
     assert f"removed {left}: writes of {record_path} that did not finish" in caplog.messages
+    # So does a cluster's registry, which keeps the same file.
+    subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(record_path)])
+    assert len(list(home.iterdir())) == len(others) + 2
+    _, _, records = AdapterRegistry(str(record_path)).snapshot()
+    assert sorted(path.name for path in home.iterdir()) == sorted(["mounts.json", *others])
+    assert [r.id for r in records] == ["a"]
 
 
 def test_a_journal_that_refuses_leaves_the_manager_unchanged(root):
