@@ -21,6 +21,7 @@ from hotlora.server.completion_objects import (
     ChatCompletionResponse,
     CompletionResponse,
 )
+from hotlora.server.routes import paths
 
 
 class ErrorDetail(BaseModel):
@@ -43,17 +44,17 @@ _ADMIN_POST = (400, 401, 409, 413, 503)
 ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
     ("get", "/health"): (),
     ("get", "/ready"): (503,),
-    ("get", "/v1/models"): (401, 503),
-    ("get", "/v1/models/{model_id}"): (401, 404, 503),
-    ("post", "/v1/chat/completions"): (400, 401, 404, 413, 500, 503),
-    ("post", "/v1/completions"): (400, 401, 404, 413, 500, 503),
-    ("post", "/v1/responses"): (400, 401, 404, 413, 500, 503),
-    ("post", "/v1/adapters"): _ADMIN_POST,
-    ("get", "/v1/adapters"): (401, 503),
-    ("get", "/v1/adapters/{adapter_id}"): (401, 404, 503),
-    ("delete", "/v1/adapters/{adapter_id}"): (401, 404, 503),
-    ("post", "/v1/load_lora_adapter"): _ADMIN_POST,
-    ("post", "/v1/unload_lora_adapter"): (400, 401, 404, 413, 503),
+    ("get", paths.MODELS): (401, 503),
+    ("get", f"{paths.MODELS}/{{model_id}}"): (401, 404, 503),
+    ("post", paths.CHAT_COMPLETIONS): (400, 401, 404, 413, 500, 503),
+    ("post", paths.COMPLETIONS): (400, 401, 404, 413, 500, 503),
+    ("post", paths.RESPONSES): (400, 401, 404, 413, 500, 503),
+    ("post", paths.ADAPTERS): _ADMIN_POST,
+    ("get", paths.ADAPTERS): (401, 503),
+    ("get", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
+    ("delete", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
+    ("post", paths.LOAD_LORA_ADAPTER): _ADMIN_POST,
+    ("post", paths.UNLOAD_LORA_ADAPTER): (400, 401, 404, 413, 503),
 }
 
 _DESCRIPTIONS = {
@@ -72,11 +73,11 @@ _HEADERS = {
 
 # The completion routes: the object answered without `stream`, the chunk streamed with it.
 _STREAMS = {
-    "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionChunk),
-    "/v1/completions": (CompletionResponse, CompletionResponse),
+    paths.CHAT_COMPLETIONS: (ChatCompletionResponse, ChatCompletionChunk),
+    paths.COMPLETIONS: (CompletionResponse, CompletionResponse),
 }
 # A mount that finds the same files already mounted answers 200 instead of 201.
-_MOUNTS = ("/v1/adapters", "/v1/load_lora_adapter")
+_MOUNTS = (paths.ADAPTERS, paths.LOAD_LORA_ADAPTER)
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:

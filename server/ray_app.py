@@ -35,12 +35,12 @@ from hotlora.server.app import create_app
 from hotlora.server.asgi_relay import Lifespan, Part, RelayedRequest, call_app, relayed_response
 from hotlora.server.error_responses import error_body
 from hotlora.server.ray_registry import ClusterMounts, RegistryClient, registry_actor
+from hotlora.server.routes import paths
 
 log = logging.getLogger("hotlora")
 
 APP_NAME = "hotlora"
 REPLICA_HEADER = b"x-hotlora-replica"  # which replica answered: its Serve replica id
-INFERENCE_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 SETS_PER_REPLICA = 64  # adapter sets a replica is known to hold, for routing, with no cap
 _REFRESH_S = 1.0  # how stale the ingress's list of adapter ids may be (routing only)
@@ -77,11 +77,11 @@ def wanted_adapters(request: RelayedRequest, registered: frozenset[str]) -> list
     `<base>:<spec>`, or the id in an admin path); unparseable input names none, and the app
     answers it as on one machine."""
     path = request.path
-    for prefix in ("/v1/adapters/", "/v1/models/"):
+    for prefix in paths.BY_ID:
         if path.startswith(prefix) and len(path) > len(prefix):
             return [path[len(prefix) :]]
     if request.method != "POST" or (
-        path not in INFERENCE_ROUTES and path != "/v1/unload_lora_adapter"
+        path not in paths.INFERENCE and path != paths.UNLOAD_LORA_ADAPTER
     ):
         return []
     try:
@@ -90,7 +90,7 @@ def wanted_adapters(request: RelayedRequest, registered: frozenset[str]) -> list
         return []
     if not isinstance(body, dict):
         return []
-    if path == "/v1/unload_lora_adapter":
+    if path == paths.UNLOAD_LORA_ADAPTER:
         name = body.get("lora_name")
         return [name] if isinstance(name, str) else []
     ids: list[str] = []
@@ -140,7 +140,7 @@ class HotloraIngress:
     async def relay(self, request: Request) -> Response:
         relayed = await RelayedRequest.read(request, self._settings.max_body_bytes)
         wanted = wanted_adapters(relayed, await self._registered_ids())
-        inference = relayed.method == "POST" and relayed.path in INFERENCE_ROUTES
+        inference = relayed.method == "POST" and relayed.path in paths.INFERENCE
         # Only inference is routed by adapter set; admin calls and the rest go anywhere.
         key = "+".join(wanted) if inference else ""
         handle = self._replica.options(method_name="relay", stream=True, multiplexed_model_id=key)

@@ -19,8 +19,9 @@ from hotlora.server.admin_protocol import (
 from hotlora.server.auth import AdminRoute
 from hotlora.server.deps import MetricsDep, RuntimeDep
 from hotlora.server.metrics import Metrics
+from hotlora.server.routes import paths
 
-router = APIRouter(prefix="/v1", tags=["adapters"], route_class=AdminRoute)
+router = APIRouter(tags=["adapters"], route_class=AdminRoute)
 
 
 def get_manager(runtime: RuntimeDep) -> AdapterManager:
@@ -64,38 +65,38 @@ async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -
     return {"id": info.id, "object": "adapter", "deleted": True}
 
 
-@router.post("/adapters", status_code=201, response_model=AdapterCard)
+@router.post(paths.ADAPTERS, status_code=201, response_model=AdapterCard)
 async def mount_adapter(
     body: MountAdapterRequest, manager: ManagerDep, metrics: MetricsDep
 ) -> JSONResponse:
     return await _mount(manager, metrics, body.id, body.path, body.replace)
 
 
-@router.get("/adapters")
+@router.get(paths.ADAPTERS)
 async def list_adapters(manager: ManagerDep) -> AdapterList:
     return AdapterList(data=[AdapterCard(**info.to_dict()) for info in manager.list()])
 
 
-@router.get("/adapters/{adapter_id}")
+@router.get(paths.ADAPTERS + "/{adapter_id}")
 async def get_adapter(adapter_id: str, manager: ManagerDep) -> AdapterCard:
     return AdapterCard(**manager.get(adapter_id).to_dict())
 
 
-@router.delete("/adapters/{adapter_id}")
+@router.delete(paths.ADAPTERS + "/{adapter_id}")
 async def unmount_adapter(
     adapter_id: str, manager: ManagerDep, metrics: MetricsDep
 ) -> dict[str, Any]:
     return await _unmount(manager, metrics, adapter_id)
 
 
-@router.post("/load_lora_adapter", status_code=201, response_model=AdapterCard)
+@router.post(paths.LOAD_LORA_ADAPTER, status_code=201, response_model=AdapterCard)
 async def load_lora_adapter(
     body: LoadLoraAdapterRequest, manager: ManagerDep, metrics: MetricsDep
 ) -> JSONResponse:
     return await _mount(manager, metrics, body.lora_name, body.lora_path, False)
 
 
-@router.post("/unload_lora_adapter")
+@router.post(paths.UNLOAD_LORA_ADAPTER)
 async def unload_lora_adapter(
     body: UnloadLoraAdapterRequest, manager: ManagerDep, metrics: MetricsDep
 ) -> dict[str, Any]:

@@ -13,11 +13,12 @@ from hotlora.server.completion_objects import ChatCompletionResponse, Completion
 from hotlora.server.deps import InferenceDep
 from hotlora.server.disconnects import until_disconnect
 from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest
+from hotlora.server.routes import paths
 
-router = APIRouter(prefix="/v1", tags=["inference"], route_class=InferenceRoute)
+router = APIRouter(tags=["inference"], route_class=InferenceRoute)
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post(paths.CHAT_COMPLETIONS, response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, service: InferenceDep
 ) -> ChatCompletionResponse | EventSourceResponse:
@@ -28,7 +29,7 @@ async def chat_completions(
     return responses.chat_response(submitted.prepared, outcome)
 
 
-@router.post("/completions", response_model=None)
+@router.post(paths.COMPLETIONS, response_model=None)
 async def completions(
     body: CompletionRequest, request: Request, service: InferenceDep
 ) -> CompletionResponse | EventSourceResponse:

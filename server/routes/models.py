@@ -7,16 +7,17 @@ from fastapi import APIRouter
 from hotlora.server.admin_protocol import ModelCard, ModelList
 from hotlora.server.auth import InferenceRoute
 from hotlora.server.deps import RuntimeDep
+from hotlora.server.routes import paths
 
-router = APIRouter(prefix="/v1", tags=["models"], route_class=InferenceRoute)
+router = APIRouter(tags=["models"], route_class=InferenceRoute)
 
 
-@router.get("/models")
+@router.get(paths.MODELS)
 async def list_models(runtime: RuntimeDep) -> ModelList:
     runtime.require_inference()
     return ModelList(data=runtime.model_cards())
 
 
-@router.get("/models/{model_id:path}")
+@router.get(paths.MODELS + "/{model_id:path}")
 async def get_model(model_id: str, runtime: RuntimeDep) -> ModelCard:
     return runtime.model_card(model_id)

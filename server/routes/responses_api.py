@@ -13,8 +13,9 @@ from hotlora.server.deps import InferenceDep
 from hotlora.server.disconnects import until_disconnect
 from hotlora.server.responses_objects import ResponseObject
 from hotlora.server.responses_protocol import ResponsesRequest, responses_params
+from hotlora.server.routes import paths
 
-router = APIRouter(prefix="/v1", tags=["inference"], route_class=InferenceRoute)
+router = APIRouter(tags=["inference"], route_class=InferenceRoute)
 
 _OK: dict[int | str, dict[str, Any]] = {
     200: {
@@ -40,7 +41,7 @@ _OK: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("/responses", response_model=None, responses=_OK)
+@router.post(paths.RESPONSES, response_model=None, responses=_OK)
 async def create_response(
     body: ResponsesRequest, request: Request, service: InferenceDep
 ) -> ResponseObject | EventSourceResponse:

@@ -1,0 +1,16 @@
+"""The API's paths, written once: the routers serve them and the Ray ingress routes by them."""
+
+from __future__ import annotations
+
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MODELS = "/v1/models"
+ADAPTERS = "/v1/adapters"
+LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"
+UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
+
+# The routes that generate: what a request's `model` and `adapter` fields select runs there.
+INFERENCE = frozenset({CHAT_COMPLETIONS, COMPLETIONS, RESPONSES})
+# The routes whose last segment is one adapter's or model's id.
+BY_ID = (f"{ADAPTERS}/", f"{MODELS}/")
