@@ -1,13 +1,13 @@
 """LoRA adapters over one base model: mounted, unmounted and selected per request.
 
 The public API is what this module exports; code outside the package imports from here.
-A request's `adapter` field is parsed once (`parse_adapter_spec`, into `AdapterRef`s);
-`AdapterManager.select` turns it, with the `model` field, into an `AdapterLease` holding the
-request's own `AdapterSet`; `activate` makes that set the one the LoRA slots apply while the
-model runs, or, for a batch, a `RowAdapters` from `RowAdapterCache` that applies each row's
-own set. With a `MountJournal` (the mount record `MountFile`, or a cluster's registry) every
-mount and unmount is recorded before it is made, and a `MountStore` mounts the recorded set
-again when a server starts.
+A request's `adapter` field is parsed once (`parse_adapter_spec`, into `AdapterRef`s) and read
+with its `model` field by `parse_selection`; `AdapterManager.select` turns the selection into an
+`AdapterLease` holding the request's own `AdapterSet`; `activate` makes that set the one the LoRA
+slots apply while the model runs, or, for a batch, a `RowAdapters` from `RowAdapterCache` that
+applies each row's own set. With a `MountJournal` (the mount record `MountFile`, or a
+cluster's registry) every mount and unmount is recorded before it is made, and a `MountStore`
+mounts the recorded set again when a server starts.
 """
 
 from hotlora.adapters.adapter_errors import (
@@ -31,7 +31,12 @@ from hotlora.adapters.registry import (
 )
 from hotlora.adapters.row_sets import RowAdapterCache, RowAdapters
 from hotlora.adapters.slots import activate
-from hotlora.adapters.spec import ADAPTER_ID_SCHEMA, AdapterRef, parse_adapter_spec
+from hotlora.adapters.spec import (
+    ADAPTER_ID_SCHEMA,
+    AdapterRef,
+    parse_adapter_spec,
+    parse_selection,
+)
 
 __all__ = [
     "ADAPTER_ID_SCHEMA",
@@ -58,4 +63,5 @@ __all__ = [
     "fuse_adapter",
     "mount_file",
     "parse_adapter_spec",
+    "parse_selection",
 ]

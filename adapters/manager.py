@@ -23,7 +23,6 @@ from hotlora.adapters.adapter_errors import (
     AdapterError,
     AdapterNotFound,
     InvalidAdapter,
-    InvalidAdapterSpec,
 )
 from hotlora.adapters.adapter_files import MAX_ADAPTER_BYTES, read_adapter, resolve_under_root
 from hotlora.adapters.adapter_set import (
@@ -39,9 +38,8 @@ from hotlora.adapters.spec import (
     AdapterRef,
     adapter_id_problem,
     format_adapter_spec,
-    parse_adapter_spec,
+    parse_selection,
 )
-from hotlora.config.errors import InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
 
 if TYPE_CHECKING:
@@ -236,7 +234,7 @@ class AdapterManager:
         for an id that is not mounted. Nothing is counted as in use unless this returns.
         """
         with self._lock:
-            named = self._named(model, refs)
+            named = parse_selection(self.base_id, model, refs, self._mounted)
             adapters = self._resolve(named)
             self._count(adapters, 1)
         if model != self.base_id:
@@ -262,28 +260,6 @@ class AdapterManager:
             if mounted is None:
                 raise AdapterNotFound(adapter_id, self._mounted)
             return self._info(mounted)
-
-    def _named(self, model: str, refs: tuple[AdapterRef, ...]) -> tuple[AdapterRef, ...]:
-        """The adapters a request names through either field; called under the lock."""
-        if model == self.base_id:
-            return refs
-        prefix = f"{self.base_id}:"
-        if model.startswith(prefix):
-            try:
-                named = parse_adapter_spec(model[len(prefix) :])
-            except InvalidAdapterSpec as exc:
-                raise InvalidRequest(exc.message, param="model") from exc
-        elif model in self._mounted:
-            named = (AdapterRef(model),)
-        else:
-            raise ModelNotFound(model, [self.base_id, *self._mounted])
-        if refs:
-            raise InvalidRequest(
-                f"'model' already selects adapters ({model!r}); leave 'adapter' out, or set "
-                f"'model' to the base model '{self.base_id}'.",
-                param="adapter",
-            )
-        return named
 
     def _resolve(self, refs: tuple[AdapterRef, ...]) -> AdapterSet:
         if not refs:

@@ -10,15 +10,20 @@ the residuals are summed):
 
 An id may appear only once per request: `"sft+sft"` is refused rather than silently summed,
 since the caller can say `"sft@2"` if that is what they mean.
+
+`parse_selection` adds the `model` field: the base's id, a mounted adapter's id, or
+`"<base-id>:<spec>"`. The adapter manager and the Ray ingress both read a request with it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from hotlora.adapters.adapter_errors import InvalidAdapterSpec
+from hotlora.config.errors import InvalidRequest, ModelNotFound
 
 MAX_ADAPTERS_PER_REQUEST = 16
 MAX_ID_LENGTH = 64
@@ -98,6 +103,38 @@ def parse_adapter_spec(value: str | list[Any] | tuple[Any, ...] | None) -> tuple
             f"not {type(value).__name__}"
         )
     return _checked(refs)
+
+
+def parse_selection(
+    base_id: str, model: str, refs: tuple[AdapterRef, ...], mounted: Collection[str]
+) -> tuple[AdapterRef, ...]:
+    """The adapters a request's `model` and parsed `adapter` field (`refs`) select together.
+
+    `model` may name the base (then `refs` are the selection), an id in `mounted`, or
+    `"<base-id>:<spec>"`. Raises `ModelNotFound` for any other model (listing the base and
+    `mounted`, in their order), and `InvalidRequest` when the model's spec is malformed
+    (`param="model"`) or both fields select adapters (`param="adapter"`). Whether the ids
+    are mounted is the caller's to check.
+    """
+    if model == base_id:
+        return refs
+    prefix = f"{base_id}:"
+    if model.startswith(prefix):
+        try:
+            named = parse_adapter_spec(model[len(prefix) :])
+        except InvalidAdapterSpec as exc:
+            raise InvalidRequest(exc.message, param="model") from exc
+    elif model in mounted:
+        named = (AdapterRef(model),)
+    else:
+        raise ModelNotFound(model, [base_id, *mounted])
+    if refs:
+        raise InvalidRequest(
+            f"'model' already selects adapters ({model!r}); leave 'adapter' out, or set "
+            f"'model' to the base model '{base_id}'.",
+            param="adapter",
+        )
+    return named
 
 
 def format_adapter_spec(refs: tuple[AdapterRef, ...]) -> str:

@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve import Deployment
 
-from hotlora.adapters import InvalidAdapterSpec, parse_adapter_spec
+from hotlora.adapters import InvalidAdapterSpec, parse_adapter_spec, parse_selection
+from hotlora.config.errors import InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
@@ -36,6 +37,7 @@ from hotlora.server.asgi_relay import Lifespan, Part, RelayedRequest, call_app, 
 from hotlora.server.error_responses import error_body
 from hotlora.server.ray_registry import ClusterMounts, RegistryClient, registry_actor
 from hotlora.server.routes import paths
+from hotlora.server.runtime import base_model_id
 
 log = logging.getLogger("hotlora")
 
@@ -72,10 +74,10 @@ def replica_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def wanted_adapters(request: RelayedRequest, registered: frozenset[str]) -> list[str]:
-    """The adapter ids a request names (the `adapter` field, or `model` naming an adapter or
-    `<base>:<spec>`, or the id in an admin path); unparseable input names none, and the app
-    answers it as on one machine."""
+def wanted_adapters(request: RelayedRequest, base_id: str, registered: frozenset[str]) -> list[str]:
+    """The adapter ids a request names (its `model` and `adapter` fields, read as the adapter
+    manager reads them, with `registered` as the mounted ids; or the id in an admin path);
+    input the app refuses names none, and the app answers it as on one machine."""
     path = request.path
     for prefix in paths.BY_ID:
         if path.startswith(prefix) and len(path) > len(prefix):
@@ -93,17 +95,14 @@ def wanted_adapters(request: RelayedRequest, registered: frozenset[str]) -> list
     if path == paths.UNLOAD_LORA_ADAPTER:
         name = body.get("lora_name")
         return [name] if isinstance(name, str) else []
-    ids: list[str] = []
     model = body.get("model")
-    try:
-        ids += [ref.id for ref in parse_adapter_spec(body.get("adapter"))]
-        if isinstance(model, str) and ":" in model:
-            ids += [ref.id for ref in parse_adapter_spec(model.split(":", 1)[1])]
-    except InvalidAdapterSpec:
+    if not isinstance(model, str):
         return []
-    if isinstance(model, str) and model in registered:
-        ids.append(model)
-    return sorted(set(ids))
+    try:
+        refs = parse_selection(base_id, model, parse_adapter_spec(body.get("adapter")), registered)
+    except (InvalidAdapterSpec, InvalidRequest, ModelNotFound):
+        return []
+    return sorted({ref.id for ref in refs})
 
 
 async def _rest(parts: Any) -> AsyncIterator[bytes]:
@@ -131,6 +130,7 @@ class HotloraIngress:
     def __init__(self, replica: Any, settings: dict[str, Any]):
         self._replica = replica
         self._settings = Settings(**settings)
+        self._base_id = base_model_id(self._settings)
         self._registry: RegistryClient | None = None
         self._registered: frozenset[str] = frozenset()
         self._known: Any = None
@@ -139,7 +139,7 @@ class HotloraIngress:
     @ingress_app.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
     async def relay(self, request: Request) -> Response:
         relayed = await RelayedRequest.read(request, self._settings.max_body_bytes)
-        wanted = wanted_adapters(relayed, await self._registered_ids())
+        wanted = wanted_adapters(relayed, self._base_id, await self._registered_ids())
         inference = relayed.method == "POST" and relayed.path in paths.INFERENCE
         # Only inference is routed by adapter set; admin calls and the rest go anywhere.
         key = "+".join(wanted) if inference else ""

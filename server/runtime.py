@@ -43,6 +43,15 @@ def model_dir(settings: Settings, progress: Callable[[str], None] | None = None)
     return ensure_embedded_model(settings.home, progress=progress)
 
 
+def base_model_id(settings: Settings) -> str:
+    """The id the base model is served under: `served_model_name`, else its directory's name."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.model is not None:
+        return settings.model.expanduser().resolve().name
+    return embedded_model_path(settings.home).name
+
+
 class Runtime:
     """Everything built on the loaded base model; `ready` once loaded and warmed."""
 
@@ -120,7 +129,7 @@ class Runtime:
         float32 = self._choose_weights(loaded)
         self._choose_cpu_kernels(loaded, float32)
         self.model_path = path
-        self.base_id = self.settings.served_model_name or path.name
+        self.base_id = base_model_id(self.settings)  # `path`'s name, unless named otherwise
         self.metrics.model_name = self.base_id
         self.adapters = AdapterManager(
             loaded.model,
