@@ -7,7 +7,8 @@ with its `model` field by `parse_selection`; `AdapterManager.select` turns the s
 slots apply while the model runs, or, for a batch, a `RowAdapters` from `RowAdapterCache` that
 applies each row's own set. With a `MountJournal` (the mount record `MountFile`, or a
 cluster's registry) every mount and unmount is recorded before it is made, and a `MountStore`
-mounts the recorded set again when a server starts.
+mounts the recorded set again when a server starts. Listeners the manager is given hear of every
+mount, unmount and eviction (`MountEvent`), whatever made it.
 """
 
 from hotlora.adapters.adapter_errors import (
@@ -20,7 +21,13 @@ from hotlora.adapters.adapter_errors import (
 )
 from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet
 from hotlora.adapters.fuse import fuse_adapter
-from hotlora.adapters.manager import AdapterInfo, AdapterLease, AdapterManager
+from hotlora.adapters.manager import (
+    AdapterInfo,
+    AdapterLease,
+    AdapterManager,
+    MountEvent,
+    MountListener,
+)
 from hotlora.adapters.registry import (
     MountedSet,
     MountFile,
@@ -52,8 +59,10 @@ __all__ = [
     "AdapterSet",
     "InvalidAdapter",
     "InvalidAdapterSpec",
+    "MountEvent",
     "MountFile",
     "MountJournal",
+    "MountListener",
     "MountRecord",
     "MountStore",
     "MountedSet",

@@ -1,7 +1,9 @@
 """The adapter registry: one per app, owning every mounted adapter's arrays.
 
 `select` is the one call a request makes: from its `model` and `adapter` fields to a leased,
-request-owned `AdapterSet`.
+request-owned `AdapterSet`. Every change to what is mounted, whatever asked for it (the admin
+API, start-up, the mount record, the Ray cluster's registry), is told to the manager's listeners
+as a `MountEvent`.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -73,6 +75,18 @@ class AdapterInfo:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class MountEvent:
+    """One change to the mounted set, told to the manager's listeners once it is made."""
+
+    kind: Literal["mounted", "unmounted", "evicted"]  # a replace is "mounted"
+    adapter_id: str
+    revision: str  # what was mounted, or what was unmounted or evicted
+
+
+MountListener = Callable[[MountEvent], None]
+
+
 class AdapterLease:
     """What one request is served with, its adapters counted as in use until `release()`."""
 
@@ -94,7 +108,8 @@ class AdapterManager:
     Construction wraps the base's target projections in `LoRASlot`s once. After that,
     `mount`/`unmount` only change the registry (under a lock), and requests get their own
     immutable `AdapterSet` from `select`, so the worker thread's model calls never see a
-    registry change half-way.
+    registry change half-way. Each change is then told to every listener, in the order
+    the changes were made; a listener must not mount or unmount itself.
     """
 
     def __init__(
@@ -106,6 +121,7 @@ class AdapterManager:
         max_rank: int,
         max_bytes: int = MAX_ADAPTER_BYTES,
         journal: MountJournal | None = None,
+        listeners: Iterable[MountListener] = (),
     ):
         self.base_id = base_id
         self.adapter_root = Path(adapter_root).expanduser().resolve()
@@ -120,6 +136,7 @@ class AdapterManager:
         # Mounts and unmounts one at a time: each is recorded in the journal (the mount record,
         # the cluster registry), which may refuse it, before the registry here changes.
         self._journal = journal
+        self._listeners = tuple(listeners)
         self._admin = threading.Lock()
         self._mounted: dict[str, MountedAdapter] = {}
         # Counted per id, not per revision: a request that started before a `replace` or an
@@ -194,6 +211,7 @@ class AdapterManager:
                 mounted = MountedAdapter(adapter_id, loaded, int(time.time()))
                 self._mounted[adapter_id] = mounted
                 info = self._info(mounted)
+            self._tell(MountEvent("mounted", adapter_id, info.revision))
         if current is not None:
             del current
             mx.clear_cache()
@@ -205,11 +223,15 @@ class AdapterManager:
         )
         return info
 
-    def unmount(self, adapter_id: str, *, record: bool = True) -> AdapterInfo:
+    def unmount(
+        self, adapter_id: str, *, record: bool = True, evicted: bool = False
+    ) -> AdapterInfo:
         """Forget `adapter_id` and free its arrays once no running request holds them.
 
         The slots hold no adapter state, so dropping the registry entry is all it takes; new
         requests naming it get `AdapterNotFound`. The journal records it first, as in `mount`.
+        `evicted`: made to keep within a cap on mounted adapters, not asked for; the listeners
+        hear an "evicted" event instead of "unmounted".
         """
         with self._admin:
             with self._lock:
@@ -220,6 +242,7 @@ class AdapterManager:
             with self._lock:
                 mounted = self._mounted.pop(adapter_id)
                 info = self._info(mounted)
+            self._tell(MountEvent("evicted" if evicted else "unmounted", adapter_id, info.revision))
         del mounted
         mx.clear_cache()
         log.info("unmounted adapter %s", printable(adapter_id))
@@ -260,6 +283,14 @@ class AdapterManager:
             if mounted is None:
                 raise AdapterNotFound(adapter_id, self._mounted)
             return self._info(mounted)
+
+    def _tell(self, event: MountEvent) -> None:
+        """Tell every listener of a change already made; one that fails cannot undo it."""
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - the change stands; the failure is logged
+                log.exception("a listener failed on %s %s", event.kind, printable(event.adapter_id))
 
     def _resolve(self, refs: tuple[AdapterRef, ...]) -> AdapterSet:
         if not refs:

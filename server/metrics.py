@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from hotlora.adapters import MountEvent
     from hotlora.server.runtime import Runtime
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -126,10 +127,19 @@ class Metrics:
             registry=r,
         )
         self.adapter_mounts = Counter(
-            "hotlora_adapter_mounts", "Adapters mounted (a replace counts).", registry=r
+            "hotlora_adapter_mounts",
+            "Adapters mounted, whatever asked for it (a replace counts).",
+            registry=r,
         )
         self.adapter_unmounts = Counter(
-            "hotlora_adapter_unmounts", "Adapters unmounted.", registry=r
+            "hotlora_adapter_unmounts",
+            "Adapters unmounted, whatever asked for it (evictions aside).",
+            registry=r,
+        )
+        self.adapter_evictions = Counter(
+            "hotlora_adapter_evictions",
+            "Adapters a Ray replica unmounted to keep within --max-mounted-adapters.",
+            registry=r,
         )
         self.adapter_refusals = Counter(
             "hotlora_adapter_refusals",
@@ -186,11 +196,14 @@ class Metrics:
         """A decode step ran `batch` sequences (called on the generation thread)."""
         self.batch_size.observe(batch)
 
-    def adapter_mounted(self) -> None:
-        self.adapter_mounts.inc()
-
-    def adapter_unmounted(self) -> None:
-        self.adapter_unmounts.inc()
+    def adapter_changed(self, event: MountEvent) -> None:
+        """The adapter manager's listener: count each mount, unmount and eviction."""
+        counters = {
+            "mounted": self.adapter_mounts,
+            "unmounted": self.adapter_unmounts,
+            "evicted": self.adapter_evictions,
+        }
+        counters[event.kind].inc()
 
     def adapter_refused(self, op: str, reason: str | None) -> None:
         self.adapter_refusals.labels(op, reason or "error").inc()

@@ -297,9 +297,9 @@ class ClusterMounts:
             return
         self._touch([record.id])
 
-    def _unmount(self, manager: AdapterManager, adapter_id: str) -> None:
+    def _unmount(self, manager: AdapterManager, adapter_id: str, *, evicted: bool = False) -> None:
         with contextlib.suppress(AdapterNotFound):  # an admin call got there first
-            manager.unmount(adapter_id, record=False)
+            manager.unmount(adapter_id, record=False, evicted=evicted)
         with self._state:
             self._used.pop(adapter_id, None)
 
@@ -321,7 +321,7 @@ class ClusterMounts:
                 i for i in self._used if i in here and i not in keep and not self._pins[i]
             ]
         for adapter_id in candidates[: max(0, len(here) - self._max)]:
-            self._unmount(manager, adapter_id)
+            self._unmount(manager, adapter_id, evicted=True)
 
     def _touch(self, ids: Iterable[str]) -> None:
         with self._state:

@@ -138,6 +138,7 @@ class Runtime:
             max_rank=self.settings.max_adapter_rank,
             max_bytes=self.settings.max_adapter_bytes,
             journal=self.mount_store,
+            listeners=[self.metrics.adapter_changed],
         )
         if self.mount_store is not None:
             with self._phase("adapter restore"):
@@ -146,7 +147,6 @@ class Runtime:
             with self._phase("adapter mounts"):
                 for adapter_id, adapter_path in self.settings.startup_adapters.items():
                     self.adapters.mount(adapter_id, adapter_path)
-                    self.metrics.adapter_mounted()
         engine = Engine(
             loaded,
             base_id=self.base_id,

@@ -49,9 +49,8 @@ async def _mount(
     except AdapterError as exc:
         metrics.adapter_refused("mount", exc.code)
         raise
+    # The manager tells the metrics of the mount itself, as of every other.
     unchanged = before is not None and before.revision == info.revision
-    if not unchanged:
-        metrics.adapter_mounted()
     return JSONResponse(_card(info), status_code=200 if unchanged else 201)
 
 
@@ -61,7 +60,6 @@ async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -
     except AdapterError as exc:
         metrics.adapter_refused("unmount", exc.code)
         raise
-    metrics.adapter_unmounted()
     return {"id": info.id, "object": "adapter", "deleted": True}
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 
@@ -34,6 +35,14 @@ def listed(client: TestClient) -> dict[str, str]:
     return {card["id"]: card["path"] for card in client.get("/v1/adapters").json()["data"]}
 
 
+def mounts_counted(client: TestClient) -> float:
+    metrics = client.get("/metrics").text
+    [family] = [
+        f for f in text_string_to_metric_families(metrics) if f.name == "hotlora_adapter_mounts"
+    ]
+    return sum(sample.value for sample in family.samples)
+
+
 def stop(client: TestClient) -> None:
     client.__exit__(None, None, None)
 
@@ -53,6 +62,16 @@ def test_a_restarted_server_is_ready_with_the_same_adapters(make_client, root: P
     assert listed(again) == {"a": str(root / "a2")}
     assert text(again, "a") == answers["a"]
     assert again.post("/v1/chat/completions", json={**CHAT, "adapter": "b"}).status_code == 404
+
+
+def test_mounts_made_again_at_start_are_counted(make_client, root: Path):
+    first = make_client(adapter_root=root, persist_mounts=True)
+    for name in ("a", "b"):
+        assert first.post("/v1/adapters", json={"id": name, "path": name}).status_code == 201
+    assert mounts_counted(first) == 2
+    stop(first)
+    again = make_client(adapter_root=root, persist_mounts=True)
+    assert mounts_counted(again) == 2  # made again from the record, before any request
 
 
 def test_changed_files_are_reported_at_start_and_not_mounted(make_client, root: Path, caplog):

@@ -10,9 +10,11 @@ import mlx.core as mx
 import pytest
 
 from hotlora.adapters import (
+    AdapterConflict,
     AdapterLease,
     AdapterManager,
     AdapterNotFound,
+    MountEvent,
     activate,
     parse_adapter_spec,
 )
@@ -159,3 +161,44 @@ def test_in_use_follows_an_id_through_unmount_and_mount(tmp_path: Path):
     assert manager.get("a").in_use == 0
     select(manager, "a").release()
     assert [(info.id, info.in_use) for info in manager.list()] == [("a", 0)]
+
+
+def test_listeners_hear_each_change_once_made_and_nothing_else(tmp_path: Path):
+    for seed, name in enumerate(("a", "a2"), start=1):
+        write_mlx_adapter(tmp_path / name, random_pairs(tiny_model(), seed=seed))
+    heard: list[tuple[str, str, str]] = []
+    seen_mounted: list[list[str]] = []
+
+    def listener(event: MountEvent) -> None:
+        heard.append((event.kind, event.adapter_id, event.revision))
+        seen_mounted.append([info.id for info in manager.list()])
+
+    def failing(event: MountEvent) -> None:
+        raise RuntimeError("a listener that fails")
+
+    manager = AdapterManager(
+        tiny_model(),
+        base_id=BASE_ID,
+        adapter_root=tmp_path,
+        max_rank=64,
+        listeners=[failing, listener],
+    )
+    first = manager.mount("a", "a").revision
+    assert manager.mount("a", "a").revision == first  # the same files: no change, no event
+    with pytest.raises(AdapterConflict):
+        manager.mount("a", "a2")
+    second = manager.mount("a", "a2", replace=True).revision
+    with pytest.raises(AdapterNotFound):
+        manager.unmount("zzz")
+    manager.unmount("a")
+    manager.mount("a", "a")
+    manager.unmount("a", evicted=True)
+    assert heard == [
+        ("mounted", "a", first),
+        ("mounted", "a", second),
+        ("unmounted", "a", second),
+        ("mounted", "a", first),
+        ("evicted", "a", first),
+    ]
+    # Told after the change: the listener already sees it; a failing listener undoes nothing.
+    assert seen_mounted == [["a"], ["a"], [], ["a"], []]

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hotlora.adapters import AdapterConflict, AdapterManager, AdapterNotFound
+from hotlora.server.metrics import Metrics
 
 from tests.support.adapter_builders import BASE_ID, random_pairs, tiny_model, write_mlx_adapter
 
@@ -45,8 +46,14 @@ class Replica:
 
     def __init__(self, root: Path, registry: AdapterRegistry, **options: Any):
         self.mounts = ClusterMounts(InProcess(registry), **options)
+        self.metrics = Metrics()
         self.manager = AdapterManager(
-            tiny_model(), base_id=BASE_ID, adapter_root=root, max_rank=64, journal=self.mounts
+            tiny_model(),
+            base_id=BASE_ID,
+            adapter_root=root,
+            max_rank=64,
+            journal=self.mounts,
+            listeners=[self.metrics.adapter_changed],
         )
         self.mounts.restore(self.manager)
 
@@ -58,6 +65,13 @@ class Replica:
 
     def mounted(self) -> dict[str, str]:
         return {info.id: info.path.rsplit("/", 1)[-1] for info in self.manager.list()}
+
+    def counted(self) -> tuple[float | None, ...]:
+        """The metrics' mounts, unmounts and evictions on this replica."""
+        read = self.metrics.registry.get_sample_value
+        return tuple(
+            read(f"hotlora_adapter_{kind}_total") for kind in ("mounts", "unmounts", "evictions")
+        )
 
 
 @pytest.fixture
@@ -175,6 +189,24 @@ def test_a_capped_replica_keeps_the_most_recently_used(root, registry):
     # An id the registry does not hold is left to the app's 404.
     two.admit("zzz")
     assert set(two.mounted()) == {"b", "c"}
+
+
+def test_every_change_on_a_replica_is_counted_whatever_made_it(root, registry):
+    one = Replica(root, registry)
+    for name in ("a", "b", "c"):
+        one.manager.mount(name, name)
+    two = Replica(root, registry, max_mounted=2)
+    assert two.counted() == (2, 0, 0)  # a and b, mounted from the registry at start
+    two.admit("c")
+    assert two.mounted() == {"b": "b", "c": "c"}
+    assert two.counted() == (3, 0, 1)  # c mounted for the request, a evicted for it
+    one.manager.mount("b", "a2", replace=True)
+    one.manager.unmount("c")
+    two.admit()
+    assert two.mounted() == {"a": "a", "b": "a2"}
+    # c's unmount followed, b's new revision too, and a mounted again in the room c left.
+    assert two.counted() == (5, 1, 1)
+    assert one.counted() == (4, 1, 0)
 
 
 def test_files_changed_since_registered_are_reported_and_dropped(root, registry, caplog):
