@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 
+from hotlora.adapters import MountStore
 from hotlora.config.settings import Settings
 from hotlora.server.cors import install_cors
 from hotlora.server.error_responses import install_error_handlers
@@ -22,12 +23,19 @@ from hotlora.server.runtime import Runtime
 
 
 def create_app(
-    settings: Settings | None = None, *, on_fatal: Callable[[BaseException], None] | None = None
+    settings: Settings | None = None,
+    *,
+    on_fatal: Callable[[BaseException], None] | None = None,
+    mount_store: MountStore | None = None,
 ) -> FastAPI:
-    """Build an app; the model loads in the background once it starts (see GET /ready)."""
+    """Build an app; the model loads in the background once it starts (see GET /ready).
+
+    `mount_store` is where the mounted set is recorded and restored from instead of the mount
+    record of `persist_mounts` (a Ray replica passes its link to the cluster's registry).
+    """
     settings = settings or Settings()
     logging.getLogger("hotlora").setLevel(settings.log_level.upper().replace("TRACE", "DEBUG"))
-    runtime = Runtime(settings, on_fatal=on_fatal)
+    runtime = Runtime(settings, on_fatal=on_fatal, mount_store=mount_store)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -201,9 +201,8 @@ class HotloraReplica:
         # The registry records mounts for every replica; this one keeps no record of its own.
         local = given.model_copy(update={"persist_mounts": False, "startup_adapters": {}})
         failures: list[BaseException] = []
-        self._app = create_app(local, on_fatal=failures.append)
+        self._app = create_app(local, on_fatal=failures.append, mount_store=self._mounts)
         self._runtime = self._app.state.runtime
-        self._runtime.mount_store = self._mounts
         self._lifespan = Lifespan(self._app)
         await self._lifespan.start()
         # Ready (for Serve: constructed) only once loaded, warmed and in step with the registry.

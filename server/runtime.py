@@ -56,7 +56,11 @@ class Runtime:
     """Everything built on the loaded base model; `ready` once loaded and warmed."""
 
     def __init__(
-        self, settings: Settings, *, on_fatal: Callable[[BaseException], None] | None = None
+        self,
+        settings: Settings,
+        *,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        mount_store: MountStore | None = None,
     ):
         self.settings = settings
         self.started_at = int(time.time())
@@ -65,9 +69,11 @@ class Runtime:
         self.base_id: str | None = None
         self.model_path: Path | None = None
         self.adapters: AdapterManager | None = None
-        # Where the mounted set outlives this process: the mount record (--persist-mounts), or
-        # the cluster registry a Ray replica puts here before the app starts.
-        self.mount_store: MountStore | None = mount_file(settings)
+        # Where the mounted set outlives this process: the one given (a Ray replica's link to
+        # the cluster's registry), else the mount record of --persist-mounts.
+        if mount_store is None:
+            mount_store = mount_file(settings)
+        self.mount_store = mount_store
         self.ready = False
         self.status = "starting"
         self.draining = False

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from hotlora.adapters import MountStore
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
 
@@ -27,7 +28,8 @@ def make_client(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., 
     """Build an app on the tiny model with setting overrides; returns a started TestClient.
 
     `ready=False` returns as soon as the app starts (its model loads in the background), and
-    `on_fatal` is the app factory's hook for a start that fails.
+    `on_fatal` is the app factory's hook for a start that fails; `mount_store` its record of
+    mounts in place of `persist_mounts`'s.
     """
     clients: list[TestClient] = []
 
@@ -36,6 +38,7 @@ def make_client(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., 
         raise_server_exceptions: bool = True,
         ready: bool = True,
         on_fatal: Callable[[BaseException], None] | None = None,
+        mount_store: MountStore | None = None,
         **overrides: object,
     ) -> TestClient:
         # An app in this process leaves the test process's PATH and TMPDIR alone.
@@ -46,7 +49,7 @@ def make_client(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., 
             **overrides,
         }
         settings = Settings(home=tmp_path / "home", **fields)
-        app = create_app(settings, on_fatal=on_fatal)
+        app = create_app(settings, on_fatal=on_fatal, mount_store=mount_store)
         client = TestClient(app, raise_server_exceptions=raise_server_exceptions)
         client.__enter__()
         clients.append(client)

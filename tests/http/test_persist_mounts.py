@@ -10,6 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from hotlora.adapters import MountFile
+
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
@@ -86,6 +88,20 @@ def test_changed_files_are_reported_at_start_and_not_mounted(make_client, root: 
     assert listed(again) == {"b": str(root / "b")}
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "recorded adapter a " in warning and "changed since it was recorded" in warning
+
+
+def test_a_store_given_to_the_app_records_and_restores_its_mounts(make_client, root, tmp_path):
+    # As a Ray replica passes its link to the cluster's registry: the app keeps no record of its
+    # own, and the one it is given records each change and brings a new app to the set.
+    elsewhere = tmp_path / "elsewhere" / "mounts.json"
+    first = make_client(adapter_root=root, mount_store=MountFile(elsewhere))
+    assert first.post("/v1/adapters", json={"id": "a", "path": "a"}).status_code == 201
+    stop(first)
+    assert [record.id for record in MountFile(elsewhere).records] == ["a"]
+    assert not (tmp_path / "home" / "mounts.json").exists()
+    again = make_client(adapter_root=root, mount_store=MountFile(elsewhere))
+    assert listed(again) == {"a": str(root / "a")}
+    assert mounts_counted(again) == 1
 
 
 def test_without_the_setting_nothing_is_recorded(make_client, root: Path, tmp_path):
