@@ -210,7 +210,8 @@ class Metrics:
 
 
 class _Gauges(Collector):
-    """The gauges, read from the runtime at scrape time; zeros while nothing is loaded."""
+    """The gauges, read from the runtime's load snapshot at scrape time; zeros while nothing is
+    loaded."""
 
     def __init__(self, runtime: Runtime, metrics: Metrics):
         self.runtime = runtime
@@ -218,19 +219,11 @@ class _Gauges(Collector):
 
     def collect(self) -> Iterator[Metric]:
         runtime, model = self.runtime, self.metrics.model_name
-        worker, adapters = runtime.worker, runtime.adapters
-        running = waiting = kv_usage = 0.0
-        running_adapters: Iterable[str] = ()
-        waiting_adapters: Iterable[str] = ()
-        cache_entries = cache_bytes = cache_usage = 0.0
-        if worker is not None:
-            load = worker.scheduler.load
-            running, waiting = load.running, worker.waiting
-            kv_usage = load.kv_reserved / worker.scheduler.kv_cache_bytes
-            running_adapters, waiting_adapters = load.running_adapters, load.waiting_adapters
-            cache = worker.engine.prompt_cache
-            cache_entries, cache_bytes = len(cache), cache.nbytes
-            cache_usage = cache_bytes / cache.max_bytes if cache.max_bytes else 0.0
+        load, adapters = runtime.load_snapshot(), runtime.adapters
+        running, waiting, kv_usage = load.running, load.waiting, load.kv_usage
+        running_adapters, waiting_adapters = load.running_adapters, load.waiting_adapters
+        cache_entries, cache_bytes = load.prompt_cache_entries, load.prompt_cache_bytes
+        cache_usage = load.prompt_cache_usage
         mounted = len(adapters.list()) if adapters is not None else 0
 
         yield _gauge(

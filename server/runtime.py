@@ -24,6 +24,7 @@ from hotlora.server.engine import (
     Engine,
     GenerationJob,
     GenerationWorker,
+    LoadSnapshot,
     SamplingParams,
     WorkerStopped,
 )
@@ -250,6 +251,10 @@ class Runtime:
             self.inference.close()
         if self.worker is not None:
             await self.worker.stop()
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """What the generation worker holds now; all zeros before it is built."""
+        return self.worker.load_snapshot() if self.worker is not None else LoadSnapshot()
 
     def model_cards(self) -> list[ModelCard]:
         """The base model; adapters follow it with `parent` set to the base id."""

@@ -15,7 +15,13 @@ from hotlora.server.engine.generate import (
 )
 from hotlora.server.engine.sampling import SamplingParams
 from hotlora.server.engine.scheduler import Scheduler
-from hotlora.server.engine.worker import GenerationWorker, QueueFull, Ticket, WorkerStopped
+from hotlora.server.engine.worker import (
+    GenerationWorker,
+    LoadSnapshot,
+    QueueFull,
+    Ticket,
+    WorkerStopped,
+)
 
 __all__ = [
     "Delta",
@@ -24,6 +30,7 @@ __all__ = [
     "Finished",
     "GenerationJob",
     "GenerationWorker",
+    "LoadSnapshot",
     "NonFiniteLogits",
     "QueueFull",
     "SampledToken",

@@ -14,6 +14,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from hotlora.config.errors import HotloraError
 from hotlora.server.engine.generate import Engine, Event, Finished, GenerationJob
@@ -96,6 +97,20 @@ class Ticket:
             self._loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """What the worker holds at one moment, read whole by other threads (the metrics)."""
+
+    running: int = 0  # requests with a row prefilling or decoding
+    waiting: int = 0  # admitted requests none of whose rows has started
+    kv_usage: float = 0.0  # KV cache the batch reserves over its budget (1: all of it)
+    running_adapters: frozenset[str] = frozenset()  # adapter ids of the running requests
+    waiting_adapters: frozenset[str] = frozenset()  # adapter ids of rows not admitted yet
+    prompt_cache_entries: int = 0  # prompt KV caches kept for reuse
+    prompt_cache_bytes: int = 0  # the memory they hold
+    prompt_cache_usage: float = 0.0  # that memory over its budget (1: all of it)
+
+
 class GenerationWorker:
     """Feeds admitted tickets to the scheduler on one dedicated thread."""
 
@@ -124,6 +139,21 @@ class GenerationWorker:
         """Admitted tickets none of whose jobs has started (cancelled ones excluded)."""
         with self._lock:
             return self._waiting
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """The batch as the last step left it, the wait list and the prompt cache now."""
+        load, cache = self.scheduler.load, self.engine.prompt_cache
+        cache_bytes = cache.nbytes
+        return LoadSnapshot(
+            running=load.running,
+            waiting=self.waiting,
+            kv_usage=load.kv_reserved / self.scheduler.kv_cache_bytes,
+            running_adapters=load.running_adapters,
+            waiting_adapters=load.waiting_adapters,
+            prompt_cache_entries=len(cache),
+            prompt_cache_bytes=cache_bytes,
+            prompt_cache_usage=cache_bytes / cache.max_bytes if cache.max_bytes else 0.0,
+        )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="hotlora-gen", daemon=True)

@@ -41,11 +41,13 @@ def test_admission_is_bounded_and_abandoned_tickets_free_their_place(engine: Eng
             await anext(first)  # the worker has taken it: nothing is waiting now
             waiting = worker.submit([job(2)])
             assert worker.waiting == 1
+            assert worker.load_snapshot().waiting == 1  # what the metrics read
             with pytest.raises(QueueFull):
                 worker.submit([job(2)])
             # A client that gives up before its turn leaves the wait list at once.
             worker.abandon(waiting)
             assert worker.waiting == 0
+            assert worker.load_snapshot().waiting == 0
             admitted = worker.submit([job(2), job(3)])
             await first.aclose()  # cancels the long job within one decode step
             async for position, event in worker.events(admitted):
