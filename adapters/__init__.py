@@ -5,7 +5,7 @@ A request's `adapter` field is parsed once (`parse_adapter_spec`, into `AdapterR
 with its `model` field by `parse_selection`; `AdapterManager.select` turns the selection into an
 `AdapterLease` holding the request's own `AdapterSet`; `activate` makes that set the one the LoRA
 slots apply while the model runs, or, for a batch, a `RowAdapters` from `RowAdapterCache` that
-applies each row's own set. With a `MountJournal` (the mount record `MountFile`, or a
+applies each row's own set. With a `MountJournal` (the mount record `MountFile`, or the Ray
 cluster's registry) every mount and unmount is recorded before it is made, and a `MountStore`
 mounts the recorded set again when a server starts. Listeners the manager is given hear of every
 mount, unmount and eviction (`MountEvent`), whatever made it.

@@ -22,7 +22,7 @@ Term = tuple[mx.array, mx.array, float]
 
 @dataclass(frozen=True, eq=False)
 class MountedAdapter:
-    """A validated adapter under its id, as the registry holds it at one point in time."""
+    """A validated adapter under its id, as the adapter manager holds it at one point in time."""
 
     id: str
     adapter: LoadedAdapter

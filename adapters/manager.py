@@ -1,4 +1,4 @@
-"""The adapter registry: one per app, owning every mounted adapter's arrays.
+"""The adapter manager: one per app, owning every mounted adapter's arrays.
 
 `select` is the one call a request makes: from its `model` and `adapter` fields to a leased,
 request-owned `AdapterSet`. Every change to what is mounted, whatever asked for it (the admin
@@ -106,9 +106,9 @@ class AdapterManager:
     """Mounts, unmounts and selects LoRA adapters over one base model that never reloads.
 
     Construction wraps the base's target projections in `LoRASlot`s once. After that,
-    `mount`/`unmount` only change the registry (under a lock), and requests get their own
-    immutable `AdapterSet` from `select`, so the worker thread's model calls never see a
-    registry change half-way. Each change is then told to every listener, in the order
+    `mount`/`unmount` only change the manager's table of mounted adapters (under a lock), and
+    requests get their own immutable `AdapterSet` from `select`, so the worker thread's model
+    calls never see a change half-way. Each change is then told to every listener, in the order
     the changes were made; a listener must not mount or unmount itself.
     """
 
@@ -134,7 +134,7 @@ class AdapterManager:
         self._targets = {path: _target(slot, dtypes.get(path)) for path, slot in slots.items()}
         self._lock = threading.Lock()
         # Mounts and unmounts one at a time: each is recorded in the journal (the mount record,
-        # the cluster registry), which may refuse it, before the registry here changes.
+        # the Ray cluster's registry), which may refuse it, before the table here changes.
         self._journal = journal
         self._listeners = tuple(listeners)
         self._admin = threading.Lock()
@@ -157,7 +157,7 @@ class AdapterManager:
     ) -> AdapterInfo:
         """Validate the adapter at `path` (under the adapter root) and mount it as `adapter_id`.
 
-        All or nothing: any problem raises before the registry changes. The same files under
+        All or nothing: any problem raises before anything changes. The same files under
         the same id return the existing info; other files raise `AdapterConflict` unless
         `replace`, which swaps atomically while running requests keep the old arrays.
         With `revision`, files that no longer hash to it are refused (`AdapterConflict`, code
@@ -228,7 +228,7 @@ class AdapterManager:
     ) -> AdapterInfo:
         """Forget `adapter_id` and free its arrays once no running request holds them.
 
-        The slots hold no adapter state, so dropping the registry entry is all it takes; new
+        The slots hold no adapter state, so dropping the table's entry is all it takes; new
         requests naming it get `AdapterNotFound`. The journal records it first, as in `mount`.
         `evicted`: made to keep within a cap on mounted adapters, not asked for; the listeners
         hear an "evicted" event instead of "unmounted".

@@ -3,8 +3,8 @@
 `MountedSet` holds the set (each id's path, revision and replace history) and applies mounts and
 unmounts with the manager's rules. `MountFile` keeps one on disk under HOTLORA_HOME, rewritten
 atomically on every change, and mounts it again on start-up; an entry whose files changed or
-vanished since is reported and left unmounted. The cluster registry holds the same `MountedSet`
-for many replicas.
+vanished since is reported and left unmounted. The registry of a Ray cluster (the actor in
+`server/ray_registry.py`) holds the same `MountedSet` for many replicas.
 """
 
 from __future__ import annotations

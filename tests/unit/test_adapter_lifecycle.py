@@ -45,7 +45,7 @@ def test_leases_count_requests_per_adapter(mounted):
     _, manager = mounted
     both, only_a = select(manager, "a+b"), select(manager, "a")
     assert {info.id: info.in_use for info in manager.list()} == {"a": 2, "b": 1}
-    manager.unmount("b")  # a running request may lose its adapter from the registry
+    manager.unmount("b")  # a running request may lose its adapter from the manager
     both.release()
     only_a.release()
     assert [(info.id, info.in_use) for info in manager.list()] == [("a", 0)]

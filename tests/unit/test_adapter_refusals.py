@@ -1,4 +1,4 @@
-"""Every refused mount says why and leaves the registry and the model exactly as they were."""
+"""Every refused mount says why and leaves the adapter manager and the model as they were."""
 
 from __future__ import annotations
 
