@@ -15,9 +15,16 @@ from hotlora.server.engine.generate import (
 )
 from hotlora.server.engine.sampling import SamplingParams
 from hotlora.server.engine.scheduler import Scheduler
-from hotlora.server.engine.worker import GenerationWorker, QueueFull, Ticket, WorkerStopped
+from hotlora.server.engine.worker import (
+    ClientNotReading,
+    GenerationWorker,
+    QueueFull,
+    Ticket,
+    WorkerStopped,
+)
 
 __all__ = [
+    "ClientNotReading",
     "Delta",
     "Engine",
     "Event",
