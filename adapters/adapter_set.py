@@ -35,7 +35,11 @@ class MountedAdapter:
 
 @dataclass(frozen=True)
 class AppliedAdapter:
-    """One mounted adapter in a request's set, with the request's weight on it."""
+    """One mounted adapter in a request's set, with the request's weight on it.
+
+    Two entries are equal when they hold the same mount (by identity: a re-mount of the same
+    files is another mount) at the same weight, so a tuple of entries keys what a set builds.
+    """
 
     mounted: MountedAdapter
     weight: float = 1.0

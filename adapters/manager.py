@@ -126,7 +126,7 @@ class AdapterManager:
         # Counted per id, not per revision: a request that started before a `replace` or an
         # unmount still holds that id's arrays, and admins watching `in_use` must see it.
         self._in_use: dict[str, int] = {}
-        self._sets: weakref.WeakValueDictionary[tuple[tuple[int, float], ...], AdapterSet] = (
+        self._sets: weakref.WeakValueDictionary[tuple[AppliedAdapter, ...], AdapterSet] = (
             weakref.WeakValueDictionary()
         )
 
@@ -291,10 +291,10 @@ class AdapterManager:
         # Requests naming the same mounted adapters at the same weights share one set, so a
         # stack is fused once, not once per request. Held weakly: a set lives only as long as
         # a request holds it, and a remounted adapter is a new `MountedAdapter`, so a new set.
-        identity = tuple((id(entry.mounted), entry.weight) for entry in entries)
+        identity = tuple(entries)
         adapters = self._sets.get(identity)
         if adapters is None:
-            adapters = self._sets[identity] = AdapterSet(tuple(entries))
+            adapters = self._sets[identity] = AdapterSet(identity)
         return adapters
 
     def _count(self, adapters: AdapterSet, change: int) -> None:

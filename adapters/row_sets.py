@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from hotlora.adapters.adapter_set import AdapterSet, MountedAdapter
+from hotlora.adapters.adapter_set import AdapterSet, AppliedAdapter, MountedAdapter
 from hotlora.models.batch_matmul import lora_rows, serves_lora, serves_rows
 
 # One slot's layout: each adapter with weights there, and the span of its columns.
@@ -173,13 +173,16 @@ class RowAdapterCache:
     def for_rows(self, rows: Sequence[AdapterSet]) -> AdapterSet | RowAdapters:
         """`rows[b]` is row b's set. One set on every row is applied as is (no mask).
 
-        Sets are told apart by their `key` (ids, revisions and weights): the requests that
-        name the same adapters hold sets of their own that compute the same, and share columns.
+        Sets are told apart by their entries: the mounted adapters themselves (by identity)
+        and their weights. Requests that name the same mounts hold sets of their own that
+        compute the same, and share columns. Ids and revisions are not enough: an adapter
+        unmounted and mounted again from the same files, or replaced away and back, has its
+        old revision under a new mount, and a request started before holds the old one.
         """
-        distinct: dict[tuple[str, ...], AdapterSet] = {}
+        distinct: dict[tuple[AppliedAdapter, ...], AdapterSet] = {}
         for adapters in rows:
             if adapters.entries:
-                distinct.setdefault(adapters.key, adapters)
+                distinct.setdefault(adapters.entries, adapters)
         if not distinct or (len(distinct) == 1 and all(adapters.entries for adapters in rows)):
             self._last = None  # one set for all: nothing of the last batch's is needed
             return rows[0]

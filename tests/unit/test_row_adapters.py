@@ -197,3 +197,44 @@ def test_a_decode_step_through_the_batch_kernel_gets_each_rows_residual(tmp_path
         difference = mx.abs(batched[i : i + 1] - alone).max().item()
         assert difference < 1e-4, f"row {i} ({spec or 'base'}) differs by {difference}"
     assert mx.abs(batched[1] - batched[2]).max().item() > 1e-2
+
+
+@pytest.mark.parametrize("new_first", [False, True])
+def test_a_remount_of_the_same_files_gets_its_own_columns(tmp_path, new_first):
+    """A request started before `a` was unmounted and mounted again from the same files holds
+    the old mount; a new request holds the new one. Both mounts have one revision (one content
+    hash), yet each row of a batch with both must get `a`'s residual."""
+    model, manager = manager_with_a_and_b(tmp_path)
+    old = adapter_set(manager, "a")
+    manager.unmount("a")
+    manager.mount("a", "a")
+    new = adapter_set(manager, "a")
+    assert new.entries[0].mounted is not old.entries[0].mounted
+    assert new.key == old.key  # the same id and revision
+    rows = [new, BASE_ONLY, old] if new_first else [old, BASE_ONLY, new]
+    with activate(RowAdapterCache().for_rows(rows)):
+        batched = logits(model, mx.concatenate([TOKENS] * len(rows)))
+    a_alone = solo_logits(model, old, TOKENS)
+    base_alone = solo_logits(model, BASE_ONLY, TOKENS)
+    for i, adapters in enumerate(rows):
+        alone = base_alone if adapters is BASE_ONLY else a_alone
+        difference = mx.abs(batched[i : i + 1] - alone).max().item()
+        assert difference < 1e-4, f"row {i} differs from its set alone by {difference}"
+
+
+def test_a_replace_away_and_back_gets_its_own_columns(tmp_path):
+    """`a` replaced by `b`'s files and back: the first and last mounts share a revision."""
+    model, manager = manager_with_a_and_b(tmp_path)
+    old = adapter_set(manager, "a")
+    manager.mount("a", "b", replace=True)
+    away = adapter_set(manager, "a")
+    manager.mount("a", "a", replace=True)
+    back = adapter_set(manager, "a")
+    rows = [old, away, back, BASE_ONLY]
+    with activate(RowAdapterCache().for_rows(rows)):
+        batched = logits(model, mx.concatenate([TOKENS] * len(rows)))
+    for i, adapters in enumerate(rows):
+        alone = solo_logits(model, adapters, TOKENS)
+        difference = mx.abs(batched[i : i + 1] - alone).max().item()
+        assert difference < 1e-4, f"row {i} differs from its set alone by {difference}"
+    assert mx.abs(batched[0] - batched[1]).max().item() > 1e-2  # `b`'s files really differ
