@@ -11,8 +11,10 @@ must send each request within `--request-timeout`, and take some of its answer w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -187,6 +189,12 @@ class BoundedH11Protocol(H11Protocol):
     def abort(self) -> None:
         """Cut the connection now, dropping what it has not sent: its client left the app's
         answer unread, or the server is exiting. The app sees the client leave."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # A reset, not a close: a close leaves the kernel holding the unsent megabytes,
+            # and the socket, for as long as the client keeps its window shut.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.transport.abort()
 
     @property

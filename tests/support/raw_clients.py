@@ -59,7 +59,8 @@ def never_reading(port: int, body: dict[str, Any]) -> socket.socket:
 
 def unsent_bytes(server_port: int, sock: socket.socket) -> int | None:
     """Bytes the server's end of `sock`'s connection has queued in the kernel, unread by
-    `sock` (Linux's /proc/net/tcp); None once the connection is gone or without /proc."""
+    `sock` (Linux's /proc/net/tcp); None once the server has closed its end, or without
+    /proc."""
     client_port = sock.getsockname()[1]
     try:
         lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
@@ -71,7 +72,8 @@ def unsent_bytes(server_port: int, sock: socket.socket) -> int | None:
         if int(local.split(":")[1], 16) == server_port and int(remote.split(":")[1], 16) == (
             client_port
         ):
-            return int(fields[4].split(":")[0], 16)
+            established = fields[3] == "01"
+            return int(fields[4].split(":")[0], 16) if established else None
     return None
 
 
