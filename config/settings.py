@@ -136,6 +136,24 @@ class Settings(BaseSettings):
         ge=1,
         description="Seconds an idle connection (or one that has sent nothing yet) stays open.",
     )
+    request_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a client has to send a whole request, headers and body, from its "
+        "first byte; past it the connection is closed (with a 408 once the headers are in).",
+    )
+    send_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a response waits on a client that takes none of it (the socket's "
+        "buffers full); past it the connection is closed.",
+    )
+    max_unsent_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="Generated tokens a request may hold that its client has not taken; past "
+        "it generation stops and the request ends with a `client_not_reading` error.",
+    )
     log_level: str = Field(
         default="info", description="critical, error, warning, info, debug or trace."
     )

@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     began = time.perf_counter()
     from hotlora.server.app import create_app
-    from hotlora.server.lifecycle import DrainingServer, uvicorn_config
+    from hotlora.server.lifecycle import ClientTimeouts, DrainingServer, uvicorn_config
     from hotlora.server.log_format import configure_logging, uvicorn_logging
 
     imported = time.perf_counter() - began
@@ -86,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         limit_concurrency=settings.max_connections,
         timeout_keep_alive=settings.keep_alive_timeout,
+        timeouts=ClientTimeouts(settings.request_timeout, settings.send_timeout),
         **uvicorn_logging(settings),
     )
     runtime = app.state.runtime

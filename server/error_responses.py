@@ -23,8 +23,13 @@ from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
 from hotlora.server.access_log import note_error
-from hotlora.server.engine import NonFiniteLogits, QueueFull, WorkerStopped
-from hotlora.server.request_errors import ClientDisconnected, NotReady, Unauthorized
+from hotlora.server.engine import ClientNotReading, NonFiniteLogits, QueueFull, WorkerStopped
+from hotlora.server.request_errors import (
+    ClientDisconnected,
+    NotReady,
+    RequestTimeout,
+    Unauthorized,
+)
 
 log = logging.getLogger("hotlora")
 
@@ -51,6 +56,8 @@ HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
     AdapterConflict: HttpError(409, "conflict_error"),
     Unauthorized: HttpError(401, "authentication_error", {"WWW-Authenticate": "Bearer"}),
     ClientDisconnected: HttpError(499, "client_closed_request"),
+    RequestTimeout: HttpError(408, "invalid_request_error", {"Connection": "close"}),
+    ClientNotReading: HttpError(408, "invalid_request_error"),
     NotReady: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),
     QueueFull: HttpError(503, _UNAVAILABLE, {"Retry-After": "1"}),
     WorkerStopped: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),

@@ -126,6 +126,12 @@ class Metrics:
             adapter,
             registry=r,
         )
+        self.not_reading = Counter(
+            "hotlora_client_not_reading",
+            "Requests ended because their client took none of --max-unsent-tokens generated "
+            "tokens.",
+            registry=r,
+        )
         self.adapter_mounts = Counter(
             "hotlora_adapter_mounts",
             "Adapters mounted, whatever asked for it (a replace counts).",
@@ -189,6 +195,10 @@ class Metrics:
             self.adapter_requests.labels(adapter_id).inc()
             self.adapter_prompt_tokens.labels(adapter_id).inc(prompt_tokens)
             self.adapter_generation_tokens.labels(adapter_id).inc(generation_tokens)
+
+    def client_not_reading(self) -> None:
+        """A request was ended because its client took none of its latest tokens."""
+        self.not_reading.inc()
 
     # What the scheduler and the adapter admin report.
 

@@ -21,6 +21,12 @@ class ClientDisconnected(HotloraError):
     """The client left before its response was ready; the answer goes nowhere (nginx's 499)."""
 
 
+class RequestTimeout(HotloraError):
+    """The client did not send its whole request in time; the connection is closed after."""
+
+    code = "request_timeout"
+
+
 class Unauthorized(HotloraError):
     """A missing or wrong bearer key."""
 

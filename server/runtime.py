@@ -163,6 +163,7 @@ class Runtime:
         self.worker = GenerationWorker(
             engine,
             max_queue=self.settings.queue_size,
+            max_unsent=self.settings.max_unsent_tokens,
             max_batch=self.settings.max_batch,
             prefill_chunk=self.settings.prefill_chunk,
             kv_cache_bytes=self.settings.kv_cache_bytes,

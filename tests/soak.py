@@ -7,7 +7,20 @@ adapters under a temporary adapter root; `a`, `b` and `c` are mounted at start. 
 - `--clients` (10) clients send chat completions back to back, streamed and not, 8-24 new
   tokens, over a mix of adapter selections (base, `a`, `b`, `c`, `a+b@0.5`, `a@0.7+c`, and the
   `model` field forms); some hang up mid-stream, or before a non-streaming answer;
-- an admin loop replaces `a` and mounts, replaces and unmounts `b` and `c`.
+- an admin loop replaces `a` and mounts, replaces and unmounts `b` and `c`;
+- a remount race: `x` is mounted, then in turn unmounted and mounted again from the same
+  directory, or replaced by other files and back, while a long `x` stream and a long base stream
+  share the batch; after each remount a greedy `x` request must answer exactly what `x` answered
+  alone at the start;
+- stuck clients, one of each, again and again: a stream (`a`, 4 choices, 20 top logprobs) whose
+  client never reads, a request whose body stops halfway, and headers sent a byte every 0.5 s.
+
+The server runs with short client bounds: `--request-timeout` 5 s, `--send-timeout` 5 s and
+`--max-unsent-tokens` 64. A half-sent body must be closed with a 408, and slow headers closed,
+within the request timeout + 5 s of the first byte; a never-reading stream must be cut within
+150 s of its request (its socket's buffers, a few MB, fill; then 64 tokens wait; then 5 s pass:
+about a minute on a busy 2-core machine, so a short soak may end before the first cut), and its
+lease of `a` released.
 
 The queue is kept short (`--queue-size`, 2) so that full-queue refusals happen. Legitimate
 refusals are counted apart: 404 for an adapter unmounted at that moment, 503 with Retry-After
@@ -17,7 +30,8 @@ time, at least 20 s) and at the end.
     python -m tests.soak [--seconds 120] [--clients 10] [--queue-size 2] [--model DIR]
 
 Exits 1 on any failure: another error status (a 500, a 404 for an adapter that stays mounted,
-...), a connection error or timeout, a broken stream, leases still held once traffic stops, a
+...), a connection error or timeout, a broken stream, a remounted adapter answering otherwise,
+a stuck client's connection left open beyond its bound, leases still held once traffic stops, a
 traceback in the server log, or RSS growth after the warm-up beyond the bound below.
 """
 
@@ -35,6 +49,8 @@ import httpx
 
 from tests.support.model_args import add_model_args, resolve_model
 from tests.support.server_process import ServerProcess, hotlora_spec
+from tests.support.soak_remount import remount_loop
+from tests.support.soak_stuck import half_body_client, never_reading_client, slow_headers_client
 from tests.support.soak_traffic import Tally, Traffic, churn_loop, client_loop
 
 DEFAULT_SECONDS = 120.0
@@ -50,6 +66,10 @@ TRACE_POINTS = 10  # RSS readings over the soak besides the warm-up's, one every
 # +90 MB in two minutes on a 2-core machine, +150 to +210 MB in eight.
 RSS_GROWTH_SHARE = 0.15
 RSS_GROWTH_MB = 150.0
+# And the never-reading stream's own cost: its 4 choices decode until its socket's buffers fill
+# (some 1,000 tokens), beside the rest of the batch, and the memory peak they make stays in
+# MLX's buffer cache. Measured: +250 MB with it over two minutes, +125 MB without.
+RSS_STUCK_STREAM_MB = 150.0
 RANK = 8
 ADAPTER_SCALE = 0.05  # random A, B have std 0.2; this keeps each residual small
 ADAPTER_DIRS = [f"soak-r{RANK}-{i}" for i in range(1, 5)]
@@ -57,6 +77,10 @@ STARTUP_MOUNTS = {"a": ADAPTER_DIRS[0], "b": ADAPTER_DIRS[1], "c": ADAPTER_DIRS[
 CHURN_SEED = 1000  # the clients' seeds are 0, 1, ...
 REQUEST_TIMEOUT_S = 120.0  # a request slower than this counts as a hang
 LEASE_GRACE_S = 15.0  # after traffic stops, for in-flight cancellations to release adapters
+# The server's client bounds, short so that stuck clients are closed many times over.
+CLIENT_TIMEOUT_S = 5.0  # --request-timeout and --send-timeout
+MAX_UNSENT_TOKENS = 64
+NEVER_READ_CUT_S = 150.0  # from a never-reading stream's request to its connection cut
 
 
 def write_adapters(model_dir: Path, root: Path) -> None:
@@ -87,7 +111,7 @@ def rss_mb(pid: int, key: str = "VmRSS") -> float:
 
 
 def rss_bound_mb(warm_mb: float) -> float:
-    return max(RSS_GROWTH_SHARE * warm_mb, RSS_GROWTH_MB)
+    return max(RSS_GROWTH_SHARE * warm_mb, RSS_GROWTH_MB) + RSS_STUCK_STREAM_MB
 
 
 def leases_released(url: str) -> list[str]:
@@ -146,14 +170,23 @@ def watch(
     return readings
 
 
-def start_traffic(traffic: Traffic, clients: int) -> list[threading.Thread]:
-    """The client threads and the churn thread, started."""
+def start_traffic(traffic: Traffic, clients: int, port: int) -> list[threading.Thread]:
+    """The client threads, the churn thread, the remount race and the stuck clients, started."""
     workers = [
         threading.Thread(target=client_loop, args=(traffic, i), name=f"client-{i}")
         for i in range(clients)
     ]
     churn_args = (traffic, ADAPTER_DIRS, dict(STARTUP_MOUNTS), CHURN_SEED)
     workers.append(threading.Thread(target=churn_loop, args=churn_args, name="churn"))
+    remount_args = (traffic, ADAPTER_DIRS[3], ADAPTER_DIRS[0])
+    workers.append(threading.Thread(target=remount_loop, args=remount_args, name="remount"))
+    for name, target, bound in (
+        ("half-body", half_body_client, CLIENT_TIMEOUT_S),
+        ("slow-headers", slow_headers_client, CLIENT_TIMEOUT_S),
+    ):
+        workers.append(threading.Thread(target=target, args=(traffic, port, bound), name=name))
+    never_args = (traffic, port, NEVER_READ_CUT_S, "a")
+    workers.append(threading.Thread(target=never_reading_client, args=never_args, name="never"))
     for worker in workers:
         worker.start()
     return workers
@@ -186,8 +219,20 @@ def final_checks(server: ServerProcess, workers: list[threading.Thread]) -> tupl
 def run(args: argparse.Namespace, model_dir: Path, root: Path, log_dir: Path) -> int:
     write_adapters(model_dir, root)
     mounts = [f"--adapter={i}={d}" for i, d in STARTUP_MOUNTS.items()]
+    bounds = [
+        f"--request-timeout={CLIENT_TIMEOUT_S:g}",
+        f"--send-timeout={CLIENT_TIMEOUT_S:g}",
+        f"--max-unsent-tokens={MAX_UNSENT_TOKENS}",
+    ]
     spec = hotlora_spec(
-        "--model", str(model_dir), "--adapter-root", str(root), *mounts, "--log-level", "warning"
+        "--model",
+        str(model_dir),
+        "--adapter-root",
+        str(root),
+        *mounts,
+        *bounds,
+        "--log-level",
+        "warning",
     )
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -203,7 +248,7 @@ def run(args: argparse.Namespace, model_dir: Path, root: Path, log_dir: Path) ->
         tally = Tally()
         traffic = Traffic(server.url, server.model_id, threading.Event(), tally, REQUEST_TIMEOUT_S)
         started = time.monotonic()
-        workers = start_traffic(traffic, args.clients)
+        workers = start_traffic(traffic, args.clients, server.port)
         warmup_s = warmup_seconds(args.seconds)
         tenths = {args.seconds * k / TRACE_POINTS for k in range(1, TRACE_POINTS + 1)}
         offsets = sorted(tenths | {warmup_s})
@@ -242,6 +287,11 @@ def report(
     print(f"disconnects done: {tally.disconnects.total()} ({hang_ups})")
     admin = ", ".join(f"{op} {tally.admin[op]}" for op in ("mount", "replace", "unmount"))
     print(f"adapter churn: {admin} (an adapter holds {adapter_mb:.1f} MB of RAM)")
+    for kind, seconds in sorted(tally.closes.items()):
+        print(
+            f"stuck clients closed by the server: {kind} {len(seconds)} times, after "
+            f"{min(seconds):.1f}-{max(seconds):.1f}s"
+        )
     failures = ", ".join(f"{k}: {n}" for k, n in sorted(tally.failures.items())) or "none"
     print(f"failures: {failures}")
     for example in tally.examples:
@@ -254,7 +304,8 @@ def report(
     )
     print(
         f"RSS growth after warm-up: {growth:+.0f} MB ({growth / warm:+.1%}); bound "
-        f"{bound:.0f} MB (the larger of {RSS_GROWTH_SHARE:.0%} and {RSS_GROWTH_MB:.0f} MB)"
+        f"{bound:.0f} MB (the larger of {RSS_GROWTH_SHARE:.0%} and {RSS_GROWTH_MB:.0f} MB, "
+        f"+ {RSS_STUCK_STREAM_MB:.0f} MB for the never-reading stream)"
     )
     problems = [f"{n} x {kind}" for kind, n in sorted(tally.failures.items())]
     if served == 0:

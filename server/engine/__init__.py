@@ -16,6 +16,7 @@ from hotlora.server.engine.generate import (
 from hotlora.server.engine.sampling import SamplingParams
 from hotlora.server.engine.scheduler import Scheduler
 from hotlora.server.engine.worker import (
+    ClientNotReading,
     GenerationWorker,
     LoadSnapshot,
     QueueFull,
@@ -24,6 +25,7 @@ from hotlora.server.engine.worker import (
 )
 
 __all__ = [
+    "ClientNotReading",
     "Delta",
     "Engine",
     "Event",

@@ -2,7 +2,9 @@
 
 The event loop never runs MLX code. A request is admitted (or refused with `QueueFull`) before
 any response starts, as one ticket holding all of its jobs; the thread moves tickets into the
-scheduler, steps it, and each ticket's events come back through its own asyncio queue.
+scheduler, steps it, and each ticket's events come back through its own asyncio queue. That
+queue is bounded (`max_unsent`): a reader that stops taking events (a client that reads nothing)
+ends its request with `ClientNotReading` rather than let the events pile up.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ class QueueFull(HotloraError):
     code = "queue_full"
 
 
+class ClientNotReading(HotloraError):
+    """A request's reader left `max_unsent` of its tokens untaken: its generation was stopped."""
+
+    code = "client_not_reading"
+
+
 class WorkerStopped(HotloraError):
     """The worker stopped before the request finished (the server is shutting down)."""
 
@@ -46,10 +54,12 @@ class WorkerStopped(HotloraError):
 class Ticket:
     """One admitted request: its jobs and the events they produce, in order per job."""
 
-    def __init__(self, worker: GenerationWorker, jobs: Sequence[GenerationJob]):
+    def __init__(self, worker: GenerationWorker, jobs: Sequence[GenerationJob], max_unsent: int):
         self.jobs = list(jobs)
         self.events: asyncio.Queue[object] = asyncio.Queue()
         self.state = _State.WAITING
+        self.max_unsent = max_unsent  # events the queue may hold before the request is ended
+        self.overflowed = False  # ended with `ClientNotReading`
         self._worker = worker
         self._loop = asyncio.get_running_loop()
         self._closed: set[int] = set()  # jobs whose last event was sent
@@ -94,7 +104,28 @@ class Ticket:
     def _put(self, item: object) -> None:
         # A closed loop (the server has stopped) has nobody left to read the event.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.events.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._deliver, item)
+
+    # The event loop's side.
+
+    def _deliver(self, item: object) -> None:
+        if self.overflowed:
+            return
+        if isinstance(item, tuple) and self.events.qsize() >= self.max_unsent:
+            # Nobody takes the events: stop the jobs (they leave the batch within one step),
+            # drop what they made, and leave the reader the error alone.
+            self.overflowed = True
+            self.cancel()
+            while not self.events.empty():
+                self.events.get_nowait()
+            self.events.put_nowait(
+                ClientNotReading(
+                    f"The client took none of the last {self.max_unsent} generated tokens; "
+                    "generation was stopped."
+                )
+            )
+            return
+        self.events.put_nowait(item)
 
 
 @dataclass(frozen=True)
@@ -119,12 +150,14 @@ class GenerationWorker:
         engine: Engine,
         *,
         max_queue: int = 64,
+        max_unsent: int = 1024,
         max_batch: int = 8,
         prefill_chunk: int = 512,
         kv_cache_bytes: int = 2 << 30,
     ):
         self.engine = engine
         self.max_queue = max_queue
+        self.max_unsent = max_unsent
         self.scheduler = Scheduler(
             engine, max_batch=max_batch, prefill_chunk=prefill_chunk, kv_cache_bytes=kv_cache_bytes
         )
@@ -176,7 +209,7 @@ class GenerationWorker:
                     f"The server is busy: {self._waiting} requests are already waiting. "
                     "Retry shortly."
                 )
-            ticket = Ticket(self, jobs)
+            ticket = Ticket(self, jobs, self.max_unsent)
             self._waiting += 1
             self._inbox.append(ticket)
             self._lock.notify()

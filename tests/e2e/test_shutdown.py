@@ -15,6 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.raw_clients import (
+    half_body,
+    half_headers,
+    long_stream,
+    never_reading,
+    wait_stalled,
+)
 from tests.support.server_process import ServerProcess, hotlora_spec
 
 pytestmark = pytest.mark.e2e
@@ -120,6 +127,38 @@ def test_at_the_drain_deadline_requests_end_with_an_error(embedded_model_dir: Pa
     assert json.loads(running.stream_events[-2])["error"]["code"] == "shutting_down"
     assert running.plain is not None and running.plain.status_code == 503
     assert running.plain.json()["error"]["code"] == "shutting_down"
+
+
+def test_the_drain_timeout_holds_whatever_the_clients_do(embedded_model_dir: Path):
+    # The client timeouts are longer than the whole test: only the drain may end these.
+    server = start(
+        embedded_model_dir,
+        "--drain-timeout",
+        "2",
+        "--request-timeout",
+        "300",
+        "--send-timeout",
+        "300",
+        "--max-unsent-tokens",
+        "100000",
+    )
+    clients: list[socket.socket] = []
+    try:
+        stream = never_reading(server.port, long_stream(server.model_id))
+        clients = [stream, half_body(server.port), half_headers(server.port)]
+        assert wait_stalled(server.port, stream, within=120), "the stream never filled its buffers"
+        assert server.proc is not None
+        began = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        # The drain timeout, the ended requests' last writes (5 s), and a margin.
+        assert server.proc.wait(timeout=2 + 5 + 10) == 0
+        took = time.monotonic() - began
+    finally:
+        server.stop()
+        for sock in clients:
+            sock.close()
+    assert took < 2 + 5 + 10
+    assert "Traceback" not in server.log(200)
 
 
 @pytest.fixture(scope="module")

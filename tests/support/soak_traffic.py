@@ -68,12 +68,18 @@ class Tally:
     disconnects: Counter[str] = field(default_factory=Counter)
     admin: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
+    closes: dict[str, list[float]] = field(default_factory=dict)  # stuck client -> seconds
     examples: list[str] = field(default_factory=list)  # the first few failures, in full
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, counter: Counter[Any], key: object) -> None:
         with self.lock:
             counter[key] += 1
+
+    def closed(self, kind: str, seconds: float) -> None:
+        """The server closed a stuck client's connection `seconds` after it began."""
+        with self.lock:
+            self.closes.setdefault(kind, []).append(seconds)
 
     def fail(self, kind: str, detail: str) -> None:
         with self.lock:

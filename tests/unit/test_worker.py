@@ -9,6 +9,7 @@ import pytest
 
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import (
+    ClientNotReading,
     Delta,
     Engine,
     Finished,
@@ -122,3 +123,30 @@ def test_stopping_fails_requests_in_flight_and_refuses_new_ones(engine: Engine):
         return error
 
     assert isinstance(asyncio.run(scenario()), WorkerStopped)
+
+
+def test_a_reader_that_takes_nothing_ends_its_request_at_the_bound(engine: Engine):
+    async def scenario() -> tuple[list[object], bool]:
+        worker = GenerationWorker(engine, max_unsent=8)
+        worker.start()
+        try:
+            ticket = worker.submit([job(500), job(500)])
+            # Nobody reads while the jobs would make 1000 events.
+            while not ticket.overflowed:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # what the cancelled jobs still send is dropped
+            queued = []
+            while not ticket.events.empty():
+                queued.append(ticket.events.get_nowait())
+            deadline = asyncio.get_running_loop().time() + 30
+            while not worker.scheduler.idle:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
+            return queued, all(j.cancelled.is_set() for j in ticket.jobs)
+        finally:
+            await worker.stop()
+
+    queued, cancelled = asyncio.run(scenario())
+    assert len(queued) == 1 and isinstance(queued[0], ClientNotReading)
+    assert queued[0].code == "client_not_reading"
+    assert cancelled
