@@ -28,7 +28,7 @@ from hotlora.adapters.manager import (
     MountEvent,
     MountListener,
 )
-from hotlora.adapters.registry import (
+from hotlora.adapters.mount_journal import (
     MountedSet,
     MountFile,
     MountJournal,

@@ -45,7 +45,7 @@ from hotlora.adapters.spec import (
 from hotlora.config.log_text import printable
 
 if TYPE_CHECKING:
-    from hotlora.adapters.registry import MountJournal
+    from hotlora.adapters.mount_journal import MountJournal
 
 log = logging.getLogger("hotlora.adapters")
 

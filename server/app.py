@@ -11,12 +11,12 @@ from fastapi import FastAPI
 
 from hotlora.adapters import MountStore
 from hotlora.config.settings import Settings
-from hotlora.server.cors import install_cors
-from hotlora.server.error_responses import install_error_handlers
-from hotlora.server.lifecycle import InFlight
-from hotlora.server.limits import BodyLimit
-from hotlora.server.openapi import install_openapi
-from hotlora.server.request_ids import RequestIds
+from hotlora.server.http.cors import install_cors
+from hotlora.server.http.error_responses import install_error_handlers
+from hotlora.server.http.lifecycle import InFlight
+from hotlora.server.http.limits import BodyLimit
+from hotlora.server.http.openapi import install_openapi
+from hotlora.server.http.request_ids import RequestIds
 from hotlora.server.routes import adapters, completions, health, metrics, models, responses_api
 from hotlora.server.routes.page import install_page
 from hotlora.server.runtime import Runtime

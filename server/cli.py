@@ -58,8 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     began = time.perf_counter()
     from hotlora.server.app import create_app
-    from hotlora.server.lifecycle import ClientTimeouts, DrainingServer, uvicorn_config
-    from hotlora.server.log_format import configure_logging, uvicorn_logging
+    from hotlora.server.http.lifecycle import ClientTimeouts, DrainingServer, uvicorn_config
+    from hotlora.server.telemetry.log_format import configure_logging, uvicorn_logging
 
     imported = time.perf_counter() - began
     configure_logging(settings)
@@ -99,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_on_ray(settings: Settings) -> int:
     try:
-        from hotlora.server.ray_app import serve_on_ray
+        from hotlora.server.ray.serve_app import serve_on_ray
     except ImportError as exc:
         print(f"hotlora serve: --ray needs the `ray` extra ({exc})", file=sys.stderr)
         return 2

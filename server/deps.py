@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from hotlora.server.metrics import Metrics
 from hotlora.server.runtime import Runtime
 from hotlora.server.serving import InferenceService
+from hotlora.server.telemetry.prometheus import Metrics
 
 
 def get_runtime(request: Request) -> Runtime:

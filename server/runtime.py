@@ -19,7 +19,7 @@ from hotlora.models.cpu_kernels import enable_vector_jit, install_cpu_attention
 from hotlora.models.cpu_weights import choose_cpu_weights, has_gpu, to_float32
 from hotlora.models.embedded import embedded_model_path, ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
-from hotlora.server.admin_protocol import ModelCard
+from hotlora.server.api.admin_models import ModelCard
 from hotlora.server.engine import (
     Engine,
     GenerationJob,
@@ -28,9 +28,9 @@ from hotlora.server.engine import (
     SamplingParams,
     WorkerStopped,
 )
-from hotlora.server.metrics import Metrics
-from hotlora.server.request_errors import NotReady
+from hotlora.server.http.request_errors import NotReady
 from hotlora.server.serving import InferenceService
+from hotlora.server.telemetry.prometheus import Metrics
 
 log = logging.getLogger("hotlora")
 

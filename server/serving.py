@@ -20,6 +20,12 @@ from jinja2 import TemplateError
 from hotlora.adapters import AdapterLease, AdapterManager
 from hotlora.config.errors import InvalidRequest
 from hotlora.config.settings import Settings
+from hotlora.server.api.completion_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from hotlora.server.api.tool_calls import ToolCalls, ToolFormat, template_message
 from hotlora.server.engine import (
     Delta,
     Finished,
@@ -30,11 +36,9 @@ from hotlora.server.engine import (
     Ticket,
 )
 from hotlora.server.engine.grammar import Grammar
-from hotlora.server.metrics import Metrics
-from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from hotlora.server.request_errors import ContextOverflow
-from hotlora.server.request_stats import RequestStats, UsageTally
-from hotlora.server.tool_calls import ToolCalls, ToolFormat, template_message
+from hotlora.server.http.request_errors import ContextOverflow
+from hotlora.server.telemetry.prometheus import Metrics
+from hotlora.server.telemetry.request_stats import RequestStats, UsageTally
 
 log = logging.getLogger("hotlora")
 _TOKEN_ID = re.compile(r"-?[0-9]+")

@@ -9,17 +9,17 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from hotlora.adapters import AdapterError, AdapterInfo, AdapterManager, AdapterNotFound
-from hotlora.server.admin_protocol import (
+from hotlora.server.api.admin_models import (
     AdapterCard,
     AdapterList,
     LoadLoraAdapterRequest,
     MountAdapterRequest,
     UnloadLoraAdapterRequest,
 )
-from hotlora.server.auth import AdminRoute
 from hotlora.server.deps import MetricsDep, RuntimeDep
-from hotlora.server.metrics import Metrics
+from hotlora.server.http.auth import AdminRoute
 from hotlora.server.routes import paths
+from hotlora.server.telemetry.prometheus import Metrics
 
 router = APIRouter(tags=["adapters"], route_class=AdminRoute)
 

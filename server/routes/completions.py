@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from hotlora.server import responses
-from hotlora.server.auth import InferenceRoute
-from hotlora.server.completion_objects import ChatCompletionResponse, CompletionResponse
+from hotlora.server.api.completion_answers import ChatCompletionResponse, CompletionResponse
+from hotlora.server.api.completion_requests import ChatCompletionRequest, CompletionRequest
 from hotlora.server.deps import InferenceDep
-from hotlora.server.disconnects import until_disconnect
-from hotlora.server.protocol import ChatCompletionRequest, CompletionRequest
+from hotlora.server.http.auth import InferenceRoute
+from hotlora.server.http.disconnects import until_disconnect
+from hotlora.server.render import completion_output as responses
 from hotlora.server.routes import paths
 
 router = APIRouter(tags=["inference"], route_class=InferenceRoute)

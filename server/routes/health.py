@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse
 
 from hotlora.server.deps import RuntimeDep
 from hotlora.server.engine import WorkerStopped
-from hotlora.server.error_responses import error_response
-from hotlora.server.request_errors import NotReady
+from hotlora.server.http.error_responses import error_response
+from hotlora.server.http.request_errors import NotReady
 
 router = APIRouter(tags=["health"])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from hotlora.server.deps import MetricsDep
-from hotlora.server.metrics import CONTENT_TYPE
+from hotlora.server.telemetry.prometheus import CONTENT_TYPE
 
 router = APIRouter(tags=["metrics"])
 

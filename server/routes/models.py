@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from hotlora.server.admin_protocol import ModelCard, ModelList
-from hotlora.server.auth import InferenceRoute
+from hotlora.server.api.admin_models import ModelCard, ModelList
 from hotlora.server.deps import RuntimeDep
+from hotlora.server.http.auth import InferenceRoute
 from hotlora.server.routes import paths
 
 router = APIRouter(tags=["models"], route_class=InferenceRoute)

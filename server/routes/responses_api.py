@@ -7,12 +7,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from hotlora.server import responses_render as render
-from hotlora.server.auth import InferenceRoute
+from hotlora.server.api.responses_objects import ResponseObject
+from hotlora.server.api.responses_request import ResponsesRequest, responses_params
 from hotlora.server.deps import InferenceDep
-from hotlora.server.disconnects import until_disconnect
-from hotlora.server.responses_objects import ResponseObject
-from hotlora.server.responses_protocol import ResponsesRequest, responses_params
+from hotlora.server.http.auth import InferenceRoute
+from hotlora.server.http.disconnects import until_disconnect
+from hotlora.server.render import responses_output as render
 from hotlora.server.routes import paths
 
 router = APIRouter(tags=["inference"], route_class=InferenceRoute)

@@ -23,7 +23,7 @@ from tests.support.server_process import free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
-ray_app = pytest.importorskip("hotlora.server.ray_app")
+ray_app = pytest.importorskip("hotlora.server.ray.serve_app")
 
 pytestmark = pytest.mark.e2e
 

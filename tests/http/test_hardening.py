@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from hotlora.server.engine import NonFiniteLogits
-from hotlora.server.error_responses import install_error_handlers
+from hotlora.server.http.error_responses import install_error_handlers
 
 from tests.support.sse import sse_events
 from tests.support.tiny import ENDOFTEXT_ID, IM_START_ID

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from hotlora.server.log_format import TEXT_FORMAT, JsonFormatter
+from hotlora.server.telemetry.log_format import TEXT_FORMAT, JsonFormatter
 
 from tests.http.conftest import wait_ready
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter

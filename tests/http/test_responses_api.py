@@ -15,8 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hotlora.config.errors import InvalidRequest
+from hotlora.server.api.responses_request import TextFormat, responses_params
 from hotlora.server.engine import Delta, Finished
-from hotlora.server.responses_protocol import TextFormat, responses_params
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from hotlora.server.tool_calls import ToolCalls, ToolFormat
+from hotlora.server.api.tool_calls import ToolCalls, ToolFormat
 
 from tests.support.tiny import EOS_TOKEN_ID, TOOL_CHAT_TEMPLATE, write_tiny_llama
 

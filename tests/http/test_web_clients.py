@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
 from hotlora.server.engine import SamplingParams
-from hotlora.server.request_ids import current_request_id
+from hotlora.server.http.request_ids import current_request_id
 from hotlora.server.serving import InferenceService
 
 from tests.http.conftest import wait_ready

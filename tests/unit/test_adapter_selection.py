@@ -145,8 +145,8 @@ def test_the_manager_selects_by_the_rule(manager: AdapterManager, model, field, 
 @pytest.mark.parametrize(("model", "field", "expected"), RULE, ids=RULE_IDS)
 def test_the_ray_ingress_routes_by_the_rule(model, field, expected):
     pytest.importorskip("ray")
-    from hotlora.server.asgi_relay import RelayedRequest
-    from hotlora.server.ray_app import wanted_adapters
+    from hotlora.server.ray.relay import RelayedRequest
+    from hotlora.server.ray.serve_app import wanted_adapters
 
     body = json.dumps({"model": model, "adapter": field, "messages": []}).encode()
     request = RelayedRequest("POST", "/v1/chat/completions", b"", b"", [], body)

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from hotlora.adapters import AdapterConflict, AdapterManager, AdapterNotFound
-from hotlora.server.metrics import Metrics
+from hotlora.server.telemetry.prometheus import Metrics
 
 from tests.support.adapter_builders import BASE_ID, random_pairs, tiny_model, write_mlx_adapter
 
 pytest.importorskip("ray")
-from hotlora.server.ray_registry import (  # noqa: E402 - only with the `ray` extra
+from hotlora.server.ray.cluster_registry import (  # noqa: E402 - only with the `ray` extra
     AdapterRegistry,
     ClusterMounts,
     RegistryClient,

@@ -15,8 +15,8 @@ from hotlora.adapters import (
 )
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
 from hotlora.server.engine import QueueFull
-from hotlora.server.error_responses import error_response
-from hotlora.server.request_errors import (
+from hotlora.server.http.error_responses import error_response
+from hotlora.server.http.request_errors import (
     ClientDisconnected,
     ContextOverflow,
     NotReady,

@@ -19,8 +19,8 @@ from hotlora.adapters import (
     MountedSet,
     MountFile,
 )
-from hotlora.adapters.registry import HISTORY_LIMIT, read_mounted_set
-from hotlora.server.ray_registry import AdapterRegistry
+from hotlora.adapters.mount_journal import HISTORY_LIMIT, read_mounted_set
+from hotlora.server.ray.cluster_registry import AdapterRegistry
 
 from tests.support.adapter_builders import (
     BASE_ID,
@@ -175,7 +175,7 @@ def test_a_record_that_cannot_be_written_refuses_the_change(root, record_path, m
     def full(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("hotlora.adapters.registry.os.replace", full)
+    monkeypatch.setattr("hotlora.adapters.mount_journal.os.replace", full)
     with pytest.raises(OSError):
         manager.mount("b", "b")
     with pytest.raises(OSError):
@@ -190,7 +190,7 @@ def test_a_record_that_cannot_be_written_refuses_the_change(root, record_path, m
 KILLED_MID_WRITE = """
 import os, signal, sys
 from hotlora.adapters import MountFile
-from hotlora.adapters import registry
+from hotlora.adapters import mount_journal as registry
 
 def killed(src, dst):
     os.kill(os.getpid(), signal.SIGKILL)

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, StrictBool
 
 from hotlora.adapters import ADAPTER_ID_SCHEMA
-from hotlora.server.protocol import RequestBody
+from hotlora.server.api.completion_requests import RequestBody
 
 
 class ModelCard(BaseModel):

@@ -22,14 +22,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
-from hotlora.server.access_log import note_error
 from hotlora.server.engine import ClientNotReading, NonFiniteLogits, QueueFull, WorkerStopped
-from hotlora.server.request_errors import (
+from hotlora.server.http.request_errors import (
     ClientDisconnected,
     NotReady,
     RequestTimeout,
     Unauthorized,
 )
+from hotlora.server.telemetry.access_log import note_error
 
 log = logging.getLogger("hotlora")
 

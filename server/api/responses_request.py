@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from hotlora.config.errors import HotloraError, InvalidRequest
-from hotlora.server.protocol import (
+from hotlora.server.api.completion_requests import (
     AdapterSpec,
     ChatCompletionRequest,
     OpenAIBase,

@@ -9,7 +9,7 @@ from contextvars import ContextVar
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotlora.server.access_log import close_record, log_request, open_record
+from hotlora.server.telemetry.access_log import close_record, log_request, open_record
 
 HEADER = "x-request-id"
 # Printable ASCII without spaces: the id goes unquoted into headers and log lines.

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterable
 
-from hotlora.server import completion_objects as p
+from hotlora.server.api import completion_answers as p
+from hotlora.server.api.tool_calls import ToolCallStream
 from hotlora.server.engine import Delta, SampledToken
-from hotlora.server.error_responses import error_response
+from hotlora.server.http.error_responses import error_response
 from hotlora.server.serving import (
     Choice,
     InferenceService,
@@ -16,7 +17,6 @@ from hotlora.server.serving import (
     Submitted,
     UsageTally,
 )
-from hotlora.server.tool_calls import ToolCallStream
 
 DONE = "[DONE]"
 

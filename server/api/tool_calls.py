@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotlora.config.log_text import printable
-from hotlora.server.completion_objects import OutputFunctionCall, OutputToolCall
-from hotlora.server.protocol import ChatMessage
+from hotlora.server.api.completion_answers import OutputFunctionCall, OutputToolCall
+from hotlora.server.api.completion_requests import ChatMessage
 
 log = logging.getLogger("hotlora")
 

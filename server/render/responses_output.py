@@ -13,10 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypedDict
 
-from hotlora.server.completion_objects import now
-from hotlora.server.engine import Delta
-from hotlora.server.error_responses import error_response
-from hotlora.server.responses_objects import (
+from hotlora.server.api.completion_answers import now
+from hotlora.server.api.responses_objects import (
     ContentPartEvent,
     ErrorEvent,
     IncompleteDetails,
@@ -34,7 +32,9 @@ from hotlora.server.responses_objects import (
     message_id,
     response_id,
 )
-from hotlora.server.responses_protocol import ResponsesRequest
+from hotlora.server.api.responses_request import ResponsesRequest
+from hotlora.server.engine import Delta
+from hotlora.server.http.error_responses import error_response
 from hotlora.server.serving import InferenceService, Outcome, Prepared, Submitted, UsageTally
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]

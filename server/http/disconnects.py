@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from hotlora.server.request_errors import ClientDisconnected
+from hotlora.server.http.request_errors import ClientDisconnected
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from hotlora.server.completion_objects import (
+from hotlora.server.api.completion_answers import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,

@@ -27,8 +27,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from hotlora.server.error_responses import error_response
-from hotlora.server.request_errors import RequestTimeout
+from hotlora.server.http.error_responses import error_response
+from hotlora.server.http.request_errors import RequestTimeout
 from hotlora.server.runtime import Runtime
 
 log = logging.getLogger("hotlora")

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from hotlora.server.request_ids import HEADER as REQUEST_ID_HEADER
+from hotlora.server.http.request_ids import HEADER as REQUEST_ID_HEADER
 
 ANY_PORT = ":*"
 

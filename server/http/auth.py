@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from hotlora.server.request_errors import Unauthorized
+from hotlora.server.http.request_errors import Unauthorized
 from hotlora.server.runtime import Runtime
 
 

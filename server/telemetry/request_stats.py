@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass
 
 from hotlora.adapters import AdapterSet
-from hotlora.server.access_log import current_record
 from hotlora.server.engine import Delta, Finished
-from hotlora.server.metrics import Metrics
+from hotlora.server.telemetry.access_log import current_record
+from hotlora.server.telemetry.prometheus import Metrics
 
 
 @dataclass

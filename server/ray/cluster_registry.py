@@ -31,7 +31,7 @@ from hotlora.adapters import (
     MountedSet,
     MountRecord,
 )
-from hotlora.adapters.registry import (
+from hotlora.adapters.mount_journal import (
     MOUNTS_FILE,
     open_mounted_set,
     report_unmountable,

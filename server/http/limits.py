@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotlora.server.error_responses import error_body, json_bytes
+from hotlora.server.http.error_responses import error_body, json_bytes
 
 
 def too_large_message(max_bytes: int) -> str:

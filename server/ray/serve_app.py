@@ -1,14 +1,15 @@
 """hotlora on Ray Serve: many replicas of the server behind Ray Serve's HTTP proxy, one port.
 
-`hotlora serve --ray --replicas N` runs it; so does `serve run hotlora.server.ray_app:app`
-(settings from HOTLORA_* variables) or `serve run hotlora.server.ray_app:build replicas=2 ...`.
+`hotlora serve --ray --replicas N` runs it; so does
+`serve run hotlora.server.ray.serve_app:app` (settings from HOTLORA_* variables) or
+`serve run hotlora.server.ray.serve_app:build replicas=2 ...`.
 
 Two deployments. `HotloraIngress` is Serve's FastAPI ingress: it reads each request, names
 its adapter set as Serve's multiplexed model id, so that requests for the same set prefer a
 replica that already has it mounted, and relays it to a `HotloraReplica`, streaming the answer
 back (server-sent events included). Each `HotloraReplica` runs the whole hotlora app, base
 model, batching engine and admin routes, on what is relayed to it. Adapter changes go through
-the one registry actor (`server/ray_registry.py`) that every replica follows.
+the one registry actor (`server/ray/cluster_registry.py`) that every replica follows.
 """
 
 # No `from __future__ import annotations`: Serve's ingress rebuilds the route methods'
@@ -33,9 +34,9 @@ from hotlora.config.errors import InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
-from hotlora.server.asgi_relay import Lifespan, Part, RelayedRequest, call_app, relayed_response
-from hotlora.server.error_responses import error_body
-from hotlora.server.ray_registry import ClusterMounts, RegistryClient, registry_actor
+from hotlora.server.http.error_responses import error_body
+from hotlora.server.ray.cluster_registry import ClusterMounts, RegistryClient, registry_actor
+from hotlora.server.ray.relay import Lifespan, Part, RelayedRequest, call_app, relayed_response
 from hotlora.server.routes import paths
 from hotlora.server.runtime import base_model_id
 
@@ -251,14 +252,14 @@ def build_app(settings: Settings) -> Any:
 
 
 def build(args: dict[str, str]) -> Any:
-    """`serve run hotlora.server.ray_app:build replicas=2 ...`: settings from the arguments
+    """`serve run hotlora.server.ray.serve_app:build replicas=2 ...`: settings from the arguments
     (names as in the config file), then HOTLORA_* variables."""
     return build_app(Settings(**args))
 
 
 def __getattr__(name: str) -> Any:
-    # `serve run hotlora.server.ray_app:app` reads `app`: built on first access, not at import,
-    # from HOTLORA_* variables.
+    # `serve run hotlora.server.ray.serve_app:app` reads `app`: built on first access, not at
+    # import, from HOTLORA_* variables.
     if name == "app":
         return build_app(Settings())
     raise AttributeError(name)

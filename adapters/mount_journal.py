@@ -4,7 +4,7 @@
 unmounts with the manager's rules. `MountFile` keeps one on disk under HOTLORA_HOME, rewritten
 atomically on every change, and mounts it again on start-up; an entry whose files changed or
 vanished since is reported and left unmounted. The registry of a Ray cluster (the actor in
-`server/ray_registry.py`) holds the same `MountedSet` for many replicas.
+`server/ray/cluster_registry.py`) holds the same `MountedSet` for many replicas.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The wire schema: OpenAI's request and answer models, the admin API's, tool calls."""

@@ -1,0 +1,1 @@
+"""The HTTP edge: keys, CORS, body limits, request ids, disconnects, the process, errors."""

@@ -1,0 +1,1 @@
+"""Generation events in the wire shapes: chat/completions output and the Responses API's."""

@@ -1,0 +1,1 @@
+"""What the server tells about itself: Prometheus metrics, the access log, log lines."""
