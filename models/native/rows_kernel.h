@@ -149,7 +149,8 @@ inline void group_values(const float* p, int S, const float* v, int64_t v_step, 
 inline float exp_poly(float in) {
   const float clamped = std::clamp(in, -100.0f, 100.0f);  // the integer part stays an int
   const float x2 = clamped * 1.442695f;
-  const float ipart = std::floor(x2 + 0.5f);
+  // MLX adds the double 0.5 (its scalar arithmetic promotes): a float sum rounds differently.
+  const float ipart = static_cast<float>(std::floor(static_cast<double>(x2) + 0.5));
   const float fpart = x2 - ipart;
   float x = 1.535336188319500e-4f;
   x = std::fma(x, fpart, 1.339887440266574e-3f);
