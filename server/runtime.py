@@ -149,6 +149,7 @@ class Runtime:
             max_queue=self.settings.queue_size,
             max_batch=self.settings.max_batch,
             prefill_chunk=self.settings.prefill_chunk,
+            prefill_context_unit=self.settings.prefill_context_unit,
             kv_cache_bytes=self.settings.kv_cache_bytes,
         )
         self.inference = InferenceService(

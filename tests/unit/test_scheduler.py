@@ -106,7 +106,8 @@ def test_a_cancelled_row_leaves_mid_batch_and_the_others_carry_on(setup):
 def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(setup):
     engine, _ = setup
     long_prompt = list(range(4, 104))  # 100 tokens: 99 to prefill, the last one decodes
-    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=16)
+    # Attention priced at nothing: chunks of a fixed token count.
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=16, prefill_context_unit=1 << 30)
     running, waiting = Recorder(), Recorder()
     scheduler.add([job(PROMPTS[0], max_tokens=20)], running)
     scheduler.step()
@@ -122,6 +123,54 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(s
         scheduler.step()
     whole = run(Scheduler(engine, max_batch=1, prefill_chunk=512), [[job(long_prompt, 4)]])[0]
     assert waiting.text() == whole.text()
+
+
+class CallLog:
+    """The scheduler's model, as it is, noting each call: (decode or prefill, tokens, context)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler, self.model = scheduler, scheduler.model
+        self.calls: list[tuple[str, int, int]] = []
+        scheduler.model = self  # type: ignore[assignment]
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        kind = "decode" if cache is self.scheduler._cache else "prefill"
+        self.calls.append((kind, inputs.shape[1], cache[0].offset))
+        return self.model(inputs, cache=cache)
+
+
+def test_a_long_prompt_s_chunks_shrink_as_its_context_grows_and_streams_decode_between(setup):
+    engine, _ = setup
+    long_prompt = [4 + i % 120 for i in range(400)]  # 399 to prefill, the last one decodes
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=32, prefill_context_unit=16)
+    calls = CallLog(scheduler)
+    endless = tuple((eos, -100.0) for eos in engine.tokenizer.eos_token_ids)
+    running, waiting = Recorder(), Recorder()
+    scheduler.add([job(PROMPTS[0], max_tokens=400, logit_bias=endless)], running)
+    scheduler.step()
+    calls.calls.clear()  # the running row's own prefill
+    scheduler.add([job(long_prompt, max_tokens=4)], waiting)
+    while not waiting.events:
+        before = len(running.events)
+        scheduler.step()
+        assert len(running.events) == before + 1, "the running row stalled"
+    kinds = [kind for kind, _, _ in calls.calls]
+    assert "prefill, prefill" not in ", ".join(kinds), "two chunks without a decode between"
+    chunks = [(tokens, context) for kind, tokens, context in calls.calls if kind == "prefill"]
+    assert sum(tokens for tokens, _ in chunks) == len(long_prompt) - 1
+    assert [context for _, context in chunks] == [
+        sum(tokens for tokens, _ in chunks[:i]) for i in range(len(chunks))
+    ]
+    cost = scheduler.prefill
+    assert chunks[0][0] == 32  # on an empty cache: prefill_chunk tokens
+    assert all(cost.cost(tokens, context) <= cost.budget for tokens, context in chunks)
+    assert chunks[-2][0] < 4  # deep in the prompt a chunk holds a few tokens
+    while not scheduler.idle:
+        scheduler.step()
+    whole = Scheduler(engine, max_batch=1, prefill_chunk=512, prefill_context_unit=1 << 30)
+    whole_calls = CallLog(whole)
+    assert run(whole, [[job(long_prompt, 4)]])[0].text() == waiting.text()
+    assert whole_calls.calls[0] == ("prefill", len(long_prompt) - 1, 0)
 
 
 def test_each_row_keeps_its_own_stops_and_max_tokens(setup):
