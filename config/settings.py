@@ -90,7 +90,7 @@ class Settings(BaseSettings):
         default=8, ge=1, description="Sequences decoded together in one batched step."
     )
     prefill_chunk: int = Field(
-        default=256,
+        default=192,
         ge=16,
         description="Prompt tokens a step prefills on an empty cache; deeper in a long prompt a "
         "step takes fewer, as many as cost the same (see prefill_context_unit). Running streams "

@@ -73,7 +73,7 @@ class Scheduler:
         engine: Engine,
         *,
         max_batch: int = 8,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = 192,
         prefill_context_unit: int = 1024,
         kv_cache_bytes: int = 2 << 30,
     ):

@@ -105,7 +105,7 @@ class GenerationWorker:
         *,
         max_queue: int = 64,
         max_batch: int = 8,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = 192,
         prefill_context_unit: int = 1024,
         kv_cache_bytes: int = 2 << 30,
     ):
