@@ -335,3 +335,38 @@ def test_a_failed_model_call_fails_its_rows_and_the_scheduler_serves_on(setup, m
     monkeypatch.setattr(scheduler, "model", model)
     after = run(scheduler, [[job(PROMPTS[0], max_tokens=3)]])[0]
     assert after.finished() == Finished("length", 3, 3, 0)
+
+
+def test_a_long_prompt_in_cost_sized_chunks_on_the_cpu_kernels_answers_as_mlx_lm(
+    tmp_path: Path, monkeypatch
+):
+    # Float32 weights with the CPU kernels installed, as served without a GPU: the chunks'
+    # attention takes the masked softmax, and the answer is mlx-lm's, whose prefill is whole.
+    from mlx_lm import generate
+    from mlx_lm.models import llama
+
+    from hotlora.models.batch_matmul import install_batch_matmul, unavailable
+    from hotlora.models.cpu_kernels import install_cpu_attention
+
+    from tests.support.tiny import write_tiny_llama
+
+    if (why := unavailable()) is not None:
+        pytest.skip(f"CPU kernels: {why}")
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    path = write_tiny_llama(tmp_path / "tiny", seed=3)
+    reference = load_model_dir(path)
+    reference.model.set_dtype(mx.float32)
+    prompt = [4 + (7 * i) % 120 for i in range(300)]
+    expected = generate(reference.model, reference.tokenizer, prompt=prompt, max_tokens=12)
+    loaded = load_model_dir(path)
+    loaded.model.set_dtype(mx.float32)
+    install_cpu_attention(loaded.model)
+    assert install_batch_matmul(loaded.model, threads=2).enabled
+    engine = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=24, prefill_context_unit=16)
+    calls = CallLog(scheduler)
+    answer = run(scheduler, [[job(prompt, max_tokens=12)]])[0]
+    chunks = [tokens for kind, tokens, _ in calls.calls if kind == "prefill"]
+    assert len(chunks) > 20 and chunks[0] == 24 and chunks[-2] < 8
+    assert answer.finished().completion_tokens == 12  # no end token cut it short
+    assert answer.text() == expected
