@@ -90,9 +90,17 @@ class Settings(BaseSettings):
         default=8, ge=1, description="Sequences decoded together in one batched step."
     )
     prefill_chunk: int = Field(
-        default=512,
+        default=192,
         ge=16,
-        description="Prompt tokens processed per step; running streams wait at most one chunk.",
+        description="Prompt tokens a step prefills on an empty cache; deeper in a long prompt a "
+        "step takes fewer, as many as cost the same (see prefill_context_unit). Running streams "
+        "wait at most one such step.",
+    )
+    prefill_context_unit: int = Field(
+        default=1024,
+        ge=1,
+        description="Cached positions whose attention costs as much as a prompt token's "
+        "projections: a prefill step counts each token as 1 + positions it reads / this.",
     )
     kv_cache_bytes: int = Field(
         default=2 << 30,

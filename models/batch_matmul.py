@@ -20,6 +20,9 @@ cos, so its results are MLX's to the bit: every float32 call takes it, a request
 and prefill included. A batched decode step's attention (`rows_attention`) is one primitive too:
 about twenty operations a layer, two of them BLAS products of a few rows, become one that reads
 each row's cached keys and values once; like the projections, it is within rounding of MLX.
+A prefill chunk's attention keeps MLX's BLAS products, but the softmax between them, five
+single-threaded passes over a chunk's scores (which deep in a long prompt are tens of megabytes
+a layer), is one threaded primitive (`masked_softmax`) with MLX's results to the bit.
 
 The kernels are MLX primitives in a small C++ extension, built by `make setup` (or
 `python -m hotlora.models.batch_matmul`) with g++ against MLX's headers and nanobind: it needs
@@ -87,6 +90,9 @@ def build() -> Path:
     command = [
         os.environ.get("CXX", "g++"),
         *("-O3", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG"),
+        # Lets the compiler vectorize loops of selects (the softmax's exp); every operation
+        # still rounds as IEEE says, so the results are the same bits.
+        "-fno-trapping-math",
         "-DNB_DOMAIN=mlx",  # MLX's own nanobind domain, so that `mx.array` crosses over
         f"-I{sysconfig.get_paths()['include']}",
         f"-I{nb / 'include'}",
@@ -280,7 +286,9 @@ def _serves_attention(queries: mx.array, keys: mx.array, values: mx.array, mask:
 
 def rows_attention(fallback: Attention) -> Attention:
     """mlx-lm's `scaled_dot_product_attention` for an architecture module: a batched decode
-    step of an installed model through the attention kernel, every other call to `fallback`."""
+    step of an installed model through the attention kernel; its other calls (prefill chunks,
+    a request decoding alone) to `fallback`, whose masked softmax, when it is `cpu_attention`,
+    takes the `masked_softmax` primitive (the same bits)."""
 
     def attention(
         queries: mx.array,
@@ -298,6 +306,18 @@ def rows_attention(fallback: Attention) -> Attention:
         ):
             assert _native is not None
             return _native.attention_rows(queries, keys, values, mask, scale)
+        if fallback is cpu_attention and _native is not None and getattr(_running, "rows", False):
+            # Prefill chunks: the masked softmax as one primitive, to cpu_attention's bits.
+            return cpu_attention(
+                queries,
+                keys,
+                values,
+                cache=cache,
+                scale=scale,
+                mask=mask,
+                sinks=sinks,
+                masked_softmax=_native.masked_softmax,
+            )
         return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     attention.rows_fallback = fallback  # type: ignore[attr-defined]

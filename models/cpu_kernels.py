@@ -25,7 +25,7 @@ import shlex
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -107,6 +107,9 @@ def _path_without(directory: Path) -> str:
     return os.pathsep.join(e for e in entries if e and Path(e) != directory)
 
 
+MaskedSoftmax = Callable[[mx.array, mx.array], mx.array]
+
+
 @mx.compile
 def _shifted_exp(scores: mx.array, maximum: mx.array) -> mx.array:
     return mx.exp(scores - maximum)
@@ -131,12 +134,16 @@ def cpu_attention(
     scale: float,
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
+    *,
+    masked_softmax: MaskedSoftmax | None = None,
 ) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention` as MLX computes it on the CPU, with `softmax`.
 
     The steps are those of `mx.fast.scaled_dot_product_attention`'s CPU path (MLX's
     `mlx/fast.cpp`), with the same results bit for bit. Float32 only, without sinks or a
-    quantized KV cache; anything else goes to mlx-lm's own function.
+    quantized KV cache; anything else goes to mlx-lm's own function. `masked_softmax`, when
+    given, computes `softmax(where(mask, scores, lowest))` for a bool mask of the scores' shape
+    to the same bits in one operation (the native kernels' `masked_softmax`).
     """
     if (
         hasattr(cache, "bits")
@@ -172,6 +179,9 @@ def cpu_attention(
     if mask is not None:
         if repeats > 1 and mask.ndim >= 3:
             mask = mask.reshape(*mask.shape[:-3], n_kv_heads, repeats, *mask.shape[-2:])
+        if mask.dtype == mx.bool_ and masked_softmax is not None:
+            probabilities = masked_softmax(scores, mx.broadcast_to(mask, scores.shape))
+            return (probabilities @ values).reshape(batch, n_heads, q_len, -1)
         if mask.dtype == mx.bool_:
             lowest = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
             scores = mx.where(mask, scores, lowest)

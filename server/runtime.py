@@ -166,6 +166,7 @@ class Runtime:
             max_unsent=self.settings.max_unsent_tokens,
             max_batch=self.settings.max_batch,
             prefill_chunk=self.settings.prefill_chunk,
+            prefill_context_unit=self.settings.prefill_context_unit,
             kv_cache_bytes=self.settings.kv_cache_bytes,
         )
         self.inference = InferenceService(

@@ -8,10 +8,13 @@ alone, as the decode ceiling. `adapters` (tests/bench_adapters.py): decode with 
 against the base, latency when requests switch adapters, and mount/unmount times.
 `concurrency` (tests/bench_concurrency.py): 1 and 8 concurrent streaming clients on hotlora
 (base, and four adapter sets mixed), mlx_lm.server batching, and llama.cpp's server when
-`LLAMA_SERVER` names its binary.
+`LLAMA_SERVER` names its binary. `prefill` (tests/bench_prefill.py): an 8,000-token prompt's
+prefill alone and beside a running stream, and the longest gap between the stream's tokens
+meanwhile; llama.cpp's server side by side when `LLAMA_SERVER` names it.
 
-    python -m tests.bench [--sections base,adapters,concurrency] [--rounds 5] [--max-tokens 128]
-                          [--clients 8] [--concurrency-tokens 96] [--concurrency-rounds 5]
+    python -m tests.bench [--sections base,adapters,concurrency,prefill] [--rounds 5]
+                          [--max-tokens 128] [--clients 8] [--concurrency-tokens 96]
+                          [--concurrency-rounds 5] [--prefill-tokens 8000] [--prefill-rounds 1]
                           [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
@@ -38,6 +41,7 @@ from tests.bench_adapters import run_adapters
 from tests.bench_concurrency import QUESTIONS as CONCURRENT_QUESTIONS
 from tests.bench_concurrency import run_concurrency
 from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
+from tests.bench_prefill import run_prefill
 from tests.support.model_args import add_model_args, resolve_model
 
 WARMUP_QUESTION = "Describe the water cycle in detail."
@@ -247,10 +251,17 @@ def section_concurrency(args: argparse.Namespace, model_dir: Path) -> SectionRes
     return SectionResult(out.title, [], out.lines)
 
 
+def section_prefill(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """One long prompt alone and beside a running stream: its prefill time, the stream's gaps."""
+    out = run_prefill(model_dir, server_env(args.home), args.prefill_tokens, args.prefill_rounds)
+    return SectionResult(out.title, [], out.lines)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
     "base": section_base,
     "adapters": section_adapters,
     "concurrency": section_concurrency,
+    "prefill": section_prefill,
 }
 
 
@@ -278,6 +289,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5,
         help="Alternating rounds of hotlora's two servers in section concurrency.",
     )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=8000,
+        help="Prompt tokens of the long prompt in section prefill.",
+    )
+    p.add_argument(
+        "--prefill-rounds", type=int, default=1, help="Rounds per system in section prefill."
+    )
     add_model_args(p)
     p.add_argument(
         "--skip-direct", action="store_true", help="Leave out the in-process stream_generate run."
@@ -295,6 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--concurrency-rounds x (--clients + 1) must be 1..{len(CONCURRENT_QUESTIONS)} "
             "(a question of its own for every stream of every round)"
         )
+    if args.prefill_tokens < 1 or args.prefill_rounds < 1:
+        p.error("--prefill-tokens and --prefill-rounds must be at least 1")
     if args.max_tokens < 2:
         p.error("--max-tokens must be at least 2 to measure decoding")
     return args

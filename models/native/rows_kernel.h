@@ -149,7 +149,8 @@ inline void group_values(const float* p, int S, const float* v, int64_t v_step, 
 inline float exp_poly(float in) {
   const float clamped = std::clamp(in, -100.0f, 100.0f);  // the integer part stays an int
   const float x2 = clamped * 1.442695f;
-  const float ipart = std::floor(x2 + 0.5f);
+  // MLX adds the double 0.5 (its scalar arithmetic promotes): a float sum rounds differently.
+  const float ipart = static_cast<float>(std::floor(static_cast<double>(x2) + 0.5));
   const float fpart = x2 - ipart;
   float x = 1.535336188319500e-4f;
   x = std::fma(x, fpart, 1.339887440266574e-3f);
@@ -161,10 +162,11 @@ inline float exp_poly(float in) {
   const int32_t bits = (static_cast<int32_t>(ipart) + 127) << 23;
   float power;
   std::memcpy(&power, &bits, sizeof power);
-  if (std::isnan(in)) return in;
-  if (in > 88.0f) return std::numeric_limits<float>::infinity();
-  if (in < -88.0f) return 0.0f;
-  return power * x;
+  // Selects, not branches: a loop of these vectorizes (with -fno-trapping-math).
+  const float value = power * x;
+  const float low = in < -88.0f ? 0.0f : value;
+  const float high = in > 88.0f ? std::numeric_limits<float>::infinity() : low;
+  return std::isnan(in) ? in : high;
 }
 
 // Each row of scores [G, S] replaced by its softmax: exp(s - max) * (1 / sum), as MLX's precise
@@ -174,8 +176,11 @@ inline void softmax_rows(float* scores, int G, int S) {
     float* row = scores + static_cast<size_t>(g) * S;
     float top = kLowest;
     for (int s = 0; s < S; s++) top = std::max(top, row[s]);
+    // The exponentials apart from the sum, a loop the compiler vectorizes; the sum stays one
+    // running float, in MLX's order.
+    for (int s = 0; s < S; s++) row[s] = exp_poly(row[s] - top);
     float total = 0.0f;
-    for (int s = 0; s < S; s++) total += row[s] = exp_poly(row[s] - top);
+    for (int s = 0; s < S; s++) total += row[s];
     const float inv = 1.0f / total;
     for (int s = 0; s < S; s++) row[s] *= inv;
   }

@@ -60,6 +60,7 @@ struct Seg {
 using Range = void (*)(const Seg&, const Seg&, float*, int, int, int, int);
 using Attend = void (*)(const float*, int, int, const float*, int64_t, const float*, int64_t, int,
                         const bool*, int64_t, int, float*, float*);
+using Softmax = void (*)(float*, int, int);
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -114,13 +115,14 @@ struct Kernel {
   bool (*supported)();
   Range range;
   Attend attend;
+  Softmax softmax;
 };
 const Kernel kKernels[] = {
     {"avx512", [] { return static_cast<bool>(__builtin_cpu_supports("avx512f")); },
-     avx512::rows_matmul_range, avx512::attend},
+     avx512::rows_matmul_range, avx512::attend, avx512::softmax_rows},
     {"avx2",
      [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); },
-     avx2::rows_matmul_range, avx2::attend},
+     avx2::rows_matmul_range, avx2::attend, avx2::softmax_rows},
 };
 
 // The kernel named `isa` (nullptr: the widest this CPU runs); nullptr if the CPU lacks it.
@@ -134,6 +136,7 @@ const Kernel* const kWidest = find_kernel();
 const char* g_isa = kWidest ? kWidest->isa : "none";
 std::atomic<Range> g_kernel{kWidest ? kWidest->range : nullptr};
 std::atomic<Attend> g_attend{kWidest ? kWidest->attend : nullptr};
+std::atomic<Softmax> g_softmax{kWidest ? kWidest->softmax : nullptr};
 
 // Threads for one call at a time. A call's work is cut into chunks that every thread, the
 // caller's included, claims until none is left: a thread the OS has set aside for another
@@ -595,6 +598,73 @@ mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array
                    {q, k, v, mask});
 }
 
+// softmax(where(mask, scores, lowest)) over the last axis of scores [..., S]: the middle of
+// MLX's CPU attention (`cpu_attention`), whose where, max, exp, sum and scaling are five passes
+// over the scores on one thread, in one pass a row on the pool's threads. Each row's steps are
+// MLX's, in its order (a sequential sum, MLX's exp), so the results are MLX's to the bit. The
+// scores' buffer is reused when nothing else holds it. mask: bool, the scores' shape (a
+// broadcast view reads in place).
+class MaskedSoftmax : public CpuPrimitive {
+ public:
+  explicit MaskedSoftmax(mx::Stream stream) : CpuPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& scores = inputs[0];
+    const auto& mask = inputs[1];
+    auto& out = outputs[0];
+    const bool in_place = scores.flags().row_contiguous && scores.is_donatable();
+    if (in_place)
+      out.copy_shared_buffer(scores);
+    else
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(scores);
+    encoder.set_input_array(mask);
+    encoder.set_output_array(out);
+    const int ndim = scores.ndim(), S = scores.shape(-1);
+    const int rows = static_cast<int>(scores.size() / S);
+    mx::Shape shape = scores.shape();
+    mx::Strides mask_strides = mask.strides();
+    encoder.dispatch([source = RowMajor(scores), visible = mask.data<bool>(), op = out.data<float>(),
+                      shape, mask_strides, ndim, S, rows, in_place,
+                      softmax = g_softmax.load()]() mutable {
+      const float* sp = in_place ? op : source.get();
+      const int64_t mask_step = mask_strides[ndim - 1];
+      parallel_rows(rows, 16, [&](int r0, int r1) {
+        for (int r = r0; r < r1; r++) {
+          int64_t at = 0;  // the row's first mask flag: its index over the leading axes
+          for (int axis = ndim - 2, rest = r; axis >= 0; axis--) {
+            at += static_cast<int64_t>(rest % shape[axis]) * mask_strides[axis];
+            rest /= shape[axis];
+          }
+          const float* in = sp + static_cast<size_t>(r) * S;
+          float* row = op + static_cast<size_t>(r) * S;
+          const bool* flags = visible + at;
+          for (int s = 0; s < S; s++) row[s] = flags[s * mask_step] ? in[s] : kLowestScore;
+          softmax(row, 1, S);
+        }
+      }, /*align=*/1);
+    });
+  }
+  const char* name() const override { return "MaskedSoftmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+ private:
+  static constexpr float kLowestScore = -std::numeric_limits<float>::max();  // MLX's finfo.min
+};
+
+mx::array masked_softmax(const mx::array& scores, const mx::array& mask) {
+  if (scores.dtype() != mx::float32 || scores.ndim() < 1 || scores.shape(-1) == 0 ||
+      mask.dtype() != mx::bool_ || mask.shape() != scores.shape())
+    throw std::invalid_argument(
+        "masked_softmax: expected float32 scores [..., S] and a bool mask of the same shape");
+  if (g_softmax.load() == nullptr)
+    throw std::invalid_argument("masked_softmax: the CPU lacks AVX2 and FMA");
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(scores.shape(), mx::float32, std::make_shared<MaskedSoftmax>(s),
+                   {scores, mask});
+}
+
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps) {
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 ||
       weight.ndim() != 1 || weight.shape(0) != x.shape(-1) || x.shape(-1) == 0)
@@ -628,6 +698,7 @@ NB_MODULE(_rows_matmul, m) {
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
   m.def("attention_rows", &attention_rows, "q"_a, "k"_a, "v"_a, "mask"_a, "scale"_a);
+  m.def("masked_softmax", &masked_softmax, "scores"_a, "mask"_a);
   m.def("set_threads", &set_threads, "threads"_a, "The threads of every later product.");
   m.def("isa", [] { return std::string(g_isa); }, "The vector instructions the kernel uses.");
   m.def(
@@ -635,7 +706,8 @@ NB_MODULE(_rows_matmul, m) {
       [](const std::string& name) {
         const Kernel* kernel = name.empty() ? nullptr : find_kernel(name);
         if (kernel == nullptr) return false;
-        g_kernel = kernel->range, g_attend = kernel->attend, g_isa = kernel->isa;
+        g_kernel = kernel->range, g_attend = kernel->attend, g_softmax = kernel->softmax;
+        g_isa = kernel->isa;
         return true;
       },
       "name"_a, "Use the avx512 or avx2 kernel for later products; False if the CPU lacks it.");

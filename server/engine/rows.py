@@ -111,5 +111,12 @@ class Group:
         return self.rows[0].job.prompt
 
     @property
+    def context(self) -> int:
+        """Prompt tokens in the group's cache (once started): the cached prefix and the chunks
+        prefilled so far. The last prompt token is never prefilled: it is the first decode
+        step's input."""
+        return len(self.prompt) - 1 - len(self.pending)
+
+    @property
     def adapters(self) -> AdapterSet:
         return self.rows[0].adapters

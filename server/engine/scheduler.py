@@ -5,9 +5,11 @@ One loop in the spirit of vLLM's scheduler, on MLX-native batch state (mlx-lm's
 
 1. Admit waiting rows, first come first served, while the batch has room (`max_batch`) and the
    KV cache budget covers every admitted row's prompt plus its `max_tokens`.
-2. Prefill: spend at most `prefill_chunk` prompt tokens, oldest group first. A group is one
-   prompt with its adapter set: the `n` choices of a request share it. A long prompt takes
-   several steps, so running streams never wait for more than one chunk.
+2. Prefill: spend at most what `prefill_chunk` prompt tokens cost on an empty cache, oldest
+   group first (`PrefillCost`: deeper in a long prompt, attention makes each token dearer and
+   a step takes fewer). A group is one prompt with its adapter set: the `n` choices of a
+   request share it. A long prompt takes several steps, so running streams never wait for
+   more than one chunk's cost.
 3. Decode: one batched model call for every running row, each row with its own adapter set,
    sampler, PRNG key, stops and `max_tokens`. Finished, stopped and cancelled rows leave at
    once; prefilled groups join before the next call.
@@ -48,6 +50,7 @@ from hotlora.server.engine.next_tokens import (
     log_probabilities,
     processed,
 )
+from hotlora.server.engine.prefill_cost import PrefillCost
 from hotlora.server.engine.rows import Group, Row, Sink
 
 log = logging.getLogger("hotlora")
@@ -71,13 +74,14 @@ class Scheduler:
         engine: Engine,
         *,
         max_batch: int = 8,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 192,
+        prefill_context_unit: int = 1024,
         kv_cache_bytes: int = 2 << 30,
     ):
         self.engine = engine
         self.model = engine.model
         self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
+        self.prefill = PrefillCost(prefill_chunk, prefill_context_unit)
         self.kv_cache_bytes = kv_cache_bytes
         self.kv_bytes_per_token = engine.kv_bytes_per_token
         self.eos = frozenset(engine.tokenizer.eos_token_ids)
@@ -185,16 +189,20 @@ class Scheduler:
     # Prefill.
 
     def _prefill(self) -> None:
-        """Spend up to `prefill_chunk` prompt tokens, oldest group first, in one model call."""
-        budget = self.prefill_chunk
+        """Spend up to one step's prefill budget, oldest group first, in one model call."""
         work: list[tuple[Group, list[int]]] = []
+        sizes: list[tuple[int, int]] = []  # (tokens, context) of each chunk in the call
         for group in self.prefilling:
-            if budget <= 0:
-                break
+            if sizes and self.prefill.call_cost(sizes) + 1 > self.prefill.budget:
+                break  # not one token more fits: the next groups wait for the next step
             if not group.started:
                 self._start(group)
-            chunk, group.pending = group.pending[:budget], group.pending[budget:]
-            budget -= len(chunk)
+            context = group.context
+            take = self.prefill.take(sizes, context, len(group.pending))
+            if group.pending and not take:
+                break  # the budget is spent; an empty prompt remainder still joins below
+            chunk, group.pending = group.pending[:take], group.pending[take:]
+            sizes.append((len(chunk), context))
             work.append((group, chunk))
         running = [(g, c) for g, c in work if c]
         try:

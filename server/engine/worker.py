@@ -152,14 +152,19 @@ class GenerationWorker:
         max_queue: int = 64,
         max_unsent: int = 1024,
         max_batch: int = 8,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 192,
+        prefill_context_unit: int = 1024,
         kv_cache_bytes: int = 2 << 30,
     ):
         self.engine = engine
         self.max_queue = max_queue
         self.max_unsent = max_unsent
         self.scheduler = Scheduler(
-            engine, max_batch=max_batch, prefill_chunk=prefill_chunk, kv_cache_bytes=kv_cache_bytes
+            engine,
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
+            prefill_context_unit=prefill_context_unit,
+            kv_cache_bytes=kv_cache_bytes,
         )
         self._lock = threading.Condition()
         self._inbox: deque[Ticket] = deque()

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from hotlora.models import batch_matmul
 from hotlora.models.batch_matmul import (
@@ -22,10 +22,11 @@ from hotlora.models.batch_matmul import (
     RowsRoPE,
     install_batch_matmul,
 )
-from hotlora.models.cpu_kernels import cpu_attention
+from hotlora.models.cpu_kernels import cpu_attention, install_cpu_attention
 from hotlora.models.loader import load_model_dir
 
 from tests.support.tiny import write_tiny_llama
+from tests.unit.test_cpu_kernels import ATTENTION_CASES, attention_inputs
 
 if (_why := batch_matmul.unavailable()) is not None:
     pytest.skip(f"batched decode kernel: {_why}", allow_module_level=True)
@@ -353,10 +354,10 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
 
 
 class CountingAttention:
-    """The extension, counting its attention calls."""
+    """The extension, counting its attention and masked softmax calls."""
 
     def __init__(self, native: object):
-        self.native, self.calls = native, 0
+        self.native, self.calls, self.softmax_calls = native, 0, 0
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.native, name)
@@ -364,6 +365,52 @@ class CountingAttention:
     def attention_rows(self, *args: object) -> mx.array:
         self.calls += 1
         return self.native.attention_rows(*args)  # type: ignore[attr-defined]
+
+    def masked_softmax(self, *args: object) -> mx.array:
+        self.softmax_calls += 1
+        return self.native.masked_softmax(*args)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if c[-1] in ("causal", "bool")])
+def test_the_masked_softmax_gives_mlxs_attention_to_the_bit(isa: str, case: tuple):
+    q, k, v, mask = attention_inputs(*case, seed=90)
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.7, mask=mask)
+    got = cpu_attention(q, k, v, None, 0.7, mask, masked_softmax=native.masked_softmax)
+    assert mx.array_equal(got, expected).item()
+
+
+def test_the_masked_softmax_is_mlxs_on_hidden_rows_and_extreme_scores(isa: str):
+    scores = normal((2, 3, 5, 700), seed=91) * 60  # exponents beyond MLX's +-88 cut-offs
+    mask = normal((2, 1, 5, 700), seed=92) > -0.5
+    mask[1, :, 2, :] = False  # a row that sees no key weighs all alike
+    wide = mx.broadcast_to(mask, scores.shape)
+    lowest = mx.array(mx.finfo(mx.float32).min)
+    expected = mx.softmax(mx.where(wide, scores, lowest), axis=-1, precise=True)
+    assert mx.array_equal(native.masked_softmax(scores, wide), expected).item()
+    with pytest.raises(ValueError, match="same shape"):
+        native.masked_softmax(scores, mask)
+
+
+def test_an_installed_models_prefill_chunks_take_the_masked_softmax(tmp_path: Path, monkeypatch):
+    model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
+    model.set_dtype(mx.float32)
+
+    def chunks() -> list[mx.array]:
+        # A prompt's first chunk, then one after its cached prefix.
+        cache = make_prompt_cache(model)
+        logits = [model(mx.array([list(range(5, 25))]), cache=cache)]
+        logits.append(model(mx.array([list(range(40, 47))]), cache=cache))
+        mx.eval(logits)
+        return logits
+
+    before = chunks()  # mlx-lm's attention
+    install_cpu_attention(model)
+    assert install_batch_matmul(model, threads=2).enabled
+    counting = CountingAttention(batch_matmul._native)
+    monkeypatch.setattr(batch_matmul, "_native", counting)
+    after = chunks()
+    assert counting.softmax_calls == 2 * len(model.layers)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, after, strict=True))
 
 
 def test_a_model_without_the_kernels_keeps_mlxs_attention(tmp_path: Path, monkeypatch):

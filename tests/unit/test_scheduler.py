@@ -106,7 +106,8 @@ def test_a_cancelled_row_leaves_mid_batch_and_the_others_carry_on(setup):
 def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(setup):
     engine, _ = setup
     long_prompt = list(range(4, 104))  # 100 tokens: 99 to prefill, the last one decodes
-    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=16)
+    # Attention priced at nothing: chunks of a fixed token count.
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=16, prefill_context_unit=1 << 30)
     running, waiting = Recorder(), Recorder()
     scheduler.add([job(PROMPTS[0], max_tokens=20)], running)
     scheduler.step()
@@ -122,6 +123,54 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(s
         scheduler.step()
     whole = run(Scheduler(engine, max_batch=1, prefill_chunk=512), [[job(long_prompt, 4)]])[0]
     assert waiting.text() == whole.text()
+
+
+class CallLog:
+    """The scheduler's model, as it is, noting each call: (decode or prefill, tokens, context)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler, self.model = scheduler, scheduler.model
+        self.calls: list[tuple[str, int, int]] = []
+        scheduler.model = self  # type: ignore[assignment]
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        kind = "decode" if cache is self.scheduler._cache else "prefill"
+        self.calls.append((kind, inputs.shape[1], cache[0].offset))
+        return self.model(inputs, cache=cache)
+
+
+def test_a_long_prompt_s_chunks_shrink_as_its_context_grows_and_streams_decode_between(setup):
+    engine, _ = setup
+    long_prompt = [4 + i % 120 for i in range(400)]  # 399 to prefill, the last one decodes
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=32, prefill_context_unit=16)
+    calls = CallLog(scheduler)
+    endless = tuple((eos, -100.0) for eos in engine.tokenizer.eos_token_ids)
+    running, waiting = Recorder(), Recorder()
+    scheduler.add([job(PROMPTS[0], max_tokens=400, logit_bias=endless)], running)
+    scheduler.step()
+    calls.calls.clear()  # the running row's own prefill
+    scheduler.add([job(long_prompt, max_tokens=4)], waiting)
+    while not waiting.events:
+        before = len(running.events)
+        scheduler.step()
+        assert len(running.events) == before + 1, "the running row stalled"
+    kinds = [kind for kind, _, _ in calls.calls]
+    assert "prefill, prefill" not in ", ".join(kinds), "two chunks without a decode between"
+    chunks = [(tokens, context) for kind, tokens, context in calls.calls if kind == "prefill"]
+    assert sum(tokens for tokens, _ in chunks) == len(long_prompt) - 1
+    assert [context for _, context in chunks] == [
+        sum(tokens for tokens, _ in chunks[:i]) for i in range(len(chunks))
+    ]
+    cost = scheduler.prefill
+    assert chunks[0][0] == 32  # on an empty cache: prefill_chunk tokens
+    assert all(cost.cost(tokens, context) <= cost.budget for tokens, context in chunks)
+    assert chunks[-2][0] < 4  # deep in the prompt a chunk holds a few tokens
+    while not scheduler.idle:
+        scheduler.step()
+    whole = Scheduler(engine, max_batch=1, prefill_chunk=512, prefill_context_unit=1 << 30)
+    whole_calls = CallLog(whole)
+    assert run(whole, [[job(long_prompt, 4)]])[0].text() == waiting.text()
+    assert whole_calls.calls[0] == ("prefill", len(long_prompt) - 1, 0)
 
 
 def test_each_row_keeps_its_own_stops_and_max_tokens(setup):
@@ -286,3 +335,38 @@ def test_a_failed_model_call_fails_its_rows_and_the_scheduler_serves_on(setup, m
     monkeypatch.setattr(scheduler, "model", model)
     after = run(scheduler, [[job(PROMPTS[0], max_tokens=3)]])[0]
     assert after.finished() == Finished("length", 3, 3, 0)
+
+
+def test_a_long_prompt_in_cost_sized_chunks_on_the_cpu_kernels_answers_as_mlx_lm(
+    tmp_path: Path, monkeypatch
+):
+    # Float32 weights with the CPU kernels installed, as served without a GPU: the chunks'
+    # attention takes the masked softmax, and the answer is mlx-lm's, whose prefill is whole.
+    from mlx_lm import generate
+    from mlx_lm.models import llama
+
+    from hotlora.models.batch_matmul import install_batch_matmul, unavailable
+    from hotlora.models.cpu_kernels import install_cpu_attention
+
+    from tests.support.tiny import write_tiny_llama
+
+    if (why := unavailable()) is not None:
+        pytest.skip(f"CPU kernels: {why}")
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    path = write_tiny_llama(tmp_path / "tiny", seed=3)
+    reference = load_model_dir(path)
+    reference.model.set_dtype(mx.float32)
+    prompt = [4 + (7 * i) % 120 for i in range(300)]
+    expected = generate(reference.model, reference.tokenizer, prompt=prompt, max_tokens=12)
+    loaded = load_model_dir(path)
+    loaded.model.set_dtype(mx.float32)
+    install_cpu_attention(loaded.model)
+    assert install_batch_matmul(loaded.model, threads=2).enabled
+    engine = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=24, prefill_context_unit=16)
+    calls = CallLog(scheduler)
+    answer = run(scheduler, [[job(prompt, max_tokens=12)]])[0]
+    chunks = [tokens for kind, tokens, _ in calls.calls if kind == "prefill"]
+    assert len(chunks) > 20 and chunks[0] == 24 and chunks[-2] < 8
+    assert answer.finished().completion_tokens == 12  # no end token cut it short
+    assert answer.text() == expected
