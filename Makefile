@@ -88,7 +88,7 @@ bench: setup
 	$(RUN_ENV) $(BIN)/python -m tests.bench
 
 soak: setup
-	$(RUN_ENV) $(BIN)/python -m tests.soak
+	$(RUN_ENV) $(BIN)/python -m tests.bench.soak
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

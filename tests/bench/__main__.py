@@ -4,11 +4,11 @@ Each section measures time to first token and decode tokens/s over streaming HTT
 distinct short chat questions. The servers run as subprocesses on loopback ports and take turns
 (one busy at a time, order alternating per round); medians are reported, since these machines
 are noisy. `base`: the base model on both servers, then mlx-lm's in-process `stream_generate`
-alone, as the decode ceiling. `adapters` (tests/bench_adapters.py): decode with LoRA adapters
+alone, as the decode ceiling. `adapters` (tests/bench/adapter_decode.py): decode with LoRA adapters
 against the base, latency when requests switch adapters, and mount/unmount times.
-`concurrency` (tests/bench_concurrency.py): 1 and 8 concurrent streaming clients on hotlora
+`concurrency` (tests/bench/concurrency.py): 1 and 8 concurrent streaming clients on hotlora
 (base, and four adapter sets mixed), mlx_lm.server batching, and llama.cpp's server when
-`LLAMA_SERVER` names its binary. `prefill` (tests/bench_prefill.py): an 8,000-token prompt's
+`LLAMA_SERVER` names its binary. `prefill` (tests/bench/prefill.py): an 8,000-token prompt's
 prefill alone and beside a running stream, and the longest gap between the stream's tokens
 meanwhile; llama.cpp's server side by side when `LLAMA_SERVER` names it.
 
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import httpx
 
-from tests.bench_adapters import run_adapters
-from tests.bench_concurrency import QUESTIONS as CONCURRENT_QUESTIONS
-from tests.bench_concurrency import run_concurrency
-from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
-from tests.bench_prefill import run_prefill
+from tests.bench.adapter_decode import run_adapters
+from tests.bench.concurrency import QUESTIONS as CONCURRENT_QUESTIONS
+from tests.bench.concurrency import run_concurrency
+from tests.bench.prefill import run_prefill
+from tests.bench.servers import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
 from tests.support.model_args import add_model_args, resolve_model
 
 WARMUP_QUESTION = "Describe the water cycle in detail."
@@ -166,7 +166,7 @@ def run_direct(model_dir: Path, questions: list[str], max_tokens: int, home: Pat
         "questions": questions,
     }
     out = subprocess.run(
-        [sys.executable, "-m", "tests.bench_direct"],
+        [sys.executable, "-m", "tests.bench.direct"],
         input=json.dumps(job),
         capture_output=True,
         text=True,

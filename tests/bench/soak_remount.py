@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.soak_traffic import Spec, Traffic
+from tests.bench.soak_traffic import Spec, Traffic
 
 REMOUNTED = "x"
 PROMPT = "Name three colours."

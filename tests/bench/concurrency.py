@@ -36,8 +36,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.bench_adapters import ADAPTER_DIRS, write_adapters
-from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
+from tests.bench.adapter_decode import ADAPTER_DIRS, write_adapters
+from tests.bench.servers import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
 from tests.support.server_process import ServerProcess, ServerSpec
 
 QUESTIONS = [

@@ -1,6 +1,6 @@
 """mlx-lm's `stream_generate` in-process: the ceiling for any server on MLX.
 
-Run as its own process (`python -m tests.bench_direct`) once the servers are stopped, so it never
+Run as its own process (`python -m tests.bench.direct`) once the servers are stopped, so it never
 competes with them for the cores. Reads {"model", "max_tokens", "warmup", "questions"} as JSON
 on stdin and writes one JSON list of samples on stdout.
 """
@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from tests.bench_http import Sample, decode_rate
+from tests.bench.servers import Sample, decode_rate
 
 SYSTEM = "stream_generate"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import time
 
+from tests.bench.soak_traffic import Traffic
 from tests.support.raw_clients import (
     HEAD,
     closed_within,
@@ -15,7 +16,6 @@ from tests.support.raw_clients import (
     never_reading,
     unsent_bytes,
 )
-from tests.support.soak_traffic import Traffic
 
 CLOSE_MARGIN_S = 5.0  # beyond --request-timeout, for a loaded machine
 SLOW_HEADER_EVERY_S = 0.5  # one header byte this often: never done within the request timeout

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from tokenizers import Tokenizer
 
-from tests.bench_http import REQUEST_TIMEOUT_S, hotlora_bench_spec, launch
+from tests.bench.servers import REQUEST_TIMEOUT_S, hotlora_bench_spec, launch
 from tests.support.server_process import ServerProcess, ServerSpec
 
 STREAM_QUESTION = "Write a very long story about a lighthouse keeper and a storm."

@@ -27,7 +27,7 @@ refusals are counted apart: 404 for an adapter unmounted at that moment, 503 wit
 for a full queue. The server's RSS is read at start, after the warm-up (the first 20% of the
 time, at least 20 s) and at the end.
 
-    python -m tests.soak [--seconds 120] [--clients 10] [--queue-size 2] [--model DIR]
+    python -m tests.bench.soak [--seconds 120] [--clients 10] [--queue-size 2] [--model DIR]
 
 Exits 1 on any failure: another error status (a 500, a 404 for an adapter that stays mounted,
 ...), a connection error or timeout, a broken stream, a remounted adapter answering otherwise,
@@ -47,11 +47,11 @@ from pathlib import Path
 
 import httpx
 
+from tests.bench.soak_remount import remount_loop
+from tests.bench.soak_stuck import half_body_client, never_reading_client, slow_headers_client
+from tests.bench.soak_traffic import Tally, Traffic, churn_loop, client_loop
 from tests.support.model_args import add_model_args, resolve_model
 from tests.support.server_process import ServerProcess, hotlora_spec
-from tests.support.soak_remount import remount_loop
-from tests.support.soak_stuck import half_body_client, never_reading_client, slow_headers_client
-from tests.support.soak_traffic import Tally, Traffic, churn_loop, client_loop
 
 DEFAULT_SECONDS = 120.0
 # The warm-up: the first 20% of the time, and at least 20 s (the first requests on a loaded
@@ -316,7 +316,9 @@ def report(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tests.bench.soak", description=__doc__.split("\n")[0]
+    )
     p.add_argument(
         "--seconds",
         type=float,

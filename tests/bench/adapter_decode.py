@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from tests.bench_http import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
+from tests.bench.servers import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
 from tests.support.server_process import ServerProcess, ServerSpec
 
 RANK = 16

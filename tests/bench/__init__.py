@@ -1,0 +1,1 @@
+"""`make bench` and `make soak`: the benchmark sections and the soak, run as scripts."""
