@@ -14,9 +14,9 @@ import mlx.core as mx
 from hotlora.adapters import AdapterManager, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
-from hotlora.models.batch_matmul import install_batch_matmul
-from hotlora.models.cpu_kernels import enable_vector_jit, install_cpu_attention
-from hotlora.models.cpu_weights import choose_cpu_weights, has_gpu, to_float32
+from hotlora.models.cpu.layers import install_batch_matmul
+from hotlora.models.cpu.vector_jit import enable_vector_jit, install_cpu_attention
+from hotlora.models.cpu.weights import choose_cpu_weights, has_gpu, to_float32
 from hotlora.models.embedded import embedded_model_path, ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.api.admin_models import ModelCard

@@ -14,8 +14,8 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache
 
-from hotlora.models import cpu_kernels
-from hotlora.models.cpu_kernels import (
+from hotlora.models.cpu import vector_jit as cpu_kernels
+from hotlora.models.cpu.vector_jit import (
     JIT_FLAGS,
     cpu_attention,
     enable_vector_jit,
@@ -170,7 +170,7 @@ import json, os, sys
 from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
-from hotlora.models.cpu_kernels import cpu_attention, enable_vector_jit
+from hotlora.models.cpu.vector_jit import cpu_attention, enable_vector_jit
 
 jit = enable_vector_jit(Path(sys.argv[1]))
 x = mx.random.normal((4, 1, 1536), key=mx.random.key(0)) * 4

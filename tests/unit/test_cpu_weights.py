@@ -12,8 +12,8 @@ from mlx_lm.generate import generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import dequantize_model, load
 
-from hotlora.models import cpu_weights
-from hotlora.models.cpu_weights import choose_cpu_weights, float32_bytes, to_float32
+from hotlora.models.cpu import weights as cpu_weights
+from hotlora.models.cpu.weights import choose_cpu_weights, float32_bytes, to_float32
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler
 

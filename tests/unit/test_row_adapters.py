@@ -8,7 +8,7 @@ from mlx_lm.models import llama
 
 from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate, row_sets
 from hotlora.adapters.slots import LoRASlot
-from hotlora.models import batch_matmul
+from hotlora.models.cpu import layers as batch_matmul
 
 from tests.support.adapter_builders import TOKENS, adapter_set, logits, manager_with_a_and_b
 

@@ -345,8 +345,8 @@ def test_a_long_prompt_in_cost_sized_chunks_on_the_cpu_kernels_answers_as_mlx_lm
     from mlx_lm import generate
     from mlx_lm.models import llama
 
-    from hotlora.models.batch_matmul import install_batch_matmul, unavailable
-    from hotlora.models.cpu_kernels import install_cpu_attention
+    from hotlora.models.cpu.layers import install_batch_matmul, unavailable
+    from hotlora.models.cpu.vector_jit import install_cpu_attention
 
     from tests.support.tiny import write_tiny_llama
 

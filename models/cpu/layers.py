@@ -25,7 +25,7 @@ single-threaded passes over a chunk's scores (which deep in a long prompt are te
 a layer), is one threaded primitive (`masked_softmax`) with MLX's results to the bit.
 
 The kernels are MLX primitives in a small C++ extension, built by `make setup` (or
-`python -m hotlora.models.batch_matmul`) with g++ against MLX's headers and nanobind: it needs
+`python -m hotlora.models.cpu.layers`) with g++ against MLX's headers and nanobind: it needs
 x86-64 with AVX-512, or AVX2 and FMA.
 """
 
@@ -49,7 +49,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 
-from hotlora.models.cpu_kernels import attention_globals, cpu_attention, cpu_features
+from hotlora.models.cpu.vector_jit import attention_globals, cpu_attention, cpu_features
 
 MIN_ROWS = 2
 # Up to these many rows the kernel beats OpenBLAS here; by the vector instructions it uses.
@@ -118,7 +118,7 @@ def _load(threads: int) -> ModuleType | str:
     """The extension on `threads` threads, checked on a small product; else why it cannot
     serve."""
     try:
-        native = importlib.import_module(f"hotlora.models.{_MODULE}")
+        native = importlib.import_module(f"hotlora.models.cpu.{_MODULE}")
     except ImportError as exc:
         return f"not built ({exc}); {_BUILD_HINT}"
     native.set_threads(threads)

@@ -13,8 +13,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from hotlora.models import batch_matmul
-from hotlora.models.batch_matmul import (
+from hotlora.models.cpu import layers as batch_matmul
+from hotlora.models.cpu.layers import (
     MAX_ROWS,
     RowsEmbedding,
     RowsLinear,
@@ -22,7 +22,7 @@ from hotlora.models.batch_matmul import (
     RowsRoPE,
     install_batch_matmul,
 )
-from hotlora.models.cpu_kernels import cpu_attention, install_cpu_attention
+from hotlora.models.cpu.vector_jit import cpu_attention, install_cpu_attention
 from hotlora.models.loader import load_model_dir
 
 from tests.support.tiny import write_tiny_llama
@@ -31,7 +31,7 @@ from tests.unit.test_cpu_kernels import ATTENTION_CASES, attention_inputs
 if (_why := batch_matmul.unavailable()) is not None:
     pytest.skip(f"batched decode kernel: {_why}", allow_module_level=True)
 try:
-    from hotlora.models import _rows_matmul as native
+    from hotlora.models.cpu import _rows_matmul as native
 except ImportError:
     pytest.fail("the batched decode kernel is not built: run `make setup`")
 
