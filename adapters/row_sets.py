@@ -12,7 +12,7 @@ Two dense matmuls per slot whatever the number of sets, and a stack such as `a+b
 and `b` adds no columns of its own. A zero column contributes an exact zero, so a row gets its
 own set's residual and nothing else. A batched decode step on the CPU's float32 weights runs the
 base projection and both products as one call of the batch kernel
-(`hotlora.models.batch_matmul.lora_rows`), on transposed copies of the pair.
+(`hotlora.models.cpu.layers.lora_rows`), on transposed copies of the pair.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet, AppliedAdapter, MountedAdapter
-from hotlora.models.batch_matmul import lora_rows, serves_lora, serves_rows
+from hotlora.models.cpu.layers import lora_rows, serves_lora, serves_rows
 
 # One slot's layout: each adapter with weights there, and the span of its columns.
 Layout = tuple[tuple[MountedAdapter, int, int], ...]

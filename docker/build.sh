@@ -25,7 +25,7 @@ pip=("$venv/bin/pip" install -q)
 # The CPU's batched decode kernel, next to the installed package (built where the build machine
 # has AVX-512; the image's g++ compiles it).
 if [ "$backend" = cpu ]; then
-    "$venv/bin/python" -m hotlora.models.batch_matmul
+    "$venv/bin/python" -m hotlora.models.cpu.extension
 fi
 
 pythonpath=

@@ -9,14 +9,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import mlx.core as mx
-
 from hotlora.adapters import AdapterManager, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
-from hotlora.models.batch_matmul import install_batch_matmul
-from hotlora.models.cpu_kernels import enable_vector_jit, install_cpu_attention
-from hotlora.models.cpu_weights import choose_cpu_weights, has_gpu, to_float32
+from hotlora.models.cpu import prepare_cpu
 from hotlora.models.embedded import embedded_model_path, ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.api.admin_models import ModelCard
@@ -133,8 +129,17 @@ class Runtime:
         return self.settings.model is None and not imported
 
     def _build(self, loaded: LoadedModel, path: Path) -> None:
-        float32 = self._choose_weights(loaded)
-        self._choose_cpu_kernels(loaded, float32)
+        # Without a GPU: float32 weights when they fit, MLX's JIT flags, the native kernels;
+        # the log says which and why.
+        prepare_cpu(
+            loaded.model,
+            weights=self.settings.cpu_weights,
+            float_budget=self.settings.cpu_float_budget_bytes,
+            vector_jit=self.settings.cpu_vector_jit,
+            batch_kernels=self.settings.cpu_batch_matmul,
+            home=self.settings.home,
+            converting=self._converting,
+        )
         self.model_path = path
         self.base_id = base_model_id(self.settings)  # `path`'s name, unless named otherwise
         self.metrics.model_name = self.base_id
@@ -177,49 +182,10 @@ class Runtime:
             metrics=self.metrics,
         )
 
-    def _choose_weights(self, loaded: LoadedModel) -> bool:
-        """Float32 weights on a CPU-only machine when they fit (`--cpu-weights`); the log says
-        which weights are served and why. True when they are float32."""
-        cuda = getattr(mx, "cuda", None)  # absent from older MLX releases
-        log.info(
-            "MLX device: %s (Metal: %s, CUDA: %s)",
-            mx.default_device(),
-            mx.metal.is_available(),
-            cuda is not None and cuda.is_available(),
-        )
-        choice = choose_cpu_weights(
-            loaded.model, self.settings.cpu_weights, self.settings.cpu_float_budget_bytes
-        )
-        if choice.float32:
-            self._progress(f"converting the weights to float32 ({choice.reason})")
-            with self._phase("float32 conversion"):
-                to_float32(loaded.model)
-        log.info(
-            "serving %s weights: %s", "float32" if choice.float32 else "as-loaded", choice.reason
-        )
-        return choice.float32
-
-    def _choose_cpu_kernels(self, loaded: LoadedModel, float32: bool) -> None:
-        """Without a GPU, MLX's fused CPU kernels built for this CPU and the attention that
-        uses them (`--cpu-vector-jit`), and the batched decode kernels of float32 weights
-        (`--cpu-batch-matmul`); the log says which kernels run and why."""
-        if has_gpu():
-            return
-        if self.settings.cpu_vector_jit:
-            jit = enable_vector_jit(self.settings.home)
-            if jit.enabled:
-                install_cpu_attention(loaded.model)
-            log.info("CPU kernels: %s", jit.reason)
-        else:
-            log.info("CPU kernels: baseline x86-64 (--no-cpu-vector-jit)")
-        if not float32:
-            return
-        if self.settings.cpu_batch_matmul:
-            rows = install_batch_matmul(loaded.model)
-            reason = rows.reason if rows.enabled else f"MLX's own (BLAS; {rows.reason})"
-        else:
-            reason = "MLX's own (BLAS; --no-cpu-batch-matmul)"
-        log.info("batched decode kernels: %s", reason)
+    def _converting(self, reason: str) -> contextlib.AbstractContextManager[None]:
+        """The float32 conversion's progress line, timed as a start-up phase."""
+        self._progress(f"converting the weights to float32 ({reason})")
+        return self._phase("float32 conversion")
 
     async def _warm_up(self) -> None:
         if not self.settings.warmup or self.worker is None:

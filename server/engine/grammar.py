@@ -1,14 +1,12 @@
 """Structured output: JSON schemas compiled to grammars that mask each constrained row's logits.
 
 The grammar engine is llguidance. Of the three engines that compile JSON schemas to token masks,
-xgrammar needs PyTorch at import; outlines-core and llguidance install as plain wheels. Measured
-on the embedded model's 49,152-token vocabulary (2 busy CPU cores), llguidance compiles a schema
-in ~2 ms and computes one row's mask in ~30-50 us at the median (~0.4 ms on average, a few ms
-at the worst); outlines-core reads its precomputed masks faster (~5 us) but first compiles every
-schema into a token automaton on the request's path: ~2.7 s for a small nested schema, ~42 s
-for "any JSON object". In the scheduler a constrained decode step spends
-~0.8 ms (one row) to ~1.4 ms (four rows) on masks, against ~120-150 ms for the step itself.
-llguidance also covers more of JSON Schema, and names the keyword it cannot enforce.
+xgrammar needs PyTorch at import; outlines-core and llguidance install as plain wheels.
+outlines-core reads its precomputed masks faster, but first compiles every schema into a token
+automaton on the request's path, which takes seconds for a small nested schema and far longer
+for "any JSON object"; llguidance compiles a schema quickly and computes a row's mask in a small
+fraction of a decode step (the README's structured output section has the figures). llguidance
+also covers more of JSON Schema, and names the keyword it cannot enforce.
 
 A compiled `Grammar` is kept per schema text (LRU); each row decoding under it starts its own
 `Constraint` (a copy of the compiled matcher), so the `n` choices of a request and rows of any
@@ -116,7 +114,7 @@ class Grammar:
 class Grammars:
     """JSON schemas compiled for one tokenizer, the last `cache_size` of them kept.
 
-    The grammar engine's token table takes ~0.5-3 s to build for a 49k vocabulary: it is built
+    The grammar engine's token table takes seconds to build for a large vocabulary: it is built
     on the first compile, so a server that never sees a `response_format` never pays for it.
     Compiles run off the event loop (on the tokenizer's thread); the lock keeps the table and
     the cache whole if they ever run elsewhere too.

@@ -72,8 +72,8 @@ def test_greedy_equals_mlx_lm_generate(client, model_id, model_dir, tokenizer, s
     from mlx_lm import generate
     from mlx_lm.utils import dequantize_model, load_model
 
-    from hotlora.models.cpu_kernels import vector_jit_unavailable
-    from hotlora.models.cpu_weights import choose_cpu_weights
+    from hotlora.models.cpu.vector_jit import vector_jit_unavailable
+    from hotlora.models.cpu.weights import choose_cpu_weights
 
     model, _ = load_model(model_dir)
     if choose_cpu_weights(model, "auto").float32:

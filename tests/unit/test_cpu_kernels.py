@@ -14,15 +14,9 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache
 
-from hotlora.models import cpu_kernels
-from hotlora.models.cpu_kernels import (
-    JIT_FLAGS,
-    cpu_attention,
-    enable_vector_jit,
-    install_cpu_attention,
-    softmax,
-    vector_jit_unavailable,
-)
+from hotlora.models.cpu import vector_jit
+from hotlora.models.cpu.attention import cpu_attention, install_cpu_attention, softmax
+from hotlora.models.cpu.vector_jit import JIT_FLAGS, enable_vector_jit, vector_jit_unavailable
 from hotlora.models.loader import load_model_dir
 
 from tests.support.tiny import write_tiny_llama
@@ -146,7 +140,7 @@ def test_a_model_with_cpu_attention_computes_the_same_logits(tmp_path: Path, mon
 def test_no_vector_jit_without_the_cpu_features(tmp_path: Path, monkeypatch):
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         pytest.skip("the features are read on x86-64 Linux")
-    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(vector_jit, "cpu_features", lambda: {"sse2", "avx"})
     path, tmpdir = os.environ.get("PATH"), os.environ.get("TMPDIR")
     jit = enable_vector_jit(tmp_path)
     assert not jit.enabled and "lacks avx2, fma, f16c" in jit.reason
@@ -170,7 +164,8 @@ import json, os, sys
 from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
-from hotlora.models.cpu_kernels import cpu_attention, enable_vector_jit
+from hotlora.models.cpu.attention import cpu_attention
+from hotlora.models.cpu.vector_jit import enable_vector_jit
 
 jit = enable_vector_jit(Path(sys.argv[1]))
 x = mx.random.normal((4, 1, 1536), key=mx.random.key(0)) * 4

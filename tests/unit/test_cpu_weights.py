@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,8 +15,8 @@ from mlx_lm.generate import generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import dequantize_model, load
 
-from hotlora.models import cpu_weights
-from hotlora.models.cpu_weights import choose_cpu_weights, float32_bytes, to_float32
+from hotlora.models.cpu import prepare_cpu, weights
+from hotlora.models.cpu.weights import choose_cpu_weights, float32_bytes, to_float32
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler
 
@@ -38,7 +41,7 @@ def test_auto_serves_float32_on_a_cpu_when_the_copy_fits(tiny_model_dir: Path):
 
 
 def test_auto_keeps_the_weights_on_a_gpu(tiny_model_dir: Path, monkeypatch):
-    monkeypatch.setattr(cpu_weights, "has_gpu", lambda: True)
+    monkeypatch.setattr(weights, "has_gpu", lambda: True)
     choice = choose_cpu_weights(load_model_dir(tiny_model_dir).model, "auto")
     assert not choice.float32 and "GPU" in choice.reason
 
@@ -84,6 +87,38 @@ def test_float32_weights_generate_what_mlx_lm_generates_on_the_dequantized_model
     text = "".join(getattr(e, "text", "") for e in events)
     assert text == expected
     assert len(expected) > 0
+
+
+def test_prepare_cpu_converts_in_the_callers_context_and_logs_what_it_chose(
+    tiny_model_dir: Path, tmp_path: Path, caplog
+):
+    model = load_model_dir(tiny_model_dir).model
+    seen = []
+
+    @contextlib.contextmanager
+    def converting(reason: str) -> Iterator[None]:
+        seen.append((reason, mx.uint32 in dtypes(model)))  # before the conversion
+        yield
+        seen.append(("converted", dtypes(model) == {mx.float32}))
+
+    with caplog.at_level(logging.INFO, logger="hotlora"):
+        setup = prepare_cpu(
+            model,
+            weights="float32",
+            float_budget=None,
+            vector_jit=False,
+            batch_kernels=False,
+            home=tmp_path,
+            converting=converting,
+        )
+    assert setup.float32 and seen == [(setup.weights, True), ("converted", True)]
+    logged = [r.getMessage() for r in caplog.records]
+    assert f"serving float32 weights: {setup.weights}" in logged
+    if weights.has_gpu():
+        assert setup.vector_jit is setup.batch_kernels is None
+        return
+    assert "CPU kernels: baseline x86-64 (--no-cpu-vector-jit)" in logged
+    assert "batched decode kernels: MLX's own (BLAS; --no-cpu-batch-matmul)" in logged
 
 
 @pytest.mark.parametrize("setting", ["auto", "float32", "quantized"])

@@ -8,7 +8,7 @@ from mlx_lm.models import llama
 
 from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate, row_sets
 from hotlora.adapters.slots import LoRASlot
-from hotlora.models import batch_matmul
+from hotlora.models.cpu import extension, install_rows_kernels, layers
 
 from tests.support.adapter_builders import TOKENS, adapter_set, logits, manager_with_a_and_b
 
@@ -171,19 +171,19 @@ def test_equal_sets_share_their_columns(manager_and_model):
 def test_a_decode_step_through_the_batch_kernel_gets_each_rows_residual(tmp_path, monkeypatch):
     """Rows of one token each ([B, 1, in] at every projection) take the batch kernel's fused
     path: the base projection and each row's residual in one call per slot."""
-    if (why := batch_matmul.unavailable()) is not None:
+    if (why := extension.unavailable()) is not None:
         pytest.skip(f"batched decode kernel: {why}")
     model, manager = manager_with_a_and_b(tmp_path)  # its own model: install changes its layers
     model.set_dtype(mx.float32)
     # Install points the architecture's attention function elsewhere: as it was afterwards.
     monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
-    state = batch_matmul.install_batch_matmul(model, threads=2)
+    state = install_rows_kernels(model, threads=2)
     assert state.enabled, state.reason
     fused = []
 
     def counted(*args):
         fused.append(args[1])
-        return batch_matmul.lora_rows(*args)
+        return layers.lora_rows(*args)
 
     monkeypatch.setattr(row_sets, "lora_rows", counted)
     sets = {spec: adapter_set(manager, spec) for spec in SPECS}

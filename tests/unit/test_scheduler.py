@@ -345,8 +345,9 @@ def test_a_long_prompt_in_cost_sized_chunks_on_the_cpu_kernels_answers_as_mlx_lm
     from mlx_lm import generate
     from mlx_lm.models import llama
 
-    from hotlora.models.batch_matmul import install_batch_matmul, unavailable
-    from hotlora.models.cpu_kernels import install_cpu_attention
+    from hotlora.models.cpu import install_rows_kernels
+    from hotlora.models.cpu.attention import install_cpu_attention
+    from hotlora.models.cpu.extension import unavailable
 
     from tests.support.tiny import write_tiny_llama
 
@@ -361,7 +362,7 @@ def test_a_long_prompt_in_cost_sized_chunks_on_the_cpu_kernels_answers_as_mlx_lm
     loaded = load_model_dir(path)
     loaded.model.set_dtype(mx.float32)
     install_cpu_attention(loaded.model)
-    assert install_batch_matmul(loaded.model, threads=2).enabled
+    assert install_rows_kernels(loaded.model, threads=2).enabled
     engine = Engine(loaded, base_id="tiny", prompt_cache_size=0)
     scheduler = Scheduler(engine, max_batch=2, prefill_chunk=24, prefill_context_unit=16)
     calls = CallLog(scheduler)

@@ -1,11 +1,10 @@
 """Which weights the CPU serves: a float32 copy through BLAS, or the weights as loaded.
 
-MLX's CPU kernels for quantized and half-precision matmuls do not use BLAS: they process a
-prompt at ~15 tok/s on a small model and gain nothing from batching. The same weights
-dequantized to float32 go through BLAS (OpenBLAS where preloaded), an order of magnitude
-faster for prompts and for batched decode. So on a machine without a GPU, `auto` serves a
-float32 copy when it fits a memory budget (half the RAM unless set); with a GPU (Metal, CUDA)
-the weights stay as loaded.
+MLX's CPU kernels for quantized and half-precision matmuls do not use BLAS: they are slow on
+prompts and gain nothing from batching. The same weights dequantized to float32 go through BLAS
+(OpenBLAS where preloaded), many times faster for prompts and for batched decode. So on a
+machine without a GPU, `auto` serves a float32 copy when it fits a memory budget (half the RAM
+unless set); with a GPU (Metal, CUDA) the weights stay as loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ _HALF = (mx.float16, mx.bfloat16)
 
 @dataclass(frozen=True)
 class WeightsChoice:
+    """Whether the CPU serves a float32 copy of the weights, and why."""
+
     float32: bool
     reason: str
 

@@ -13,25 +13,19 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from hotlora.models import batch_matmul
-from hotlora.models.batch_matmul import (
-    MAX_ROWS,
-    RowsEmbedding,
-    RowsLinear,
-    RowsRMSNorm,
-    RowsRoPE,
-    install_batch_matmul,
-)
-from hotlora.models.cpu_kernels import cpu_attention, install_cpu_attention
+from hotlora.models.cpu import extension, install_rows_kernels
+from hotlora.models.cpu.attention import cpu_attention, install_cpu_attention
+from hotlora.models.cpu.extension import MAX_ROWS
+from hotlora.models.cpu.layers import RowsEmbedding, RowsLinear, RowsRMSNorm, RowsRoPE
 from hotlora.models.loader import load_model_dir
 
 from tests.support.tiny import write_tiny_llama
 from tests.unit.test_cpu_kernels import ATTENTION_CASES, attention_inputs
 
-if (_why := batch_matmul.unavailable()) is not None:
+if (_why := extension.unavailable()) is not None:
     pytest.skip(f"batched decode kernel: {_why}", allow_module_level=True)
 try:
-    from hotlora.models import _rows_matmul as native
+    from hotlora.models.cpu import _rows_matmul as native
 except ImportError:
     pytest.fail("the batched decode kernel is not built: run `make setup`")
 
@@ -328,7 +322,7 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
     prefill, step = decode_logits(model, 4)
     _, alone = decode_logits(model, 1)
 
-    state = install_batch_matmul(model, threads=2)
+    state = install_rows_kernels(model, threads=2)
     assert state.enabled, state.reason
     assert f"({native.isa()}, 2 threads)" in state.reason
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -405,9 +399,9 @@ def test_an_installed_models_prefill_chunks_take_the_masked_softmax(tmp_path: Pa
 
     before = chunks()  # mlx-lm's attention
     install_cpu_attention(model)
-    assert install_batch_matmul(model, threads=2).enabled
-    counting = CountingAttention(batch_matmul._native)
-    monkeypatch.setattr(batch_matmul, "_native", counting)
+    assert install_rows_kernels(model, threads=2).enabled
+    counting = CountingAttention(extension.native)
+    monkeypatch.setattr(extension, "native", counting)
     after = chunks()
     assert counting.softmax_calls == 2 * len(model.layers)
     assert all(mx.array_equal(a, b).item() for a, b in zip(before, after, strict=True))
@@ -421,11 +415,11 @@ def test_a_model_without_the_kernels_keeps_mlxs_attention(tmp_path: Path, monkey
     for model in (plain, installed):
         model.set_dtype(mx.float32)
     before = decode_logits(plain, 4)
-    assert install_batch_matmul(installed, threads=2).enabled
+    assert install_rows_kernels(installed, threads=2).enabled
     fallback = llama.scaled_dot_product_attention.rows_fallback  # type: ignore[attr-defined]
     assert fallback is mlx_lm_base.scaled_dot_product_attention
-    counting = CountingAttention(batch_matmul._native)
-    monkeypatch.setattr(batch_matmul, "_native", counting)
+    counting = CountingAttention(extension.native)
+    monkeypatch.setattr(extension, "native", counting)
     after = decode_logits(plain, 4)
     assert all(mx.array_equal(a, b).item() for a, b in zip(before, after, strict=True))
     decode_logits(installed, 1)
@@ -441,7 +435,7 @@ def test_a_model_without_the_kernels_keeps_mlxs_attention(tmp_path: Path, monkey
 
 def test_a_quantized_model_keeps_its_layers(tmp_path: Path):
     model = load_model_dir(write_tiny_llama(tmp_path / "tiny", quantize=True)).model
-    install_batch_matmul(model, threads=2)
+    install_rows_kernels(model, threads=2)
     assert not any(isinstance(m, RowsLinear | RowsEmbedding) for _, m in model.named_modules())
 
 
@@ -449,16 +443,16 @@ def test_it_explains_a_missing_build(monkeypatch):
     def missing(name: str):
         raise ImportError(f"No module named {name!r}")
 
-    monkeypatch.setattr(batch_matmul.importlib, "import_module", missing)
-    state = install_batch_matmul(nn.Linear(4, 4))
+    monkeypatch.setattr(extension.importlib, "import_module", missing)
+    state = install_rows_kernels(nn.Linear(4, 4))
     assert not state.enabled
     assert "not built" in state.reason and "make setup" in state.reason
 
 
 def test_no_kernel_without_the_vector_instructions(monkeypatch):
-    monkeypatch.setattr(batch_matmul, "cpu_features", lambda: {"sse2", "avx", "avx2"})
+    monkeypatch.setattr(extension, "cpu_features", lambda: {"sse2", "avx", "avx2"})
     linear = nn.Linear(4, 4)
-    state = install_batch_matmul(linear)
+    state = install_rows_kernels(linear)
     assert not state.enabled
     assert state.reason == "the CPU lacks AVX-512 and AVX2 with FMA"
     assert type(linear) is nn.Linear

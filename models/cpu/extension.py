@@ -1,0 +1,127 @@
+"""The native CPU kernels' extension: built with g++ against MLX's headers, loaded, self-checked.
+
+`native/rows_matmul.cpp` holds MLX primitives for the few rows of a batched decode step (the
+projections, with or without each row's LoRA residual, and the attention) and for every float32
+step (RMSNorm, RoPE, a prefill chunk's masked softmax). It is a small C++ extension built by
+`make setup` (or `python -m hotlora.models.cpu.extension`) with g++ against MLX's headers and
+nanobind, next to this module: it needs x86-64 with AVX-512, or AVX2 and FMA.
+
+Once `load` has checked it, `native` is the extension and `max_rows` the most rows of a batched
+step its products take; until then `native` is None and every layer keeps MLX's own operations.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+
+from hotlora.models.cpu.features import cpu_features, x86_64_linux
+
+MIN_ROWS = 2
+# Up to these many rows the kernel beats OpenBLAS; by the vector instructions it uses. Beyond
+# them BLAS, whose packing of the weights then pays off, is faster again.
+MAX_ROWS = {"avx512": 16, "avx2": 8}
+_SOURCE = Path(__file__).with_name("native") / "rows_matmul.cpp"
+_MODULE = "_rows_matmul"
+_BUILD_HINT = "`make setup` builds it"
+
+native: ModuleType | None = None  # the extension, once loaded and checked
+max_rows = 0  # the most rows of a batched decode step the kernels take, once loaded
+
+
+def library_path() -> Path:
+    return Path(__file__).with_name(_MODULE + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run on this machine; None when they can."""
+    if not x86_64_linux():
+        return "not an x86-64 Linux machine"
+    features = cpu_features()
+    if "avx512f" not in features and not {"avx2", "fma"} <= features:
+        return "the CPU lacks AVX-512 and AVX2 with FMA"
+    return None
+
+
+def build() -> Path:
+    """Compile the extension next to this module; returns its path. Raises on failure."""
+    import nanobind
+
+    nb = Path(nanobind.__file__).parent
+    mlx_root = Path(mx.__file__).parent
+    target = library_path()
+    staged = target.with_name(f".{target.name}.{os.getpid()}")
+    command = [
+        os.environ.get("CXX", "g++"),
+        *("-O3", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG"),
+        # Lets the compiler vectorize loops of selects (the softmax's exp); every operation
+        # still rounds as IEEE says, so the results are the same bits.
+        "-fno-trapping-math",
+        "-DNB_DOMAIN=mlx",  # MLX's own nanobind domain, so that `mx.array` crosses over
+        f"-I{sysconfig.get_paths()['include']}",
+        f"-I{nb / 'include'}",
+        f"-I{nb / 'ext' / 'robin_map' / 'include'}",
+        f"-I{mlx_root / 'include'}",
+        str(_SOURCE),
+        str(nb / "src" / "nb_combined.cpp"),
+        f"-L{mlx_root / 'lib'}",
+        "-lmlx",
+        f"-Wl,-rpath,{mlx_root / 'lib'}",
+        "-o",
+        str(staged),
+    ]
+    try:
+        subprocess.run(command, check=True)
+        staged.replace(target)
+    finally:
+        staged.unlink(missing_ok=True)
+    return target
+
+
+def load(threads: int) -> ModuleType | str:
+    """The extension on `threads` threads, checked on a small product, as `native`; else why it
+    cannot serve (and `native` stays as it was)."""
+    global native, max_rows
+    if (reason := unavailable()) is not None:
+        return reason
+    try:
+        loaded = importlib.import_module(f"{__package__}.{_MODULE}")
+    except ImportError as exc:
+        return f"not built ({exc}); {_BUILD_HINT}"
+    loaded.set_threads(threads)
+    x = mx.random.normal((3, 40), key=mx.random.key(0))
+    w = mx.random.normal((5, 40), key=mx.random.key(1))
+    try:
+        ok = mx.allclose(loaded.rows_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item()
+    except (TypeError, ValueError, RuntimeError) as exc:  # e.g. built against another MLX
+        return f"unusable ({exc}); {_BUILD_HINT} again"
+    if not ok:
+        return f"gave wrong products on a check; {_BUILD_HINT} again"
+    native, max_rows = loaded, MAX_ROWS[loaded.isa()]
+    return loaded
+
+
+def one_token_rows(x: mx.array, ndim: int) -> bool:
+    """Whether x is float32 of `ndim` axes with one token a row (axis -2) and 2 to the
+    kernels' most rows (axis 0): a batched decode step's, with the kernels loaded."""
+    shape = x.shape
+    return (
+        native is not None
+        and len(shape) == ndim
+        and shape[-2] == 1
+        and MIN_ROWS <= shape[0] <= max_rows
+        and x.dtype == mx.float32
+    )
+
+
+if __name__ == "__main__":
+    if (why := unavailable()) is not None:
+        print(f"batch matmul kernel not built: {why}")
+    else:
+        print(f"built {build()}")
