@@ -29,12 +29,16 @@ from hotlora.adapters.manager import (
     MountListener,
 )
 from hotlora.adapters.mount_journal import (
+    MOUNTS_FILE,
     MountedSet,
     MountFile,
     MountJournal,
     MountRecord,
     MountStore,
     mount_file,
+    open_mounted_set,
+    report_unmountable,
+    write_mounted_set,
 )
 from hotlora.adapters.row_sets import RowAdapterCache, RowAdapters
 from hotlora.adapters.slots import activate
@@ -47,6 +51,7 @@ from hotlora.adapters.spec import (
 
 __all__ = [
     "ADAPTER_ID_SCHEMA",
+    "MOUNTS_FILE",
     "BASE_ONLY",
     "AdapterConflict",
     "AdapterError",
@@ -71,6 +76,9 @@ __all__ = [
     "activate",
     "fuse_adapter",
     "mount_file",
+    "open_mounted_set",
     "parse_adapter_spec",
     "parse_selection",
+    "report_unmountable",
+    "write_mounted_set",
 ]

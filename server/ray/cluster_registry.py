@@ -24,15 +24,13 @@ from typing import Any
 import ray
 
 from hotlora.adapters import (
+    MOUNTS_FILE,
     AdapterConflict,
     AdapterError,
     AdapterManager,
     AdapterNotFound,
     MountedSet,
     MountRecord,
-)
-from hotlora.adapters.mount_journal import (
-    MOUNTS_FILE,
     open_mounted_set,
     report_unmountable,
     write_mounted_set,
