@@ -1,4 +1,4 @@
-"""Where LoRA attaches in a base model: the seven projections of every transformer layer."""
+"""Where LoRA attaches in a base model: the attention and MLP projections of every layer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+# Fused projections (phi3's `qkv_proj`, `gate_up_proj`) are plain linears too: LoRA on one is a
+# residual on its whole fused output, as mlx-lm's trainer and PEFT both apply it.
 TARGET_PROJECTIONS = frozenset(
-    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "qkv_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "gate_up_proj",
+        "down_proj",
+    }
 )
 
 # Attribute chains (not module-tree paths) to a model's decoder layers, most common first.

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
+from mlx_lm.models import llama, phi3
 
 from hotlora.adapters import AdapterManager, AdapterSet, parse_adapter_spec
 from hotlora.adapters.projections import TARGET_PROJECTIONS, find_targets, linear_dims
@@ -34,6 +34,26 @@ def tiny_model(quantize: bool = False, seed: int = 0) -> nn.Module:
     model = llama.Model(tiny_args())
     if quantize:
         nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_phi3(seed: int = 0) -> nn.Module:
+    """A 2-layer phi3 the size of the tiny llama: fused `qkv_proj` and `gate_up_proj`."""
+    llama_args = tiny_args()
+    args = phi3.ModelArgs(
+        model_type="phi3",
+        hidden_size=llama_args.hidden_size,
+        num_hidden_layers=llama_args.num_hidden_layers,
+        intermediate_size=llama_args.intermediate_size,
+        num_attention_heads=llama_args.num_attention_heads,
+        num_key_value_heads=llama_args.num_key_value_heads,
+        rms_norm_eps=llama_args.rms_norm_eps,
+        vocab_size=llama_args.vocab_size,
+        max_position_embeddings=llama_args.max_position_embeddings,
+    )
+    mx.random.seed(seed)
+    model = phi3.Model(args)
     mx.eval(model.parameters())
     return model
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 from hotlora.adapters import AdapterManager, InvalidAdapter, activate, fuse_adapter
 from hotlora.adapters.projections import find_targets
@@ -19,6 +20,8 @@ from tests.support.adapter_builders import (
     logits,
     random_pairs,
     tiny_model,
+    tiny_phi3,
+    write_mlx_adapter,
     write_peft_adapter,
 )
 from tests.support.tiny import write_tiny_llama
@@ -82,3 +85,24 @@ def test_a_bad_adapter_writes_nothing(tmp_path: Path):
     with pytest.raises(InvalidAdapter):
         fuse_adapter(base_dir, adapter, tmp_path / "fused")
     assert not (tmp_path / "fused").exists()
+
+
+def test_a_phi3_adapter_on_its_fused_projections_fuses(tmp_path: Path):
+    base_dir = write_tiny_llama(tmp_path / "base")  # its tokenizer; the weights become phi3's
+    config = json.loads((base_dir / "config.json").read_text())
+    config.update(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=False)
+    (base_dir / "config.json").write_text(json.dumps(config))
+    weights = dict(tree_flatten(tiny_phi3().parameters()))
+    mx.save_safetensors(str(base_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    pairs = random_pairs(tiny_phi3(), keys=["qkv_proj", "gate_up_proj"])
+    adapter = write_mlx_adapter(tmp_path / "adapter", pairs)
+    out = fuse_adapter(base_dir, adapter, tmp_path / "fused")
+
+    base = load_model_dir(base_dir).model
+    base_logits = logits(base)
+    manager = AdapterManager(base, base_id=BASE_ID, adapter_root=tmp_path, max_rank=8)
+    assert manager.mount("sft", "adapter").mounted_layers == 4
+    with activate(adapter_set(manager, "sft")):
+        adapted = logits(base)
+    assert mx.allclose(logits(load_model_dir(out).model), adapted, rtol=1e-4, atol=1e-4)
+    assert not mx.allclose(base_logits, adapted, rtol=1e-4, atol=1e-4)
