@@ -37,7 +37,6 @@ class LoadedAdapter:
     revision: str  # sha256 hex over scale, rank, rsLoRA flag and the weight file's bytes
     size_bytes: int
     weights: Mapping[str, tuple[mx.array, mx.array]]  # path -> (A [in, r], B [r, out])
-    skipped_tensors: int
 
     @property
     def ram_bytes(self) -> int:
@@ -123,7 +122,6 @@ def _read(
         revision=revision(config, weight_file, max_bytes=max_bytes),
         size_bytes=size,
         weights=dict(matched.pairs),
-        skipped_tensors=matched.skipped_tensors,
     )
 
 

@@ -67,7 +67,6 @@ class AdapterInfo:
     size_bytes: int  # the weight file on disk
     ram_bytes: int  # the mounted arrays
     mounted_layers: int  # slots it attaches to
-    skipped_tensors: int
     mounted_at: int  # unix seconds
     in_use: int  # requests computing with any revision mounted under this id now
 
@@ -335,7 +334,6 @@ class AdapterManager:
             size_bytes=adapter.size_bytes,
             ram_bytes=adapter.ram_bytes,
             mounted_layers=len(adapter.weights),
-            skipped_tensors=adapter.skipped_tensors,
             mounted_at=mounted.mounted_at,
             in_use=self._in_use.get(mounted.id, 0),
         )

@@ -14,7 +14,14 @@ from hotlora.adapters.projections import TARGET_PROJECTIONS, TargetDims, canonic
 
 # `<module>.lora_a` (mlx-lm) or `<module>.lora_A.weight` (PEFT); either spelling, either suffix.
 _TENSOR_NAME = re.compile(r"^(?P<module>.+)\.(?P<half>lora_[aAbB])(?:\.weight)?$")
-_SHOWN = 3  # how many offending modules an error message names
+_SHOWN = 3  # how many offending modules or tensors an error message names
+_PROJECTIONS = " ".join(sorted(TARGET_PROJECTIONS))
+# Modules an adapter may carry weights for that no LoRA slot stands in for, by a part of the name.
+_NOT_TARGETS = (
+    (("experts", "switch_mlp", "block_sparse_moe"), "MoE expert weights take no LoRA here"),
+    (("embed_tokens", "wte", "embeddings", "embed"), "embeddings take no LoRA here"),
+    (("lm_head",), "lm_head takes no LoRA here"),
+)
 
 
 @dataclass
@@ -22,7 +29,6 @@ class MatchedPairs:
     """The adapter's (A, B) per base module path, A `[in, r]` and B `[r, out]` (mlx-lm layout)."""
 
     pairs: dict[str, tuple[mx.array, mx.array]] = field(default_factory=dict)
-    skipped_tensors: int = 0
 
 
 def match_pairs(
@@ -30,27 +36,26 @@ def match_pairs(
 ) -> MatchedPairs:
     """Check every LoRA pair against the base and return them in mlx-lm layout.
 
-    `targets` maps base module paths to their dimensions. Tensors for modules that are not one
-    of the seven projections are skipped and counted; anything else that does not fit raises
-    `InvalidAdapter` naming the module, or the tensor for NaN or infinite values. The returned
-    arrays are evaluated.
+    `targets` maps base module paths to their dimensions. Every tensor is applied or the
+    adapter is refused: anything that is not a LoRA half of one of the base's target
+    projections, or does not fit it, raises `InvalidAdapter` naming the tensor or module and
+    why. The returned arrays are evaluated.
     """
     by_canonical = {canonical_path(path): path for path in targets}
     # base module path -> "lora_a"/"lora_b" -> (the file's spelling of the half, name, tensor)
     halves: dict[str, dict[str, tuple[str, str, mx.array]]] = {}
     unknown: list[str] = []
+    unusable: list[str] = []  # "<tensor> (<why>)", in file order
     result = MatchedPairs()
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)
-        if match is None:
-            result.skipped_tensors += 1
-            continue
-        module = canonical_path(match["module"])
-        if module.rsplit(".", 1)[-1] not in TARGET_PROJECTIONS:
-            result.skipped_tensors += 1
-            continue
-        if module not in by_canonical:
-            unknown.append(match["module"])
+        module = canonical_path(match["module"]) if match else ""
+        if match is None or module not in by_canonical:
+            why = _why_unusable(name, module)
+            if why is not None:
+                unusable.append(f"{name} ({why})")
+            elif match is not None:  # a target projection, but not one this base has
+                unknown.append(match["module"])
             continue
         half = match["half"]
         slot = halves.setdefault(by_canonical[module], {})
@@ -58,10 +63,16 @@ def match_pairs(
             raise InvalidAdapter(f"{match['module']}: {half} is given twice ({name})")
         slot[half.lower()] = (half, name, tensor)
 
-    if not halves:
+    if not halves and not unknown:
         raise InvalidAdapter(
-            "no tensor in the adapter matches a q/k/v/o/gate/up/down projection of the base "
-            "model; it was probably trained for another base model"
+            f"no tensor in the adapter matches a projection of the base model that takes LoRA "
+            f"({_PROJECTIONS}); it was probably trained for another base model"
+            + (f": {_listed(unusable)}" if unusable else "")
+        )
+    if unusable:
+        raise InvalidAdapter(
+            f"the adapter has tensors that cannot be applied, so it was not mounted: "
+            f"{_listed(unusable)}; LoRA applies to {_PROJECTIONS} only"
         )
     if unknown:
         names = ", ".join(sorted(set(unknown))[:_SHOWN])
@@ -145,3 +156,23 @@ def _checked_pair(
             f"{path}: the tensors have rank {a.shape[1]} but adapter_config.json says {rank}"
         )
     return a.astype(dims.dtype), b.astype(dims.dtype)
+
+
+def _why_unusable(name: str, module: str) -> str | None:
+    """Why the tensor `name` (a LoRA half of `module`, or `""`) can have no slot in any base
+    this adapter could fit; None for a half of a target projection."""
+    parts = set(name.split("."))
+    for words, why in _NOT_TARGETS:
+        if parts & set(words):
+            return why
+    if not module:
+        return "not a LoRA A or B matrix (lora_a, lora_b, lora_A.weight, lora_B.weight)"
+    leaf = module.rsplit(".", 1)[-1]
+    if leaf not in TARGET_PROJECTIONS:
+        return f"{leaf} is not a projection that takes LoRA"
+    return None
+
+
+def _listed(items: list[str]) -> str:
+    more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return ", ".join(items[:_SHOWN]) + more

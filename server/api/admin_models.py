@@ -54,7 +54,6 @@ class AdapterCard(BaseModel):
     size_bytes: int
     ram_bytes: int
     mounted_layers: int
-    skipped_tensors: int
     mounted_at: int
     in_use: int
 

@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -265,6 +266,14 @@ def bad_config(root: Path, text: str) -> str:
     return "bad"
 
 
+def with_lm_head(root: Path) -> str:
+    """A good adapter that also trains lm_head, which takes no LoRA here."""
+    pairs = random_pairs(tiny_model(quantize=True), seed=4)
+    extra = {"lm_head.lora_a": mx.zeros((64, 4)), "lm_head.lora_b": mx.zeros((4, 128))}
+    write_mlx_adapter(root / "bad", pairs, extra_tensors=extra)
+    return "bad"
+
+
 BAD_FILES = [
     # (case id, path maker, words in the message); all 400 with param "path"
     ("nan-tensor", nan_weights, f"NaN or infinite values in the tensor {Q}.lora_a"),
@@ -278,6 +287,7 @@ BAD_FILES = [
      "nests deeper than 32 levels"),
     ("config-large", lambda r: bad_config(r, " " * (1 << 20) + "{}"),
      f"adapter_config.json is over the limit of {1 << 20} bytes"),
+    ("lm-head-tensor", with_lm_head, "lm_head.lora_a (lm_head takes no LoRA here)"),
     ("name-too-long", lambda r: "x" * 300, "cannot be read"),
     ("path-too-long", lambda r: "/".join(["y" * 200] * 30), "cannot be read"),
 ]  # fmt: skip

@@ -143,18 +143,13 @@ def test_wrapped_and_plain_module_paths_match(tmp_path: Path):
         assert mx.allclose(run(model, adapter_set(manager, name)), expected, **CLOSE)
 
 
-def test_info_counts_bytes_layers_and_skipped_tensors(tmp_path: Path):
+def test_info_counts_bytes_and_layers(tmp_path: Path):
     _, manager = make_manager(tmp_path)
     pairs = random_pairs(tiny_model(), keys=["q_proj", "v_proj"])
-    extra = {
-        "model.embed_tokens.lora_a": mx.zeros((128, RANK)),
-        "lm_head.lora_b": mx.zeros((RANK, 128)),
-    }
-    write_mlx_adapter(tmp_path / "sft", pairs, extra_tensors=extra)
+    write_mlx_adapter(tmp_path / "sft", pairs)
     info = manager.mount("sft", "sft")
     assert info.mounted_layers == len(pairs) == 4
     assert info.ram_bytes == sum(a.nbytes + b.nbytes for a, b in pairs.values())
-    assert info.skipped_tensors == 2
     assert info.size_bytes == (tmp_path / "sft" / "adapters.safetensors").stat().st_size
     assert info.rank == RANK and info.scale == SCALE and len(info.revision) == 64
     assert info.to_dict()["id"] == "sft"

@@ -264,6 +264,41 @@ CASES: list[tuple[str, str, Callable[[Path], str], type[AdapterError], str]] = [
     ("no-matching-tensors", "sft", lambda r: with_tensors(
         r, pair("model.layers.0.attention.wq", (64, 4), (4, 64))),
      InvalidAdapter, "probably trained for another base model"),
+    # Every tensor is applied or the mount is refused, naming the first tensors it cannot apply.
+    ("expert-weight", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)), **pair("model.layers.0.mlp.experts.0.gate_proj",
+                                                  (64, 4), (4, 128))}),
+     InvalidAdapter, "model.layers.0.mlp.experts.0.gate_proj.lora_a (MoE expert weights take no "
+     "LoRA here)"),
+    ("switch-mlp-weight", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)), **pair("model.layers.0.mlp.switch_mlp.up_proj",
+                                                  (64, 4), (4, 128))}),
+     InvalidAdapter, "switch_mlp.up_proj.lora_a (MoE expert weights"),
+    ("embedding", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)), "model.embed_tokens.lora_a": mx.zeros((128, 4))}),
+     InvalidAdapter, "model.embed_tokens.lora_a (embeddings take no LoRA here)"),
+    ("peft-embedding", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)),
+            "base_model.model.model.embed_tokens.lora_embedding_A": mx.zeros((4, 128))}),
+     InvalidAdapter, "embed_tokens.lora_embedding_A (embeddings take no LoRA here)"),
+    ("lm-head", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)), "lm_head.lora_b": mx.zeros((4, 128))}),
+     InvalidAdapter, "lm_head.lora_b (lm_head takes no LoRA here)"),
+    ("peft-modules-to-save", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)),
+            "base_model.model.lm_head.modules_to_save.default.weight": mx.zeros((128, 64))}),
+     InvalidAdapter, "lm_head.modules_to_save.default.weight (lm_head takes no LoRA here)"),
+    ("unknown-projection", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)), **pair("model.layers.0.self_attn.dense", (64, 4),
+                                                  (4, 64))}),
+     InvalidAdapter, "self_attn.dense.lora_a (dense is not a projection that takes LoRA)"),
+    ("not-a-lora-tensor", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)), "model.norm.weight": mx.zeros((64,))}),
+     InvalidAdapter, "model.norm.weight (not a LoRA A or B matrix"),
+    ("fused-projection-the-base-lacks", "sft", lambda r: with_tensors(
+        r, {**pair(Q, (64, 4), (4, 64)), **pair("model.layers.0.self_attn.qkv_proj", (64, 4),
+                                                  (4, 128))}),
+     InvalidAdapter, "modules the base model does not have (model.layers.0.self_attn.qkv_proj)"),
     ("layer-the-base-lacks", "sft", lambda r: with_tensors(
         r, {**pair(Q, (64, 4), (4, 64)), **pair("model.layers.9.self_attn.q_proj", (64, 4),
                                                   (4, 64))}),
