@@ -13,6 +13,7 @@ from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from hotlora.config.errors import HotloraError
 from hotlora.models.dialects import UnsupportedConfig, read_config, text_section
+from hotlora.models.row_masks import install_row_masks
 
 # Names configs use for the longest sequence the position encoding was trained for.
 _CONTEXT_KEYS = (
@@ -87,6 +88,7 @@ def load_model_dir(path: Path) -> LoadedModel:
         model, config = load_model(path, model_config=config)
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         raise ModelLoadError(f"{path}: cannot build the {model_type!r} model: {e}") from e
+    install_row_masks(model)  # rows of a batch each under their own mask (gemma2)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
 
 

@@ -23,6 +23,7 @@ from hotlora.server.engine import (
     LoadSnapshot,
     SamplingParams,
     WorkerStopped,
+    check_batching,
 )
 from hotlora.server.http.request_errors import NotReady
 from hotlora.server.serving import InferenceService
@@ -140,6 +141,7 @@ class Runtime:
             home=self.settings.home,
             converting=self._converting,
         )
+        max_batch = self._max_batch(loaded)
         self.model_path = path
         self.base_id = base_model_id(self.settings)  # `path`'s name, unless named otherwise
         self.metrics.model_name = self.base_id
@@ -169,7 +171,7 @@ class Runtime:
             engine,
             max_queue=self.settings.queue_size,
             max_unsent=self.settings.max_unsent_tokens,
-            max_batch=self.settings.max_batch,
+            max_batch=max_batch,
             prefill_chunk=self.settings.prefill_chunk,
             prefill_context_unit=self.settings.prefill_context_unit,
             kv_cache_bytes=self.settings.kv_cache_bytes,
@@ -181,6 +183,24 @@ class Runtime:
             generation_defaults=generation_defaults(path),
             metrics=self.metrics,
         )
+
+    def _max_batch(self, loaded: LoadedModel) -> int:
+        """`max_batch`, or 1 when the model as served (its CPU kernels installed) fails the
+        batching check: one row at a time is slower, never wrong."""
+        if self.settings.max_batch == 1:
+            return 1
+        with self._phase("batching check"):
+            failed = check_batching(loaded.model)
+        if failed is None:
+            return self.settings.max_batch
+        architecture = loaded.config.get("model_type", type(loaded.model).__module__)
+        log.warning(
+            "batching off for %s: %s; requests decode one row at a time",
+            architecture,
+            failed,
+            extra={"fields": {"architecture": architecture, "reason": failed}},
+        )
+        return 1
 
     def _converting(self, reason: str) -> contextlib.AbstractContextManager[None]:
         """The float32 conversion's progress line, timed as a start-up phase."""

@@ -4,6 +4,7 @@ stops.
 Nothing here knows about HTTP: `QueueFull` is an engine condition, reported as the server sees fit.
 """
 
+from hotlora.server.engine.batch_check import check_batching
 from hotlora.server.engine.generate import (
     Delta,
     Engine,
@@ -40,4 +41,5 @@ __all__ = [
     "Scheduler",
     "Ticket",
     "WorkerStopped",
+    "check_batching",
 ]

@@ -1,4 +1,4 @@
-"""A tiny random-weight llama model directory, written by the tests that need one.
+"""Tiny random-weight model directories (llama, gemma2), written by the tests that need one.
 
 The directory looks like a real checkpoint: config.json, generation_config.json,
 model.safetensors, and a character-level BPE tokenizer (tokenizer.json + tokenizer_config.json)
@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
+from mlx_lm.models import gemma2, llama
 from tokenizers import Tokenizer, decoders, models
 
 VOCAB_SIZE = 128
@@ -93,6 +93,55 @@ def write_tiny_llama(
     _write_json(dir / "config.json", config)
     _write_json(dir / "generation_config.json", {"eos_token_id": EOS_TOKEN_ID})
     _write_tokenizer(dir, chat_template)
+    return dir
+
+
+def tiny_gemma2_args() -> gemma2.ModelArgs:
+    """gemma2 at the tiny size: 2 layers, hidden 64, 4 query / 2 key-value heads of 16."""
+    return gemma2.ModelArgs(
+        model_type="gemma2",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB_SIZE,
+        num_key_value_heads=2,
+    )
+
+
+def write_tiny_gemma2(dir: Path, seed: int = 0) -> Path:
+    """Write a tiny random gemma2 checkpoint into `dir` (created if needed) and return `dir`."""
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    args = tiny_gemma2_args()
+    mx.random.seed(seed)
+    model = gemma2.Model(args)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": args.model_type,
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "intermediate_size": args.intermediate_size,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.rms_norm_eps,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "query_pre_attn_scalar": int(args.query_pre_attn_scalar),
+        "attn_logit_softcapping": args.attn_logit_softcapping,
+        "final_logit_softcapping": args.final_logit_softcapping,
+        "bos_token_id": IM_START_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+    }
+    _write_json(dir / "config.json", config)
+    _write_json(dir / "generation_config.json", {"eos_token_id": EOS_TOKEN_ID})
+    _write_tokenizer(dir, CHAT_TEMPLATE)
     return dir
 
 
