@@ -1,0 +1,329 @@
+"""Each model family hotlora serves, at a tiny random size: adapters, mixed batches and the
+scheduler answer as mlx-lm and as each row alone would."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import (
+    gemma2,
+    gemma3_text,
+    granite,
+    llama,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
+from mlx_lm.tuner.utils import load_adapters
+
+from hotlora.adapters import (
+    BASE_ONLY,
+    AdapterManager,
+    AdapterSet,
+    RowAdapterCache,
+    RowAdapters,
+    activate,
+)
+from hotlora.adapters.projections import TARGET_PROJECTIONS
+from hotlora.models.loader import load_model_dir
+from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler, check_batching
+
+from tests.support.adapter_builders import (
+    BASE_ID,
+    SCALE,
+    TOKENS,
+    Pairs,
+    adapter_set,
+    logits,
+    random_pairs,
+    write_mlx_adapter,
+)
+from tests.support.scheduling import Recorder, run
+from tests.support.tiny import (
+    ENDOFTEXT_ID,
+    EOS_TOKEN_ID,
+    MAX_POSITION_EMBEDDINGS,
+    VOCAB_SIZE,
+    write_tiny_llama,
+)
+
+TOLERANCE = 1e-4
+WINDOW = 8  # the sliding window of the sliding-window families, shorter than LONG
+LONG = mx.array([[(7 * i + 5) % (VOCAB_SIZE - 4) + 4 for i in range(3 * WINDOW)]])
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+# Common to every family: 2 layers, hidden 64, 4 query heads over 2 key-value heads.
+SHAPE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB_SIZE,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family: its mlx-lm module, its arguments, and what its adapters target."""
+
+    module: ModuleType
+    args: dict
+    keys: tuple[str, ...] | None = None  # projections the adapters target; None: all
+    sliding: bool = False
+
+    def model_args(self, name: str):
+        return self.module.ModelArgs(model_type=name, **SHAPE, **self.args)
+
+    def build(self, name: str, seed: int = 0) -> nn.Module:
+        """The family's tiny model; the same seed gives the same weights."""
+        mx.random.seed(seed)
+        model = self.module.Model(self.model_args(name))
+        mx.eval(model.parameters())
+        return model
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(llama, {}),
+    # mlx-lm builds mistral with its llama module; a sliding layer beside a full one.
+    "mistral": Family(
+        llama,
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+        sliding=True,
+    ),
+    "qwen2": Family(qwen2, {}),
+    "qwen3": Family(
+        qwen3,
+        {
+            "head_dim": 16,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gemma3_text": Family(
+        gemma3_text,
+        {"head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2},
+        sliding=True,
+    ),
+    "olmo2": Family(olmo2, {}),
+    "granite": Family(
+        granite,
+        {
+            "logits_scaling": 4.0,
+            "attention_multiplier": 0.25,
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.5,
+            "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rope_theta": 10000.0,
+        },
+    ),
+    "gemma2": Family(gemma2, {"head_dim": 16}),
+    "phi3": Family(phi3, {}),
+    # LoRA on the attention projections only: the experts' switch layers take none.
+    "qwen3_moe": Family(
+        qwen3_moe,
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 32,
+            "head_dim": 16,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+            "norm_topk_prob": True,
+        },
+        keys=ATTENTION,
+    ),
+}
+
+# (family, check) -> the defect a family shows on that check.
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
+
+
+def cases(check: str, names: Callable[[Family], bool] = lambda family: True) -> list:
+    """The families a check runs on, each marked xfail where it answers wrongly."""
+    params = []
+    for name, family in FAMILIES.items():
+        if not names(family):
+            continue
+        reason = KNOWN_DEFECTS.get((name, check))
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+@dataclass
+class Mounted:
+    """A family's model with adapters `a` and `b` mounted, and what built them."""
+
+    name: str
+    family: Family
+    model: nn.Module
+    manager: AdapterManager
+    pairs: dict[str, Pairs]
+    root: Path
+
+    def sets(self) -> dict[str, AdapterSet]:
+        return {spec: adapter_set(self.manager, spec) for spec in ("a", "b", "a+b")}
+
+    def mlx_lm_logits(self, adapter: str, tokens: mx.array) -> mx.array:
+        """A fresh copy with the adapter loaded by mlx-lm's own `load_adapters`."""
+        model = self.family.build(self.name)
+        load_adapters(model, str(self.root / adapter))
+        return logits(model, tokens)
+
+    def merged_logits(self, tokens: mx.array) -> mx.array:
+        """A fresh copy with `W + scale * (A @ B).T` of both adapters in its weights."""
+        model = self.family.build(self.name)
+        modules = dict(model.named_modules())
+        for pairs in self.pairs.values():
+            for path, (a, b) in pairs.items():
+                modules[path].weight = modules[path].weight + SCALE * (a @ b).T  # [out, in]
+        return logits(model, tokens)
+
+
+def mount_a_and_b(name: str, model: nn.Module, root: Path) -> tuple[AdapterManager, dict]:
+    """A manager over `model` with two random adapters of the family mounted, `a` and `b`."""
+    family = FAMILIES[name]
+    manager = AdapterManager(model, base_id=BASE_ID, adapter_root=root, max_rank=8)
+    pairs = {}
+    for seed, adapter in enumerate(("a", "b"), start=1):
+        keys = family.keys or TARGET_PROJECTIONS
+        pairs[adapter] = random_pairs(family.build(name), seed=seed, keys=keys)
+        write_mlx_adapter(root / adapter, pairs[adapter])
+        assert manager.mount(adapter, adapter).mounted_layers == len(pairs[adapter])
+    return manager, pairs
+
+
+@pytest.fixture(scope="module")
+def mounted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Mounted:
+    """The family's model with `a` and `b` mounted, built once per family for the module."""
+    name = request.param
+    root = tmp_path_factory.mktemp(f"adapters-{name}")
+    model = FAMILIES[name].build(name)
+    manager, pairs = mount_a_and_b(name, model, root)
+    return Mounted(name, FAMILIES[name], model, manager, pairs, root)
+
+
+def difference(x: mx.array, y: mx.array) -> float:
+    return mx.abs(x - y).max().item()
+
+
+@pytest.mark.parametrize("mounted", cases("alone"), indirect=True)
+def test_base_and_adapters_alone_equal_mlx_lm(mounted: Mounted):
+    untouched = logits(mounted.family.build(mounted.name))
+    assert mx.array_equal(logits(mounted.model), untouched).item()
+    with activate(BASE_ONLY):
+        assert mx.array_equal(logits(mounted.model), untouched).item()
+    sets = mounted.sets()
+    expected = mounted.mlx_lm_logits("a", TOKENS)
+    assert difference(expected, untouched) > 1e-2  # the adapter changes the answer
+    with activate(sets["a"]):
+        assert difference(logits(mounted.model), expected) < TOLERANCE
+    with activate(sets["a+b"]):
+        assert difference(logits(mounted.model), mounted.merged_logits(TOKENS)) < TOLERANCE
+
+
+def mixed_batch_matches_rows_alone(mounted: Mounted, tokens: mx.array) -> None:
+    sets = mounted.sets()
+    rows = [BASE_ONLY, sets["a"], sets["b"], sets["a+b"]]
+    batch = RowAdapterCache().for_rows(rows)
+    assert isinstance(batch, RowAdapters)
+    with activate(batch):
+        batched = logits(mounted.model, mx.concatenate([tokens] * len(rows)))
+    for i, adapters in enumerate(rows):
+        with activate(adapters):
+            alone = logits(mounted.model, tokens)
+        assert difference(batched[i : i + 1], alone) < TOLERANCE, f"row {i}"
+    assert difference(batched[1], batched[2]) > 1e-2
+
+
+@pytest.mark.parametrize("mounted", cases("mixed batch"), indirect=True)
+def test_each_row_of_a_mixed_batch_equals_the_row_alone(mounted: Mounted):
+    mixed_batch_matches_rows_alone(mounted, TOKENS)
+
+
+def sliding(family: Family) -> bool:
+    return family.sliding
+
+
+@pytest.mark.parametrize("mounted", cases("window", sliding), indirect=True)
+def test_a_prompt_longer_than_the_window_alone_and_batched(mounted: Mounted):
+    with activate(adapter_set(mounted.manager, "a")):
+        alone = logits(mounted.model, LONG)
+    assert difference(alone, mounted.mlx_lm_logits("a", LONG)) < TOLERANCE
+    mixed_batch_matches_rows_alone(mounted, LONG)
+
+
+def write_family_dir(directory: Path, name: str, family: Family) -> Path:
+    """A checkpoint directory of the family: the tiny tokenizer, its config and weights."""
+    write_tiny_llama(directory)  # the tokenizer files; config and weights are replaced
+    model = family.build(name)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = {
+        **dataclasses.asdict(family.model_args(name)),
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+    }
+    if "query_pre_attn_scalar" in config:  # transformers' config class takes an int here
+        config["query_pre_attn_scalar"] = int(config["query_pre_attn_scalar"])
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def job(prompt: list[int], adapters: AdapterSet | None) -> GenerationJob:
+    sampling = SamplingParams(max_tokens=6, temperature=0.0)
+    if adapters is None:
+        return GenerationJob(prompt, sampling)
+    return GenerationJob(prompt, sampling, adapters)
+
+
+@pytest.mark.parametrize("name", cases("scheduler"))
+def test_the_scheduler_batches_rows_as_each_alone(name: str, tmp_path: Path):
+    family = FAMILIES[name]
+    loaded = load_model_dir(write_family_dir(tmp_path / "model", name, family))
+    assert check_batching(loaded.model) is None  # start-up would serve it batched
+    manager, _ = mount_a_and_b(name, loaded.model, tmp_path)
+    engine = Engine(loaded, base_id=BASE_ID, prompt_cache_size=0)
+    long = LONG[0].tolist()  # past the window of the sliding-window families
+    rows = [([5, 6, 7], ""), (long, "a"), ([9, 10, 11, 12, 13], "b"), ([20, 21], "a+b")]
+
+    def jobs(prompt: list[int], spec: str) -> list[GenerationJob]:
+        return [job(prompt, adapter_set(manager, spec) if spec else None)]
+
+    scheduler = Scheduler(engine, max_batch=len(rows))
+    batched = [Recorder() for _ in rows]
+    for row, sink in zip(rows, batched, strict=True):
+        scheduler.add(jobs(*row), sink)
+    widest = 0
+    for _ in range(100):
+        if scheduler.idle:
+            break
+        scheduler.step()
+        widest = max(widest, len(scheduler.running))
+    assert scheduler.idle
+    assert [sink.errors for sink in batched] == [[]] * len(rows)
+    assert widest == len(rows)  # every row decoded in one batch at some step
+    for i, row in enumerate(rows):
+        alone = run(Scheduler(engine, max_batch=1), [jobs(*row)])[0]
+        assert batched[i].text() == alone.text(), f"row {i} ({row[1] or 'base'})"
+        assert batched[i].finished() == alone.finished(), f"row {i} ({row[1] or 'base'})"
