@@ -153,20 +153,10 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
-# (family, check) -> the defect a family shows on that check.
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
-
-def cases(check: str, names: Callable[[Family], bool] = lambda family: True) -> list:
-    """The families a check runs on, each marked xfail where it answers wrongly."""
-    params = []
-    for name, family in FAMILIES.items():
-        if not names(family):
-            continue
-        reason = KNOWN_DEFECTS.get((name, check))
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
+def cases(names: Callable[[Family], bool] = lambda family: True) -> list:
+    """The families a check runs on."""
+    return [pytest.param(name, id=name) for name, family in FAMILIES.items() if names(family)]
 
 
 @dataclass
@@ -226,7 +216,7 @@ def difference(x: mx.array, y: mx.array) -> float:
     return mx.abs(x - y).max().item()
 
 
-@pytest.mark.parametrize("mounted", cases("alone"), indirect=True)
+@pytest.mark.parametrize("mounted", cases(), indirect=True)
 def test_base_and_adapters_alone_equal_mlx_lm(mounted: Mounted):
     untouched = logits(mounted.family.build(mounted.name))
     assert mx.array_equal(logits(mounted.model), untouched).item()
@@ -255,7 +245,7 @@ def mixed_batch_matches_rows_alone(mounted: Mounted, tokens: mx.array) -> None:
     assert difference(batched[1], batched[2]) > 1e-2
 
 
-@pytest.mark.parametrize("mounted", cases("mixed batch"), indirect=True)
+@pytest.mark.parametrize("mounted", cases(), indirect=True)
 def test_each_row_of_a_mixed_batch_equals_the_row_alone(mounted: Mounted):
     mixed_batch_matches_rows_alone(mounted, TOKENS)
 
@@ -264,7 +254,7 @@ def sliding(family: Family) -> bool:
     return family.sliding
 
 
-@pytest.mark.parametrize("mounted", cases("window", sliding), indirect=True)
+@pytest.mark.parametrize("mounted", cases(sliding), indirect=True)
 def test_a_prompt_longer_than_the_window_alone_and_batched(mounted: Mounted):
     with activate(adapter_set(mounted.manager, "a")):
         alone = logits(mounted.model, LONG)
@@ -297,7 +287,7 @@ def job(prompt: list[int], adapters: AdapterSet | None) -> GenerationJob:
     return GenerationJob(prompt, sampling, adapters)
 
 
-@pytest.mark.parametrize("name", cases("scheduler"))
+@pytest.mark.parametrize("name", cases())
 def test_the_scheduler_batches_rows_as_each_alone(name: str, tmp_path: Path):
     family = FAMILIES[name]
     loaded = load_model_dir(write_family_dir(tmp_path / "model", name, family))
