@@ -78,8 +78,6 @@ def write_tiny_llama(
     `quantize` packs the linear and embedding weights to 4 bits (group 32) the way mlx-lm's
     converter does. The same `seed` gives the same weights.
     """
-    dir = Path(dir)
-    dir.mkdir(parents=True, exist_ok=True)
     args = tiny_args()
     mx.random.seed(seed)
     model = llama.Model(args)
@@ -88,6 +86,16 @@ def write_tiny_llama(
         nn.quantize(model, group_size=QUANTIZATION["group_size"], bits=QUANTIZATION["bits"])
         config["quantization"] = dict(QUANTIZATION)
         config["quantization_config"] = dict(QUANTIZATION)
+    return write_checkpoint(dir, model, config, chat_template)
+
+
+def write_checkpoint(
+    dir: Path, model: nn.Module, config: dict, chat_template: str = CHAT_TEMPLATE
+) -> Path:
+    """Write `model`'s weights with `config` and the tiny tokenizer into `dir` (created if
+    needed), as a model directory the loader reads; returns `dir`."""
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(dir / "config.json", config)
@@ -113,13 +121,9 @@ def tiny_gemma2_args() -> gemma2.ModelArgs:
 
 def write_tiny_gemma2(dir: Path, seed: int = 0) -> Path:
     """Write a tiny random gemma2 checkpoint into `dir` (created if needed) and return `dir`."""
-    dir = Path(dir)
-    dir.mkdir(parents=True, exist_ok=True)
     args = tiny_gemma2_args()
     mx.random.seed(seed)
     model = gemma2.Model(args)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = {
         "architectures": ["Gemma2ForCausalLM"],
         "model_type": args.model_type,
@@ -139,10 +143,7 @@ def write_tiny_gemma2(dir: Path, seed: int = 0) -> Path:
         "eos_token_id": EOS_TOKEN_ID,
         "pad_token_id": ENDOFTEXT_ID,
     }
-    _write_json(dir / "config.json", config)
-    _write_json(dir / "generation_config.json", {"eos_token_id": EOS_TOKEN_ID})
-    _write_tokenizer(dir, CHAT_TEMPLATE)
-    return dir
+    return write_checkpoint(dir, model, config)
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -4,7 +4,6 @@ scheduler answer as mlx-lm and as each row alone would."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,6 @@ from types import ModuleType
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.models import (
     gemma2,
     gemma3_text,
@@ -55,7 +53,7 @@ from tests.support.tiny import (
     EOS_TOKEN_ID,
     MAX_POSITION_EMBEDDINGS,
     VOCAB_SIZE,
-    write_tiny_llama,
+    write_checkpoint,
 )
 
 TOLERANCE = 1e-4
@@ -264,10 +262,7 @@ def test_a_prompt_longer_than_the_window_alone_and_batched(mounted: Mounted):
 
 def write_family_dir(directory: Path, name: str, family: Family) -> Path:
     """A checkpoint directory of the family: the tiny tokenizer, its config and weights."""
-    write_tiny_llama(directory)  # the tokenizer files; config and weights are replaced
     model = family.build(name)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = {
         **dataclasses.asdict(family.model_args(name)),
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
@@ -276,8 +271,7 @@ def write_family_dir(directory: Path, name: str, family: Family) -> Path:
     }
     if "query_pre_attn_scalar" in config:  # transformers' config class takes an int here
         config["query_pre_attn_scalar"] = int(config["query_pre_attn_scalar"])
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return write_checkpoint(directory, model, config)
 
 
 def job(prompt: list[int], adapters: AdapterSet | None) -> GenerationJob:
