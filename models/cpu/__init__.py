@@ -57,10 +57,18 @@ class CpuSetup:
 def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKernels:
     """Route the model's float projections (a tied output layer too) and attention through the
     native kernels for batched decode steps, and its norms and RoPEs for every float32 step.
-    Changes the modules' classes in place; their weights are untouched."""
+    Changes the modules' classes in place; their weights are untouched. The reason names what
+    stays on MLX's own operations (an architecture's own attention, experts' layers)."""
     from hotlora.models.cpu import extension
     from hotlora.models.cpu.attention import install_rows_attention
-    from hotlora.models.cpu.layers import RowsLinear, RowsRMSNorm, RowsRoPE, swap_layers
+    from hotlora.models.cpu.layers import (
+        RowsLinear,
+        RowsOffsetRMSNorm,
+        RowsRMSNorm,
+        RowsRoPE,
+        mlx_layers,
+        swap_layers,
+    )
 
     threads = threads or min(len(os.sched_getaffinity(0)), 8)
     loaded = extension.load(threads)
@@ -68,12 +76,17 @@ def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKe
         return RowsKernels(False, loaded)
     swapped = swap_layers(model)
     attention = install_rows_attention(model)
+    kept = [f"{count} {name}" for name, count in sorted(mlx_layers(model).items())]
+    if not attention:
+        kept.insert(0, f"the attention of {type(model).__module__.rsplit('.', 1)[-1]} (its own)")
+    norms = swapped[RowsRMSNorm] + swapped[RowsOffsetRMSNorm]
     return RowsKernels(
         True,
         f"decode steps of {extension.MIN_ROWS}-{extension.max_rows} rows run "
         f"{swapped[RowsLinear]} projections and {' and '.join(attention) or 'no'} attention "
         f"through the rows kernels ({loaded.isa()}, {threads} threads); every float32 step runs "
-        f"{swapped[RowsRMSNorm]} norms and {swapped[RowsRoPE]} RoPEs as one operation each",
+        f"{norms} norms and {swapped[RowsRoPE]} RoPEs as one operation each; "
+        f"MLX's own operations: {', '.join(kept) or 'none'}",
     )
 
 
@@ -93,7 +106,7 @@ def prepare_cpu(
     which weights and kernels serve and why."""
     from hotlora.models.cpu.attention import install_cpu_attention
     from hotlora.models.cpu.vector_jit import enable_vector_jit
-    from hotlora.models.cpu.weights import choose_cpu_weights, has_gpu, to_float32
+    from hotlora.models.cpu.weights import all_float32, choose_cpu_weights, has_gpu, to_float32
 
     cuda = getattr(mx, "cuda", None)  # absent from older MLX releases
     log.info(
@@ -117,7 +130,7 @@ def prepare_cpu(
     else:
         jit_reason = "baseline x86-64 (--no-cpu-vector-jit)"
     log.info("CPU kernels: %s", jit_reason)
-    if not choice.float32:
+    if not all_float32(model):  # the batched decode kernels read float32 weights
         return CpuSetup(False, choice.reason, jit_reason, None)
     if batch_kernels:
         rows = install_rows_kernels(model)

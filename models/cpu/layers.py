@@ -24,6 +24,7 @@ from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import gemma, gemma2, gemma3_text
 
 from hotlora.models.cpu import extension
 
@@ -92,6 +93,21 @@ class RowsRMSNorm(nn.RMSNorm):
         return super().__call__(x)
 
 
+class RowsOffsetRMSNorm(nn.Module):
+    """The Gemma families' RMSNorm, whose weight is stored less one (`rms_norm(x, 1 + w)`), as
+    one primitive like `RowsRMSNorm`: the same `1.0 + weight` then the same norm, MLX's bits."""
+
+    weight: mx.array
+    eps: float
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = 1.0 + self.weight
+        native = extension.native
+        if native is not None and x.dtype == weight.dtype == mx.float32 and x.size:
+            return native.rms_norm_rows(x, weight, self.eps)
+        return mx.fast.rms_norm(x, weight, self.eps)
+
+
 class RowsRoPE(nn.RoPE):
     """`nn.RoPE` as one primitive, not MLX's thirty, on float32 [B, heads, L, D] with one
     position for all rows or one per row: MLX's results to the bit, so every call takes it."""
@@ -118,7 +134,22 @@ _ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     nn.Embedding: RowsEmbedding,
     nn.RMSNorm: RowsRMSNorm,
     nn.RoPE: RowsRoPE,
+    gemma.RMSNorm: RowsOffsetRMSNorm,
+    gemma2.RMSNorm: RowsOffsetRMSNorm,
+    gemma3_text.RMSNorm: RowsOffsetRMSNorm,
 }
+
+
+def mlx_layers(model: nn.Module) -> Counter[str]:
+    """The model's layers with weights of their own that no Rows class serves, by class name
+    (an MoE's expert layers, say): they run MLX's own operations."""
+    rows_classes = set(_ROWS_CLASSES.values())
+    kept: Counter[str] = Counter()
+    for _, module in model.named_modules():
+        if type(module) in rows_classes or "weight" not in module:
+            continue
+        kept[f"{type(module).__module__.rsplit('.', 1)[-1]}.{type(module).__name__}"] += 1
+    return kept
 
 
 def swap_layers(model: nn.Module) -> Counter[type[nn.Module]]:

@@ -70,6 +70,12 @@ def _low_precision(model: nn.Module) -> str | None:
     return None
 
 
+def all_float32(model: nn.Module) -> bool:
+    """Whether every parameter is float32 already (a float32 model directory, or after
+    `to_float32`)."""
+    return _low_precision(model) is None
+
+
 def choose_cpu_weights(
     model: nn.Module, setting: CpuWeights, budget: int | None = None
 ) -> WeightsChoice:

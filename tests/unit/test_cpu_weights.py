@@ -128,3 +128,26 @@ def test_the_setting_is_validated(setting: str, tiny_model_dir: Path):
     assert Settings(cpu_weights=setting).cpu_weights == setting
     with pytest.raises(ValueError):
         Settings(cpu_weights="fp8")
+
+
+def test_a_float32_model_directory_takes_the_batched_decode_kernels(tmp_path: Path, caplog):
+    from hotlora.models.cpu import extension
+
+    if weights.has_gpu() or extension.unavailable():
+        pytest.skip("the native kernels serve x86-64 Linux CPUs without a GPU")
+    model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
+    model.set_dtype(mx.float32)  # as a float32 checkpoint loads
+    with caplog.at_level(logging.INFO, logger="hotlora"):
+        setup = prepare_cpu(
+            model,
+            weights="auto",
+            float_budget=None,
+            vector_jit=False,
+            batch_kernels=True,
+            home=tmp_path,
+        )
+    assert setup.weights == "the weights are float32 already"
+    assert setup.batch_kernels is not None and "through the rows kernels" in setup.batch_kernels
+    assert f"batched decode kernels: {setup.batch_kernels}" in [
+        r.getMessage() for r in caplog.records
+    ]

@@ -4,6 +4,7 @@ scheduler answer as mlx-lm and as each row alone would."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from mlx_lm.models import (
     qwen3,
     qwen3_moe,
 )
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tuner.utils import load_adapters
 
 from hotlora.adapters import (
@@ -34,7 +36,10 @@ from hotlora.adapters import (
     activate,
 )
 from hotlora.adapters.projections import TARGET_PROJECTIONS
+from hotlora.models.cpu import extension, install_rows_kernels
+from hotlora.models.cpu.layers import RowsLinear, RowsOffsetRMSNorm, RowsRMSNorm, RowsRoPE
 from hotlora.models.loader import load_model_dir
+from hotlora.models.row_masks import install_row_masks
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler, check_batching
 
 from tests.support.adapter_builders import (
@@ -311,3 +316,73 @@ def test_the_scheduler_batches_rows_as_each_alone(name: str, tmp_path: Path):
         alone = run(Scheduler(engine, max_batch=1), [jobs(*row)])[0]
         assert batched[i].text() == alone.text(), f"row {i} ({row[1] or 'base'})"
         assert batched[i].finished() == alone.finished(), f"row {i} ({row[1] or 'base'})"
+
+
+class CountingKernels:
+    """The native extension, counting the batched calls of its projection and attention."""
+
+    def __init__(self, native: ModuleType):
+        self.native, self.calls = native, Counter[str]()
+
+    def __getattr__(self, name: str) -> object:
+        kernel = getattr(self.native, name)
+        if name not in ("rows_matmul", "rows_matmul_lora", "attention_rows"):
+            return kernel
+
+        def counted(*args: object) -> object:
+            self.calls[name] += 1
+            return kernel(*args)
+
+        return counted
+
+
+def batched_step(model: nn.Module, prompts: list[list[int]]) -> mx.array:
+    """Each prompt but its last token prefilled alone, then one batched decode step of all the
+    rows, their caches merged as the scheduler merges them: logits [rows, vocab]."""
+    caches = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array([prompt[:-1]]), cache=cache)
+        caches.append(cache)
+    merged = [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
+    step = model(mx.array([[p[-1]] for p in prompts]), cache=merged)[:, -1, :]
+    mx.eval(step)
+    return step
+
+
+# What each family leaves to MLX's own operations once the kernels are installed.
+MLX_PARTS = {
+    "gemma2": "the attention of gemma2 (its own)",
+    "qwen3_moe": "6 switch_layers.SwitchLinear",
+}
+
+
+@pytest.mark.parametrize("name", cases())
+def test_a_float32_model_of_the_family_takes_the_native_kernels(name: str, monkeypatch):
+    if extension.unavailable():
+        pytest.skip(f"native kernels: {extension.unavailable()}")
+    family = FAMILIES[name]
+    model = family.build(name)
+    model.set_dtype(mx.float32)
+    install_row_masks(model)  # as the loader does
+    prompts = [LONG[0, :n].tolist() for n in (3, 2 * WINDOW + 1, 5)]  # one past the window
+    alone_before = logits(model, TOKENS)
+    step_before = batched_step(model, prompts)
+
+    state = install_rows_kernels(model, threads=2)
+    assert state.enabled, state.reason
+    assert f"MLX's own operations: {MLX_PARTS.get(name, 'none')}" in state.reason
+    served = (RowsRMSNorm, RowsOffsetRMSNorm, RowsLinear, RowsRoPE)
+    norms = [m for _, m in model.named_modules() if "Norm" in type(m).__name__]
+    assert norms and all(isinstance(m, served) for m in norms)
+
+    counting = CountingKernels(extension.native)
+    monkeypatch.setattr(extension, "native", counting)
+    # A request alone is MLX's to the bit (BLAS products; norms and RoPEs computing MLX's
+    # operations); the batched step is the kernels', within rounding of MLX's.
+    assert mx.array_equal(logits(model, TOKENS), alone_before).item()
+    assert not counting.calls
+    step = batched_step(model, prompts)
+    assert counting.calls["rows_matmul"] > 0
+    assert (counting.calls["attention_rows"] > 0) == (name != "gemma2")
+    assert difference(step, step_before) < TOLERANCE
