@@ -11,6 +11,7 @@ import pytest
 from hotlora.models.loader import load_model_dir
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+from tests.support.gguf_models import write_family_gguf
 from tests.support.tiny import is_quantized, write_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -47,6 +48,24 @@ def test_import_of_a_file_that_is_not_gguf_fails_cleanly(tmp_path: Path):
     assert result.stderr.startswith("hotlora import-gguf: ")
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_import_of_another_architecture_names_it(tmp_path: Path):
+    write_family_gguf(tmp_path / "m.gguf", "qwen2", arch="mamba")
+    result = hotlora("import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("hotlora import-gguf: architecture 'mamba' is not supported")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_serve_of_a_gguf_of_another_architecture_exits_naming_it(tmp_path: Path):
+    write_family_gguf(tmp_path / "m.gguf", "qwen2", arch="mamba")
+    result = hotlora(
+        "serve", "--model", str(tmp_path / "m.gguf"), "--port", "0", "--home", str(tmp_path)
+    )
+    assert result.returncode == 1
+    assert "could not start: architecture 'mamba' is not supported" in result.stderr
 
 
 def test_serve_with_a_missing_model_exits_with_the_reason(tmp_path: Path):
