@@ -79,6 +79,8 @@ QUANTIZED = {
 }
 # Sentencepiece pieces beyond the single characters, best first (llama.cpp merges by score).
 SPM_PIECES = ("▁t", "he", "▁the", "in", "▁a", "er", "on", "or", "▁w", "▁wor", "ld", "▁world")
+LONG_FACTORS = [1.0, 1.5, 2.0, 4.0, 8.0, 16.0]
+SHORT_FACTORS = [1.0, 1.0, 1.25, 1.5, 2.0, 2.5]
 SPM_CHARS = "▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'"
 
 
@@ -111,6 +113,7 @@ class TinyFamily:
     metadata: dict[str, Any] = field(default_factory=dict)  # family keys beyond the common ones
     add_space_prefix: bool = True
     gemma: bool = False
+    tensors: dict[str, list[float]] = field(default_factory=dict)  # settings held as tensors
 
     @property
     def model_type(self) -> str:
@@ -200,6 +203,35 @@ FAMILIES = {
             "attention.sliding_window": 0,
         },
     ),
+    # Phi-3's long-context rope: llama.cpp keeps the factors as tensors and the attention scale
+    # (sqrt(1 + ln 4 / ln 256) for 1,024 positions over 256) as a key.
+    "phi3_longrope": TinyFamily(
+        "phi3",
+        phi3,
+        {
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "max_position_embeddings": 4 * CONTEXT,
+            "original_max_position_embeddings": CONTEXT,
+            "rope_scaling": {
+                "type": "longrope",
+                "long_factor": LONG_FACTORS,
+                "short_factor": SHORT_FACTORS,
+            },
+        },
+        vocab="spm",
+        tied=False,
+        metadata={
+            "rope.dimension_count": 12,
+            "rope.scaling.original_context_length": CONTEXT,
+            "rope.scaling.attn_factor": 1.25**0.5,
+            "attention.sliding_window": 0,
+        },
+        tensors={
+            "rope_factors_long.weight": LONG_FACTORS,
+            "rope_factors_short.weight": SHORT_FACTORS,
+        },
+    ),
 }
 
 
@@ -245,9 +277,10 @@ def stored(w: np.ndarray, kind: Q) -> np.ndarray:
 
 
 def write_family_gguf(
-    path: Path, name: str, arch: str | None = None
+    path: Path, name: str, arch: str | None = None, metadata: dict[str, Any] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, Q]]:
-    """Write family `name`'s tiny GGUF to `path`.
+    """Write family `name`'s tiny GGUF to `path`, `arch` and `{arch}.` keys in `metadata`
+    instead of the family's own.
 
     Returns the values the GGUF holds as mlx-lm's class takes them (dequantized, by mlx-lm
     name) and the GGUF type of each tensor (by llama.cpp name, without `.weight`).
@@ -289,9 +322,11 @@ def write_family_gguf(
     if (head_dim := family.args.get("head_dim")) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    for key, value in family.metadata.items():
+    for key, value in {**family.metadata, **(metadata or {})}.items():
         full = f"{family.arch}.{key}"
-        if isinstance(value, float):
+        if isinstance(value, str):
+            writer.add_string(full, value)
+        elif isinstance(value, float):
             writer.add_float32(full, value)
         else:
             writer.add_uint32(full, value)
@@ -309,6 +344,8 @@ def write_family_gguf(
             heads = args.num_attention_heads if "attn_q" in base else args.num_key_value_heads
             w = llama_cpp_permute(w, heads)
         add_tensor(writer, name, w, kind)
+    for name, factors in family.tensors.items():
+        writer.add_tensor(name, np.array(factors, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -57,7 +57,8 @@ def test_config_holds_the_family_arguments(imported):
     args = family.model_args(values["model.embed_tokens.weight"].shape[0])
     assert config["model_type"] == family.model_type
     for key in family.args:
-        assert config[key] == pytest.approx(getattr(args, key)), key
+        value = getattr(args, key)
+        assert config[key] == (pytest.approx(value) if isinstance(value, float) else value), key
     assert config.get("tie_word_embeddings", True) == family.tied
 
 
@@ -120,6 +121,24 @@ def test_gemma_norms_are_stored_with_one_added(tmp_path):
     expected = values["model.layers.0.input_layernorm.weight"]
     np.testing.assert_allclose(np.array(norm), expected, atol=1e-6)
     assert np.abs(expected).max() < 0.5  # near 0: the stored values were near 1
+
+
+@pytest.mark.parametrize(
+    ("name", "metadata", "words"),
+    [
+        ("qwen2", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "rope scaling 'yarn'"),
+        ("gemma2", {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}, "'linear'"),
+        ("phi3_longrope", {"rope.scaling.attn_factor": 1.0}, "rope attention factor 1.0"),
+        ("gemma3", {"final_logit_softcapping": 30.0}, "soft-capping"),
+        ("qwen3", {"expert_count": 4}, "mixture-of-experts qwen3"),
+        ("qwen2", {"attention.key_length": 32}, "head size"),
+    ],
+)
+def test_what_mlx_lm_cannot_express_is_refused(tmp_path, name, metadata, words):
+    write_family_gguf(tmp_path / "m.gguf", name, metadata=metadata)
+    with pytest.raises(UnsupportedGGUF, match=words):
+        import_gguf(tmp_path / "m.gguf", tmp_path / "model")
+    assert not (tmp_path / "model").exists()
 
 
 @pytest.mark.parametrize(("name", "arch"), [("qwen2", "gemma3"), ("gemma2", "qwen3")])
