@@ -124,6 +124,16 @@ def test_embedded_tokenizer_matches_reference_bpe(meta, tokenizer, text):
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt-2"])
+@pytest.mark.parametrize("text", [*TRICKY, "x  \n\n  y 1234567 日本 🙂🙂"])
+def test_other_pre_tokenizers_match_reference_bpe_on_a_real_vocabulary(meta, pre, text):
+    # Qwen's GGUFs (qwen2, qwen3) name the qwen2 pre-tokenizer; the merges here are SmolLM2's.
+    tokenizer = build_tokenizer({**meta, "tokenizer.ggml.pre": pre})
+    ids = tokenizer.encode(text).ids
+    assert ids == ReferenceBPE(meta, RULES[pre]).encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
 def test_digits_and_special_tokens_are_single_tokens(meta, tokenizer):
     vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
     assert tokenizer.encode("12345").ids == [vocab[d] for d in "12345"] == [33, 34, 35, 36, 37]
