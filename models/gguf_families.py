@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ class Metadata:
         return value
 
     def has(self, key: str) -> bool:
+        """Whether the file sets `{arch}.{key}`."""
         return f"{self.arch}.{key}" in self.raw
 
 
@@ -101,7 +102,7 @@ class Family:
     # Layer tensors mlx-lm's class always has besides the `.weight` of every layer name.
     required_biases: tuple[str, ...] = ()
     # Top-level tensors that carry settings rather than weights, read into the config.
-    setting_tensors: tuple[str, ...] = field(default=())
+    setting_tensors: tuple[str, ...] = ()
 
 
 def rope_scaling(meta: Metadata, allowed: tuple[str, ...]) -> dict[str, Any] | None:
@@ -144,6 +145,7 @@ def common_config(meta: Metadata, tensors: dict[str, Any], *, head_dim_key: bool
 
 
 def full_rotary(meta: Metadata, head_dim: int) -> None:
+    """Refuse rotary on part of each head for the classes that rotate all of it."""
     if int(meta.get("rope.dimension_count", head_dim)) != head_dim:
         raise UnsupportedGGUF("rotary embedding on part of each head is not supported")
 
