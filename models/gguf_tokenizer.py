@@ -1,8 +1,11 @@
 """The Hugging Face tokenizer files of a GGUF model, rebuilt from the vocabulary it carries.
 
-GGUF keeps a BPE tokenizer as its token list, merge list, token types and a pre-tokenizer
-*name*; the splitting rules behind each name live in llama.cpp (`llama-vocab.cpp`). The
-`tokenizers` pipelines below reproduce those rules for the names this module knows.
+GGUF keeps a BPE tokenizer (`gpt2`: Qwen, SmolLM, Llama 3) as its token list, merge list, token
+types and a pre-tokenizer *name*; the splitting rules behind each name live in llama.cpp
+(`llama-vocab.cpp`). The `tokenizers` pipelines below reproduce those rules for the names this
+module knows. A sentencepiece tokenizer (`llama`: Mistral, Gemma, Phi-3) comes as tokens,
+scores and types; llama.cpp merges the adjacent pair whose joined piece scores highest, which a
+BPE whose merges are ranked by that score reproduces.
 """
 
 from __future__ import annotations
@@ -12,10 +15,20 @@ from pathlib import Path
 from typing import Any
 
 from gguf import Keys
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+SPM_SPACE = "\u2581"  # sentencepiece's visible space
 
 # The splitting regexes llama.cpp uses, as the original tokenizer.json files spell them.
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -68,12 +81,60 @@ def pre_tokenizer_for(name: str) -> pre_tokenizers.PreTokenizer:
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    """A byte-level BPE `Tokenizer` from GGUF metadata, control tokens added as special tokens."""
+    """A `Tokenizer` from GGUF metadata that splits text into the ids llama.cpp gives it."""
     kind = meta.get(Keys.Tokenizer.MODEL)
-    if kind != "gpt2":
-        raise UnsupportedTokenizer(f"tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
+    if kind == "gpt2":
+        tokenizer = _bpe_tokenizer(meta)
+    elif kind == "llama":
+        tokenizer = _spm_tokenizer(meta)
+    else:
+        raise UnsupportedTokenizer(
+            f"tokenizer model {kind!r} is not supported (only 'gpt2' BPE and 'llama' sentencepiece)"
+        )
     tokens: list[str] = meta[Keys.Tokenizer.LIST]
     types: list[int] = meta.get(Keys.Tokenizer.TOKEN_TYPE) or [1] * len(tokens)
+    rstrip = _rstripped(meta, tokens, types)
+    # llama.cpp matches these in the text before anything else; control and unknown tokens
+    # only where special tokens are parsed, which is how chat prompts are encoded.
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
+            for t, k in zip(tokens, types, strict=True)
+            if k in (CONTROL, UNKNOWN)
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False, rstrip=t in rstrip)
+            for t, k in zip(tokens, types, strict=True)
+            if k == USER_DEFINED
+        ]
+    )
+    bos = meta.get(Keys.Tokenizer.BOS_ID)
+    if meta.get(Keys.Tokenizer.ADD_BOS, False) and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], bos)],
+        )
+    return tokenizer
+
+
+def _rstripped(meta: dict[str, Any], tokens: list[str], types: list[int]) -> set[str]:
+    """Tokens that swallow the whitespace after them. llama.cpp decides it by the model's name:
+    for Phi-3 every special token but `<unk>`, `<s>` and `<|endoftext|>`, and `</s>`."""
+    name = str(meta.get("general.name", "")).lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    special = {
+        t for t, k in zip(tokens, types, strict=True) if k in (CONTROL, USER_DEFINED, UNKNOWN)
+    }
+    return (special | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"}
+
+
+def _bpe_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """Byte-level BPE with llama.cpp's pre-tokenizer for `tokenizer.ggml.pre`."""
+    tokens: list[str] = meta[Keys.Tokenizer.LIST]
     merges = [tuple(m.split(" ")) for m in meta.get(Keys.Tokenizer.MERGES, [])]
     if any(len(m) != 2 for m in merges):
         raise UnsupportedTokenizer("a BPE merge is not two space-separated tokens")
@@ -90,27 +151,58 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = pre_tokenizer_for(pre)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == CONTROL
-        ]
+    return tokenizer
+
+
+def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, the higher the whole piece scores the earlier.
+
+    llama.cpp merges the adjacent pair whose joined text is the best-scoring piece, leftmost on
+    a tie; a BPE that ranks its merges so makes the same choices.
+    """
+    ids: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        ids.setdefault(token, i)
+    ranked = [
+        (-scores[i], i, cut, piece[:cut], piece[cut:])
+        for piece, i in ids.items()
+        for cut in range(1, len(piece))
+        if piece[:cut] in ids and piece[cut:] in ids
+    ]
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """Sentencepiece as llama.cpp runs it: spaces as `▁`, a leading `▁` unless the model says
+    otherwise (gemma), best-scoring merges first, unknown characters as `<0xNN>` byte tokens."""
+    tokens: list[str] = meta[Keys.Tokenizer.LIST]
+    scores = meta.get(Keys.Tokenizer.SCORES)
+    if scores is None or len(scores) != len(tokens):
+        raise UnsupportedTokenizer("a sentencepiece vocabulary needs a score for every token")
+    unk = meta.get(Keys.Tokenizer.UNK_ID)
+    bpe = models.BPE(
+        vocab={token: i for i, token in reversed(list(enumerate(tokens)))},
+        merges=spm_merges(tokens, scores),
+        unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None,
+        fuse_unk=True,
+        byte_fallback=True,
     )
-    tokenizer.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == USER_DEFINED
-        ]
-    )
-    bos = meta.get(Keys.Tokenizer.BOS_ID)
-    if meta.get(Keys.Tokenizer.ADD_BOS, False) and bos is not None:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A",
-            pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], bos)],
-        )
+    tokenizer = Tokenizer(bpe)
+    add_prefix = bool(meta.get(Keys.Tokenizer.ADD_PREFIX, True))
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", SPM_SPACE)]
+    decode: list[decoders.Decoder] = [
+        decoders.Replace(SPM_SPACE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if add_prefix:
+        # llama.cpp puts the space before the text and after every special token; the
+        # normalizer runs on each stretch of text between added tokens, so does the same.
+        steps.insert(0, normalizers.Prepend(" "))
+        decode.append(decoders.Strip(" ", 1, 0))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.decoder = decoders.Sequence(decode)
     return tokenizer
 
 

@@ -124,9 +124,10 @@ def _exit_now(code: int) -> NoReturn:
 def _import_gguf_parser(sub: Any) -> None:
     p = sub.add_parser(
         "import-gguf",
-        help="Convert a llama-family GGUF into an mlx-lm model directory.",
-        description="Convert a llama-family GGUF (Q4_0, Q4_1, Q8_0, F16, F32 tensors) into an "
-        "mlx-lm model directory, keeping quantized tensors quantized.",
+        help="Convert a GGUF into an mlx-lm model directory.",
+        description="Convert a GGUF of llama, mistral, qwen2, qwen3, gemma2, gemma3 or phi3 "
+        "(Q4_0, Q4_1, Q8_0, BF16, F16, F32 tensors) into an mlx-lm model directory, keeping "
+        "quantized tensors quantized.",
     )
     p.add_argument("src", type=Path, help="The .gguf file.")
     p.add_argument("dest", type=Path, help="The model directory to write (must not exist).")

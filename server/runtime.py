@@ -13,7 +13,12 @@ from hotlora.adapters import AdapterManager, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.cpu import prepare_cpu
-from hotlora.models.embedded import embedded_model_path, ensure_embedded_model
+from hotlora.models.embedded import (
+    embedded_model_path,
+    ensure_embedded_model,
+    ensure_gguf_model,
+    imported_gguf_path,
+)
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.api.admin_models import ModelCard
 from hotlora.server.engine import (
@@ -35,10 +40,14 @@ _LAST_WRITE_S = 5.0  # after the drain, how long ended requests get to write the
 
 
 def model_dir(settings: Settings, progress: Callable[[str], None] | None = None) -> Path:
-    """The directory to serve: `settings.model`, or the embedded model (imported once)."""
-    if settings.model is not None:
-        return settings.model.expanduser().resolve()
-    return ensure_embedded_model(settings.home, progress=progress)
+    """The directory to serve: `settings.model`, the import of it when it is a GGUF file, or
+    the embedded model; GGUF files are imported once into the home."""
+    if settings.model is None:
+        return ensure_embedded_model(settings.home, progress=progress)
+    path = settings.model.expanduser().resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_gguf_model(path, settings.home, progress=progress)
+    return path
 
 
 def base_model_id(settings: Settings) -> str:
@@ -46,7 +55,8 @@ def base_model_id(settings: Settings) -> str:
     if settings.served_model_name:
         return settings.served_model_name
     if settings.model is not None:
-        return settings.model.expanduser().resolve().name
+        path = settings.model.expanduser().resolve()
+        return path.stem if path.suffix == ".gguf" else path.name
     return embedded_model_path(settings.home).name
 
 
@@ -124,10 +134,16 @@ class Runtime:
         log.info("start-up: %s took %.2fs", name, took, extra={"fields": fields})
 
     def _imports_model(self) -> bool:
-        """The embedded model is served and not imported yet: this start imports it."""
-        home = self.settings.home
-        imported = (embedded_model_path(home) / "config.json").is_file()
-        return self.settings.model is None and not imported
+        """The embedded model or a GGUF file is served and not imported yet: this start
+        imports it."""
+        home, model = self.settings.home, self.settings.model
+        if model is None:
+            dest = embedded_model_path(home)
+        elif model.expanduser().suffix == ".gguf" and model.expanduser().is_file():
+            dest = imported_gguf_path(home, model.expanduser())
+        else:
+            return False
+        return not (dest / "config.json").is_file()
 
     def _build(self, loaded: LoadedModel, path: Path) -> None:
         # Without a GPU: float32 weights when they fit, MLX's JIT flags, the native kernels;

@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
 from hotlora.models.loader import load_model_dir
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+from tests.support.gguf_models import write_family_gguf
+from tests.support.server_process import ServerProcess, hotlora_spec
 from tests.support.tiny import is_quantized, write_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -47,6 +50,42 @@ def test_import_of_a_file_that_is_not_gguf_fails_cleanly(tmp_path: Path):
     assert result.stderr.startswith("hotlora import-gguf: ")
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_import_of_another_architecture_names_it(tmp_path: Path):
+    write_family_gguf(tmp_path / "m.gguf", "qwen2", arch="mamba")
+    result = hotlora("import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("hotlora import-gguf: architecture 'mamba' is not supported")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_serve_imports_a_gguf_file_and_answers_under_its_name(tmp_path: Path):
+    # Phi-3: fused quantized projections and a sentencepiece vocabulary, through a real server.
+    write_family_gguf(tmp_path / "tiny-phi3.Q4_0.gguf", "phi3")
+    spec = hotlora_spec("--model", str(tmp_path / "tiny-phi3.Q4_0.gguf"), "--home", str(tmp_path))
+    with ServerProcess(spec, log_dir=tmp_path) as server:
+        assert server.model_id == "tiny-phi3.Q4_0"
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(
+            model=server.model_id,
+            messages=[{"role": "user", "content": "the world"}],
+            max_tokens=6,
+            temperature=0,
+        )
+    assert answer.usage is not None and answer.usage.completion_tokens == 6
+    assert answer.choices[0].finish_reason == "length"
+    assert [p.name for p in (tmp_path / "models").glob("gguf-v*/tiny-phi3.Q4_0-*")]
+
+
+def test_serve_of_a_gguf_of_another_architecture_exits_naming_it(tmp_path: Path):
+    write_family_gguf(tmp_path / "m.gguf", "qwen2", arch="mamba")
+    result = hotlora(
+        "serve", "--model", str(tmp_path / "m.gguf"), "--port", "0", "--home", str(tmp_path)
+    )
+    assert result.returncode == 1
+    assert "could not start: architecture 'mamba' is not supported" in result.stderr
 
 
 def test_serve_with_a_missing_model_exits_with_the_reason(tmp_path: Path):

@@ -15,13 +15,16 @@ from mlx_lm import generate, load
 from mlx_lm.models import llama
 from mlx_lm.utils import load_model
 
+from hotlora.config.settings import Settings
 from hotlora.models.embedded import (
     EMBEDDED_MODEL_NAME,
     EmbeddedModelMissing,
     embedded_model_path,
     ensure_embedded_model,
+    imported_gguf_path,
 )
 from hotlora.models.gguf import UnsupportedGGUF, import_gguf
+from hotlora.server.runtime import base_model_id, model_dir
 
 from tests.support.gguf_files import (
     HEAD_DIM,
@@ -32,6 +35,7 @@ from tests.support.gguf_files import (
     tiny_vocab,
     write_tiny_gguf,
 )
+from tests.support.gguf_models import write_family_gguf
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 # What the SmolLM2 GGUF metadata says (llama.* keys), as config.json spells it.
@@ -295,3 +299,29 @@ def test_non_empty_destination_is_refused(tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "model")
     assert [p.name for p in (tmp_path / "model").iterdir()] == ["keep.txt"]
+
+
+def test_a_gguf_model_flag_is_imported_once_into_the_home(tmp_path):
+    src = tmp_path / "Qwen2-Tiny.Q4_0.gguf"
+    write_family_gguf(src, "qwen2")
+    settings = Settings(model=src, home=tmp_path / "home")
+    messages: list[str] = []
+    served = model_dir(settings, progress=messages.append)
+    assert served == imported_gguf_path(settings.home, src)
+    assert json.loads((served / "config.json").read_text())["model_type"] == "qwen2"
+    assert base_model_id(settings) == "Qwen2-Tiny.Q4_0"
+    assert model_dir(settings, progress=messages.append) == served
+    assert sum(m.startswith("importing") for m in messages) == 1
+    write_family_gguf(src, "qwen3")  # a changed file is imported anew
+    changed = model_dir(settings)
+    assert changed != served
+    assert json.loads((changed / "config.json").read_text())["model_type"] == "qwen3"
+
+
+def test_a_gguf_model_flag_of_another_architecture_is_refused(tmp_path):
+    src = tmp_path / "m.gguf"
+    write_family_gguf(src, "qwen2", arch="mamba")
+    settings = Settings(model=src, home=tmp_path / "home")
+    with pytest.raises(UnsupportedGGUF, match="architecture 'mamba' is not supported"):
+        model_dir(settings)
+    assert not imported_gguf_path(settings.home, src).exists()

@@ -1,7 +1,9 @@
-"""The tokenizer rebuilt from GGUF metadata, checked against a plain reference BPE and gguf-py."""
+"""The tokenizer rebuilt from GGUF metadata, checked against llama.cpp's own ids, plain reference
+BPE and sentencepiece tokenizers, and gguf-py."""
 
 import json
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 import regex
@@ -17,6 +19,7 @@ from hotlora.models.gguf_tokenizer import (
 )
 
 from tests.support.gguf_files import bytes_to_unicode, embedded_gguf
+from tests.support.gguf_models import SPM_PIECES, spm_vocab
 
 TRICKY = [
     "12345",
@@ -121,6 +124,16 @@ def test_embedded_tokenizer_matches_reference_bpe(meta, tokenizer, text):
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt-2"])
+@pytest.mark.parametrize("text", [*TRICKY, "x  \n\n  y 1234567 日本 🙂🙂"])
+def test_other_pre_tokenizers_match_reference_bpe_on_a_real_vocabulary(meta, pre, text):
+    # Qwen's GGUFs (qwen2, qwen3) name the qwen2 pre-tokenizer; the merges here are SmolLM2's.
+    tokenizer = build_tokenizer({**meta, "tokenizer.ggml.pre": pre})
+    ids = tokenizer.encode(text).ids
+    assert ids == ReferenceBPE(meta, RULES[pre]).encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
 def test_digits_and_special_tokens_are_single_tokens(meta, tokenizer):
     vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
     assert tokenizer.encode("12345").ids == [vocab[d] for d in "12345"] == [33, 34, 35, 36, 37]
@@ -196,10 +209,150 @@ def test_embedded_tokenizer_json_is_kept_verbatim(meta, tmp_path):
     ("change", "words"),
     [
         ({"tokenizer.ggml.pre": "mystery"}, "pre-tokenizer 'mystery'"),
-        ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama'"),
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer model 'bert'"),
+        ({"tokenizer.ggml.model": "llama"}, "needs a score for every token"),
         ({"tokenizer.ggml.merges": ["Ġ zzzz"]}, "merges do not fit"),
     ],
 )
 def test_unsupported_tokenizers_are_refused(meta, change, words):
     with pytest.raises(UnsupportedTokenizer, match=words):
         build_tokenizer({**meta, **change})
+
+
+# llama.cpp's vocabulary test for Phi-3 (its models/ggml-vocab-phi-3.gguf, .inp and .out): a
+# sentencepiece vocabulary, the strings, and the ids llama.cpp gives each (no BOS, special
+# tokens not parsed).
+PHI3_VOCAB = Path(__file__).parents[1] / "support" / "vocab" / "ggml-vocab-phi-3.gguf"
+SEPARATOR = "\n__ggml_vocab_test__\n"
+
+
+def llama_cpp_cases() -> list[tuple[str, list[int]]]:
+    texts = PHI3_VOCAB.with_suffix(".gguf.inp").read_text(encoding="utf-8").split(SEPARATOR)
+    lines = PHI3_VOCAB.with_suffix(".gguf.out").read_text(encoding="utf-8").splitlines()
+    assert texts.pop() == ""  # the file ends with a separator
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, lines, strict=True)]
+
+
+class ReferenceSPM:
+    """llama.cpp's sentencepiece tokenizer (llm_tokenizer_spm) written out plainly: spaces as
+    ▁ (one in front unless the model says not), merge the adjacent pair whose joined text is
+    the best-scoring piece (leftmost on a tie), bytes for characters outside the vocabulary."""
+
+    def __init__(self, meta: dict):
+        self.ids: dict[str, int] = {}
+        for i, token in enumerate(meta["tokenizer.ggml.tokens"]):
+            self.ids.setdefault(token, i)
+        self.scores = meta["tokenizer.ggml.scores"]
+        self.add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+
+    def encode(self, text: str) -> list[int]:
+        if not text:  # llama.cpp has no text fragment to put the ▁ in front of
+            return []
+        symbols = list((" " + text if self.add_prefix else text).replace(" ", "\u2581"))
+        while True:
+            best = None
+            for i, pair in enumerate(pairwise(symbols)):
+                piece = "".join(pair)
+                if piece in self.ids and (best is None or self.scores[self.ids[piece]] > best[0]):
+                    best = (self.scores[self.ids[piece]], i)
+            if best is None:
+                break
+            i = best[1]
+            symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+        ids = []
+        for symbol in symbols:
+            if symbol in self.ids:
+                ids.append(self.ids[symbol])
+            else:
+                ids += [self.ids[f"<0x{b:02X}>"] for b in symbol.encode()]
+        return ids
+
+
+@pytest.fixture(scope="module")
+def phi3_meta() -> dict:
+    return read_header(PHI3_VOCAB).metadata
+
+
+@pytest.fixture(scope="module")
+def phi3_tokenizer(phi3_meta):
+    return build_tokenizer(phi3_meta)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), llama_cpp_cases(), ids=[f"case{i}" for i in range(len(llama_cpp_cases()))]
+)
+def test_sentencepiece_gives_llama_cpp_s_ids(phi3_meta, phi3_tokenizer, text, expected):
+    assert phi3_tokenizer.encode(text, add_special_tokens=False).ids == expected
+    assert ReferenceSPM(phi3_meta).encode(text) == expected  # the reference, checked too
+
+
+# TRICKY without its ChatML line: the Phi-3 vocabulary has no such tokens.
+SPM_TRICKY = [t for t in TRICKY if "<|" not in t] + ["Äpfel ﬁ ǅ", "\n\n\n", " leading", "x\u200by"]
+
+
+@pytest.mark.parametrize("text", SPM_TRICKY)
+def test_sentencepiece_without_space_prefix_matches_reference(phi3_meta, text):
+    # Gemma's converter writes add_space_prefix false: no ▁ in front of the text.
+    meta = {**phi3_meta, "tokenizer.ggml.add_space_prefix": False, "general.name": "gemma"}
+    tokenizer = build_tokenizer(meta)
+    assert tokenizer.encode(text, add_special_tokens=False).ids == ReferenceSPM(meta).encode(text)
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_sentencepiece_round_trips_and_puts_bos_first(phi3_meta, phi3_tokenizer):
+    for text in TRICKY:
+        ids = phi3_tokenizer.encode(text).ids
+        assert ids[0] == 1  # add_bos_token
+        assert phi3_tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_phi3_special_tokens_swallow_the_whitespace_after_them(phi3_meta, phi3_tokenizer):
+    # llama.cpp strips the whitespace right of Phi-3's special tokens (chosen by the model's
+    # name), and starts the text after a special token with ▁.
+    vocab = {t: i for i, t in enumerate(phi3_meta["tokenizer.ggml.tokens"])}
+    ids = phi3_tokenizer.encode("<|user|>\n hi<|end|>\n<s>\nhi", add_special_tokens=False).ids
+    reference = ReferenceSPM(phi3_meta)
+    assert ids == [
+        vocab["<|user|>"],
+        *reference.encode("hi"),
+        vocab["<|end|>"],
+        vocab["<s>"],
+        *reference.encode("\nhi"),
+    ]
+    plain = build_tokenizer({**phi3_meta, "general.name": "other"})
+    assert plain.encode("<|end|>\nhi", add_special_tokens=False).ids == [
+        vocab["<|end|>"],
+        *reference.encode("\nhi"),
+    ]
+
+
+def test_sentencepiece_files_load_in_mlx_lm(phi3_meta, phi3_tokenizer, tmp_path):
+    write_tokenizer_files(phi3_meta, tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    for text, expected in llama_cpp_cases()[:20]:
+        assert loaded.encode(text, add_special_tokens=False) == expected, text
+    assert loaded.encode("hi")[0] == 1
+    # mlx-lm streams a sentencepiece decoder's text piece by piece.
+    detokenizer = loaded.detokenizer
+    detokenizer.reset()
+    for token in loaded.encode("héllo wörld 🙂", add_special_tokens=False):
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    assert detokenizer.text == "héllo wörld 🙂"
+
+
+def test_tiny_sentencepiece_vocab_merges_by_score():
+    tokens, scores, types = spm_vocab()
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    tokenizer = build_tokenizer(meta)
+    ids = {t: i for i, t in enumerate(tokens)}
+    assert tokenizer.encode("the world").ids == [ids["\u2581the"], ids["\u2581world"]]
+    assert "\u2581world" in SPM_PIECES
+    for text in ("the other words", "in a world of ørder", "12 rather"):
+        assert tokenizer.encode(text).ids == ReferenceSPM(meta).encode(text), text
