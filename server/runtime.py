@@ -16,6 +16,7 @@ from hotlora.models.cpu import prepare_cpu
 from hotlora.models.embedded import embedded_model_path, ensure_embedded_model
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.api.admin_models import ModelCard
+from hotlora.server.embedding import EmbeddingService
 from hotlora.server.engine import (
     Engine,
     GenerationJob,
@@ -28,6 +29,7 @@ from hotlora.server.engine import (
 from hotlora.server.http.request_errors import NotReady
 from hotlora.server.serving import InferenceService
 from hotlora.server.telemetry.prometheus import Metrics
+from hotlora.server.tokenizing import TokenizingService
 
 log = logging.getLogger("hotlora")
 
@@ -64,6 +66,8 @@ class Runtime:
         self.started_at = int(time.time())
         self.worker: GenerationWorker | None = None
         self.inference: InferenceService | None = None
+        self.tokenizing: TokenizingService | None = None
+        self.embeddings: EmbeddingService | None = None
         self.base_id: str | None = None
         self.model_path: Path | None = None
         self.adapters: AdapterManager | None = None
@@ -183,6 +187,8 @@ class Runtime:
             generation_defaults=generation_defaults(path),
             metrics=self.metrics,
         )
+        self.tokenizing = TokenizingService(self.inference)
+        self.embeddings = EmbeddingService(self.inference)
 
     def _max_batch(self, loaded: LoadedModel) -> int:
         """`max_batch`, or 1 when the model as served (its CPU kernels installed) fails the
@@ -247,8 +253,14 @@ class Runtime:
     def model_cards(self) -> list[ModelCard]:
         """The base model; adapters follow it with `parent` set to the base id."""
         assert self.base_id is not None and self.adapters is not None
+        assert self.worker is not None
+        context = self.worker.engine.context_length
         base = ModelCard(
-            id=self.base_id, created=self.started_at, owned_by="hotlora", root=str(self.model_path)
+            id=self.base_id,
+            created=self.started_at,
+            owned_by="hotlora",
+            root=str(self.model_path),
+            max_model_len=context,
         )
         adapters = [
             ModelCard(
@@ -257,6 +269,7 @@ class Runtime:
                 owned_by="hotlora",
                 root=info.path,
                 parent=self.base_id,
+                max_model_len=context,
             )
             for info in self.adapters.list()
         ]
@@ -278,6 +291,16 @@ class Runtime:
         self._check_serving()
         assert self.inference is not None
         return self.inference
+
+    def require_tokenizing(self) -> TokenizingService:
+        self._check_serving()
+        assert self.tokenizing is not None
+        return self.tokenizing
+
+    def require_embeddings(self) -> EmbeddingService:
+        self._check_serving()
+        assert self.embeddings is not None
+        return self.embeddings
 
     def _check_serving(self) -> None:
         if self.draining:
