@@ -40,6 +40,7 @@ class LoadLoraAdapterRequest(RequestBody):
 
     lora_name: str = Field(json_schema_extra=ADAPTER_ID_SCHEMA)
     lora_path: str
+    load_inplace: StrictBool = False
 
 
 class UnloadLoraAdapterRequest(RequestBody):

@@ -81,7 +81,7 @@ _STREAMS = {
     paths.COMPLETIONS: (CompletionResponse, CompletionResponse),
 }
 # A mount that finds the same files already mounted answers 200 instead of 201.
-_MOUNTS = (paths.ADAPTERS, paths.LOAD_LORA_ADAPTER)
+_MOUNTS = (paths.ADAPTERS,)
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
