@@ -376,6 +376,7 @@ class InferenceService:
             prepared.lease.adapters,
             len(submitted.ticket.jobs),
             prepared.n,
+            submitted.ticket,
         )
         try:
             async with contextlib.aclosing(self.worker.events(submitted.ticket)) as events:

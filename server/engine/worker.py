@@ -14,6 +14,7 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class Ticket:
         self.state = _State.WAITING
         self.max_unsent = max_unsent  # events the queue may hold before the request is ended
         self.overflowed = False  # ended with `ClientNotReading`
+        self.started_at: float | None = None  # perf_counter when its first row was admitted
         self._worker = worker
         self._loop = asyncio.get_running_loop()
         self._closed: set[int] = set()  # jobs whose last event was sent
@@ -75,6 +77,8 @@ class Ticket:
     # The scheduler's side (the worker thread).
 
     def started(self) -> None:
+        if self.started_at is None:
+            self.started_at = time.perf_counter()
         self._worker._started(self)
 
     def event(self, position: int, event: Event) -> None:
