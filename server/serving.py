@@ -37,6 +37,7 @@ from hotlora.server.engine import (
 )
 from hotlora.server.engine.grammar import Grammar
 from hotlora.server.http.request_errors import ContextOverflow
+from hotlora.server.render.reasoning import PROMPT_TAIL_TOKENS, Reasoning, ThinkTags
 from hotlora.server.telemetry.prometheus import Metrics
 from hotlora.server.telemetry.request_stats import RequestStats, UsageTally
 
@@ -55,6 +56,7 @@ class Prepared:
     n: int
     tool_calls: ToolCalls | None = None  # the request's tools, when its answer may call them
     grammar: Grammar | None = None  # what `response_format` holds every choice to; None: free
+    reasoning: Reasoning | None = None  # a thinking model's tags, when its answer may think
 
     def jobs(self) -> list[GenerationJob]:
         """One job per choice, in choice-index order: each prompt's n choices in turn."""
@@ -122,6 +124,7 @@ class InferenceService:
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hotlora-tokenize")
         self.tool_format = ToolFormat.of(self.tokenizer)
         self._told_no_tools = False
+        self.think_tags = ThinkTags.of(self.tokenizer)
 
     # Preparation: every refusal happens here.
 
@@ -151,7 +154,17 @@ class InferenceService:
         )
         prepared.tool_calls = tool_calls
         prepared.grammar = grammar
+        prepared.reasoning = await self._reasoning(prompt, grammar)
         return prepared
+
+    async def _reasoning(self, prompt: list[int], grammar: Grammar | None) -> Reasoning | None:
+        """How the answer's reasoning is told apart; None when the model does not think, or a
+        grammar holds the answer from its first token (there is no room to think)."""
+        tags = self.think_tags
+        if tags is None or grammar is not None:
+            return None
+        tail = await self.off_loop(lambda: self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
+        return Reasoning(tags, tags.opened_by(tail))
 
     async def _grammar(
         self, request: ChatCompletionRequest, tool_calls: ToolCalls | None
