@@ -1,8 +1,10 @@
 """Embeddings: the mean of a model's final hidden states over an input's tokens, L2-normalised.
 
 The served model is a chat model, not one trained for embeddings: its vectors rank similar
-texts close, but less well than a model made for retrieval. The pooling runs on the generation
-thread between two decode steps, with the request's adapter set applied as on chat.
+texts close, but less well than a model made for retrieval. An input runs on the generation
+thread in chunks that cost what one prefill step may (its KV cache carried between them), each
+between two decode steps, so a long input holds running streams back as a long prompt does; the
+request's adapter set applies as on chat.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from hotlora.adapters import AdapterSet, activate
 from hotlora.config.errors import InvalidRequest
@@ -33,8 +36,11 @@ class EmbeddingService:
         model = inference.engine.model
         # mlx-lm's models keep the transformer without its head as `model`; its output is the
         # final norm's.
+        self.model = model
         self.body: Any = getattr(model, "model", None)
         self.dimensions = int(inference.engine.loaded.config.get("hidden_size") or 0)
+        # Chunks cost what a prompt's prefill step may spend: fewer tokens deeper in.
+        self.prefill_cost = inference.worker.scheduler.prefill
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
         """One vector per input, in input order."""
@@ -62,7 +68,7 @@ class EmbeddingService:
         # Select last: the lease it takes is released whatever happens next.
         lease = inference.adapters.select(request.model, request.adapter)
         try:
-            vectors = await inference.worker.call(lambda: self._pool(token_lists, lease.adapters))
+            vectors = [await self._pool(tokens, lease.adapters) for tokens in token_lists]
         finally:
             lease.release()
         data = [
@@ -76,17 +82,45 @@ class EmbeddingService:
             usage=EmbeddingUsage(prompt_tokens=used, total_tokens=used),
         )
 
-    def _pool(self, token_lists: list[list[int]], adapters: AdapterSet) -> list[np.ndarray]:
-        """Each input's vector (on the generation thread)."""
-        vectors = []
-        with activate(adapters):
-            for tokens in token_lists:
-                hidden = self.body(mx.array([tokens]))  # [1, tokens, hidden]
-                mean = hidden[0].astype(mx.float32).mean(axis=0)  # [hidden]
-                unit = mean / mx.maximum(mx.linalg.norm(mean), 1e-12)
-                mx.eval(unit)
-                vectors.append(np.array(unit, dtype=np.float32))
-        return vectors
+    async def _pool(self, tokens: list[int], adapters: AdapterSet) -> np.ndarray:
+        """One input's vector, its chunks run on the generation thread one call at a time."""
+        pooled = _Pooled(self.model, self.body, adapters)
+        cost, start = self.prefill_cost, 0
+        while start < len(tokens):
+            size = max(1, cost.tokens_within(cost.budget, start, len(tokens) - start))
+            piece, start = tokens[start : start + size], start + size
+            await self.inference.worker.call(lambda piece=piece: pooled.add(piece))
+        return await self.inference.worker.call(pooled.vector)
+
+
+class _Pooled:
+    """The running sum of one input's final hidden states, chunk by chunk; built and read on
+    the generation thread (MLX arrays belong to the thread that makes them)."""
+
+    def __init__(self, model: Any, body: Any, adapters: AdapterSet):
+        self.model = model  # whose caches the body's layers take (sliding windows included)
+        self.body = body
+        self.adapters = adapters
+        self.cache: list[Any] | None = None
+        self.total: mx.array | None = None  # [hidden]
+        self.count = 0
+
+    def add(self, tokens: list[int]) -> None:
+        if self.cache is None:
+            self.cache = make_prompt_cache(self.model)
+        with activate(self.adapters):
+            hidden = self.body(mx.array([tokens]), cache=self.cache)  # [1, tokens, hidden]
+        summed = hidden[0].astype(mx.float32).sum(axis=0)  # [hidden]
+        self.total = summed if self.total is None else self.total + summed
+        self.count += len(tokens)
+        mx.eval(self.total)
+
+    def vector(self) -> np.ndarray:
+        assert self.total is not None
+        mean = self.total / self.count
+        unit = mean / mx.maximum(mx.linalg.norm(mean), 1e-12)
+        mx.eval(unit)
+        return np.array(unit, dtype=np.float32)
 
 
 def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:

@@ -123,15 +123,19 @@ def vectors(answer: dict) -> np.ndarray:
     return np.array([item["embedding"] for item in answer["data"]], dtype=np.float32)
 
 
-def test_embeddings_are_mean_pooled_final_norm_states(api: TestClient, tiny_model_dir: Path):
-    answer = embed(api, input="the cat sat")
+# A short input, and one of several prefill chunks (192 tokens each by default).
+@pytest.mark.parametrize("text", ["the cat sat", "zebras! " * 60])
+def test_embeddings_are_mean_pooled_final_norm_states(
+    api: TestClient, tiny_model_dir: Path, text: str
+):
+    answer = embed(api, input=text)
     assert answer["object"] == "list" and answer["model"] == "tiny"
     [vector] = vectors(answer)
     assert vector.shape == (tiny_args().hidden_size,)
     assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
-    # The same pooling done here on mlx-lm's own load of the checkpoint.
+    # The same pooling done here on mlx-lm's own load of the checkpoint, in one call.
     model, tokenizer = load(str(tiny_model_dir))
-    tokens = tokenizer.encode("the cat sat")
+    tokens = tokenizer.encode(text)
     assert answer["usage"] == {"prompt_tokens": len(tokens), "total_tokens": len(tokens)}
     mean = model.model(mx.array([tokens]))[0].astype(mx.float32).mean(axis=0)
     expected = np.array(mean / mx.linalg.norm(mean))
