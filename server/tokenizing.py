@@ -57,7 +57,8 @@ class TokenizingService:
                 tokens = await inference.off_loop(lambda: inference.tokens(prompt, "prompt"))
         strs = None
         if request.return_token_strs:
-            strs = [str(t) for t in self.tokenizer.convert_ids_to_tokens(tokens)]
+            pieces = await inference.off_loop(lambda: self.tokenizer.convert_ids_to_tokens(tokens))
+            strs = [str(piece) for piece in pieces]
         return TokenizeResponse(
             count=len(tokens),
             max_model_len=inference.engine.context_length,
