@@ -17,7 +17,16 @@ from hotlora.server.http.lifecycle import InFlight
 from hotlora.server.http.limits import BodyLimit
 from hotlora.server.http.openapi import install_openapi
 from hotlora.server.http.request_ids import RequestIds
-from hotlora.server.routes import adapters, completions, health, metrics, models, responses_api
+from hotlora.server.routes import (
+    adapters,
+    completions,
+    embeddings,
+    health,
+    metrics,
+    models,
+    responses_api,
+    tokens,
+)
 from hotlora.server.routes.page import install_page
 from hotlora.server.runtime import Runtime
 
@@ -63,6 +72,8 @@ def create_app(
     app.include_router(models.router)
     app.include_router(completions.router)
     app.include_router(responses_api.router)
+    app.include_router(embeddings.router)
+    app.include_router(tokens.router)
     app.include_router(adapters.router)
     install_page(app)
     install_openapi(app)

@@ -6,9 +6,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from hotlora.server.embedding import EmbeddingService
 from hotlora.server.runtime import Runtime
 from hotlora.server.serving import InferenceService
 from hotlora.server.telemetry.prometheus import Metrics
+from hotlora.server.tokenizing import TokenizingService
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -19,6 +21,14 @@ def get_inference(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Inferenc
     return runtime.require_inference()
 
 
+def get_tokenizing(runtime: Annotated[Runtime, Depends(get_runtime)]) -> TokenizingService:
+    return runtime.require_tokenizing()
+
+
+def get_embeddings(runtime: Annotated[Runtime, Depends(get_runtime)]) -> EmbeddingService:
+    return runtime.require_embeddings()
+
+
 def get_metrics(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Metrics:
     return runtime.metrics
 
@@ -26,3 +36,5 @@ def get_metrics(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Metrics:
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 InferenceDep = Annotated[InferenceService, Depends(get_inference)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+TokenizingDep = Annotated[TokenizingService, Depends(get_tokenizing)]
+EmbeddingsDep = Annotated[EmbeddingService, Depends(get_embeddings)]

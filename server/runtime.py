@@ -21,6 +21,7 @@ from hotlora.models.embedded import (
 )
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
 from hotlora.server.api.admin_models import ModelCard
+from hotlora.server.embedding import EmbeddingService
 from hotlora.server.engine import (
     Engine,
     GenerationJob,
@@ -33,6 +34,7 @@ from hotlora.server.engine import (
 from hotlora.server.http.request_errors import NotReady
 from hotlora.server.serving import InferenceService
 from hotlora.server.telemetry.prometheus import Metrics
+from hotlora.server.tokenizing import TokenizingService
 
 log = logging.getLogger("hotlora")
 
@@ -74,6 +76,8 @@ class Runtime:
         self.started_at = int(time.time())
         self.worker: GenerationWorker | None = None
         self.inference: InferenceService | None = None
+        self.tokenizing: TokenizingService | None = None
+        self.embeddings: EmbeddingService | None = None
         self.base_id: str | None = None
         self.model_path: Path | None = None
         self.adapters: AdapterManager | None = None
@@ -199,6 +203,8 @@ class Runtime:
             generation_defaults=generation_defaults(path),
             metrics=self.metrics,
         )
+        self.tokenizing = TokenizingService(self.inference)
+        self.embeddings = EmbeddingService(self.inference)
 
     def _max_batch(self, loaded: LoadedModel) -> int:
         """`max_batch`, or 1 when the model as served (its CPU kernels installed) fails the
@@ -263,8 +269,14 @@ class Runtime:
     def model_cards(self) -> list[ModelCard]:
         """The base model; adapters follow it with `parent` set to the base id."""
         assert self.base_id is not None and self.adapters is not None
+        assert self.worker is not None
+        context = self.worker.engine.context_length
         base = ModelCard(
-            id=self.base_id, created=self.started_at, owned_by="hotlora", root=str(self.model_path)
+            id=self.base_id,
+            created=self.started_at,
+            owned_by="hotlora",
+            root=str(self.model_path),
+            max_model_len=context,
         )
         adapters = [
             ModelCard(
@@ -273,6 +285,7 @@ class Runtime:
                 owned_by="hotlora",
                 root=info.path,
                 parent=self.base_id,
+                max_model_len=context,
             )
             for info in self.adapters.list()
         ]
@@ -294,6 +307,16 @@ class Runtime:
         self._check_serving()
         assert self.inference is not None
         return self.inference
+
+    def require_tokenizing(self) -> TokenizingService:
+        self._check_serving()
+        assert self.tokenizing is not None
+        return self.tokenizing
+
+    def require_embeddings(self) -> EmbeddingService:
+        self._check_serving()
+        assert self.embeddings is not None
+        return self.embeddings
 
     def _check_serving(self) -> None:
         if self.draining:

@@ -37,6 +37,7 @@ from hotlora.server.engine import (
 )
 from hotlora.server.engine.grammar import Grammar
 from hotlora.server.http.request_errors import ContextOverflow
+from hotlora.server.render.reasoning import PROMPT_TAIL_TOKENS, Reasoning, ThinkTags
 from hotlora.server.telemetry.prometheus import Metrics
 from hotlora.server.telemetry.request_stats import RequestStats, UsageTally
 
@@ -55,6 +56,7 @@ class Prepared:
     n: int
     tool_calls: ToolCalls | None = None  # the request's tools, when its answer may call them
     grammar: Grammar | None = None  # what `response_format` holds every choice to; None: free
+    reasoning: Reasoning | None = None  # a thinking model's tags, when its answer may think
 
     def jobs(self) -> list[GenerationJob]:
         """One job per choice, in choice-index order: each prompt's n choices in turn."""
@@ -122,10 +124,11 @@ class InferenceService:
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hotlora-tokenize")
         self.tool_format = ToolFormat.of(self.tokenizer)
         self._told_no_tools = False
+        self.think_tags = ThinkTags.of(self.tokenizer)
 
     # Preparation: every refusal happens here.
 
-    async def _off_loop(self, work: Callable[[], T]) -> T:
+    async def off_loop(self, work: Callable[[], T]) -> T:
         """Run tokenizer work (templating, encoding) on its own thread: a megabyte of prompt
         takes a second, which the event loop must spend serving everyone else."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
@@ -139,7 +142,7 @@ class InferenceService:
             raise InvalidRequest("This model has no chat template; use /v1/completions.")
         tool_calls = self._tool_calls(request)
         tools = tool_calls.tools if tool_calls else None
-        prompt = await self._off_loop(lambda: self._render_chat(messages, tools))
+        prompt = await self.off_loop(lambda: self.render_chat(messages, tools))
         grammar = await self._grammar(request, tool_calls)
         prepared = self._prepare(
             request,
@@ -151,7 +154,17 @@ class InferenceService:
         )
         prepared.tool_calls = tool_calls
         prepared.grammar = grammar
+        prepared.reasoning = await self._reasoning(prompt, grammar)
         return prepared
+
+    async def _reasoning(self, prompt: list[int], grammar: Grammar | None) -> Reasoning | None:
+        """How the answer's reasoning is told apart; None when the model does not think, or a
+        grammar holds the answer from its first token (there is no room to think)."""
+        tags = self.think_tags
+        if tags is None or grammar is not None:
+            return None
+        tail = await self.off_loop(lambda: self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
+        return Reasoning(tags, tags.opened_by(tail))
 
     async def _grammar(
         self, request: ChatCompletionRequest, tool_calls: ToolCalls | None
@@ -179,10 +192,10 @@ class InferenceService:
                 )
             call = form.call_schema(tool_calls.tools, None if use == "required" else use)
             start, end = form.start, form.end
-            return await self._off_loop(lambda: grammars.tool_call(start, end, call))
+            return await self.off_loop(lambda: grammars.tool_call(start, end, call))
         if schema is None:
             return None
-        return await self._off_loop(lambda: grammars.json_schema(schema))
+        return await self.off_loop(lambda: grammars.json_schema(schema))
 
     def _tool_calls(self, request: ChatCompletionRequest) -> ToolCalls | None:
         """How this request's tools are shown and its tool calls read; None: plain text."""
@@ -203,12 +216,18 @@ class InferenceService:
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
         return ToolCalls(self.tool_format, tools)
 
-    def _render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
+        """The conversation as the chat template renders it, encoded (on the tokenizer thread)."""
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except (TemplateError, ValueError, TypeError) as exc:
             # Templates refuse conversations they cannot render (e.g. roles out of order).
@@ -217,7 +236,7 @@ class InferenceService:
             ) from exc
         # Encoded apart from the rendering, as `tokenize=True` does, through the call that lets
         # the event loop run meanwhile (the tokenizer works without holding the GIL).
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def prepare_completion(self, request: CompletionRequest) -> Prepared:
         prompt = request.prompt
@@ -225,7 +244,7 @@ class InferenceService:
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        token_lists = await self._off_loop(lambda: [self._tokens(p) for p in prompts])
+        token_lists = await self.off_loop(lambda: [self.tokens(p, "prompt") for p in prompts])
         n_logprobs = request.logprobs
         return self._prepare(
             request,
@@ -236,7 +255,8 @@ class InferenceService:
             top_logprobs=n_logprobs or 0,
         )
 
-    def _tokens(self, prompt: Any) -> list[int]:
+    def tokens(self, prompt: Any, param: str) -> list[int]:
+        """A text prompt encoded, or a token-id prompt checked against the vocabulary."""
         if isinstance(prompt, str):
             # Special tokens as the tokenizer adds them (a BOS where the model expects one),
             # unless the text already starts with that token.
@@ -248,7 +268,7 @@ class InferenceService:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(
-                f"Token id {bad[0]} is outside the vocabulary (0..{vocab - 1}).", param="prompt"
+                f"Token id {bad[0]} is outside the vocabulary (0..{vocab - 1}).", param=param
             )
         return list(prompt)
 
@@ -369,6 +389,7 @@ class InferenceService:
             prepared.lease.adapters,
             len(submitted.ticket.jobs),
             prepared.n,
+            submitted.ticket,
         )
         try:
             async with contextlib.aclosing(self.worker.events(submitted.ticket)) as events:

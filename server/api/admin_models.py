@@ -20,6 +20,9 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str | None = Field(default=None, description="Local model directory or adapter path.")
     parent: str | None = Field(default=None, description="The base model id, for adapters.")
+    max_model_len: int | None = Field(
+        default=None, description="The context length: prompt and answer tokens together."
+    )
 
 
 class MountAdapterRequest(RequestBody):
@@ -37,6 +40,7 @@ class LoadLoraAdapterRequest(RequestBody):
 
     lora_name: str = Field(json_schema_extra=ADAPTER_ID_SCHEMA)
     lora_path: str
+    load_inplace: StrictBool = False
 
 
 class UnloadLoraAdapterRequest(RequestBody):

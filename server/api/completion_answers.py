@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 def completion_id(prefix: str) -> str:
@@ -59,6 +59,9 @@ class OutputToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(
+        default=None, description="A thinking model's reasoning, written before its answer."
+    )
     tool_calls: list[OutputToolCall] | None = None
 
 
@@ -88,6 +91,7 @@ class DeltaToolCall(OutputToolCall):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

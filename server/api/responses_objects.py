@@ -17,6 +17,14 @@ def message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
+def function_call_id() -> str:
+    return f"fc_{uuid.uuid4().hex}"
+
+
+def reasoning_id() -> str:
+    return f"rs_{uuid.uuid4().hex}"
+
+
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
@@ -29,6 +37,35 @@ class OutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class FunctionCallOutput(BaseModel):
+    """A tool call the answer makes; the client runs it and sends a `function_call_output`."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    """What a thinking model wrote between its think tags, before its answer."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = ReasoningOutput | OutputMessage | FunctionCallOutput
 
 
 class InputTokensDetails(BaseModel):
@@ -68,13 +105,13 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: None = None
     store: Literal[False] = False
     temperature: float
     text: dict[str, Any]
-    tool_choice: Literal["none", "auto"]
+    tool_choice: Literal["none", "auto", "required"] | dict[str, str]
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_p: float
     truncation: Literal["disabled"] = "disabled"
@@ -103,7 +140,7 @@ class ResponseEvent(StreamEvent):
 class OutputItemEvent(StreamEvent):
     type: Literal["response.output_item.added", "response.output_item.done"]
     output_index: int
-    item: OutputMessage
+    item: OutputItem
 
 
 class ContentPartEvent(StreamEvent):
@@ -130,6 +167,39 @@ class TextDoneEvent(StreamEvent):
     content_index: int
     text: str
     logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ArgumentsDeltaEvent(StreamEvent):
+    type: Literal["response.function_call_arguments.delta"] = (
+        "response.function_call_arguments.delta"
+    )
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(StreamEvent):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ReasoningDeltaEvent(StreamEvent):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(StreamEvent):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class ErrorEvent(StreamEvent):

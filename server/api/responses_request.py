@@ -66,6 +66,105 @@ class InputMessage(OpenAIBase):
         return "".join(part.text for part in self.content)
 
 
+class FunctionCallItem(OpenAIBase):
+    """A tool call the model made earlier, sent back with the conversation."""
+
+    type: Literal["function_call"]
+    id: str | None = None
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    status: str | None = None
+
+
+class FunctionCallOutputItem(OpenAIBase):
+    """The result of a tool call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    id: str | None = None
+    call_id: str
+    output: str | list[InputText]
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+class ReasoningItem(OpenAIBase):
+    """A model's earlier reasoning, sent back with the conversation; chat templates drop
+    earlier turns' thinking, so it is not shown to the model."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_INPUT_ITEMS: dict[str, type[OpenAIBase]] = {
+    "message": InputMessage,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
+}
+
+
+def _input_item(index: int, item: Any) -> Any:
+    """One input item read as the model its `type` names (a message when it has none), its
+    problems located in it; an item that is not an object is left to the schema to refuse."""
+    if not isinstance(item, dict):
+        return item
+    kind = item.get("type", "message")
+    model = _INPUT_ITEMS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise InvalidRequest(
+            f"input items of type {kind!r} are not supported by this server; send messages, "
+            "function_call and function_call_output items",
+            param=f"input.{index}.type",
+            code="invalid_value",
+        )
+    try:
+        return model.model_validate(item)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in (index, *error["loc"]))
+        message = error["msg"].removeprefix("Value error, ")
+        raise InvalidRequest(
+            f"{message} (param 'input.{where}')", param=f"input.{where}", code="invalid_value"
+        ) from exc
+
+
+class FunctionTool(OpenAIBase):
+    """A function the model may call: the Responses API's flat form of a chat tool."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    def chat_tool(self) -> dict[str, Any]:
+        spec = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "strict": self.strict,
+        }
+        function = {key: value for key, value in spec.items() if value is not None}
+        return {"type": "function", "function": function}
+
+
+class FunctionToolChoice(OpenAIBase):
+    """`tool_choice` naming the one function the answer must call."""
+
+    type: Literal["function"]
+    name: str
+
+
 class TextFormat(OpenAIBase):
     """`text.format`: plain text, any JSON object, or JSON matching `schema`."""
 
@@ -109,7 +208,7 @@ class ResponsesRequest(RequestBody):
 
     background: StrictBool = False
     conversation: str | dict[str, Any] | None = None
-    input: list[InputMessage] = Field(min_length=1)
+    input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
     metadata: dict[str, str] | None = None
@@ -124,8 +223,8 @@ class ResponsesRequest(RequestBody):
     stream: StrictBool = False
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     text: TextConfig = Field(default_factory=TextConfig)
-    tool_choice: Literal["none", "auto"] = "auto"
-    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice = "auto"
+    tools: list[FunctionTool] = Field(default_factory=list)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     truncation: Literal["disabled"] = "disabled"
     seed: StrictInt | None = Field(
@@ -143,21 +242,15 @@ class ResponsesRequest(RequestBody):
         ),
     )
 
-    # A string arrives as one user message.
-    @field_validator("input", mode="before", json_schema_input_type=str | list[InputMessage])
+    # A string arrives as one user message; a message without `type` is a message item.
+    @field_validator("input", mode="before", json_schema_input_type=str | list[InputItem])
     @classmethod
-    def _messages_only(cls, value: Any) -> Any:
+    def _known_items(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return [{"role": "user", "content": value}]
-        if isinstance(value, list):
-            for item in value:
-                kind = item.get("type", "message") if isinstance(item, dict) else "message"
-                if kind != "message":
-                    raise ValueError(
-                        f"input items of type {kind!r} are not supported by this server; "
-                        "send messages"
-                    )
-        return value
+            return [InputMessage(role="user", content=[InputText(type="input_text", text=value)])]
+        if not isinstance(value, list):
+            return value
+        return [_input_item(i, item) for i, item in enumerate(value)]
 
     @field_validator("metadata")
     @classmethod
@@ -191,31 +284,66 @@ class ResponsesRequest(RequestBody):
             raise ValueError("background responses are not supported by this server")
         return value
 
-    @field_validator("tools")
+    @field_validator("tools", mode="before")
     @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if value:
-            raise ValueError("tools are not supported on /v1/responses by this server")
+    def _function_tools_only(cls, value: Any) -> Any:
+        for tool in value if isinstance(value, list) else ():
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise ValueError(
+                    f"tools of type {kind!r} are not supported by this server; send function tools"
+                )
         return value
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat messages: a run of function calls is one assistant message
+        with `tool_calls` (joined to the assistant's text just before it), an output a `tool`
+        message."""
+        # Chat templates know "system"; OpenAI treats "developer" as its successor.
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                role = "system" if item.role == "developer" else item.role
+                messages.append({"role": role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.text()}
+                )
+        return messages
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completion this request asks for, validated as the chat route validates."""
-        # Chat templates know "system"; OpenAI treats "developer" as its successor.
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        messages += [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.input
-        ]
         fields: dict[str, Any] = {
             "model": self.model,
-            "messages": messages,
+            "messages": self.chat_messages(),
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
             "stream": self.stream,
             "adapter": [{"id": ref.id, "scale": ref.weight} for ref in self.adapter],
+            "parallel_tool_calls": self.parallel_tool_calls,
         }
+        if self.tools:
+            fields["tools"] = [tool.chat_tool() for tool in self.tools]
+        choice = self.tool_choice
+        if isinstance(choice, FunctionToolChoice):
+            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        elif self.tools or choice != "auto":
+            fields["tool_choice"] = choice
         if self.text.format.type != "text":
             fields["response_format"] = self.text.format.response_format()
         try:
@@ -248,6 +376,9 @@ def _responses_param(chat_param: str | None) -> str | None:
     if head == "response_format":
         # `text.format` holds the schema's fields itself, not under `json_schema`.
         rest = rest.removeprefix("json_schema").removeprefix(".")
+    if head in ("tools", "tool_choice"):
+        # A Responses tool holds its function's fields itself, not under `function`.
+        return chat_param.replace(".function.", ".", 1).replace(".function", "", 1)
     if head in _CHAT_TO_RESPONSES:
         return ".".join(part for part in (_CHAT_TO_RESPONSES[head], rest) if part)
     return chat_param

@@ -132,7 +132,7 @@ class ToolCallStream:
             if self._body is None:
                 at = pending.find(fmt.start)
                 if at < 0:
-                    keep = _prefix_overlap(pending, fmt.start)
+                    keep = prefix_overlap(pending, fmt.start)
                     shown.append(pending[: len(pending) - keep])
                     self._held = pending[len(pending) - keep :]
                     break
@@ -173,7 +173,7 @@ class ToolCallStream:
         return self._count
 
 
-def _prefix_overlap(text: str, marker: str) -> int:
+def prefix_overlap(text: str, marker: str) -> int:
     """The length of the longest end of `text` that is a proper start of `marker`."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):

@@ -14,9 +14,11 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from hotlora.config.errors import HotloraError
 from hotlora.server.engine.generate import Engine, Event, Finished, GenerationJob
@@ -25,6 +27,7 @@ from hotlora.server.engine.scheduler import Scheduler
 log = logging.getLogger("hotlora")
 
 _DONE = object()
+T = TypeVar("T")
 
 
 class _State(enum.Enum):
@@ -60,6 +63,7 @@ class Ticket:
         self.state = _State.WAITING
         self.max_unsent = max_unsent  # events the queue may hold before the request is ended
         self.overflowed = False  # ended with `ClientNotReading`
+        self.started_at: float | None = None  # perf_counter when its first row was admitted
         self._worker = worker
         self._loop = asyncio.get_running_loop()
         self._closed: set[int] = set()  # jobs whose last event was sent
@@ -73,6 +77,8 @@ class Ticket:
     # The scheduler's side (the worker thread).
 
     def started(self) -> None:
+        if self.started_at is None:
+            self.started_at = time.perf_counter()
         self._worker._started(self)
 
     def event(self, position: int, event: Event) -> None:
@@ -168,6 +174,8 @@ class GenerationWorker:
         )
         self._lock = threading.Condition()
         self._inbox: deque[Ticket] = deque()
+        # Other model work (embeddings), run between steps: (work, its future).
+        self._errands: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()
         self._waiting = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -220,6 +228,29 @@ class GenerationWorker:
             self._lock.notify()
         return ticket
 
+    async def call(self, work: Callable[[], T]) -> T:
+        """Run `work` on the generation thread between two steps (MLX work the event loop must
+        not do, and that must not race the batch) and return what it returns."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._stopping:
+                raise WorkerStopped("The server is shutting down; retry on another replica.")
+            self._errands.append((work, future))
+            self._lock.notify()
+        return await future
+
+    def _run_errands(self) -> None:
+        with self._lock:
+            errands, self._errands = list(self._errands), deque()
+        for work, future in errands:
+            loop = future.get_loop()
+            try:
+                result = work()
+            except Exception as exc:  # noqa: BLE001 - the caller gets its own failure
+                _settle(loop, future, None, exc)
+            else:
+                _settle(loop, future, result, None)
+
     async def events(self, ticket: Ticket) -> AsyncIterator[tuple[int, Event]]:
         """(job position, event) for each event; leaving early cancels the ticket."""
         try:
@@ -253,12 +284,18 @@ class GenerationWorker:
         try:
             while True:
                 with self._lock:
-                    while not self._stopping and not self._inbox and scheduler.idle:
+                    while (
+                        not self._stopping
+                        and not self._inbox
+                        and not self._errands
+                        and scheduler.idle
+                    ):
                         self._lock.wait()
                     if self._stopping:
                         break
                     arrived = list(self._inbox)
                     self._inbox.clear()
+                self._run_errands()
                 for ticket in arrived:
                     try:
                         scheduler.add(ticket.jobs, ticket)
@@ -275,6 +312,30 @@ class GenerationWorker:
             with self._lock:
                 self._stopping = True
                 left, self._inbox = list(self._inbox), deque()
+                errands, self._errands = list(self._errands), deque()
             for ticket in left:
                 ticket.fail_all(stopped)
+            for _, future in errands:
+                _settle(future.get_loop(), future, None, stopped)
             scheduler.cancel_all(stopped)
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Any],
+    result: Any,
+    error: BaseException | None,
+) -> None:
+    """Resolve `future` on its own loop (from the generation thread), unless it was cancelled."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    # A closed loop (the server has stopped) has nobody left to read the result.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(settle)

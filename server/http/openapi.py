@@ -49,6 +49,10 @@ ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
     ("post", paths.CHAT_COMPLETIONS): (400, 401, 404, 413, 500, 503),
     ("post", paths.COMPLETIONS): (400, 401, 404, 413, 500, 503),
     ("post", paths.RESPONSES): (400, 401, 404, 413, 500, 503),
+    ("post", paths.EMBEDDINGS): (400, 401, 404, 413, 503),
+    ("post", paths.TOKENIZE): (400, 401, 404, 413, 503),
+    ("post", paths.DETOKENIZE): (400, 401, 404, 413, 503),
+    ("get", paths.VERSION): (),
     ("post", paths.ADAPTERS): _ADMIN_POST,
     ("get", paths.ADAPTERS): (401, 503),
     ("get", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
@@ -77,7 +81,7 @@ _STREAMS = {
     paths.COMPLETIONS: (CompletionResponse, CompletionResponse),
 }
 # A mount that finds the same files already mounted answers 200 instead of 201.
-_MOUNTS = (paths.ADAPTERS, paths.LOAD_LORA_ADAPTER)
+_MOUNTS = (paths.ADAPTERS,)
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:

@@ -9,6 +9,7 @@ from hotlora.server.api import completion_answers as p
 from hotlora.server.api.tool_calls import ToolCallStream
 from hotlora.server.engine import Delta, SampledToken
 from hotlora.server.http.error_responses import error_response
+from hotlora.server.render.reasoning import ReasoningStream
 from hotlora.server.serving import (
     Choice,
     InferenceService,
@@ -74,14 +75,21 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> p.CompletionL
 
 
 def _message(prepared: Prepared, choice: Choice) -> tuple[p.AssistantMessage, p.FinishReason]:
-    """The answer as an assistant message: its tool calls read out of its text, if it may call."""
+    """The answer as an assistant message: a thinking model's reasoning apart, its tool calls
+    read out of the rest, if it may call."""
     finish = _finish(choice.finish_reason)
+    text, reasoning = choice.text, None
+    if prepared.reasoning is not None:
+        reasoning, text = prepared.reasoning.split(text)
+        reasoning = reasoning or None
     if prepared.tool_calls is None:
-        return p.AssistantMessage(content=choice.text), finish
-    text, calls = prepared.tool_calls.split(choice.text)
+        return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
+    text, calls = prepared.tool_calls.split(text)
     if not calls:
-        return p.AssistantMessage(content=text), finish
-    message = p.AssistantMessage(content=text if text.strip() else None, tool_calls=calls)
+        return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
+    message = p.AssistantMessage(
+        content=text if text.strip() else None, reasoning_content=reasoning, tool_calls=calls
+    )
     return message, "tool_calls" if finish == "stop" else finish
 
 
@@ -135,24 +143,36 @@ async def chat_stream(
             delta = p.ChatDelta(tool_calls=[p.DeltaToolCall(index=k, **call.model_dump())])
             yield chunk(p.ChatChunkChoice(index=index, delta=delta))
 
+    def reasoning_chunk(index: int, reasoning: str, logprobs: p.ChoiceLogprobs | None) -> str:
+        delta = p.ChatDelta(reasoning_content=reasoning)
+        return chunk(p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
+
     started: set[int] = set()
     tools: dict[int, ToolCallStream] = {}
+    thinking: dict[int, ReasoningStream] = {}
     tally = UsageTally(prepared.n)
     async for index, event in service.events(submitted):
         if index not in started:
             started.add(index)
             if prepared.tool_calls is not None:
                 tools[index] = prepared.tool_calls.stream()
+            if prepared.reasoning is not None:
+                thinking[index] = prepared.reasoning.stream()
             yield chunk(
                 p.ChatChunkChoice(index=index, delta=p.ChatDelta(role="assistant", content=""))
             )
-        stream = tools.get(index)
+        stream, thoughts = tools.get(index), thinking.get(index)
         if isinstance(event, Delta):
-            text, calls, made = event.text, [], stream.count if stream else 0
+            text, reasoning, calls, made = event.text, "", [], stream.count if stream else 0
+            logprobs = _chat_logprobs(event.logprobs) if prepared.params.logprobs else None
+            if thoughts is not None:
+                reasoning, text = thoughts.feed(text)
             if stream is not None:
                 text, calls = stream.feed(text)
-            if text or event.logprobs:
-                logprobs = _chat_logprobs(event.logprobs) if prepared.params.logprobs else None
+            if reasoning:
+                # The tokens' logprobs go with the answer's text when there is some.
+                yield reasoning_chunk(index, reasoning, None if text else logprobs)
+            if text or (event.logprobs and not reasoning):
                 delta = p.ChatDelta(content=text)
                 yield chunk(p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
             for line in call_chunks(index, calls, made):
@@ -160,15 +180,24 @@ async def chat_stream(
         else:
             tally.add(index, event)
             finish: p.FinishReason = _finish(event.finish_reason)
+            text = ""
+            if thoughts is not None:
+                reasoning, text = thoughts.flush()
+                if reasoning:
+                    yield reasoning_chunk(index, reasoning, None)
             if stream is not None:
                 made = stream.count
-                text, calls = stream.flush()
+                shown, calls = stream.feed(text)
+                tail, more = stream.flush()
+                text, calls = shown + tail, calls + more
                 if text:
                     yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(content=text)))
                 for line in call_chunks(index, calls, made):
                     yield line
                 if stream.count and finish == "stop":
                     finish = "tool_calls"
+            elif text:
+                yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(content=text)))
             yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(), finish_reason=finish))
     if include_usage:
         usage = _usage(tally)

@@ -1,4 +1,5 @@
-"""Adapter admin: mount, list, inspect and unmount, plus vLLM's load/unload aliases."""
+"""Adapter admin: mount, list, inspect and unmount, plus vLLM's load/unload aliases, which answer
+as vLLM's server does: 200 and a line of text."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from hotlora.adapters import AdapterError, AdapterInfo, AdapterManager, AdapterNotFound
 from hotlora.server.api.admin_models import (
@@ -37,8 +38,9 @@ def _card(info: AdapterInfo) -> dict[str, Any]:
 
 async def _mount(
     manager: AdapterManager, metrics: Metrics, adapter_id: str, path: str, replace: bool
-) -> JSONResponse:
-    """201 when this call mounted something; 200 when the same revision was already there."""
+) -> tuple[AdapterInfo, bool]:
+    """The adapter mounted, and whether this call changed anything (False: the same revision
+    was already there)."""
     try:
         before: AdapterInfo | None = manager.get(adapter_id)
     except AdapterNotFound:
@@ -51,7 +53,7 @@ async def _mount(
         raise
     # The manager tells the metrics of the mount itself, as of every other.
     unchanged = before is not None and before.revision == info.revision
-    return JSONResponse(_card(info), status_code=200 if unchanged else 201)
+    return info, not unchanged
 
 
 async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -> dict[str, Any]:
@@ -67,7 +69,9 @@ async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -
 async def mount_adapter(
     body: MountAdapterRequest, manager: ManagerDep, metrics: MetricsDep
 ) -> JSONResponse:
-    return await _mount(manager, metrics, body.id, body.path, body.replace)
+    """201 when this call mounted something; 200 when the same revision was already there."""
+    info, changed = await _mount(manager, metrics, body.id, body.path, body.replace)
+    return JSONResponse(_card(info), status_code=201 if changed else 200)
 
 
 @router.get(paths.ADAPTERS)
@@ -87,15 +91,23 @@ async def unmount_adapter(
     return await _unmount(manager, metrics, adapter_id)
 
 
-@router.post(paths.LOAD_LORA_ADAPTER, status_code=201, response_model=AdapterCard)
+_TEXT_OK: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Done."}
+}
+
+
+@router.post(paths.LOAD_LORA_ADAPTER, response_class=PlainTextResponse, responses=_TEXT_OK)
 async def load_lora_adapter(
     body: LoadLoraAdapterRequest, manager: ManagerDep, metrics: MetricsDep
-) -> JSONResponse:
-    return await _mount(manager, metrics, body.lora_name, body.lora_path, False)
+) -> PlainTextResponse:
+    """`load_inplace` swaps an adapter already mounted under the name."""
+    await _mount(manager, metrics, body.lora_name, body.lora_path, body.load_inplace)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post(paths.UNLOAD_LORA_ADAPTER)
+@router.post(paths.UNLOAD_LORA_ADAPTER, response_class=PlainTextResponse, responses=_TEXT_OK)
 async def unload_lora_adapter(
     body: UnloadLoraAdapterRequest, manager: ManagerDep, metrics: MetricsDep
-) -> dict[str, Any]:
-    return await _unmount(manager, metrics, body.lora_name)
+) -> PlainTextResponse:
+    await _unmount(manager, metrics, body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -5,12 +5,16 @@ from __future__ import annotations
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
+EMBEDDINGS = "/v1/embeddings"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
+VERSION = "/version"
 MODELS = "/v1/models"
 ADAPTERS = "/v1/adapters"
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"
 UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
 
-# The routes that generate: what a request's `model` and `adapter` fields select runs there.
-INFERENCE = frozenset({CHAT_COMPLETIONS, COMPLETIONS, RESPONSES})
+# The routes that run the model: what a request's `model` and `adapter` fields select runs there.
+INFERENCE = frozenset({CHAT_COMPLETIONS, COMPLETIONS, RESPONSES, EMBEDDINGS})
 # The routes whose last segment is one adapter's or model's id.
 BY_ID = (f"{ADAPTERS}/", f"{MODELS}/")

@@ -19,7 +19,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -42,6 +42,10 @@ E2E_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# vLLM's 1-2-5 steps for token counts, here up to 100,000 whatever the context.
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5) if m * 10**e <= 100_000)
+# vLLM's buckets for a request's phases (queue, prefill, decode, inference).
+PHASE_BUCKETS = E2E_BUCKETS
 
 # vLLM's `finished_reason` values; hotlora's own "cancelled" is vLLM's "abort".
 FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
@@ -99,6 +103,63 @@ class Metrics:
             "Seconds from a request's arrival to its last event.",
             model,
             buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Seconds per generated token after the first, per choice (its decode time over its "
+            "tokens but one).",
+            model,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            model,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens per finished request, all its choices together.",
+            model,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "The most tokens any one choice of a finished request generated.",
+            model,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Seconds from a request's arrival until its first row was admitted to the batch.",
+            model,
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Seconds from a request's admission to its first token.",
+            model,
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds",
+            "Seconds from a request's first token to its last event.",
+            model,
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.inference_time = Histogram(
+            "vllm:request_inference_time_seconds",
+            "Seconds from a request's admission to its last event (prefill and decode).",
+            model,
+            buckets=PHASE_BUCKETS,
             registry=r,
         )
         self.batch_size = Histogram(
@@ -170,6 +231,20 @@ class Metrics:
     def between_tokens(self, seconds: float) -> None:
         self.inter_token_latency.labels(self.model_name).observe(seconds)
 
+    def per_output_token(self, seconds: float) -> None:
+        self.time_per_output_token.labels(self.model_name).observe(seconds)
+
+    def phases(self, *, queue: float, prefill: float | None, decode: float | None) -> None:
+        """One request's time waiting, prefilling (to its first token) and decoding; a request
+        that ended before its first token has no prefill or decode time."""
+        model = self.model_name
+        self.queue_time.labels(model).observe(queue)
+        if prefill is None or decode is None:
+            return
+        self.prefill_time.labels(model).observe(prefill)
+        self.decode_time.labels(model).observe(decode)
+        self.inference_time.labels(model).observe(prefill + decode)
+
     def finished(self, reason: str) -> None:
         """One choice ended: `stop`, `length`, `cancelled`, or `error`."""
         label = FINISHED_REASONS.get(reason, reason)
@@ -181,13 +256,18 @@ class Metrics:
         *,
         prompt_tokens: int,
         generation_tokens: int,
+        most_generated: int,
         cached_tokens: int,
         seconds: float,
     ) -> None:
-        """One request ended, served with these adapter ids (none: the base alone)."""
+        """One request ended, served with these adapter ids (none: the base alone);
+        `most_generated`: the tokens of its longest choice."""
         model = self.model_name
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(generation_tokens)
+        self.request_prompt_tokens.labels(model).observe(prompt_tokens)
+        self.request_generation_tokens.labels(model).observe(generation_tokens)
+        self.request_max_generation_tokens.labels(model).observe(most_generated)
         self.prefix_cache_queries.labels(model).inc(prompt_tokens)
         self.prefix_cache_hits.labels(model).inc(cached_tokens)
         self.e2e_latency.labels(model).observe(seconds)
@@ -255,6 +335,44 @@ class _Gauges(Collector):
             model,
             kv_usage,
         )
+        # The name vLLM's older dashboards read, Grafana's example among them.
+        yield _gauge(
+            "vllm:gpu_cache_usage_perc",
+            "The same as vllm:kv_cache_usage_perc, under vLLM's earlier name.",
+            model,
+            kv_usage,
+        )
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Rows taken out of the batch to make room: always 0, as a row is admitted only "
+            "when the KV cache it may reach fits, and then runs to its end.",
+            labels=["model_name"],
+        )
+        preemptions.add_metric([model], 0)
+        yield preemptions
+        settings = runtime.settings
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV and prompt cache settings, as labels; the value is 1.",
+            labels=[
+                "model_name",
+                "kv_cache_bytes",
+                "enable_prefix_caching",
+                "prompt_cache_bytes",
+                "prompt_cache_size",
+            ],
+        )
+        cache.add_metric(
+            [
+                model,
+                str(settings.kv_cache_bytes),
+                str(settings.prompt_cache_size > 0),
+                str(settings.prompt_cache_bytes),
+                str(settings.prompt_cache_size),
+            ],
+            1,
+        )
+        yield cache
         lora = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Adapters of running and waiting requests (comma lists); max_lora: the adapters "

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from hotlora.adapters import AdapterSet
-from hotlora.server.engine import Delta, Finished
+from hotlora.server.engine import Delta, Finished, Ticket
 from hotlora.server.telemetry.access_log import current_record
 from hotlora.server.telemetry.prometheus import Metrics
 
@@ -36,8 +36,17 @@ class RequestStats:
     the request failed, else as `cancelled` (its client left).
     """
 
-    def __init__(self, metrics: Metrics, model: str, adapters: AdapterSet, choices: int, n: int):
+    def __init__(
+        self,
+        metrics: Metrics,
+        model: str,
+        adapters: AdapterSet,
+        choices: int,
+        n: int,
+        ticket: Ticket | None = None,
+    ):
         self.metrics = metrics
+        self.ticket = ticket  # its admission time splits the wait from the prefill
         self.model = model
         self.adapters = adapters.ids
         self.choices = choices
@@ -48,6 +57,7 @@ class RequestStats:
         self._first: dict[int, float] = {}  # choice index -> its first event
         self._last: dict[int, float] = {}
         self._reasons: dict[int, str] = {}
+        self._generated: dict[int, int] = {}  # choice index -> its completion tokens
 
     def saw(self, index: int, event: Delta | Finished) -> None:
         now = time.perf_counter()
@@ -60,6 +70,10 @@ class RequestStats:
         if isinstance(event, Finished):
             self.usage.add(index, event)
             self._reasons[index] = event.finish_reason
+            self._generated[index] = event.completion_tokens
+            if event.completion_tokens > 1:
+                decoding = now - self._first[index]
+                self.metrics.per_output_token(decoding / (event.completion_tokens - 1))
 
     def done(self) -> None:
         unfinished = "error" if self.failed else "cancelled"
@@ -67,13 +81,23 @@ class RequestStats:
         for reason in reasons:
             self.metrics.finished(reason)
         usage = self.usage
+        ended = time.perf_counter()
         self.metrics.request(
             self.adapters,
             prompt_tokens=usage.prompt_tokens,
             generation_tokens=usage.completion_tokens,
+            most_generated=max(self._generated.values(), default=0),
             cached_tokens=usage.cached_tokens,
-            seconds=time.perf_counter() - self.began,
+            seconds=ended - self.began,
         )
+        admitted = self.ticket.started_at if self.ticket is not None else None
+        if admitted is not None:
+            first = min(self._first.values(), default=None)
+            self.metrics.phases(
+                queue=max(admitted - self.began, 0.0),
+                prefill=None if first is None else max(first - admitted, 0.0),
+                decode=None if first is None else max(max(self._last.values()) - first, 0.0),
+            )
         record = self.record
         if record is None:
             return

@@ -249,7 +249,8 @@ def churn_step(
             response = client.post("/v1/adapters", json={"id": adapter_id, "path": path})
         else:
             alias = {"lora_name": adapter_id, "lora_path": path}
-            response = client.post("/v1/load_lora_adapter", json=alias)
+            # vLLM's alias answers as vLLM does: 200 and a line of text.
+            return "mount", 200, path, client.post("/v1/load_lora_adapter", json=alias)
         return "mount", 201, path, response
     if adapter_id == STEADY or rng.random() < 0.5:
         path = rng.choice([d for d in dirs if d != current])

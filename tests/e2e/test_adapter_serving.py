@@ -298,15 +298,16 @@ def test_mount_unmount_churn_keeps_memory_flat(api: Api, trained_adapters: Train
     path = str(trained_adapters["fortytwo"])
 
     def cycle(i: int) -> None:
-        if i % 2:  # vLLM's spelling
+        if i % 2:  # vLLM's spelling, answered as vLLM does
             loaded = api.http.post(
                 "/v1/load_lora_adapter", json={"lora_name": "churn", "lora_path": path}
             )
             unloaded = api.http.post("/v1/unload_lora_adapter", json={"lora_name": "churn"})
+            assert (loaded.status_code, unloaded.status_code) == (200, 200)
         else:
             loaded = api.mount("churn", path)
             unloaded = api.http.delete("/v1/adapters/churn")
-        assert (loaded.status_code, unloaded.status_code) == (201, 200)
+            assert (loaded.status_code, unloaded.status_code) == (201, 200)
 
     for i in range(20):  # warm the allocator and the HTTP paths
         cycle(i)

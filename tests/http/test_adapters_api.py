@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import pytest
 from fastapi.testclient import TestClient
@@ -113,12 +114,37 @@ def test_replace_swaps_and_conflict_refuses(api: TestClient):
 
 def test_vllm_aliases(api: TestClient):
     loaded = api.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "b"})
-    assert loaded.status_code == 201 and loaded.json()["id"] == "b"
-    assert loaded.json()["scale"] == 20.0  # PEFT alpha 80 / r 4
+    # vLLM's answer: 200 and a line of text, not a card.
+    assert (loaded.status_code, loaded.text) == (
+        200,
+        "Success: LoRA adapter 'b' added successfully.",
+    )
+    assert api.get("/v1/adapters/b").json()["scale"] == 20.0  # PEFT alpha 80 / r 4
     unloaded = api.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
-    assert unloaded.status_code == 200
+    assert (unloaded.status_code, unloaded.text) == (
+        200,
+        "Success: LoRA adapter 'b' removed successfully.",
+    )
     missing = api.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
     assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "adapter_not_found"
+
+
+def test_vllm_load_inplace_replaces(api: TestClient):
+    def load(path: str, **extra: object) -> httpx.Response:
+        return api.post(
+            "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": path, **extra}
+        )
+
+    assert load("a").status_code == 200
+    with_a = text(api, adapter="a")
+    conflict = load("a2")
+    assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "adapter_conflict"
+    assert text(api, adapter="a") == with_a
+    replaced = load("a2", load_inplace=True)
+    assert replaced.status_code == 200, replaced.text
+    assert api.get("/v1/adapters/a").json()["path"].endswith("a2")
+    assert text(api, adapter="a") != with_a
 
 
 MOUNT_REFUSALS = [

@@ -66,7 +66,7 @@ def test_counters_follow_the_responses_usage_per_adapter(make_client, root: Path
     assert client.post("/v1/adapters", json={"id": "a", "path": "a"}).status_code == 200
     assert (
         client.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "b"}).status_code
-        == 201
+        == 200
     )
     assert client.post("/v1/adapters", json={"id": "c", "path": "../c"}).status_code == 400
     assert client.delete("/v1/adapters/nope").status_code == 404
@@ -304,3 +304,52 @@ def test_start_up_reports_each_phase(make_client, root: Path, caplog):
     reported = {labels["phase"] for labels in labelled(m, "hotlora_startup_phase_seconds")}
     assert reported == set(phases)
     assert value(m, "hotlora_adapter_mounts_total") == 1
+
+
+def test_request_histograms_follow_usage_and_phases(client: TestClient):
+    one = usage(
+        client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "logit_bias": NO_EOS})
+    )
+    two = usage(
+        client.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "the dog",
+                "n": 2,
+                "max_tokens": 3,
+                "temperature": 0,
+                "logit_bias": NO_EOS,
+            },
+        )
+    )
+    m = scrape(client)
+    model = {"model_name": "tiny"}
+    assert value(m, "vllm:request_prompt_tokens_count", **model) == 2
+    assert value(m, "vllm:request_prompt_tokens_sum", **model) == (
+        one["prompt_tokens"] + two["prompt_tokens"]
+    )
+    assert value(m, "vllm:request_generation_tokens_sum", **model) == 5 + 6
+    # The longest choice of each: 5, then 3 of the two choices' 3 each.
+    assert value(m, "vllm:request_max_num_generation_tokens_sum", **model) == 5 + 3
+    assert value(m, "vllm:request_max_num_generation_tokens_bucket", le="5.0", **model) == 2
+    # One per choice that made more than one token.
+    assert value(m, "vllm:time_per_output_token_seconds_count", **model) == 3
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert value(m, f"vllm:request_{phase}_time_seconds_count", **model) == 2
+    phases = sum(
+        value(m, f"vllm:request_{phase}_time_seconds_sum", **model)
+        for phase in ("queue", "prefill", "decode")
+    )
+    inference = value(m, "vllm:request_inference_time_seconds_sum", **model)
+    assert inference == pytest.approx(
+        value(m, "vllm:request_prefill_time_seconds_sum", **model)
+        + value(m, "vllm:request_decode_time_seconds_sum", **model)
+    )
+    assert 0 < phases <= value(m, "vllm:e2e_request_latency_seconds_sum", **model)
+    assert value(m, "vllm:num_preemptions_total", **model) == 0
+    assert value(m, "vllm:gpu_cache_usage_perc", **model) == value(
+        m, "vllm:kv_cache_usage_perc", **model
+    )
+    [config] = labelled(m, "vllm:cache_config_info")
+    assert config["enable_prefix_caching"] == "True" and int(config["kv_cache_bytes"]) > 0

@@ -41,8 +41,12 @@ STATUSES = {
     ("post", "/v1/adapters"): ADMIN_POST,
     ("get", "/v1/adapters/{adapter_id}"): {"200", "401", "404", "503"},
     ("delete", "/v1/adapters/{adapter_id}"): {"200", "401", "404", "503"},
-    ("post", "/v1/load_lora_adapter"): ADMIN_POST,
+    ("post", "/v1/load_lora_adapter"): ADMIN_POST - {"201"},
     ("post", "/v1/unload_lora_adapter"): {"200"} | POST_ERRORS,
+    ("post", "/v1/embeddings"): {"200"} | POST_ERRORS,
+    ("post", "/tokenize"): {"200"} | POST_ERRORS,
+    ("post", "/detokenize"): {"200"} | POST_ERRORS,
+    ("get", "/version"): {"200"},
 }
 STREAMED = {"/v1/chat/completions": "ChatCompletionChunk", "/v1/completions": "CompletionResponse"}
 

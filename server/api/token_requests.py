@@ -1,0 +1,144 @@
+"""The schema of vLLM's /tokenize and /detokenize and of /v1/embeddings, fields in the order of
+vLLM's and OpenAI's references.
+
+Fields that neither has carry a `Field(description=...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictBool,
+    StrictInt,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from hotlora.server.api.completion_requests import (
+    AdapterSpec,
+    ChatMessage,
+    RequestBody,
+    Tool,
+)
+
+# OpenAI's bound on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class TokenizeRequest(RequestBody):
+    """vLLM's POST /tokenize: a `prompt`, or `messages` rendered by the chat template first."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = Field(
+        default=None,
+        description=(
+            "Add the tokenizer's special tokens (a BOS); default true for `prompt`, false for "
+            "`messages` (the chat template writes its own)."
+        ),
+    )
+    return_token_strs: StrictBool = False
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either 'prompt' or 'messages'")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestBody):
+    """vLLM's POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# An input as the document shows it: no empty text or token list.
+_INPUT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+        {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+        },
+    ]
+}
+
+
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings: one input or many, text or token ids."""
+
+    input: Annotated[
+        str | list[str] | list[StrictInt] | list[list[StrictInt]], WithJsonSchema(_INPUT_SCHEMA)
+    ]
+    model: str
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(default=None, ge=1)
+    user: str | None = None
+    adapter: AdapterSpec = Field(
+        default=(),
+        description=(
+            "LoRA adapters whose hidden states are pooled, summed in order, as on chat: 'sft', "
+            "'sft+dpo', 'sft@0.5+dpo'. 'none' or absent pools the base model's."
+        ),
+    )
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, value: Any) -> Any:
+        if value == "" or value == []:
+            raise ValueError("input must not be empty")
+        if isinstance(value, list) and any(item in ("", []) for item in value):
+            raise ValueError("input must not hold an empty string or token list")
+        # One list of token ids is one input, however long.
+        many = isinstance(value, list) and not all(isinstance(item, int) for item in value)
+        if many and len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items")
+        return value
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """Each input alone: a string, or one list of token ids."""
+        value = self.input
+        if isinstance(value, str) or all(isinstance(item, int) for item in value):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

@@ -1,0 +1,74 @@
+"""vLLM's /tokenize and /detokenize: the served tokenizer and chat template, without generating."""
+
+from __future__ import annotations
+
+from hotlora.config.errors import InvalidRequest
+from hotlora.server.api.token_requests import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from hotlora.server.api.tool_calls import template_message
+from hotlora.server.serving import InferenceService
+
+
+class TokenizingService:
+    """Text to token ids and back, as the chat and completion routes tokenize."""
+
+    def __init__(self, inference: InferenceService):
+        self.inference = inference
+        self.tokenizer = inference.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        """`model`, when given, must be one a request could be served with."""
+        if model is not None:
+            self.inference.adapters.select(model).release()
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """The prompt's token ids, or the conversation's as the chat template renders it."""
+        self.check_model(request.model)
+        inference = self.inference
+        if request.messages is not None:
+            if not getattr(self.tokenizer, "has_chat_template", True):
+                raise InvalidRequest("This model has no chat template; send a 'prompt'.")
+            messages = [template_message(m) for m in request.messages]
+            # Tools are shown only by templates that can show them, as on chat.
+            tools = None
+            if inference.tool_format is not None and request.tools:
+                tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+            generation_prompt = request.add_generation_prompt
+            special = bool(request.add_special_tokens)
+            tokens = await inference.off_loop(
+                lambda: inference.render_chat(
+                    messages,
+                    tools,
+                    add_generation_prompt=generation_prompt,
+                    add_special_tokens=special,
+                )
+            )
+        else:
+            prompt = request.prompt or ""
+            if request.add_special_tokens is False:
+                tokens = await inference.off_loop(
+                    lambda: list(self.tokenizer.encode(prompt, add_special_tokens=False))
+                )
+            else:
+                tokens = await inference.off_loop(lambda: inference.tokens(prompt, "prompt"))
+        strs = None
+        if request.return_token_strs:
+            pieces = await inference.off_loop(lambda: self.tokenizer.convert_ids_to_tokens(tokens))
+            strs = [str(piece) for piece in pieces]
+        return TokenizeResponse(
+            count=len(tokens),
+            max_model_len=inference.engine.context_length,
+            tokens=tokens,
+            token_strs=strs,
+        )
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids, special tokens written out."""
+        self.check_model(request.model)
+        tokens = self.inference.tokens(request.tokens, "tokens")
+        text = await self.inference.off_loop(lambda: self.tokenizer.decode(tokens))
+        return DetokenizeResponse(prompt=text)
