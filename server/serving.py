@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ from hotlora.server.api.completion_requests import (
     CompletionRequest,
     SamplingFields,
 )
+from hotlora.server.api.output_formats import OutputSpec
 from hotlora.server.api.tool_calls import ToolCalls, ToolFormat, template_message
 from hotlora.server.engine import (
     Delta,
@@ -35,13 +35,15 @@ from hotlora.server.engine import (
     SamplingParams,
     Ticket,
 )
+from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.engine.grammar import Grammar
 from hotlora.server.http.request_errors import ContextOverflow
+from hotlora.server.render.chat_prompt import ChatTemplate
+from hotlora.server.request_sampling import sampling_params
 from hotlora.server.telemetry.prometheus import Metrics
 from hotlora.server.telemetry.request_stats import RequestStats, UsageTally
 
 log = logging.getLogger("hotlora")
-_TOKEN_ID = re.compile(r"-?[0-9]+")
 T = TypeVar("T")
 
 
@@ -85,6 +87,7 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: list[SampledToken]
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -121,6 +124,7 @@ class InferenceService:
         # by requests.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hotlora-tokenize")
         self.tool_format = ToolFormat.of(self.tokenizer)
+        self._template = ChatTemplate(self.tokenizer)
         self._told_no_tools = False
 
     # Preparation: every refusal happens here.
@@ -139,8 +143,13 @@ class InferenceService:
             raise InvalidRequest("This model has no chat template; use /v1/completions.")
         tool_calls = self._tool_calls(request)
         tools = tool_calls.tools if tool_calls else None
-        prompt = await self._off_loop(lambda: self._render_chat(messages, tools))
-        grammar = await self._grammar(request, tool_calls)
+        variables = self._template.variables(request)
+        prompt = await self._off_loop(
+            lambda: self._render_chat(messages, tools, request, variables)
+        )
+        grammar = await self._grammar(
+            request.output_spec(request.response_format), tool_calls, request.tool_use
+        )
         prepared = self._prepare(
             request,
             [prompt],
@@ -148,26 +157,24 @@ class InferenceService:
             request.requested_max_tokens,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs or 0,
+            grammar=grammar,
         )
         prepared.tool_calls = tool_calls
-        prepared.grammar = grammar
         return prepared
 
     async def _grammar(
-        self, request: ChatCompletionRequest, tool_calls: ToolCalls | None
+        self, spec: OutputSpec | None, tool_calls: ToolCalls | None, use: str = "none"
     ) -> Grammar | None:
         """The grammar the answer is held to, compiled (or found in the cache) off the event
-        loop: `response_format`'s JSON, or the tool call `tool_choice` requires; None: free."""
-        fmt = request.response_format
-        schema = fmt.enforced_schema if fmt else None
-        use = request.tool_use
+        loop: the request's output constraint (`response_format`, `guided_*`, ...), or the tool
+        call `tool_choice` requires; None: free."""
         grammars = self.engine.grammars
         if use not in ("none", "auto"):
-            if schema is not None:
+            if spec is not None:
                 raise InvalidRequest(
-                    "A JSON response_format cannot be combined with a tool_choice that requires "
-                    "a tool call: the answer must be the JSON.",
-                    param="response_format",
+                    f"{spec.param} cannot be combined with a tool_choice that requires a tool "
+                    "call: the answer must be the tool call.",
+                    param=spec.param,
                 )
             assert tool_calls is not None  # `_tool_calls` refused models without tool support
             form = tool_calls.format
@@ -180,9 +187,10 @@ class InferenceService:
             call = form.call_schema(tool_calls.tools, None if use == "required" else use)
             start, end = form.start, form.end
             return await self._off_loop(lambda: grammars.tool_call(start, end, call))
-        if schema is None:
+        if spec is None:
             return None
-        return await self._off_loop(lambda: grammars.json_schema(schema))
+        kind, value, param, closed = spec.kind, spec.value, spec.param, spec.closed
+        return await self._off_loop(lambda: grammars.output(kind, value, param, closed=closed))
 
     def _tool_calls(self, request: ChatCompletionRequest) -> ToolCalls | None:
         """How this request's tools are shown and its tool calls read; None: plain text."""
@@ -204,11 +212,20 @@ class InferenceService:
         return ToolCalls(self.tool_format, tools)
 
     def _render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        request: ChatCompletionRequest,
+        variables: dict[str, Any],
     ) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages,
+                tools=tools,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tokenize=False,
+                **variables,
             )
         except (TemplateError, ValueError, TypeError) as exc:
             # Templates refuse conversations they cannot render (e.g. roles out of order).
@@ -217,7 +234,8 @@ class InferenceService:
             ) from exc
         # Encoded apart from the rendering, as `tokenize=True` does, through the call that lets
         # the event loop run meanwhile (the tokenizer works without holding the GIL).
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        encoded = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        return list(encoded)
 
     async def prepare_completion(self, request: CompletionRequest) -> Prepared:
         prompt = request.prompt
@@ -225,7 +243,9 @@ class InferenceService:
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        token_lists = await self._off_loop(lambda: [self._tokens(p) for p in prompts])
+        special = request.add_special_tokens
+        token_lists = await self._off_loop(lambda: [self._tokens(p, special) for p in prompts])
+        grammar = await self._grammar(request.output_spec(request.response_format), None)
         n_logprobs = request.logprobs
         return self._prepare(
             request,
@@ -234,14 +254,15 @@ class InferenceService:
             request.requested_max_tokens,
             logprobs=n_logprobs is not None,
             top_logprobs=n_logprobs or 0,
+            grammar=grammar,
         )
 
-    def _tokens(self, prompt: Any) -> list[int]:
+    def _tokens(self, prompt: Any, special: bool = True) -> list[int]:
         if isinstance(prompt, str):
             # Special tokens as the tokenizer adds them (a BOS where the model expects one),
-            # unless the text already starts with that token.
+            # unless the text already starts with that token or the request asks for none.
             bos = getattr(self.tokenizer, "bos_token", None)
-            if bos and prompt.startswith(bos):
+            if not special or (bos and prompt.startswith(bos)):
                 return list(self.tokenizer.encode(prompt, add_special_tokens=False))
             return list(self.tokenizer.encode(prompt))
         vocab = self.engine.vocab_size
@@ -261,6 +282,7 @@ class InferenceService:
         *,
         logprobs: bool,
         top_logprobs: int,
+        grammar: Grammar | None,
     ) -> Prepared:
         choices = len(prompts) * request.n
         if choices > self.settings.max_n:
@@ -279,6 +301,10 @@ class InferenceService:
                 param="max_tokens",
             )
         context = self.engine.context_length
+        if request.truncate_prompt_tokens is not None:
+            keep = request.truncate_prompt_tokens
+            keep = context if keep == -1 else keep
+            prompts = [p[-keep:] for p in prompts]  # vLLM keeps the prompt's end
         longest = max(len(p) for p in prompts)
         if any(not p for p in prompts):
             raise InvalidRequest("The prompt is empty.", param=prompt_param)
@@ -297,44 +323,19 @@ class InferenceService:
                 f"completion). Please reduce the prompt or max_tokens.",
                 param=prompt_param,
             )
-        top_k = _pick(request.top_k, self._defaults.get("top_k"), 0)
-        params = SamplingParams(
+        params = sampling_params(
+            request,
             max_tokens=max_tokens,
-            temperature=_pick(request.temperature, self._defaults.get("temperature"), 1.0),
-            top_p=_pick(request.top_p, self._defaults.get("top_p"), 1.0),
-            # A top_k covering the whole vocabulary filters nothing (and mlx-lm refuses it).
-            top_k=top_k if top_k < self.engine.vocab_size else 0,
-            min_p=_pick(request.min_p, None, 0.0),
-            seed=request.seed,
-            stop=tuple(request.stop_list),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
-            logit_bias=self._logit_bias(request.logit_bias),
+            defaults=self._defaults,
+            vocab_size=self.engine.vocab_size,
+            eos_ids=frozenset(self.engine.tokenizer.eos_token_ids),
+            grammar=grammar,
         )
         # Select last: the lease it takes must be released on any later error.
         lease = self.adapters.select(request.model, request.adapter)
-        return Prepared(lease, prompts, params, request.n)
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        if not bias:
-            return ()
-        vocab = self.engine.vocab_size
-        out = []
-        for key, value in bias.items():
-            # ASCII digits only: `str.isdigit` also takes "²" and "١". No more of them than the
-            # vocabulary's size has: Python refuses to read over 4,300 digits as an int.
-            too_long = len(key) > len(str(vocab))
-            if too_long or not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < vocab:
-                shown = key if len(key) <= 16 else f"{key[:16]}..."
-                raise InvalidRequest(
-                    f"logit_bias keys must be token ids in 0..{vocab - 1}; got {shown!r}.",
-                    param="logit_bias",
-                )
-            out.append((int(key), value))
-        return tuple(out)
+        return Prepared(lease, prompts, params, request.n, grammar=grammar)
 
     # Running.
 
@@ -357,6 +358,7 @@ class InferenceService:
                 choice.logprobs.extend(event.logprobs)
             else:
                 choice.finish_reason = event.finish_reason
+                choice.prompt_logprobs = event.prompt_logprobs
                 usage.add(index, event)
         return Outcome([choices[i] for i in sorted(choices)], usage)
 
@@ -386,9 +388,3 @@ class InferenceService:
                 stats.failed = True
                 self.metrics.client_not_reading()
             stats.done()
-
-
-def _pick(value: Any, default: Any, fallback: Any) -> Any:
-    if value is not None:
-        return value
-    return default if default is not None else fallback

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Iterable
 
 from hotlora.server.api import completion_answers as p
 from hotlora.server.api.tool_calls import ToolCallStream
-from hotlora.server.engine import Delta, SampledToken
+from hotlora.server.engine import Delta, Finished, SampledToken
+from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.http.error_responses import error_response
 from hotlora.server.serving import (
     Choice,
@@ -73,6 +74,45 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> p.CompletionL
     )
 
 
+def _prompt_logprobs(reported: PromptLogprobs | None) -> p.PromptLogprobs | None:
+    if reported is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            e.token_id: p.PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.text)
+            for e in entry
+        }
+        for entry in reported
+    ]
+
+
+class _RunningUsage:
+    """vLLM's `continuous_usage_stats`: the usage so far, on every chunk of a stream."""
+
+    def __init__(self, prepared: Prepared, on: bool):
+        self.on = on
+        self.prompt_tokens = sum(len(prompt) for prompt in prepared.prompts)
+        self._generated: dict[int, int] = {}
+
+    def saw(self, index: int, event: Delta | Finished) -> None:
+        if isinstance(event, Delta):
+            self._generated[index] = max(self._generated.get(index, 0), event.generated)
+        else:
+            self._generated[index] = event.completion_tokens
+
+    def now(self) -> p.Usage | None:
+        if not self.on:
+            return None
+        completion = sum(self._generated.values())
+        return p.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+        )
+
+
 def _message(prepared: Prepared, choice: Choice) -> tuple[p.AssistantMessage, p.FinishReason]:
     """The answer as an assistant message: its tool calls read out of its text, if it may call."""
     finish = _finish(choice.finish_reason)
@@ -99,6 +139,7 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionRespo
         model=prepared.lease.model,
         choices=choices,
         usage=_usage(outcome.usage),
+        prompt_logprobs=_prompt_logprobs(outcome.choices[0].prompt_logprobs),
     )
 
 
@@ -113,6 +154,7 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
                 text=c.text,
                 logprobs=_text_logprobs(c.logprobs) if prepared.params.logprobs else None,
                 finish_reason=_finish(c.finish_reason),
+                prompt_logprobs=_prompt_logprobs(c.prompt_logprobs),
             )
             for c in outcome.choices
         ],
@@ -121,14 +163,18 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
 
 
 async def chat_stream(
-    service: InferenceService, submitted: Submitted, include_usage: bool
+    service: InferenceService,
+    submitted: Submitted,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
     meta = {"id": p.completion_id("chatcmpl"), "created": p.now(), "model": prepared.lease.model}
+    running = _RunningUsage(prepared, continuous_usage)
 
     def chunk(choice: p.ChatChunkChoice) -> str:
-        return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice]))
+        return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice], usage=running.now()))
 
     def call_chunks(index: int, calls: list[p.OutputToolCall], first: int) -> Iterable[str]:
         for k, call in enumerate(calls, start=first):
@@ -139,6 +185,7 @@ async def chat_stream(
     tools: dict[int, ToolCallStream] = {}
     tally = UsageTally(prepared.n)
     async for index, event in service.events(submitted):
+        running.saw(index, event)
         if index not in started:
             started.add(index)
             if prepared.tool_calls is not None:
@@ -177,14 +224,19 @@ async def chat_stream(
 
 
 async def completion_stream(
-    service: InferenceService, submitted: Submitted, include_usage: bool
+    service: InferenceService,
+    submitted: Submitted,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """`text_completion` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
     meta = {"id": p.completion_id("cmpl"), "created": p.now(), "model": prepared.lease.model}
     offsets: dict[int, int] = {}
     tally = UsageTally(prepared.n)
+    running = _RunningUsage(prepared, continuous_usage)
     async for index, event in service.events(submitted):
+        running.saw(index, event)
         if isinstance(event, Delta):
             if not (event.text or event.logprobs):
                 continue
@@ -199,7 +251,7 @@ async def completion_stream(
             tally.add(index, event)
             finish = _finish(event.finish_reason)
             choice = p.CompletionChoice(index=index, text="", finish_reason=finish)
-        yield _dump_chunk(p.CompletionResponse(**meta, choices=[choice]))
+        yield _dump_chunk(p.CompletionResponse(**meta, choices=[choice], usage=running.now()))
     if include_usage:
         usage = _usage(tally)
         yield p.CompletionResponse(**meta, choices=[], usage=usage).model_dump_json()
