@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from tokenizers import Tokenizer, processors
 
 from hotlora.server.api.completion_requests import ChatCompletionRequest, CompletionRequest
 from hotlora.server.api.field_support import HONOURED, METADATA, REFUSED
 
-from tests.support.tiny import CHAT_TEMPLATE, write_tiny_llama
+from tests.support.tiny import CHAT_TEMPLATE, ENDOFTEXT_ID, SPECIAL_TOKENS, write_tiny_llama
 
 # CHAT_TEMPLATE, with documents shown first and `enable_thinking: true` opening a thinking block
 # after the assistant's opening (mlx-lm passes false to a model without thinking tokens).
@@ -220,6 +221,36 @@ def test_chat_template_kwargs_and_documents_reach_the_template(thinking_client):
     unread = {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"other": 1}}
     error = thinking_client.post("/v1/chat/completions", json=unread).json()["error"]
     assert error["param"] == "chat_template_kwargs.other"
+
+
+def test_add_special_tokens_reaches_the_tokenizer(make_client, tmp_path: Path):
+    """On a tokenizer that starts every encoding with a BOS: completions add it unless told not
+    to, chat (whose template writes its own) adds it only when told to."""
+    model = write_tiny_llama(tmp_path / "bos", quantize=True)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    bos = SPECIAL_TOKENS[ENDOFTEXT_ID]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, ENDOFTEXT_ID)]
+    )
+    tokenizer.save(str(model / "tokenizer.json"))
+    client = make_client(model=model)
+
+    def prompt_tokens(path: str, **fields: Any) -> int:
+        response = client.post(path, json={"model": "tiny", "max_tokens": 1, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    text = "the cat"
+    plain = len(
+        client.app.state.runtime.worker.engine.tokenizer.encode(text, add_special_tokens=False)
+    )
+    assert prompt_tokens("/v1/completions", prompt=text) == plain + 1
+    assert prompt_tokens("/v1/completions", prompt=text, add_special_tokens=False) == plain
+    chat = prompt_tokens("/v1/chat/completions", messages=MESSAGES)
+    assert (
+        prompt_tokens("/v1/chat/completions", messages=MESSAGES, add_special_tokens=True)
+        == chat + 1
+    )
 
 
 def test_the_tables_cover_the_request_models():
