@@ -2,7 +2,8 @@
 this server honours, which it refuses, and what happens to a field no server defines.
 
 No field is silently ignored. A field the request model declares is honoured (`HONOURED` says
-how). A field another server defines that this one does not implement (`REFUSED`) gets a 400
+how); sent to the other endpoint (`messages` to completions, `prompt` to chat), it is refused.
+A field another server defines that this one does not implement (`REFUSED`) gets a 400
 naming it, unless its value asks for nothing (vLLM's `use_beam_search: false`, `length_penalty:
 1`): scripts written for those servers send their defaults. A field no server defines (a
 client's own metadata) passes, with a WARNING the first time each name is seen.
@@ -191,6 +192,15 @@ def check_fields(data: Any, declared: Iterable[str]) -> None:
     known = set(declared)
     for name, value in data.items():
         if name in known or name in METADATA:
+            continue
+        if name in HONOURED:
+            if value is not None:
+                raise InvalidRequest(
+                    f"'{name}' is not taken by this endpoint: it is a field of the other one "
+                    "(chat or text completions).",
+                    param=name,
+                    code="unsupported_parameter",
+                )
             continue
         refused = REFUSED.get(name)
         if refused is not None:

@@ -253,6 +253,23 @@ def test_add_special_tokens_reaches_the_tokenizer(make_client, tmp_path: Path):
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/completions", "max_completion_tokens", 2),
+        ("/v1/completions", "top_logprobs", 2),
+        ("/v1/completions", "add_generation_prompt", False),
+        ("/v1/chat/completions", "prompt", "the cat"),
+    ],
+)
+def test_the_other_endpoints_fields_are_refused(client: TestClient, path, field, value):
+    own = {"prompt": "the cat"} if path == "/v1/completions" else {"messages": MESSAGES}
+    body = {"model": "tiny", "max_tokens": 2, **own, field: value}
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
 def test_the_tables_cover_the_request_models():
     """Each declared field says what it does; none is both honoured and refused."""
     declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
