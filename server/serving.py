@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ from hotlora.server.api.completion_requests import (
     CompletionRequest,
     SamplingFields,
 )
+from hotlora.server.api.output_formats import OutputSpec
 from hotlora.server.api.tool_calls import ToolCalls, ToolFormat, template_message
 from hotlora.server.engine import (
     Delta,
@@ -35,14 +35,16 @@ from hotlora.server.engine import (
     SamplingParams,
     Ticket,
 )
+from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.engine.grammar import Grammar
 from hotlora.server.http.request_errors import ContextOverflow
+from hotlora.server.render.chat_prompt import ChatTemplate
 from hotlora.server.render.reasoning import PROMPT_TAIL_TOKENS, Reasoning, ThinkTags
+from hotlora.server.request_sampling import sampling_params
 from hotlora.server.telemetry.prometheus import Metrics
 from hotlora.server.telemetry.request_stats import RequestStats, UsageTally
 
 log = logging.getLogger("hotlora")
-_TOKEN_ID = re.compile(r"-?[0-9]+")
 T = TypeVar("T")
 
 
@@ -87,6 +89,7 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: list[SampledToken]
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -123,6 +126,7 @@ class InferenceService:
         # by requests.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hotlora-tokenize")
         self.tool_format = ToolFormat.of(self.tokenizer)
+        self._template = ChatTemplate(self.tokenizer)
         self._told_no_tools = False
         self.think_tags = ThinkTags.of(self.tokenizer)
 
@@ -142,8 +146,20 @@ class InferenceService:
             raise InvalidRequest("This model has no chat template; use /v1/completions.")
         tool_calls = self._tool_calls(request)
         tools = tool_calls.tools if tool_calls else None
-        prompt = await self.off_loop(lambda: self.render_chat(messages, tools))
-        grammar = await self._grammar(request, tool_calls)
+        variables = self._template.variables(request)
+        prompt = await self.off_loop(
+            lambda: self.render_chat(
+                messages,
+                tools,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                add_special_tokens=request.add_special_tokens,
+                variables=variables,
+            )
+        )
+        grammar = await self._grammar(
+            request.output_spec(request.response_format), tool_calls, request.tool_use
+        )
         prepared = self._prepare(
             request,
             [prompt],
@@ -151,36 +167,38 @@ class InferenceService:
             request.requested_max_tokens,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs or 0,
+            grammar=grammar,
         )
         prepared.tool_calls = tool_calls
-        prepared.grammar = grammar
-        prepared.reasoning = await self._reasoning(prompt, grammar)
+        shown = request.include_reasoning is not False
+        prepared.reasoning = await self._reasoning(prompt, grammar, shown=shown)
         return prepared
 
-    async def _reasoning(self, prompt: list[int], grammar: Grammar | None) -> Reasoning | None:
-        """How the answer's reasoning is told apart; None when the model does not think, or a
-        grammar holds the answer from its first token (there is no room to think)."""
+    async def _reasoning(
+        self, prompt: list[int], grammar: Grammar | None, *, shown: bool = True
+    ) -> Reasoning | None:
+        """How the answer's reasoning is told apart (and whether it is `shown`); None when the
+        model does not think, or a grammar holds the answer from its first token (there is no
+        room to think)."""
         tags = self.think_tags
         if tags is None or grammar is not None:
             return None
         tail = await self.off_loop(lambda: self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
-        return Reasoning(tags, tags.opened_by(tail))
+        return Reasoning(tags, tags.opened_by(tail), shown)
 
     async def _grammar(
-        self, request: ChatCompletionRequest, tool_calls: ToolCalls | None
+        self, spec: OutputSpec | None, tool_calls: ToolCalls | None, use: str = "none"
     ) -> Grammar | None:
         """The grammar the answer is held to, compiled (or found in the cache) off the event
-        loop: `response_format`'s JSON, or the tool call `tool_choice` requires; None: free."""
-        fmt = request.response_format
-        schema = fmt.enforced_schema if fmt else None
-        use = request.tool_use
+        loop: the request's output constraint (`response_format`, `guided_*`, ...), or the tool
+        call `tool_choice` requires; None: free."""
         grammars = self.engine.grammars
         if use not in ("none", "auto"):
-            if schema is not None:
+            if spec is not None:
                 raise InvalidRequest(
-                    "A JSON response_format cannot be combined with a tool_choice that requires "
-                    "a tool call: the answer must be the JSON.",
-                    param="response_format",
+                    f"{spec.param} cannot be combined with a tool_choice that requires a tool "
+                    "call: the answer must be the tool call.",
+                    param=spec.param,
                 )
             assert tool_calls is not None  # `_tool_calls` refused models without tool support
             form = tool_calls.format
@@ -193,9 +211,10 @@ class InferenceService:
             call = form.call_schema(tool_calls.tools, None if use == "required" else use)
             start, end = form.start, form.end
             return await self.off_loop(lambda: grammars.tool_call(start, end, call))
-        if schema is None:
+        if spec is None:
             return None
-        return await self.off_loop(lambda: grammars.json_schema(schema))
+        kind, value, param, closed = spec.kind, spec.value, spec.param, spec.closed
+        return await self.off_loop(lambda: grammars.output(kind, value, param, closed=closed))
 
     def _tool_calls(self, request: ChatCompletionRequest) -> ToolCalls | None:
         """How this request's tools are shown and its tool calls read; None: plain text."""
@@ -222,12 +241,19 @@ class InferenceService:
         tools: list[dict[str, Any]] | None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation as the chat template renders it, encoded (on the tokenizer thread)."""
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(variables or {}),
             )
         except (TemplateError, ValueError, TypeError) as exc:
             # Templates refuse conversations they cannot render (e.g. roles out of order).
@@ -244,7 +270,11 @@ class InferenceService:
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        token_lists = await self.off_loop(lambda: [self.tokens(p, "prompt") for p in prompts])
+        special = request.add_special_tokens
+        token_lists = await self.off_loop(
+            lambda: [self.tokens(p, "prompt", special=special) for p in prompts]
+        )
+        grammar = await self._grammar(request.output_spec(request.response_format), None)
         n_logprobs = request.logprobs
         return self._prepare(
             request,
@@ -253,15 +283,17 @@ class InferenceService:
             request.requested_max_tokens,
             logprobs=n_logprobs is not None,
             top_logprobs=n_logprobs or 0,
+            grammar=grammar,
         )
 
-    def tokens(self, prompt: Any, param: str) -> list[int]:
-        """A text prompt encoded, or a token-id prompt checked against the vocabulary."""
+    def tokens(self, prompt: Any, param: str, *, special: bool = True) -> list[int]:
+        """A text prompt encoded (with the tokenizer's special tokens unless `special` is
+        false), or a token-id prompt checked against the vocabulary."""
         if isinstance(prompt, str):
             # Special tokens as the tokenizer adds them (a BOS where the model expects one),
-            # unless the text already starts with that token.
+            # unless the text already starts with that token or the request asks for none.
             bos = getattr(self.tokenizer, "bos_token", None)
-            if bos and prompt.startswith(bos):
+            if not special or (bos and prompt.startswith(bos)):
                 return list(self.tokenizer.encode(prompt, add_special_tokens=False))
             return list(self.tokenizer.encode(prompt))
         vocab = self.engine.vocab_size
@@ -281,6 +313,7 @@ class InferenceService:
         *,
         logprobs: bool,
         top_logprobs: int,
+        grammar: Grammar | None,
     ) -> Prepared:
         choices = len(prompts) * request.n
         if choices > self.settings.max_n:
@@ -299,6 +332,10 @@ class InferenceService:
                 param="max_tokens",
             )
         context = self.engine.context_length
+        if request.truncate_prompt_tokens is not None:
+            keep = request.truncate_prompt_tokens
+            keep = context if keep == -1 else keep
+            prompts = [p[-keep:] for p in prompts]  # vLLM keeps the prompt's end
         longest = max(len(p) for p in prompts)
         if any(not p for p in prompts):
             raise InvalidRequest("The prompt is empty.", param=prompt_param)
@@ -317,44 +354,19 @@ class InferenceService:
                 f"completion). Please reduce the prompt or max_tokens.",
                 param=prompt_param,
             )
-        top_k = _pick(request.top_k, self._defaults.get("top_k"), 0)
-        params = SamplingParams(
+        params = sampling_params(
+            request,
             max_tokens=max_tokens,
-            temperature=_pick(request.temperature, self._defaults.get("temperature"), 1.0),
-            top_p=_pick(request.top_p, self._defaults.get("top_p"), 1.0),
-            # A top_k covering the whole vocabulary filters nothing (and mlx-lm refuses it).
-            top_k=top_k if top_k < self.engine.vocab_size else 0,
-            min_p=_pick(request.min_p, None, 0.0),
-            seed=request.seed,
-            stop=tuple(request.stop_list),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
-            logit_bias=self._logit_bias(request.logit_bias),
+            defaults=self._defaults,
+            vocab_size=self.engine.vocab_size,
+            eos_ids=frozenset(self.engine.tokenizer.eos_token_ids),
+            grammar=grammar,
         )
         # Select last: the lease it takes must be released on any later error.
         lease = self.adapters.select(request.model, request.adapter)
-        return Prepared(lease, prompts, params, request.n)
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        if not bias:
-            return ()
-        vocab = self.engine.vocab_size
-        out = []
-        for key, value in bias.items():
-            # ASCII digits only: `str.isdigit` also takes "²" and "١". No more of them than the
-            # vocabulary's size has: Python refuses to read over 4,300 digits as an int.
-            too_long = len(key) > len(str(vocab))
-            if too_long or not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < vocab:
-                shown = key if len(key) <= 16 else f"{key[:16]}..."
-                raise InvalidRequest(
-                    f"logit_bias keys must be token ids in 0..{vocab - 1}; got {shown!r}.",
-                    param="logit_bias",
-                )
-            out.append((int(key), value))
-        return tuple(out)
+        return Prepared(lease, prompts, params, request.n, grammar=grammar)
 
     # Running.
 
@@ -377,6 +389,7 @@ class InferenceService:
                 choice.logprobs.extend(event.logprobs)
             else:
                 choice.finish_reason = event.finish_reason
+                choice.prompt_logprobs = event.prompt_logprobs
                 usage.add(index, event)
         return Outcome([choices[i] for i in sorted(choices)], usage)
 
@@ -407,9 +420,3 @@ class InferenceService:
                 stats.failed = True
                 self.metrics.client_not_reading()
             stats.done()
-
-
-def _pick(value: Any, default: Any, fallback: Any) -> Any:
-    if value is not None:
-        return value
-    return default if default is not None else fallback

@@ -75,6 +75,19 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, its token id and the top alternatives' (the first
+# prompt token has none: null).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -82,6 +95,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaToolCall(OutputToolCall):
@@ -123,6 +137,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

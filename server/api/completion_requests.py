@@ -5,13 +5,10 @@ Fields that OpenAI does not have carry a `Field(description=...)`.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
@@ -24,6 +21,9 @@ from pydantic import (
 
 from hotlora.adapters import AdapterRef, parse_adapter_spec
 from hotlora.config.errors import InvalidRequest
+from hotlora.server.api.field_support import check_fields
+from hotlora.server.api.output_formats import GuidedFields, ResponseFormat
+from hotlora.server.api.wire_base import OpenAIBase, RequestBody
 
 MAX_STOP_SEQUENCES = 16
 # The `adapter` field: parsed at validation into the ordered adapter references.
@@ -41,59 +41,7 @@ AdapterSpec = Annotated[
     ),
 ]
 MAX_TOP_LOGPROBS = 20
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-MAX_JSON_DEPTH = 64
-
-
-class OpenAIBase(BaseModel):
-    # Clients send fields we do not use (e.g. `user`, `store`); OpenAI ignores them too.
-    # NaN and infinities are refused wherever a number is read. Request fields are typed
-    # `StrictInt`, `StrictFloat` and `StrictBool`: as OpenAI does, "3", true and 3.5 are refused
-    # where an integer goes, and "0.5" and true where a number does, never converted.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class RequestBody(OpenAIBase):
-    """A whole request body: its text must be valid Unicode before any field reads it."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        # JSON may escape lone UTF-16 surrogates ("\ud800"), which no encoder can write out.
-        where = _lone_surrogate(data, ())
-        if where is not None:
-            param = ".".join(where) or None
-            raise InvalidRequest(
-                f"The request contains text that is not valid Unicode (a lone UTF-16 surrogate) "
-                f"in '{param or 'body'}'.",
-                param=param,
-                code="invalid_value",
-            )
-        return data
-
-
-def _lone_surrogate(value: Any, path: tuple[str, ...], depth: int = 0) -> tuple[str, ...] | None:
-    """Where in a parsed JSON value a string (or key) holds a lone surrogate; None if nowhere."""
-    if isinstance(value, str):
-        return path if _SURROGATE.search(value) else None
-    if depth > MAX_JSON_DEPTH:
-        return None  # deeper than any field reads; left to the schema to refuse
-    if isinstance(value, dict):
-        for key, item in value.items():
-            here = (*path, str(key).encode("ascii", "backslashreplace").decode())
-            if isinstance(key, str) and _SURROGATE.search(key):
-                return here
-            found = _lone_surrogate(item, here, depth + 1)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _lone_surrogate(item, (*path, str(i)), depth + 1)
-            if found is not None:
-                return found
-    return None
+MAX_STOP_TOKEN_IDS = 64
 
 
 class TextPart(OpenAIBase):
@@ -191,9 +139,12 @@ class ChatMessage(OpenAIBase):
 
 class StreamOptions(OpenAIBase):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = Field(
+        default=False, description="vLLM: usage (so far) on every chunk of the stream."
+    )
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(GuidedFields, RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str
@@ -209,7 +160,9 @@ class SamplingFields(RequestBody):
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(
-        default=None, ge=0, description="Sample from the k most likely tokens; 0 disables."
+        default=None,
+        ge=-1,
+        description="Sample from the k most likely tokens; 0 or -1 (vLLM's spelling) disables.",
     )
     min_p: StrictFloat | None = Field(
         default=None, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability."
@@ -228,6 +181,63 @@ class SamplingFields(RequestBody):
             "serves the base model."
         ),
     )
+    # vLLM's sampling parameters.
+    min_tokens: StrictInt = Field(
+        default=0,
+        ge=0,
+        description="EOS and stop_token_ids cannot end the answer before this many tokens.",
+    )
+    ignore_eos: StrictBool = Field(default=False, description="EOS does not end the answer.")
+    stop_token_ids: list[StrictInt] | None = Field(
+        default=None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="Token ids that end the answer, as EOS does.",
+    )
+    include_stop_str_in_output: StrictBool = Field(
+        default=False,
+        description="Keep the stop string (or stop token) that ended the answer in its text.",
+    )
+    skip_special_tokens: StrictBool = Field(
+        default=True, description="false writes control tokens into the text."
+    )
+    allowed_token_ids: list[StrictInt] | None = Field(
+        default=None, min_length=1, description="Only these token ids may be generated."
+    )
+    truncate_prompt_tokens: StrictInt | None = Field(
+        default=None,
+        ge=-1,
+        description="Keep only the last N prompt tokens; -1 keeps the context length.",
+    )
+    prompt_logprobs: StrictInt | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Log-probabilities of the prompt's tokens, with this many alternatives.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_field_ignored(cls, data: Any) -> Any:
+        names = {name for name in cls.model_fields} | {
+            f.alias for f in cls.model_fields.values() if f.alias
+        }
+        check_fields(data, names)
+        return data
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_something(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return value
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_whole(self) -> SamplingFields:
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequest(
+                "prompt_logprobs are not available when streaming.", param="prompt_logprobs"
+            )
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -265,37 +275,9 @@ class SamplingFields(RequestBody):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-
-class JsonSchemaFormat(OpenAIBase):
-    """`response_format.json_schema`: the JSON Schema the answer must validate against."""
-
-    model_config = ConfigDict(populate_by_name=True)
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    # `schema` itself would shadow a pydantic attribute.
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: StrictBool | None = None
-
-
-class ResponseFormat(OpenAIBase):
-    """`response_format`: plain text, any JSON object, or JSON matching a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("a response_format of type 'json_schema' needs 'json_schema'")
-        return self
-
     @property
-    def enforced_schema(self) -> dict[str, Any] | None:
-        """The JSON Schema the answer must match, enforced while decoding; None: plain text."""
-        if self.type == "json_object":
-            return {"type": "object"}
-        return self.json_schema.schema_ if self.json_schema else None
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -307,6 +289,33 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    include_reasoning: StrictBool | None = Field(
+        default=None, description="vLLM: whether the answer carries the model's reasoning."
+    )
+    # vLLM's chat parameters.
+    add_generation_prompt: StrictBool = Field(
+        default=True,
+        description="End the prompt with the opening of the assistant's turn, as the chat "
+        "template writes it.",
+    )
+    continue_final_message: StrictBool = Field(
+        default=False,
+        description="Continue the last message (an assistant prefill): it is left open, with no "
+        "end of turn. Implies add_generation_prompt false.",
+    )
+    add_special_tokens: StrictBool = Field(
+        default=False,
+        description="Add the tokenizer's special tokens (BOS) on top of what the template writes.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="Variables passed to the chat template (e.g. enable_thinking); each must be "
+        "one the template reads.",
+    )
+    documents: list[dict[str, str]] | None = Field(
+        default=None, description="Documents passed to a chat template that reads them."
+    )
 
     @field_validator("tools")
     @classmethod
@@ -338,6 +347,13 @@ class ChatCompletionRequest(SamplingFields):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise InvalidRequest(
+                    "continue_final_message and add_generation_prompt cannot both be true.",
+                    param="continue_final_message",
+                )
+            self.add_generation_prompt = False
         return self
 
     @property
@@ -364,10 +380,11 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[
         str | list[str] | list[StrictInt] | list[list[StrictInt]], WithJsonSchema(_PROMPT_SCHEMA)
     ]
-    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
-    echo: StrictBool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
-    suffix: str | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    add_special_tokens: StrictBool = Field(
+        default=True, description="Add the tokenizer's special tokens (BOS) to a text prompt."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -377,20 +394,6 @@ class CompletionRequest(SamplingFields):
         # Refused whatever the tokenizer would make of them (one that adds BOS makes a token).
         if value == "" or (isinstance(value, list) and any(p in ("", []) for p in value)):
             raise ValueError("prompt must not be empty, nor hold an empty prompt")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
         return value
 
     @property

@@ -56,11 +56,27 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class RankedLogprob:
+    """A token's log-probability at one prompt position, and its rank there (1: most likely)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    text: str
+
+
+# One entry per prompt token: the token itself, then the most likely alternatives; the first
+# token has none (nothing predicts it).
+PromptLogprobs = tuple[tuple[RankedLogprob, ...] | None, ...]
+
+
+@dataclass(frozen=True)
 class Delta:
     """Text that is safe to show, with the tokens that produced it."""
 
     text: str
     logprobs: tuple[SampledToken, ...] = ()
+    generated: int = 0  # the choice's tokens so far, this delta's included
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 Event = Delta | Finished
@@ -123,6 +140,36 @@ class Engine:
             top = tuple((self.pieces(i), _finite(v)) for i, v in pairs)
         chosen = cast(float, logprobs[token].item())
         return SampledToken(self.pieces(token), _finite(chosen), top)
+
+    def prompt_logprobs(
+        self, targets: list[int], logits: mx.array, k: int
+    ) -> list[tuple[RankedLogprob, ...]]:
+        """Each target token's log-probability, rank and the `k` most likely alternatives, from
+        the logits [len(targets), vocab] of the positions before them."""
+        logprobs = logits.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)  # [n, vocab]
+        chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)  # [n, 1]
+        ranks = (logprobs > chosen).sum(axis=-1) + 1  # [n]
+        top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k > 0 else None  # [n, k]
+        values = mx.take_along_axis(logprobs, top, axis=-1) if top is not None else None
+        mx.eval(chosen, ranks, *(a for a in (top, values) if a is not None))
+        chosen_list = cast(list[list[float]], chosen.tolist())
+        rank_list = cast(list[int], ranks.tolist())
+        top_ids = cast(list[list[int]], top.tolist()) if top is not None else [[]] * len(targets)
+        top_lps = cast(list[list[float]], values.tolist()) if values is not None else top_ids
+        out = []
+        for i, token in enumerate(targets):
+            entry = {token: (_finite(chosen_list[i][0]), rank_list[i])}
+            ranked = sorted(zip(top_ids[i], top_lps[i], strict=True), key=lambda p: -p[1])
+            for rank, (other, value) in enumerate(ranked, start=1):
+                entry.setdefault(other, (_finite(value), rank))
+            out.append(
+                tuple(
+                    RankedLogprob(t, value, rank, self.pieces(t).text)
+                    for t, (value, rank) in entry.items()
+                )
+            )
+        return out
 
 
 # OpenAI's log-probability for a token that cannot be sampled; JSON has no -Infinity.

@@ -1,4 +1,5 @@
-"""Structured output: JSON schemas compiled to grammars that mask each constrained row's logits.
+"""Structured output: JSON schemas, regular expressions, choices and grammars (Lark, GBNF) compiled
+to grammars that mask each constrained row's logits.
 
 The grammar engine is llguidance. Of the three engines that compile JSON schemas to token masks,
 xgrammar needs PyTorch at import; outlines-core and llguidance install as plain wheels.
@@ -52,8 +53,13 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 # Where a refused schema came from: how its error names it, and the request field.
 _Source = tuple[str, str]
-_RESPONSE_FORMAT: _Source = ("The response_format schema", "response_format")
 _TOOL_PARAMETERS: _Source = ("A tool's parameters", "tools")
+# Schema keywords whose values are schemas (one, a list, or a map of them) that closing reaches.
+# `allOf` is left as written: closing each branch would refuse the keys the others add.
+_ONE_SCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "not")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_MAX_CLOSING_DEPTH = 64
 
 
 class UnsupportedSchema(InvalidRequest):
@@ -138,19 +144,58 @@ class Grammars:
         self._table: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def json_schema(self, schema: dict[str, Any]) -> Grammar:
+    def json_schema(
+        self, schema: dict[str, Any], *, param: str = "response_format", closed: bool = True
+    ) -> Grammar:
         """The grammar of JSON text that validates against `schema`; `UnsupportedSchema` if
-        the schema is invalid or uses a feature the engine cannot enforce."""
-        text = _schema_text(schema, _RESPONSE_FORMAT)
+        the schema is invalid or uses a feature the engine cannot enforce. `closed`: objects
+        that list `properties` and do not say `additionalProperties` take no other keys, as in
+        OpenAI's strict mode and vLLM."""
+        source = (f"The {param} schema", param)
+        text = _schema_text(close_objects(schema) if closed else schema, source)
         compile_json = llguidance.LLMatcher.grammar_from_json_schema
         return self._cached(
-            text, lambda: compile_json(text, overrides=_JSON_OPTIONS), _RESPONSE_FORMAT
+            f"json:{text}", lambda: compile_json(text, overrides=_JSON_OPTIONS), source
+        )
+
+    def output(self, kind: str, value: Any, param: str, *, closed: bool = True) -> Grammar:
+        """The grammar of an output constraint by its kind: `json` (a schema), `regex`,
+        `choice` (a list of strings) or `grammar` (Lark or GBNF text); `param` names the
+        request field it came in."""
+        if kind == "json":
+            return self.json_schema(value, param=param, closed=closed)
+        if kind == "regex":
+            return self.regex(value, param=param)
+        if kind == "choice":
+            return self.choice(value, param=param)
+        return self.grammar(value, param=param)
+
+    def regex(self, pattern: str, *, param: str) -> Grammar:
+        """The grammar of text that matches `pattern` whole (Rust's regex syntax)."""
+        source = (f"The {param} regular expression", param)
+        return self._cached(
+            f"regex:{pattern}", lambda: llguidance.grammar_from("regex", pattern), source
+        )
+
+    def choice(self, options: list[str], *, param: str) -> Grammar:
+        """The grammar of exactly one of `options`."""
+        source = (f"The {param} list", param)
+        lark = "start: " + " | ".join(json.dumps(option) for option in options)
+        return self._cached(lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), source)
+
+    def grammar(self, text: str, *, param: str) -> Grammar:
+        """The grammar `text` defines: Lark as llguidance reads it (a `start:` rule), else
+        llama.cpp's GBNF (a `root ::=` rule), converted to Lark."""
+        source = (f"The {param} grammar", param)
+        return self._cached(
+            f"grammar:{text}", lambda: llguidance.grammar_from("grammar", text), source
         )
 
     def tool_call(self, start: str, end: str, schema: dict[str, Any]) -> Grammar:
         """The grammar of one tool call as `start` JSON `end`, the JSON valid under `schema`
         (the call's name and arguments): how `tool_choice` required or named is enforced."""
-        body = _schema_text({**schema, "x-guidance": _JSON_OPTIONS}, _TOOL_PARAMETERS)
+        closed = close_objects(schema)
+        body = _schema_text({**closed, "x-guidance": _JSON_OPTIONS}, _TOOL_PARAMETERS)
         lark = (
             f'start: {json.dumps(start)} "\\n"? call "\\n"? {json.dumps(end)}\ncall: %json {body}\n'
         )
@@ -230,6 +275,28 @@ class Grammars:
             return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
 
 
+def close_objects(schema: Any, depth: int = 0) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that lists
+    `properties` and says nothing of other keys; an object without `properties` stays open (it
+    would admit only `{}`), and `allOf` branches stay as written."""
+    if not isinstance(schema, dict) or depth > _MAX_CLOSING_DEPTH:
+        return schema
+    out = dict(schema)
+    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    if isinstance(out.get("properties"), dict) and not any(key in out for key in open_keys):
+        out["additionalProperties"] = False
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key], depth + 1)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(item, depth + 1) for item in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(item, depth + 1) for name, item in out[key].items()}
+    return out
+
+
 def _schema_text(schema: dict[str, Any], source: _Source) -> str:
     """`schema` as JSON text, its key order kept (the answer's key order follows it)."""
     try:
@@ -270,9 +337,7 @@ def constrain(
         if constraint is None or i in failed:
             continue
         if constraint.error:
-            failed[i] = GrammarFailed(
-                f"Generation left the response_format grammar: {constraint.error}"
-            )
+            failed[i] = GrammarFailed(f"Generation left the answer's grammar: {constraint.error}")
             continue
         constraint.fill(bitmask[i])
     # Token t is bit t % 32 of word t // 32: in a little-endian int32, byte-wise little bit order.

@@ -1,5 +1,5 @@
-"""Each row's next token from the batch's logits: its logits processors, its grammar's mask,
-then one argmax for the greedy rows and each other row's own sampler.
+"""Each row's next token from the batch's logits: its logits processors, the tokens it holds off,
+its grammar's mask, then one argmax for the greedy rows and each other row's own sampler.
 
 Only rows that sample or report logprobs get log-probabilities: on the CPU the softmax's `exp`
 over the vocabulary costs more per row than anything else after the model call (about 1.2 ms
@@ -54,6 +54,20 @@ def log_probabilities(rows: list[Row], logits: mx.array) -> dict[int, mx.array]:
 
 def _log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def held_off(rows: list[Row], logits: mx.array) -> mx.array:
+    """Rows with tokens held off (`allowed_token_ids`, EOS before `min_tokens`) get -inf for
+    them: after the finite check, which an -inf would trip, and before any grammar's mask."""
+    if not any(row.sampler.masks_tokens for row in rows):
+        return logits
+    vocab = logits.shape[-1]
+    masks = [row.sampler.mask(row.generated, vocab) for row in rows]
+    if all(mask is None for mask in masks):
+        return logits
+    zeros = mx.zeros((vocab,), dtype=mx.float32)
+    stacked = mx.stack([zeros if mask is None else mask for mask in masks])  # [B, vocab]
+    return logits + stacked.astype(logits.dtype)
 
 
 def constrained(rows: list[Row], logits: mx.array, failed: dict[int, Exception]) -> mx.array:

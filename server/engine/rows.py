@@ -12,6 +12,8 @@ from hotlora.server.engine.generate import (
     Finished,
     GenerationJob,
     LayerCaches,
+    PromptLogprobs,
+    RankedLogprob,
     SampledToken,
 )
 from hotlora.server.engine.grammar import Constraint
@@ -46,13 +48,20 @@ class Row:
     sampler: RowSampler = field(init=False)
     stops: StopMatcher = field(init=False)
     constraint: Constraint | None = field(init=False)  # its grammar (`response_format`), if any
+    enders: frozenset[int] = field(init=False)  # tokens that end the answer
     tokens: list[int] = field(init=False)
     generated: int = 0
     cached: int = 0  # prompt tokens that came from the prompt cache
+    prompt_logprobs: PromptLogprobs | None = None  # set once prefilled, when asked for
 
     def __post_init__(self) -> None:
-        self.sampler = RowSampler(self.job.params)
-        self.stops = StopMatcher(list(self.job.params.stop))
+        params = self.job.params
+        eos = frozenset() if params.ignore_eos else self.eos
+        self.enders = eos | frozenset(params.stop_token_ids)
+        self.sampler = RowSampler(params, self.enders)
+        self.stops = StopMatcher(list(params.stop), include=params.include_stop)
+        if not params.skip_special_tokens:
+            self.silent = frozenset()
         self.constraint = self.job.grammar.start() if self.job.grammar else None
         self.tokens = list(self.job.prompt)
 
@@ -64,10 +73,17 @@ class Row:
     def adapters(self) -> AdapterSet:
         return self.job.adapters
 
+    def ends_quietly(self, token: int) -> bool:
+        """Whether `token` ends the answer adding nothing to it: EOS, or a stop token id that
+        `include_stop_str_in_output` does not keep."""
+        params = self.job.params
+        kept = params.include_stop and token in params.stop_token_ids
+        return token in self.enders and not kept
+
     def advance(self, token: int, sampled: SampledToken | None) -> bool:
         """Take the row's next token and emit the text it completes; False once it is done."""
         params = self.job.params
-        if token in self.eos:
+        if self.ends_quietly(token):
             self.finish("stop")
             return False
         if self.constraint is not None:
@@ -76,10 +92,14 @@ class Row:
         self.generated += 1
         if token not in self.silent:
             self.detokenizer.add_token(token)
-        text = self.stops.feed(self.detokenizer.last_segment)
+        # Stop strings are looked for from `min_tokens` on, as vLLM does.
+        armed = self.generated >= params.min_tokens
+        text = self.stops.feed(self.detokenizer.last_segment, armed=armed)
         if text or sampled is not None:
-            self.sink.event(self.position, Delta(text, (sampled,) if sampled else ()))
-        if self.stops.stopped or (self.constraint is not None and self.constraint.done):
+            event = Delta(text, (sampled,) if sampled else (), self.generated)
+            self.sink.event(self.position, event)
+        ended = token in self.enders or self.stops.stopped
+        if ended or (self.constraint is not None and self.constraint.done):
             self.finish("stop")
             return False
         if self.generated >= params.max_tokens:
@@ -92,8 +112,10 @@ class Row:
         self.detokenizer.finalize()
         tail = self.stops.feed(self.detokenizer.last_segment) + self.stops.flush()
         if tail and reason != "cancelled":
-            self.sink.event(self.position, Delta(tail))
-        finished = Finished(reason, len(self.job.prompt), self.generated, self.cached)
+            self.sink.event(self.position, Delta(tail, (), self.generated))
+        finished = Finished(
+            reason, len(self.job.prompt), self.generated, self.cached, self.prompt_logprobs
+        )
         self.sink.event(self.position, finished)
 
 
@@ -105,6 +127,7 @@ class Group:
     cache: LayerCaches | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
     started: bool = False
+    prompt_logprobs: list[tuple[RankedLogprob, ...]] = field(default_factory=list)  # so far
 
     @property
     def prompt(self) -> list[int]:

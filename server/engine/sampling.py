@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 LogitsFilter = Callable[[mx.array], mx.array]  # logprobs [1, vocab] -> logprobs [1, vocab]
@@ -37,12 +38,20 @@ class SamplingParams:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids are held off until this many are generated
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop: bool = False  # the stop string or stop token that ends the answer is kept
+    skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] = ()  # empty: any token
+    prompt_logprobs: int | None = None  # alternatives per prompt token; None: none reported
 
 
 class RowSampler:
-    """One row's sampling: its processors, the filter chain, and the key it splits per token."""
+    """One row's sampling: its processors, the filter chain, its token masks and the key it
+    splits per token. `eos`: the tokens that end the answer (EOS unless ignored, stop ids)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, eos: frozenset[int] = frozenset()):
         # Below this, 1/temperature overflows the scaled log-probabilities: it is argmax anyway.
         self.greedy = params.temperature < GREEDY_BELOW
         self.temperature = params.temperature
@@ -53,6 +62,10 @@ class RowSampler:
             frequency_penalty=params.frequency_penalty,
         )
         self.filters = _filters(params)
+        self.min_tokens = params.min_tokens
+        self._enders = sorted(eos)
+        self._allowed = sorted(set(params.allowed_token_ids))
+        self._masks: dict[tuple[int, bool], mx.array] = {}
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         self.key = mx.random.key(seed % SEED_RANGE)
 
@@ -61,6 +74,30 @@ class RowSampler:
         for processor in self.processors:
             logits = processor(context, logits)
         return logits
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether `mask` may ever hold a token off (min_tokens, allowed_token_ids)."""
+        return bool(self._allowed) or (self.min_tokens > 0 and bool(self._enders))
+
+    def mask(self, generated: int, vocab: int) -> mx.array | None:
+        """An additive mask [vocab] (0 or -inf) for the next token once `generated` tokens are
+        out: the tokens outside `allowed_token_ids`, and the tokens that end the answer while
+        fewer than `min_tokens` are out; None when nothing is held off."""
+        hold_enders = generated < self.min_tokens and bool(self._enders)
+        if not (self._allowed or hold_enders):
+            return None
+        key = (vocab, hold_enders)
+        mask = self._masks.get(key)
+        if mask is None:
+            row = np.zeros(vocab, dtype=np.float32)  # [vocab]
+            if self._allowed:
+                row[:] = -np.inf
+                row[[t for t in self._allowed if t < vocab]] = 0.0
+            if hold_enders:
+                row[[t for t in self._enders if t < vocab]] = -np.inf
+            mask = self._masks[key] = mx.array(row)
+        return mask
 
     def sample(self, logprobs: mx.array) -> mx.array:
         """The next token, shape [1], from log-probabilities [1, vocab]; splits the key."""

@@ -47,6 +47,7 @@ from hotlora.server.engine.next_tokens import (
     choose,
     constrained,
     finite_rows,
+    held_off,
     log_probabilities,
     processed,
 )
@@ -190,7 +191,7 @@ class Scheduler:
 
     def _prefill(self) -> None:
         """Spend up to one step's prefill budget, oldest group first, in one model call."""
-        work: list[tuple[Group, list[int]]] = []
+        work: list[tuple[Group, list[int], int]] = []  # (group, chunk, its first position)
         sizes: list[tuple[int, int]] = []  # (tokens, context) of each chunk in the call
         for group in self.prefilling:
             if sizes and self.prefill.call_cost(sizes) + 1 > self.prefill.budget:
@@ -203,29 +204,30 @@ class Scheduler:
                 break  # the budget is spent; an empty prompt remainder still joins below
             chunk, group.pending = group.pending[:take], group.pending[take:]
             sizes.append((len(chunk), context))
-            work.append((group, chunk))
-        running = [(g, c) for g, c in work if c]
+            work.append((group, chunk, context))
+        running = [(g, c, at) for g, c, at in work if c]
         try:
             if len(running) == 1:
-                group, chunk = running[0]
+                group, chunk, at = running[0]
                 with activate(group.adapters):
-                    self.model(mx.array([chunk]), cache=group.cache)
+                    logits = self.model(mx.array([chunk]), cache=group.cache)  # [1, L, vocab]
                 mx.eval([c.state for c in cast(list[Any], group.cache)])
+                self._prompt_logprobs(group, at, logits[0])
             elif running:
                 self._prefill_together(running)
         except Exception as exc:  # noqa: BLE001 - these groups' requests get the error
-            for group, _ in running:
+            for group, _, _ in running:
                 self.prefilling.remove(group)
                 self._fail(group.rows, exc)
-        for group, _ in work:
+        for group, _, _ in work:
             if not group.pending and group in self.prefilling:
                 self.prefilling.remove(group)
                 self._join(group)
 
-    def _prefill_together(self, work: list[tuple[Group, list[int]]]) -> None:
+    def _prefill_together(self, work: list[tuple[Group, list[int], int]]) -> None:
         """One batched call for several groups' chunks: right-padded, each with its adapters."""
-        groups = [g for g, _ in work]
-        lengths = [len(c) for _, c in work]
+        groups = [g for g, _, _ in work]
+        lengths = [len(c) for _, c, _ in work]
         longest = max(lengths)
         layers = len(cast(list[Any], groups[0].cache))
         # Each layer's cache type merges its own kind (KVCache into BatchKVCache, ...).
@@ -233,14 +235,25 @@ class Scheduler:
         cache = [caches[0].merge(caches) for caches in per_layer]
         for c in cache:
             c.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
-        tokens = mx.array([c + [0] * (longest - len(c)) for _, c in work])  # [G, longest]
+        tokens = mx.array([c + [0] * (longest - len(c)) for _, c, _ in work])  # [G, longest]
         with activate(self._row_adapters.for_rows([g.adapters for g in groups])):
-            self.model(tokens, cache=cache)
+            logits = self.model(tokens, cache=cache)  # [G, longest, vocab]
         for c in cache:
             c.finalize()
         mx.eval([c.state for c in cache])
         for i, group in enumerate(groups):
             group.cache = [c.extract(i) for c in cache]
+            self._prompt_logprobs(group, work[i][2], logits[i, : lengths[i]])
+
+    def _prompt_logprobs(self, group: Group, at: int, logits: mx.array) -> None:
+        """Keep the log-probabilities of the prompt tokens that follow a prefilled chunk, from
+        its logits [chunk, vocab], when the group's request asks for them (`at`: the chunk's
+        first position in the prompt)."""
+        k = group.rows[0].job.params.prompt_logprobs
+        if k is None:
+            return
+        targets = group.prompt[at + 1 : at + 1 + logits.shape[0]]
+        group.prompt_logprobs.extend(self.engine.prompt_logprobs(targets, logits, k))
 
     def _start(self, group: Group) -> None:
         """The group's cache: the nearest cached prefix under its adapter set, else empty.
@@ -252,6 +265,8 @@ class Scheduler:
         prompt = group.prompt
         key = prompt_cache_key(self.engine.base_id, group.adapters)
         cache, rest = self.engine.prompt_cache.fetch_nearest_cache(key, prompt)
+        if group.rows[0].job.params.prompt_logprobs is not None:
+            cache, rest = None, prompt  # every prompt position's logits are wanted
         if cache is not None and not rest:
             # The whole prompt is cached; step back one token to feed it again.
             if can_trim_prompt_cache(cache):
@@ -272,6 +287,10 @@ class Scheduler:
         rows = _without_cancelled(group.rows)
         if not rows:
             return
+        if rows[0].job.params.prompt_logprobs is not None:
+            reported = (None, *group.prompt_logprobs)
+            for row in rows:
+                row.prompt_logprobs = reported
         joined = [c.merge([c] * len(rows)) for c in caches]
         if self._cache is None:
             self._cache = joined
@@ -294,7 +313,8 @@ class Scheduler:
             self._fail_running(exc)
             return
         logits, failed = processed(rows, logits)
-        finite = finite_rows(logits)  # [B], before grammars mask tokens to -inf
+        finite = finite_rows(logits)  # [B], before masks set tokens to -inf
+        logits = held_off(rows, logits)
         logits = constrained(rows, logits, failed)
         logprobs = log_probabilities(rows, logits)  # row index -> [1, vocab]
         chosen = choose(rows, logits, logprobs, failed)  # [B]
@@ -322,7 +342,7 @@ class Scheduler:
         self, row: Row, token: int, logprobs: dict[int, mx.array], i: int
     ) -> SampledToken | None:
         params = row.job.params
-        if not params.logprobs or token in self.eos:
+        if not params.logprobs or row.ends_quietly(token):
             return None
         return self.engine.logprob(token, logprobs[i][0], params.top_logprobs)
 

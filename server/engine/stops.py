@@ -10,22 +10,29 @@ class StopMatcher:
     that is a prefix of some stop sequence stays pending until it is ruled out.
     """
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], *, include: bool = False):
         self.stops = [stop for stop in stops if stop]
+        self.include = include  # the stop sequence itself is emitted, and nothing after it
         self.pending = ""
         self.stopped = False
 
-    def feed(self, delta: str) -> str:
-        """Add text; return what is now safe to emit. Sets `stopped` when a stop is reached."""
+    def feed(self, delta: str, *, armed: bool = True) -> str:
+        """Add text; return what is now safe to emit. Sets `stopped` when a stop is reached.
+        Text fed while not `armed` goes out unchecked (vLLM's `min_tokens`)."""
         if self.stopped:
             return ""
         if not self.stops:
             return delta
+        if not armed:
+            out, self.pending = self.pending + delta, ""
+            return out
         self.pending += delta
-        cut = self._first_stop()
-        if cut is not None:
+        found = self._first_stop()
+        if found is not None:
+            cut, stop = found
             self.stopped = True
-            out, self.pending = self.pending[:cut], ""
+            end = cut + len(stop) if self.include else cut
+            out, self.pending = self.pending[:end], ""
             return out
         keep = self._held_back()
         out = self.pending[: len(self.pending) - keep]
@@ -37,9 +44,16 @@ class StopMatcher:
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
 
-    def _first_stop(self) -> int | None:
-        hits = [i for i in (self.pending.find(stop) for stop in self.stops) if i >= 0]
-        return min(hits) if hits else None
+    def _first_stop(self) -> tuple[int, str] | None:
+        """Where the earliest stop sequence starts in the pending text, and which it is (the
+        longest of those starting there)."""
+        hits = [
+            (at, -len(stop), stop) for stop in self.stops if (at := self.pending.find(stop)) >= 0
+        ]
+        if not hits:
+            return None
+        at, _, stop = min(hits)
+        return at, stop
 
     def _held_back(self) -> int:
         """Length of the longest suffix of pending text that is a proper prefix of a stop."""

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Iterable
 
 from hotlora.server.api import completion_answers as p
 from hotlora.server.api.tool_calls import ToolCallStream
-from hotlora.server.engine import Delta, SampledToken
+from hotlora.server.engine import Delta, Finished, SampledToken
+from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.http.error_responses import error_response
 from hotlora.server.render.reasoning import ReasoningStream
 from hotlora.server.serving import (
@@ -74,6 +75,45 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> p.CompletionL
     )
 
 
+def _prompt_logprobs(reported: PromptLogprobs | None) -> p.PromptLogprobs | None:
+    if reported is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            e.token_id: p.PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.text)
+            for e in entry
+        }
+        for entry in reported
+    ]
+
+
+class _RunningUsage:
+    """vLLM's `continuous_usage_stats`: the usage so far, on every chunk of a stream."""
+
+    def __init__(self, prepared: Prepared, on: bool):
+        self.on = on
+        self.prompt_tokens = sum(len(prompt) for prompt in prepared.prompts)
+        self._generated: dict[int, int] = {}
+
+    def saw(self, index: int, event: Delta | Finished) -> None:
+        if isinstance(event, Delta):
+            self._generated[index] = max(self._generated.get(index, 0), event.generated)
+        else:
+            self._generated[index] = event.completion_tokens
+
+    def now(self) -> p.Usage | None:
+        if not self.on:
+            return None
+        completion = sum(self._generated.values())
+        return p.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+        )
+
+
 def _message(prepared: Prepared, choice: Choice) -> tuple[p.AssistantMessage, p.FinishReason]:
     """The answer as an assistant message: a thinking model's reasoning apart, its tool calls
     read out of the rest, if it may call."""
@@ -81,7 +121,7 @@ def _message(prepared: Prepared, choice: Choice) -> tuple[p.AssistantMessage, p.
     text, reasoning = choice.text, None
     if prepared.reasoning is not None:
         reasoning, text = prepared.reasoning.split(text)
-        reasoning = reasoning or None
+        reasoning = (reasoning or None) if prepared.reasoning.shown else None
     if prepared.tool_calls is None:
         return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
     text, calls = prepared.tool_calls.split(text)
@@ -107,6 +147,7 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionRespo
         model=prepared.lease.model,
         choices=choices,
         usage=_usage(outcome.usage),
+        prompt_logprobs=_prompt_logprobs(outcome.choices[0].prompt_logprobs),
     )
 
 
@@ -121,6 +162,7 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
                 text=c.text,
                 logprobs=_text_logprobs(c.logprobs) if prepared.params.logprobs else None,
                 finish_reason=_finish(c.finish_reason),
+                prompt_logprobs=_prompt_logprobs(c.prompt_logprobs),
             )
             for c in outcome.choices
         ],
@@ -129,14 +171,18 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
 
 
 async def chat_stream(
-    service: InferenceService, submitted: Submitted, include_usage: bool
+    service: InferenceService,
+    submitted: Submitted,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
     meta = {"id": p.completion_id("chatcmpl"), "created": p.now(), "model": prepared.lease.model}
+    running = _RunningUsage(prepared, continuous_usage)
 
     def chunk(choice: p.ChatChunkChoice) -> str:
-        return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice]))
+        return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice], usage=running.now()))
 
     def call_chunks(index: int, calls: list[p.OutputToolCall], first: int) -> Iterable[str]:
         for k, call in enumerate(calls, start=first):
@@ -150,8 +196,10 @@ async def chat_stream(
     started: set[int] = set()
     tools: dict[int, ToolCallStream] = {}
     thinking: dict[int, ReasoningStream] = {}
+    thoughts_shown = prepared.reasoning is None or prepared.reasoning.shown
     tally = UsageTally(prepared.n)
     async for index, event in service.events(submitted):
+        running.saw(index, event)
         if index not in started:
             started.add(index)
             if prepared.tool_calls is not None:
@@ -167,6 +215,7 @@ async def chat_stream(
             logprobs = _chat_logprobs(event.logprobs) if prepared.params.logprobs else None
             if thoughts is not None:
                 reasoning, text = thoughts.feed(text)
+                reasoning = reasoning if thoughts_shown else ""
             if stream is not None:
                 text, calls = stream.feed(text)
             if reasoning:
@@ -183,7 +232,7 @@ async def chat_stream(
             text = ""
             if thoughts is not None:
                 reasoning, text = thoughts.flush()
-                if reasoning:
+                if reasoning and thoughts_shown:
                     yield reasoning_chunk(index, reasoning, None)
             if stream is not None:
                 made = stream.count
@@ -206,14 +255,19 @@ async def chat_stream(
 
 
 async def completion_stream(
-    service: InferenceService, submitted: Submitted, include_usage: bool
+    service: InferenceService,
+    submitted: Submitted,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """`text_completion` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
     meta = {"id": p.completion_id("cmpl"), "created": p.now(), "model": prepared.lease.model}
     offsets: dict[int, int] = {}
     tally = UsageTally(prepared.n)
+    running = _RunningUsage(prepared, continuous_usage)
     async for index, event in service.events(submitted):
+        running.saw(index, event)
         if isinstance(event, Delta):
             if not (event.text or event.logprobs):
                 continue
@@ -228,7 +282,7 @@ async def completion_stream(
             tally.add(index, event)
             finish = _finish(event.finish_reason)
             choice = p.CompletionChoice(index=index, text="", finish_reason=finish)
-        yield _dump_chunk(p.CompletionResponse(**meta, choices=[choice]))
+        yield _dump_chunk(p.CompletionResponse(**meta, choices=[choice], usage=running.now()))
     if include_usage:
         usage = _usage(tally)
         yield p.CompletionResponse(**meta, choices=[], usage=usage).model_dump_json()

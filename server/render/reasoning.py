@@ -45,10 +45,12 @@ class ThinkTags:
 
 @dataclass(frozen=True)
 class Reasoning:
-    """One request's think tags, and whether its answer starts inside a think block."""
+    """One request's think tags, whether its answer starts inside a think block, and whether
+    the reasoning is shown (vLLM's `include_reasoning: false` leaves it out of the answer)."""
 
     tags: ThinkTags
     inside: bool
+    shown: bool = True
 
     def split(self, text: str) -> tuple[str, str]:
         """A whole answer as (its reasoning, its answer)."""

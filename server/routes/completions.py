@@ -24,7 +24,10 @@ async def chat_completions(
 ) -> ChatCompletionResponse | EventSourceResponse:
     submitted = service.submit(await service.prepare_chat(body))
     if body.stream:
-        return _sse(responses.chat_stream(service, submitted, body.include_usage))
+        stream = responses.chat_stream(
+            service, submitted, body.include_usage, body.continuous_usage
+        )
+        return _sse(stream)
     outcome = await until_disconnect(request, service.run(submitted))
     return responses.chat_response(submitted.prepared, outcome)
 
@@ -35,7 +38,10 @@ async def completions(
 ) -> CompletionResponse | EventSourceResponse:
     submitted = service.submit(await service.prepare_completion(body))
     if body.stream:
-        return _sse(responses.completion_stream(service, submitted, body.include_usage))
+        stream = responses.completion_stream(
+            service, submitted, body.include_usage, body.continuous_usage
+        )
+        return _sse(stream)
     outcome = await until_disconnect(request, service.run(submitted))
     return responses.completion_response(submitted.prepared, outcome)
 

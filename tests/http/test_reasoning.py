@@ -50,9 +50,16 @@ def chat(client: TestClient, **fields: object) -> dict:
     return response.json()
 
 
-def streamed(client: TestClient) -> tuple[str, str, str | None]:
+def streamed(client: TestClient, **fields: object) -> tuple[str, str, str | None]:
     """(reasoning, content, finish_reason) from a streamed chat."""
-    body = {"model": "tiny", "messages": ASK, "max_tokens": 200, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": ASK,
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        **fields,
+    }
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     reasoning, content, finish = "", "", None
@@ -72,6 +79,25 @@ def test_the_model_thinking_first_is_reasoning_content(make_client, tmp_path_fac
     assert message["content"] == "Paris."
     steer(client, "<think>\nFrance... its capital is Paris.\n</think>\n\nParis.")
     assert streamed(client) == ("\nFrance... its capital is Paris.\n", "Paris.", "stop")
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(make_client, tmp_path_factory):
+    client = served(make_client, tmp_path_factory, QWEN_THINKING)
+    thought = "<think>\nFrance... its capital is Paris.\n</think>\n\nParis."
+    steer(client, thought)
+    message = chat(client, include_reasoning=False)["choices"][0]["message"]
+    assert (message.get("reasoning_content"), message["content"]) == (None, "Paris.")
+    steer(client, thought)
+    assert streamed(client, include_reasoning=False) == ("", "Paris.", "stop")
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(make_client, tmp_path_factory):
+    # gpt-oss's shape: the effort written into the system turn.
+    template = "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+    client = served(make_client, tmp_path_factory, template + NOT_THINKING)
+    plain = chat(client, max_tokens=1)["usage"]["prompt_tokens"]
+    effort = chat(client, max_tokens=1, reasoning_effort="high")["usage"]["prompt_tokens"]
+    assert effort > plain
 
 
 def test_a_prompt_that_opens_the_block_starts_in_reasoning(make_client, tmp_path_factory):

@@ -39,3 +39,26 @@ def test_nothing_after_a_stop():
     assert matcher.feed("Hi. there") == "Hi"
     assert matcher.feed("more") == ""
     assert matcher.flush() == ""
+
+
+INCLUDED = [
+    # stops, deltas, expected text
+    (["STOP"], ["Hel", "lo S", "TO", "P tail"], "Hello STOP"),
+    (["ab", "abc"], ["xabc d"], "xabc"),  # at one place, the longest stop is kept whole
+    (["b", "ab"], ["xab"], "xab"),  # the earliest match still wins
+]
+
+
+@pytest.mark.parametrize(("stops", "deltas", "expected"), INCLUDED)
+def test_an_included_stop_is_kept_and_nothing_after_it(stops, deltas, expected):
+    matcher = StopMatcher(stops, include=True)
+    out = "".join(matcher.feed(d) for d in deltas) + matcher.flush()
+    assert (out, matcher.stopped) == (expected, True)
+
+
+def test_text_fed_unarmed_goes_out_unchecked():
+    matcher = StopMatcher(["."])
+    assert matcher.feed("a. b", armed=False) == "a. b"
+    assert not matcher.stopped
+    assert matcher.feed("c. d") == "c"
+    assert matcher.stopped

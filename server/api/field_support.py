@@ -1,0 +1,219 @@
+"""Request fields of chat and text completions as vLLM, llama.cpp and OpenAI define them: which
+this server honours, which it refuses, and what happens to a field no server defines.
+
+No field is silently ignored. A field the request model declares is honoured (`HONOURED` says
+how); sent to the other endpoint (`messages` to completions, `prompt` to chat), it is refused.
+A field another server defines that this one does not implement (`REFUSED`) gets a 400
+naming it, unless its value asks for nothing (vLLM's `use_beam_search: false`, `length_penalty:
+1`): scripts written for those servers send their defaults. A field no server defines (a
+client's own metadata) passes, with a WARNING the first time each name is seen.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hotlora.config.errors import InvalidRequest
+from hotlora.config.log_text import printable
+
+log = logging.getLogger("hotlora")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a field is not implemented; values in `neutral` ask for nothing and are accepted."""
+
+    why: str
+    neutral: tuple[Any, ...] = (None,)
+
+
+_OFF: tuple[Any, ...] = (None, False)
+_EMPTY: tuple[Any, ...] = (None, [], {})
+_NO_MULTIMODAL = Refused("this server reads text only", _EMPTY)
+
+REFUSED: dict[str, Refused] = {
+    # vLLM's sampling and extra parameters.
+    "use_beam_search": Refused("beam search is not implemented; sample n choices instead", _OFF),
+    "length_penalty": Refused("it applies to beam search, which is not implemented", (None, 1)),
+    "best_of": Refused("best_of above 1 is not implemented; ask for n choices", (None, 1)),
+    "echo": Refused("the prompt is not echoed back", _OFF),
+    "suffix": Refused("insertion (fill in the middle) is not implemented", (None, "")),
+    "bad_words": Refused("not implemented; use logit_bias with the words' token ids", _EMPTY),
+    "spaces_between_special_tokens": Refused(
+        "special tokens are decoded as the tokenizer writes them", (None, True)
+    ),
+    "prompt_embeds": Refused("prompts are text or token ids here"),
+    "mm_processor_kwargs": _NO_MULTIMODAL,
+    "media_io_kwargs": _NO_MULTIMODAL,
+    "chat_template": Refused(
+        "a request may not bring its own template: templates run in the server, and the "
+        "model's own template is the one its tool and stop handling are read from"
+    ),
+    "structural_tag": Refused("structural tags are not implemented"),
+    "guided_whitespace_pattern": Refused("JSON is always written compact here"),
+    "guided_decoding_backend": Refused(
+        "the one grammar engine here is llguidance ('guidance')",
+        (None, "auto", "guidance", "llguidance"),
+    ),
+    "logits_processors": Refused("custom logits processors cannot be loaded", _EMPTY),
+    "priority": Refused("requests are served first come, first served", (None, 0)),
+    "return_tokens_as_token_ids": Refused("not implemented", _OFF),
+    "return_token_ids": Refused("not implemented", _OFF),
+    "cache_salt": Refused("the prompt cache is not salted per request"),
+    "kv_transfer_params": Refused("disaggregated serving is not implemented", _EMPTY),
+    "vllm_xargs": Refused("there are no extensions to pass arguments to", _EMPTY),
+    "repetition_detection": Refused("not implemented", _EMPTY),
+    "max_repetition_pattern_size": Refused("not implemented", (None, 0)),
+    "min_repetition_pattern_size": Refused("not implemented", (None, 0)),
+    "repetition_min_count": Refused("not implemented", (None, 0)),
+    # llama.cpp's server.
+    "n_predict": Refused("send max_tokens", (None, -1)),
+    "typical_p": Refused("typical sampling is not implemented", (None, 1)),
+    "repeat_penalty": Refused("send repetition_penalty", (None, 1)),
+    "repeat_last_n": Refused("the penalties look at the last 20 tokens, mlx-lm's window"),
+    "penalize_nl": Refused("not implemented", _OFF),
+    "mirostat": Refused("mirostat sampling is not implemented", (None, 0)),
+    "mirostat_tau": Refused("mirostat sampling is not implemented"),
+    "mirostat_eta": Refused("mirostat sampling is not implemented"),
+    "dynatemp_range": Refused("dynamic temperature is not implemented", (None, 0)),
+    "dynatemp_exponent": Refused("dynamic temperature is not implemented", (None, 1)),
+    "xtc_probability": Refused("XTC sampling is not implemented", (None, 0)),
+    "xtc_threshold": Refused("XTC sampling is not implemented"),
+    "dry_multiplier": Refused("DRY sampling is not implemented", (None, 0)),
+    "dry_base": Refused("DRY sampling is not implemented"),
+    "dry_allowed_length": Refused("DRY sampling is not implemented"),
+    "dry_penalty_last_n": Refused("DRY sampling is not implemented"),
+    "dry_sequence_breakers": Refused("DRY sampling is not implemented"),
+    "top_n_sigma": Refused("top-n-sigma sampling is not implemented", (None, -1)),
+    "min_keep": Refused("not implemented", (None, 0)),
+    "samplers": Refused("the sampler order is fixed: top-p, min-p, top-k"),
+    "n_probs": Refused("send logprobs / top_logprobs", (None, 0)),
+    "n_keep": Refused("send truncate_prompt_tokens", (None, 0)),
+    "cache_prompt": Refused("prompts are always cached", (None, True)),
+    "id_slot": Refused("there are no slots to pick", (None, -1)),
+    "t_max_predict_ms": Refused("not implemented", (None, 0)),
+    "timings_per_token": Refused("not implemented", _OFF),
+    "post_sampling_probs": Refused("not implemented", _OFF),
+    "return_tokens": Refused("not implemented", _OFF),
+    "lora": Refused("send adapter", _EMPTY),
+    "image_data": _NO_MULTIMODAL,
+    # OpenAI's, for what this server cannot do.
+    "functions": Refused("send tools", _EMPTY),
+    "function_call": Refused("send tool_choice"),
+    "audio": Refused("audio output is not supported"),
+    "modalities": Refused("the answer is text", (None, ["text"])),
+    "prediction": Refused("predicted outputs are not implemented"),
+    "web_search_options": Refused("web search is not available"),
+    "store": Refused("completions are not stored", _OFF),
+    "service_tier": Refused("there is one tier", (None, "auto", "default")),
+    "verbosity": Refused("not implemented", (None, "medium")),
+}
+
+# Fields about the request, not its answer: accepted as OpenAI accepts them, with no effect.
+METADATA: dict[str, str] = {
+    "user": "an end-user id, for the client's own records",
+    "metadata": "tags for stored completions; nothing is stored",
+    "safety_identifier": "an end-user id, for the client's own records",
+    "prompt_cache_key": "a cache routing hint; the prompt cache is keyed by the prompt itself",
+    "request_id": "vLLM's id for the request; the server's access log keeps its own",
+}
+
+# What each declared field of the chat and completion requests does.
+HONOURED: dict[str, str] = {
+    "model": "the base model or a mounted adapter",
+    "messages": "chat: the conversation, rendered by the model's chat template",
+    "prompt": "completions: text, a list of texts, or token ids",
+    "frequency_penalty": "as OpenAI's",
+    "presence_penalty": "as OpenAI's",
+    "repetition_penalty": "vLLM's multiplicative penalty",
+    "logit_bias": "as OpenAI's",
+    "logprobs": "chat: true/false; completions: how many alternatives, up to 20",
+    "top_logprobs": "chat: alternatives per token, up to 20",
+    "max_tokens": "as OpenAI's",
+    "max_completion_tokens": "as OpenAI's",
+    "n": "choices per prompt",
+    "seed": "reproducible sampling",
+    "stop": "stop strings, never in the output unless include_stop_str_in_output",
+    "stream": "server-sent events",
+    "stream_options": "include_usage; continuous_usage_stats: usage on every chunk",
+    "temperature": "as OpenAI's",
+    "top_p": "as OpenAI's",
+    "top_k": "the k most likely tokens; 0 or -1 is off",
+    "min_p": "as vLLM's",
+    "tools": "chat: shown by the chat template, calls parsed from the answer",
+    "tool_choice": "chat: none, auto, required or a named function (enforced by grammar)",
+    "parallel_tool_calls": "chat: as OpenAI's",
+    "response_format": "text, json_object or json_schema, enforced while decoding",
+    "adapter": "the LoRA adapters to apply",
+    "min_tokens": "EOS and stop_token_ids are held off (and stop strings not checked) until then",
+    "ignore_eos": "EOS does not end the answer",
+    "stop_token_ids": "token ids that end the answer",
+    "include_stop_str_in_output": "the stop string or stop token that ended the answer is kept",
+    "skip_special_tokens": "false writes control tokens into the text",
+    "allowed_token_ids": "only these token ids may be generated",
+    "truncate_prompt_tokens": "keep only the last N prompt tokens (-1: the context length)",
+    "prompt_logprobs": "vLLM's per-prompt-token log-probabilities (not when streaming)",
+    "add_special_tokens": "add the tokenizer's special tokens (BOS) when encoding the prompt",
+    "add_generation_prompt": "chat: end the prompt with the assistant's turn opening",
+    "continue_final_message": "chat: continue the last (assistant) message, no end of turn",
+    "chat_template_kwargs": "chat: passed to the chat template; a name it does not read is a 400",
+    "documents": "chat: passed to the chat template; a 400 when it does not read them",
+    "guided_json": "JSON valid under this schema, enforced while decoding",
+    "guided_regex": "text matching this regular expression",
+    "guided_choice": "exactly one of these strings",
+    "guided_grammar": "text following this Lark or GBNF grammar",
+    "structured_outputs": "vLLM's json / regex / choice / grammar / json_object",
+    "json_schema": "llama.cpp: JSON valid under this schema",
+    "grammar": "llama.cpp: text following this GBNF (or Lark) grammar",
+    "reasoning_effort": "passed to a chat template that reads it; a 400 for one that does not",
+    "include_reasoning": "false: a thinking model's reasoning is left out of the answer",
+}
+
+_warned: set[str] = set()
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal as JSON values: 1 and 1.0 alike, but never true and 1."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, int | float) and isinstance(neutral, int | float):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def check_fields(data: Any, declared: Iterable[str]) -> None:
+    """Refuse a field other servers define and this one does not implement; warn once about a
+    field no server defines. `declared`: the request model's own field names and aliases."""
+    if not isinstance(data, dict):
+        return
+    known = set(declared)
+    for name, value in data.items():
+        if name in known or name in METADATA:
+            continue
+        if name in HONOURED:
+            if value is not None:
+                raise InvalidRequest(
+                    f"'{name}' is not taken by this endpoint: it is a field of the other one "
+                    "(chat or text completions).",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+            continue
+        refused = REFUSED.get(name)
+        if refused is not None:
+            if not any(_same(value, neutral) for neutral in refused.neutral):
+                raise InvalidRequest(
+                    f"'{name}' is not supported by this server: {refused.why}.",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        elif name not in _warned:
+            _warned.add(name)
+            log.warning(
+                "request field %r is not one this server or any it follows defines; it has no "
+                "effect (logged once per field name)",
+                printable(name),
+            )

@@ -1,0 +1,63 @@
+"""The base of every request model: strict numbers and booleans, and valid Unicode throughout."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from hotlora.config.errors import InvalidRequest
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_JSON_DEPTH = 64
+
+
+class OpenAIBase(BaseModel):
+    # Fields a model does not declare are dropped; the chat and completion requests check them
+    # first (`field_support`), so that none is ignored without a word. NaN and infinities are
+    # refused wherever a number is read. Request fields are typed `StrictInt`, `StrictFloat` and
+    # `StrictBool`: as OpenAI does, "3", true and 3.5 are refused where an integer goes, and
+    # "0.5" and true where a number does, never converted.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestBody(OpenAIBase):
+    """A whole request body: its text must be valid Unicode before any field reads it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON may escape lone UTF-16 surrogates ("\ud800"), which no encoder can write out.
+        where = _lone_surrogate(data, ())
+        if where is not None:
+            param = ".".join(where) or None
+            raise InvalidRequest(
+                f"The request contains text that is not valid Unicode (a lone UTF-16 surrogate) "
+                f"in '{param or 'body'}'.",
+                param=param,
+                code="invalid_value",
+            )
+        return data
+
+
+def _lone_surrogate(value: Any, path: tuple[str, ...], depth: int = 0) -> tuple[str, ...] | None:
+    """Where in a parsed JSON value a string (or key) holds a lone surrogate; None if nowhere."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if depth > MAX_JSON_DEPTH:
+        return None  # deeper than any field reads; left to the schema to refuse
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = (*path, str(key).encode("ascii", "backslashreplace").decode())
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return here
+            found = _lone_surrogate(item, here, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, (*path, str(i)), depth + 1)
+            if found is not None:
+                return found
+    return None

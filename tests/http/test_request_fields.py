@@ -1,0 +1,370 @@
+"""vLLM's and llama.cpp's request fields over HTTP on the embedded model, greedy and short: each
+one's effect, or the 400 that names it.
+
+The embedded model answers "What is the capital of France? Answer in one sentence." with "The
+capital of France is Paris." and then its end of turn: enough to see where an answer ends, what
+a stop keeps, and what a constraint allows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hotlora.config.settings import Settings
+from hotlora.server.api.completion_requests import ChatCompletionRequest
+from hotlora.server.app import create_app
+
+from tests.support.sse import sse_events
+
+MODEL = "smol"
+PARIS = "What is the capital of France? Answer in one sentence."
+ANSWER = "The capital of France is Paris."
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def smol(
+    embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestClient]:
+    settings = Settings(
+        home=tmp_path_factory.mktemp("home"),
+        model=embedded_model_dir,
+        served_model_name=MODEL,
+        cpu_vector_jit=False,
+    )
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 600
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/ready").json()
+            time.sleep(0.1)
+        yield client
+
+
+def tokenizer(client: TestClient):
+    return client.app.state.runtime.worker.engine.tokenizer
+
+
+def token_id(client: TestClient, text: str) -> int:
+    [token] = tokenizer(client).encode(text, add_special_tokens=False)
+    return token
+
+
+def post(client: TestClient, path: str, status: int = 200, **fields) -> dict:
+    response = client.post(path, json={"model": MODEL, "temperature": 0, **fields})
+    assert response.status_code == status, response.text
+    return response.json()
+
+
+def chat(client: TestClient, content: str = PARIS, status: int = 200, **fields) -> dict:
+    messages = fields.pop("messages", [{"role": "user", "content": content}])
+    fields.setdefault("max_tokens", 16)
+    return post(client, "/v1/chat/completions", status, messages=messages, **fields)
+
+
+def complete(client: TestClient, prompt: object = PROMPT, status: int = 200, **fields) -> dict:
+    fields.setdefault("max_tokens", 8)
+    return post(client, "/v1/completions", status, prompt=prompt, **fields)
+
+
+def answer(body: dict) -> tuple[str, str, int]:
+    """The first choice's text, finish reason and completion tokens."""
+    [choice] = body["choices"]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return text, choice["finish_reason"], body["usage"]["completion_tokens"]
+
+
+def refused(body: dict, param: str) -> None:
+    assert body["error"]["param"] == param, body
+    assert body["error"]["type"] == "invalid_request_error"
+    assert param.split(".")[0] in body["error"]["message"], body
+
+
+@pytest.fixture(scope="module")
+def base(smol: TestClient) -> tuple[str, str, int]:
+    text, finish, tokens = answer(chat(smol, max_tokens=24))
+    assert (text, finish) == (ANSWER, "stop")
+    return text, finish, tokens
+
+
+# Where the answer ends.
+
+
+def test_min_tokens_holds_off_the_end_of_turn(smol, base):
+    text, _, tokens = base
+    held = answer(chat(smol, min_tokens=tokens + 3, max_tokens=tokens + 3))
+    assert held[1:] == ("length", tokens + 3)
+    assert held[0].startswith(text)
+    # Reached, it lets the answer end as before.
+    assert answer(chat(smol, min_tokens=2, max_tokens=24)) == base
+
+
+def test_ignore_eos_writes_past_the_end_of_turn(smol, base):
+    text, _, tokens = base
+    past = answer(chat(smol, ignore_eos=True, max_tokens=tokens + 4))
+    assert past[1:] == ("length", tokens + 4)
+    assert past[0].startswith(text)
+
+
+def test_skip_special_tokens_false_writes_control_tokens(smol, base):
+    tokens = base[2]
+    eos = tokenizer(smol).eos_token
+    skipped = answer(chat(smol, ignore_eos=True, max_tokens=tokens + 2))[0]
+    written = answer(chat(smol, ignore_eos=True, skip_special_tokens=False, max_tokens=tokens + 2))[
+        0
+    ]
+    assert eos not in skipped
+    assert written.startswith(ANSWER + eos)
+
+
+def test_stop_token_ids_end_the_answer_and_include_keeps_the_token(smol):
+    paris = token_id(smol, " Paris")
+    assert answer(chat(smol, stop_token_ids=[paris]))[:2] == ("The capital of France is", "stop")
+    kept = answer(chat(smol, stop_token_ids=[paris], include_stop_str_in_output=True))
+    assert kept[:2] == ("The capital of France is Paris", "stop")
+    too_big = chat(smol, status=400, stop_token_ids=[10**7])
+    refused(too_big, "stop_token_ids")
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(smol):
+    assert answer(chat(smol, stop=["France"]))[0] == "The capital of "
+    kept = answer(chat(smol, stop=["France"], include_stop_str_in_output=True))
+    assert kept[:2] == ("The capital of France", "stop")
+
+
+def test_include_stop_str_in_output_streams_the_same(smol):
+    body = {"stop": ["France"], "include_stop_str_in_output": True, "stream": True}
+    response = smol.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": PARIS}], **body,
+              "temperature": 0, "max_tokens": 16},
+    )  # fmt: skip
+    chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == "The capital of France"
+
+
+def test_allowed_token_ids_are_the_only_ones_generated(smol):
+    allowed = [token_id(smol, " Paris"), token_id(smol, ".")]
+    text, _, tokens = answer(chat(smol, allowed_token_ids=allowed, max_tokens=5))
+    assert tokens == 5
+    # The first token of an answer loses its leading space, as the detokenizer writes it.
+    assert re.fullmatch(r"(Paris|\.)( Paris|\.)*", text), text
+
+
+# The prompt.
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_end(smol):
+    long = "Here is a long preamble that the model should never see. " + PROMPT
+    ids = tokenizer(smol).encode(long)
+    cut = complete(smol, long, truncate_prompt_tokens=6)
+    assert cut["usage"]["prompt_tokens"] == 6
+    assert answer(cut)[0] == answer(complete(smol, ids[-6:]))[0]
+    assert complete(smol, long, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_add_generation_prompt_false_leaves_the_turn_unopened(smol):
+    opened = chat(smol, max_tokens=1)["usage"]["prompt_tokens"]
+    unopened = chat(smol, max_tokens=1, add_generation_prompt=False)["usage"]["prompt_tokens"]
+    opening = tokenizer(smol).encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert opened - unopened == len(opening)
+
+
+def test_continue_final_message_continues_the_assistant_prefill(smol):
+    messages = [
+        {"role": "user", "content": PARIS},
+        {"role": "assistant", "content": PROMPT},
+    ]
+    text = answer(chat(smol, messages=messages, continue_final_message=True))[0]
+    assert text.startswith("Paris"), text  # its leading space is the answer's first
+    both = chat(
+        smol,
+        status=400,
+        messages=messages,
+        continue_final_message=True,
+        add_generation_prompt=True,
+    )
+    refused(both, "continue_final_message")
+
+
+def test_template_variables_the_template_does_not_read_are_refused(smol):
+    on = chat(smol, status=400, chat_template_kwargs={"enable_thinking": True})
+    refused(on, "chat_template_kwargs.enable_thinking")
+    # Thinking switched off on a model that never thinks: already so, and the prompt is as
+    # without the variable.
+    off = chat(smol, max_tokens=1, chat_template_kwargs={"enable_thinking": False})
+    plain = chat(smol, max_tokens=1)
+    assert off["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    refused(chat(smol, status=400, reasoning_effort="low"), "reasoning_effort")
+    refused(chat(smol, status=400, documents=[{"title": "a", "text": "b"}]), "documents")
+    reserved = chat(smol, status=400, chat_template_kwargs={"tokenize": True})
+    refused(reserved, "chat_template_kwargs.tokenize")
+
+
+def test_a_request_chat_template_is_refused(smol):
+    refused(chat(smol, status=400, chat_template="{{ messages }}"), "chat_template")
+
+
+# What the answer reports.
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(smol, base):
+    response = smol.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": PARIS}],
+            "temperature": 0,
+            "max_tokens": 24,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
+    chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert all("usage" in c for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts)
+    assert counts[-1] == base[2]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
+    streamed = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+    )
+    assert streamed == ANSWER
+
+
+def test_prompt_logprobs_in_vllms_shape(smol):
+    ids = tokenizer(smol).encode(PROMPT + " Paris")
+    paris = token_id(smol, " Paris")
+    assert ids[-1] == paris
+    after = complete(smol, ids[:-1], max_tokens=1, logprobs=1)["choices"][0]["logprobs"]
+    assert after["tokens"] == [" Paris"]
+    body = complete(smol, ids, max_tokens=1, prompt_logprobs=2)
+    [choice] = body["choices"]
+    reported = choice["prompt_logprobs"]
+    assert len(reported) == len(ids) == body["usage"]["prompt_tokens"]
+    assert reported[0] is None
+    for token, entry in zip(ids[1:], reported[1:], strict=True):
+        assert str(token) in entry and 2 <= len(entry) <= 3
+        assert {e["rank"] for e in entry.values()} >= {1, 2}
+    last = reported[-1][str(paris)]
+    assert last["rank"] == 1 and last["decoded_token"] == " Paris"
+    assert last["logprob"] == pytest.approx(after["token_logprobs"][0], abs=1e-2)
+    on_chat = chat(smol, max_tokens=1, prompt_logprobs=0)["prompt_logprobs"]
+    assert on_chat[0] is None and all(len(e) == 1 for e in on_chat[1:])
+    refused(chat(smol, status=400, stream=True, prompt_logprobs=1), "prompt_logprobs")
+
+
+def test_completion_logprobs_go_up_to_20(smol):
+    body = complete(smol, max_tokens=2, logprobs=20)
+    tops = body["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(tops) == 2 and all(10 < len(top) <= 20 for top in tops)
+    refused(complete(smol, status=400, logprobs=21), "logprobs")
+
+
+def test_top_k_minus_one_is_off(smol):
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 12}
+    assert chat(smol, top_k=-1, **sampled)["choices"] == chat(smol, top_k=0, **sampled)["choices"]
+    refused(chat(smol, status=400, top_k=-2), "top_k")
+
+
+# Constraints on the answer.
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "check"),
+    [
+        ({"guided_choice": ["Lyon", "Paris"]}, lambda t: t in ("Lyon", "Paris")),
+        ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        ({"guided_json": CITY}, lambda t: set(json.loads(t)) <= {"city"}),
+        ({"guided_json": json.dumps(CITY)}, lambda t: set(json.loads(t)) <= {"city"}),
+        ({"guided_grammar": 'start: "Lyon" | "Paris"'}, lambda t: t in ("Lyon", "Paris")),
+        ({"guided_grammar": 'root ::= "Lyon" | "Nice"'}, lambda t: t in ("Lyon", "Nice")),
+        ({"grammar": 'root ::= city\ncity ::= "Lyon" | "Paris"'}, lambda t: t in ("Lyon", "Paris")),
+        ({"json_schema": CITY}, lambda t: set(json.loads(t)) <= {"city"}),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"regex": "[A-Z]{4}"}}, lambda t: re.fullmatch("[A-Z]{4}", t)),
+        ({"structured_outputs": {"json": CITY}}, lambda t: set(json.loads(t)) <= {"city"}),
+        ({"structured_outputs": {"grammar": 'root ::= "ok"'}}, lambda t: t == "ok"),
+        ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict)),
+    ],
+)
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_constraints_hold_the_answer(smol, route, fields, check):
+    call = chat if route == "chat" else complete
+    text, finish, _ = answer(call(smol, max_tokens=24, **fields))
+    assert finish == "stop" and check(text), text
+
+
+def test_completions_honour_response_format(smol):
+    text, finish, _ = answer(complete(smol, max_tokens=40, response_format={"type": "json_object"}))
+    assert finish == "stop" and isinstance(json.loads(text), dict), text
+
+
+def test_bad_constraints_are_refused_by_field(smol):
+    refused(chat(smol, status=400, guided_regex="(unclosed"), "guided_regex")
+    refused(complete(smol, status=400, grammar="root ::= ("), "grammar")
+    refused(chat(smol, status=400, guided_choice=[]), "guided_choice")
+    two = chat(smol, status=400, response_format={"type": "json_object"}, guided_regex="a+")
+    refused(two, "guided_regex")
+    tag = chat(smol, status=400, structured_outputs={"structural_tag": "{}"})
+    refused(tag, "structured_outputs.structural_tag")
+    with_min = chat(smol, status=400, guided_choice=["a"], min_tokens=2)
+    refused(with_min, "min_tokens")
+
+
+# Refused, or parsed for later.
+
+
+@pytest.mark.parametrize(
+    ("field", "refused_value", "neutral"),
+    [
+        ("use_beam_search", True, False),
+        ("length_penalty", 0.5, 1.0),
+        ("best_of", 2, 1),
+        ("echo", True, False),
+        ("bad_words", ["Paris"], []),
+        ("priority", 3, 0),
+        ("guided_decoding_backend", "xgrammar", "guidance"),
+        ("repeat_penalty", 1.3, 1),
+        ("mirostat", 2, 0),
+    ],
+)
+def test_unimplemented_fields_are_refused_unless_they_ask_nothing(
+    smol, field, refused_value, neutral
+):
+    refused(chat(smol, status=400, max_tokens=2, **{field: refused_value}), field)
+    assert chat(smol, max_tokens=2, **{field: neutral})["choices"]
+
+
+def test_reasoning_fields_are_parsed_not_refused(smol):
+    # A model that does not think: nothing to leave out.
+    kept = chat(smol, max_tokens=2, include_reasoning=False)["choices"][0]["message"]
+    assert kept["content"] and kept.get("reasoning_content") is None
+    parsed = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "reasoning_effort": "high",
+        }
+    )
+    assert (parsed.reasoning_effort, parsed.include_reasoning) == ("high", None)
+    refused(chat(smol, status=400, reasoning_effort="extreme"), "reasoning_effort")
+
+
+def test_a_field_no_server_defines_passes_with_one_warning(smol, caplog):
+    caplog.set_level(logging.WARNING, logger="hotlora")
+    for _ in range(2):
+        chat(smol, max_tokens=1, my_trace_tag="abc")
+    warned = [r for r in caplog.records if "my_trace_tag" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
