@@ -24,8 +24,8 @@ GROUP_SIZE = 32
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # Types whose blocks are MLX affine groups of 32, and the bits each takes.
 EXACT_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5}
-# Types with 16-value sub-blocks, requantized. 8 bits rather than 4: the 4-bit grid's half step
-# (a group's range / 30) is as large as these types' own rounding, 8 bits' is 17 times smaller.
+# Types with 16-value sub-blocks, requantized. 8 bits rather than 4: a 4-bit grid's half step (a
+# group's range / 30) is about four times Q6_K's own rounding and half Q3_K's; 8 bits' is 1/17.
 REQUANTIZED_BITS = {Q.Q6_K: 8, Q.Q3_K: 8, Q.Q2_K: 8}
 SUPPORTED_TYPES = (*FLOAT_TYPES, *EXACT_BITS, *REQUANTIZED_BITS)
 # Rows are converted in slices of about this many values, to bound the float intermediates.
