@@ -1,8 +1,8 @@
 """GGUF tensor data as MLX arrays, one tensor at a time: floats as stored, quantized blocks as
 MLX affine triplets (`weight` uint32, `scales`, `biases`; group size 32).
 
-Q4_0, Q4_1, Q8_0, Q4_K and Q5_K hold each 32 values as `scale * q + bias` with one scale and
-one bias, which is MLX's affine quantization at 4, 4, 8, 4 and 5 bits: their codes are
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K hold each 32 values as `scale * q + bias` with
+one scale and one bias, which is MLX's affine quantization at 4, 5 or 8 bits: their codes are
 repacked as they are, so dequantizing the triplet gives what llama.cpp dequantizes. Q6_K, Q3_K
 and Q2_K give every 16 values a scale of their own, which no MLX group size (32, 64, 128)
 expresses; they are dequantized and quantized again to 8 bits, a slice of rows at a time, so no
@@ -23,7 +23,7 @@ Q = GGMLQuantizationType
 GROUP_SIZE = 32
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # Types whose blocks are MLX affine groups of 32, and the bits each takes.
-EXACT_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5}
+EXACT_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5}
 # Types with 16-value sub-blocks, requantized. 8 bits rather than 4: a 4-bit grid's half step (a
 # group's range / 30) is about four times Q6_K's own rounding and half Q3_K's; 8 bits' is 1/17.
 REQUANTIZED_BITS = {Q.Q6_K: 8, Q.Q3_K: 8, Q.Q2_K: 8}
@@ -96,8 +96,8 @@ def _f16(b: np.ndarray) -> np.ndarray:
 def _repack(raw: np.ndarray, kind: Q, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes, scales and biases of whole rows, read from the blocks without rounding.
 
-    Q4_0/Q4_1/Q8_0 scales are float16 in the file and stay so; a K-quant's are the product of a
-    float16 and a 6-bit integer, which float32 holds exactly and float16 does not.
+    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 scales are float16 in the file and stay so; a K-quant's are the
+    product of a float16 and a 6-bit integer, which float32 holds exactly and float16 does not.
     """
     blocks = _blocks(raw, kind)
     n = len(blocks)
@@ -107,11 +107,17 @@ def _repack(raw: np.ndarray, kind: Q, cols: int) -> tuple[np.ndarray, np.ndarray
         d = _f16(blocks[:, :2])
         q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         scales, biases, dtype = d, -128 * d, np.float16
-    elif kind in (Q.Q4_0, Q.Q4_1):
+    elif kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
         d = _f16(blocks[:, :2])
-        qs = blocks[:, 2:] if kind == Q.Q4_0 else blocks[:, 4:]
+        offset = kind in (Q.Q4_1, Q.Q5_1)  # a float16 bias after d, not a fixed code offset
+        qs = blocks[:, -16:]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # value j low, value j + 16 high
-        biases = -8 * d if kind == Q.Q4_0 else _f16(blocks[:, 2:4])
+        if kind in (Q.Q5_0, Q.Q5_1):
+            # 4 bytes before the nibbles: bit i (little-endian) is the top bit of value i.
+            at = 4 if offset else 2
+            q |= np.unpackbits(blocks[:, at : at + 4], axis=-1, bitorder="little") << 4
+        middle = 2 ** (EXACT_BITS[kind] - 1)
+        biases = _f16(blocks[:, 2:4]) if offset else -middle * d
         scales, dtype = d, np.float16
     else:  # Q4_K, Q5_K: a 256-value super-block of eight 32-value sub-blocks
         d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])

@@ -1,5 +1,6 @@
-"""K-quant GGUFs: Q4_K and Q5_K become MLX affine 4/5-bit groups holding llama.cpp's values bit
-for bit, Q6_K/Q3_K/Q2_K 8-bit groups within half a step; mixed files get per-layer bits."""
+"""K-quant GGUFs: Q4_K and Q5_K (and Q5_0/Q5_1, llama.cpp's fallback for rows K-quants cannot
+split) become MLX affine groups holding llama.cpp's values bit for bit, Q6_K/Q3_K/Q2_K 8-bit
+groups within half a step; mixed files get per-layer bits."""
 
 from __future__ import annotations
 
@@ -29,8 +30,19 @@ K_SHAPE = {
     "num_key_value_heads": 4,
 }
 LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 8, Q.Q3_K: 8, Q.Q2_K: 8}
-EXACT = (Q.Q4_K, Q.Q5_K)
+BITS = {
+    Q.Q4_0: 4,
+    Q.Q4_1: 4,
+    Q.Q5_0: 5,
+    Q.Q5_1: 5,
+    Q.Q8_0: 8,
+    Q.Q4_K: 4,
+    Q.Q5_K: 5,
+    Q.Q6_K: 8,
+    Q.Q3_K: 8,
+    Q.Q2_K: 8,
+}
+EXACT = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K)
 # Requantized 8-bit groups: each value within half a step of its 32-value group's range.
 HALF_STEP = 0.5 / 255
 TOKENS = mx.array([[1, 60, 77, 200, 12, 3, 99, 2, 150, 260, 5, 41]])  # [batch, seq]
@@ -44,6 +56,7 @@ def random_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     # Byte offsets of the float16 scales in each block (ggml's block_q*_K structs).
     halves = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
+    halves |= {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,)}
     for at in halves[kind]:
         scale = rng.uniform(-0.01, 0.01, len(raw)).astype(np.float16)
         raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
@@ -62,7 +75,20 @@ def within_half_a_step(actual: np.ndarray, expected: np.ndarray) -> bool:
 
 
 def dequantized(triplet: tuple[mx.array, ...], bits: int) -> np.ndarray:
-    return np.array(mx.dequantize(*triplet, group_size=32, bits=bits, mode="affine"))
+    """The triplet's values computed in float32 (MLX computes in the scales' dtype)."""
+    weight, scales, biases = triplet
+    f32 = mx.float32
+    return np.array(mx.dequantize(weight, scales.astype(f32), biases.astype(f32), 32, bits))
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda k: k.name)
+def test_32_value_types_keep_llama_cpp_s_codes_and_float16_scales(kind):
+    raw = random_blocks(kind, 16, 512)
+    weight, scales, biases = read_tensor(raw, kind, (16, 512))
+    assert (scales.dtype, biases.dtype) == (mx.float16, mx.float16)
+    assert weight.shape == (16, 512 * BITS[kind] // 32)
+    expected = dequantize(raw.reshape(16, -1), kind)
+    np.testing.assert_array_equal(dequantized((weight, scales, biases), BITS[kind]), expected)
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K], ids=lambda k: k.name)
@@ -113,7 +139,8 @@ def test_legacy_types_read_as_mx_load_reads_them(tmp_path):
 
 def q4_k_m(layers: int, tied: bool) -> dict[str, Q]:
     """Types as llama.cpp's Q4_K_M recipe mixes them (Q6_K output, Q6_K attn_v and ffn_down on
-    some layers), with a Q5_K, a Q4_0 and a Q8_0 tensor beside them."""
+    some layers), with a Q5_K, a Q4_0 and a Q8_0 tensor beside them, and Q5_0 and Q5_1 (what
+    llama.cpp falls back to for rows that are not a multiple of 256)."""
     # A tied model's embedding is its output head: llama.cpp gives it the head's Q6_K.
     types = {"token_embd": Q.Q6_K} if tied else {"token_embd": Q.Q4_K, "output": Q.Q6_K}
     for i in range(layers):
@@ -121,6 +148,7 @@ def q4_k_m(layers: int, tied: bool) -> dict[str, Q]:
         if i % 3 == 0:
             types[f"blk.{i}.attn_v"] = types[f"blk.{i}.ffn_down"] = Q.Q6_K
     types |= {"blk.1.attn_q": Q.Q5_K, "blk.1.ffn_gate": Q.Q4_0, "blk.1.attn_k": Q.Q8_0}
+    types |= {"blk.1.ffn_up": Q.Q5_0, "blk.1.attn_output": Q.Q5_1}
     return types
 
 
@@ -195,7 +223,7 @@ def test_mixed_file_holds_the_gguf_values(mixed):
         if kind not in BITS:
             continue
         m = modules[module_path(model, base)]
-        actual = np.array(mx.dequantize(m.weight, m.scales, m.biases, 32, m.bits, mode="affine"))
+        actual = dequantized((m.weight, m.scales, m.biases), m.bits)
         expected = values[f"{module_path(model, base)}.weight"]
         if kind in EXACT:
             np.testing.assert_array_equal(actual, expected, err_msg=base)
