@@ -145,7 +145,7 @@ def _requantize(raw: np.ndarray, kind: Q, cols: int) -> tuple[np.ndarray, np.nda
     values = dequantize(_blocks(raw, kind), kind).reshape(-1, cols // GROUP_SIZE, GROUP_SIZE)
     low, high = values.min(-1, keepdims=True), values.max(-1, keepdims=True)  # [rows, groups, 1]
     scales = (high - low) / (2**bits - 1)
-    q = np.round((values - low) / np.where(scales > 0, scales, 1))
+    q = np.clip(np.round((values - low) / np.where(scales > 0, scales, 1)), 0, 2**bits - 1)
     weight = pack(q.astype(np.uint8).reshape(-1, cols), bits)
     groups = cols // GROUP_SIZE
     return weight, scales.reshape(-1, groups), low.reshape(-1, groups)
