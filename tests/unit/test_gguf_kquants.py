@@ -54,7 +54,7 @@ def random_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     block, size = GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    # Byte offsets of the float16 scales in each block (ggml's block_q*_K structs).
+    # Byte offsets of the float16 scales in each block (ggml's block_q* structs).
     halves = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
     halves |= {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,)}
     for at in halves[kind]:
