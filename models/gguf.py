@@ -1,11 +1,10 @@
 """Import a GGUF file (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3) as an mlx-lm model
 directory, keeping its quantization.
 
-`mx.load` turns each Q4_0 / Q4_1 / Q8_0 tensor into an MLX affine triplet (`weight` uint32,
-`scales` and `biases` float16, group size 32, 4 or 8 bits), so the import never dequantizes.
-It is less careful with other types: K-quants come back silently dequantized to float16, some
-newer types silently vanish, BF16 is narrowed to float16. Hence the GGUF header is read here
-first, and anything but the types below is refused before `mx.load` sees the file.
+The header is read here and the tensors one at a time (`gguf_tensors`): quantized ones become
+MLX affine triplets (group size 32) with the bits their type takes, so a mixed file such as
+Q4_K_M gives a per-layer `quantization` in config.json. `mx.load` is not used: it dequantizes
+K-quants to float16 (the whole model at once), drops some newer types and narrows BF16.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -31,12 +30,12 @@ from hotlora.models.gguf_families import (
     family_of,
     longrope_scaling,
 )
+from hotlora.models.gguf_tensors import GROUP_SIZE, SUPPORTED_TYPES, read_tensor, tensor_bytes
 from hotlora.models.gguf_tokenizer import UnsupportedTokenizer, write_tokenizer_files
 from hotlora.models.model_files import atomic_model_dir, save_weights
-from hotlora.models.progress import evaluate
+from hotlora.models.progress import bar, evaluate
 
 Q = GGMLQuantizationType
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0)
 GGUF_MAGIC = b"GGUF"
 __all__ = ["UnsupportedGGUF", "import_gguf", "read_header"]
 
@@ -147,7 +146,13 @@ def _check_supported(header: GGUFHeader) -> Family:
             for kind, names in bad.items()
         )
         allowed = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise UnsupportedGGUF(f"unsupported tensor type: {found}. Supported types: {allowed}")
+        why = (
+            " (IQ types pick each value from a codebook, which MLX's affine quantization cannot"
+            " hold: use a K-quant or Q8_0 file of the model)"
+            if any(kind.startswith("IQ") for kind in bad)
+            else ""
+        )
+        raise UnsupportedGGUF(f"unsupported tensor type: {found}{why}. Supported types: {allowed}")
     return family
 
 
@@ -230,23 +235,25 @@ def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
     return x.reshape(n_head, -1, 2, *rest).swapaxes(1, 2).reshape(x.shape)
 
 
-def _read_bf16(src: Path, header: GGUFHeader, name: str) -> mx.array:
-    """Read a BF16 tensor as bfloat16 (`mx.load` would narrow it to float16)."""
-    info = header.tensors[name]
-    raw = np.fromfile(
-        src, dtype="<u2", count=math.prod(info.shape), offset=header.data_start + info.offset
-    )
-    return mx.array(raw.reshape(info.shape)).view(mx.bfloat16)
+def read_tensors(src: Path, header: GGUFHeader) -> dict[str, mx.array]:
+    """Every tensor of the file by GGUF name, a quantized `x.weight` as `x.weight`, `x.scales`
+    and `x.biases`; converted one at a time from a read-only map of the file."""
+    data = np.memmap(src, dtype=np.uint8, mode="r")
+    tensors: dict[str, mx.array] = {}
+    for name, info in bar(header.tensors.items(), f"reading {src.name}", len(header.tensors)):
+        start = header.data_start + info.offset
+        raw = data[start : start + tensor_bytes(info.type, info.shape)]
+        arrays = read_tensor(raw, info.type, info.shape)
+        base = name.rpartition(".")[0]
+        names = [name] if len(arrays) == 1 else [name, f"{base}.scales", f"{base}.biases"]
+        tensors.update(zip(names, arrays, strict=True))
+    return tensors
 
 
 def convert_tensors(
-    loaded: dict[str, mx.array],
-    header: GGUFHeader,
-    src: Path,
-    family: Family,
-    config: dict[str, Any],
+    loaded: dict[str, mx.array], family: Family, config: dict[str, Any]
 ) -> dict[str, mx.array]:
-    """Rename `mx.load`'s GGUF tensors to mlx-lm's names and undo what llama.cpp's converter
+    """Rename the GGUF's tensors to mlx-lm's names and undo what llama.cpp's converter
     did to them: q/k rows permuted (llama), 1 added to norm weights (gemma)."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights, unknown = {}, []
@@ -256,8 +263,6 @@ def convert_tensors(
         if path is None:
             unknown.append(name)
             continue
-        if name in header.tensors and header.tensors[name].type == Q.BF16:
-            array = _read_bf16(src, header, name)
         kind = base.rpartition(".")[2]
         if family.permuted_qk and kind in heads:
             array = _unpermute_rows(array, heads[kind])
@@ -285,10 +290,6 @@ def convert_tensors(
     return weights
 
 
-# Q4_0, Q4_1 and Q8_0 all quantize blocks of 32 values, which become MLX groups of 32.
-GGUF_GROUP_SIZE = 32
-
-
 def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
     """mlx-lm's `quantization` block: the commonest bit width, and per layer where it differs.
 
@@ -299,14 +300,12 @@ def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
         if key.endswith(".scales"):
             path = key.removesuffix(".scales")
             # uint32 words per row * 32 bits / values per row.
-            bits[path] = (
-                weights[f"{path}.weight"].shape[-1] * 32 // (scales.shape[-1] * GGUF_GROUP_SIZE)
-            )
+            bits[path] = weights[f"{path}.weight"].shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
     if not bits:
         return None
 
     def params(b: int) -> dict[str, Any]:
-        return {"group_size": GGUF_GROUP_SIZE, "bits": b, "mode": "affine"}
+        return {"group_size": GROUP_SIZE, "bits": b, "mode": "affine"}
 
     default = Counter(bits.values()).most_common(1)[0][0]
     config: dict[str, Any] = params(default)
@@ -336,15 +335,14 @@ def import_gguf(src: Path, dest: Path) -> Path:
             write_tokenizer_files(header.metadata, tmp)
         except UnsupportedTokenizer as e:
             raise UnsupportedGGUF(str(e)) from e
-        # Without `return_metadata`, mx.load on a GGUF file returns the tensors by name.
-        loaded = cast(dict[str, mx.array], mx.load(str(src)))
+        loaded = read_tensors(src, header)
         settings = {
             name: np.array(loaded.pop(name).astype(mx.float32))
             for name in family.setting_tensors
             if name in loaded
         }
         config = model_config(header, family, settings)
-        weights = convert_tensors(loaded, header, src, family, config)
+        weights = convert_tensors(loaded, family, config)
         evaluate(weights, f"converting {src.name}")
         if (quantization := quantization_config(weights)) is not None:
             config["quantization"] = quantization

@@ -14,6 +14,8 @@ from gguf import GGMLQuantizationType as Q
 
 from hotlora.models.embedded import embedded_gguf_path
 
+from tests.support.gguf_kquants import ENCODERS, quantize_k
+
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, CONTEXT = 64, 128, 2, 4, 2, 256
 HEAD_DIM = HIDDEN // HEADS
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -142,11 +144,14 @@ def tiny_float_weights(vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def encode(w: np.ndarray, kind: Q) -> np.ndarray:
-    """`w` as GGUF stores it for `kind`; zero blocks where gguf-py cannot quantize (K-quants)."""
+    """`w` as GGUF stores it for `kind`; zero blocks where neither gguf-py nor `quantize_k` can
+    quantize (Q2_K, Q3_K, IQ types)."""
     if kind == Q.F32:
         return w
     if kind == Q.F16:
         return w.astype(np.float16)
+    if kind in ENCODERS:
+        return quantize_k(w, kind)
     try:
         return gguf.quants.quantize(w, kind)
     except NotImplementedError:
@@ -168,7 +173,7 @@ def stored_values(w: np.ndarray, kind: Q) -> np.ndarray | None:
     if kind == Q.F32:
         return w
     try:
-        return gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind).astype(np.float32)
+        return gguf.quants.dequantize(encode(w, kind), kind).astype(np.float32)
     except NotImplementedError:
         return None
 

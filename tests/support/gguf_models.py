@@ -25,6 +25,7 @@ from tests.support.gguf_files import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     add_tensor,
+    encode,
     llama_cpp_permute,
     tiny_vocab,
 )
@@ -119,8 +120,9 @@ class TinyFamily:
     def model_type(self) -> str:
         return {"gemma3": "gemma3_text"}.get(self.arch, self.arch)
 
-    def model_args(self, vocab_size: int) -> Any:
-        args = {**SHAPE, **self.args, "vocab_size": vocab_size}
+    def model_args(self, vocab_size: int, shape: dict[str, Any] | None = None) -> Any:
+        """mlx-lm's arguments for the tiny model, `shape` (hidden size, layers...) over `SHAPE`."""
+        args = {**SHAPE, **self.args, **(shape or {}), "vocab_size": vocab_size}
         if "tie_word_embeddings" in {f.name for f in fields(self.module.ModelArgs)}:
             args["tie_word_embeddings"] = self.tied
         return self.module.ModelArgs(model_type=self.model_type, **args)
@@ -235,14 +237,16 @@ FAMILIES = {
 }
 
 
-def hf_weights(family: TinyFamily, vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+def hf_weights(
+    family: TinyFamily, vocab_size: int, seed: int = 0, shape: dict[str, Any] | None = None
+) -> dict[str, np.ndarray]:
     """Random float32 weights by Hugging Face (= mlx-lm) name, scaled to keep activations O(1).
 
     Norm weights are as the checkpoint stores them: near 1, or near 0 for gemma, whose norm
     multiplies by 1 + weight.
     """
     mx.random.seed(seed)
-    model = family.module.Model(family.model_args(vocab_size))
+    model = family.module.Model(family.model_args(vocab_size, shape))
     rng = np.random.default_rng(seed)
     weights = {}
     for name, value in tree_flatten(model.parameters()):
@@ -273,14 +277,20 @@ def stored(w: np.ndarray, kind: Q) -> np.ndarray:
     """The float32 values a GGUF tensor of `kind` holds for `w`."""
     if kind == Q.F32:
         return w
-    return gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind).astype(np.float32)
+    return gguf.quants.dequantize(encode(w, kind), kind).astype(np.float32)
 
 
 def write_family_gguf(
-    path: Path, name: str, arch: str | None = None, metadata: dict[str, Any] | None = None
+    path: Path,
+    name: str,
+    arch: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    shape: dict[str, Any] | None = None,
+    tensor_types: dict[str, Q] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Q]]:
     """Write family `name`'s tiny GGUF to `path`, `arch` and `{arch}.` keys in `metadata`
-    instead of the family's own.
+    instead of the family's own, `shape` over `SHAPE` and `tensor_types` (GGUF type by llama.cpp
+    name without `.weight`, float32 where absent) instead of `QUANTIZED`.
 
     Returns the values the GGUF holds as mlx-lm's class takes them (dequantized, by mlx-lm
     name) and the GGUF type of each tensor (by llama.cpp name, without `.weight`).
@@ -310,7 +320,7 @@ def write_family_gguf(
         if not family.add_space_prefix:
             writer.add_add_space_prefix(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    args = family.model_args(len(tokens))
+    args = family.model_args(len(tokens), shape)
     writer.add_block_count(args.num_hidden_layers)
     writer.add_context_length(getattr(args, "max_position_embeddings", None) or 8192)
     writer.add_embedding_length(args.hidden_size)
@@ -331,12 +341,13 @@ def write_family_gguf(
         else:
             writer.add_uint32(full, value)
     values, kinds = {}, {}
-    for hf, w in hf_weights(family, len(tokens)).items():
+    tensor_types = QUANTIZED if tensor_types is None else tensor_types
+    for hf, w in hf_weights(family, len(tokens), shape=shape).items():
         if family.tied and hf == "lm_head.weight":
             continue
         name = gguf_name(family, hf)
         base = name.removesuffix(".weight")
-        kind = QUANTIZED.get(base, Q.F32) if name.endswith(".weight") and w.ndim == 2 else Q.F32
+        kind = tensor_types.get(base, Q.F32) if name.endswith(".weight") and w.ndim == 2 else Q.F32
         values[hf], kinds[base] = stored(w, kind), kind
         if family.gemma and "norm" in name:
             w = w + 1  # the converter's `data_torch + 1`
