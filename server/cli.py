@@ -126,8 +126,9 @@ def _import_gguf_parser(sub: Any) -> None:
         "import-gguf",
         help="Convert a GGUF into an mlx-lm model directory.",
         description="Convert a GGUF of llama, mistral, qwen2, qwen3, gemma2, gemma3 or phi3 "
-        "(Q4_0, Q4_1, Q8_0, BF16, F16, F32 tensors) into an mlx-lm model directory, keeping "
-        "quantized tensors quantized.",
+        "(F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K to Q6_K) into an "
+        "mlx-lm model directory, keeping quantized tensors quantized: Q4_K and Q5_K exactly, "
+        "Q6_K, Q3_K and Q2_K as 8 bits.",
     )
     p.add_argument("src", type=Path, help="The .gguf file.")
     p.add_argument("dest", type=Path, help="The model directory to write (must not exist).")
