@@ -56,3 +56,10 @@ class InvalidAdapterSpec(AdapterError, ValueError):
 
     code = "invalid_adapter_spec"
     param = "adapter"
+
+
+class AdapterOverBudget(AdapterError):
+    """The adapter can never fit this server's budget on mounted adapters; nothing was mounted."""
+
+    code = "adapter_over_budget"
+    param = "path"
