@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 
-from hotlora.adapters import AdapterLease, AdapterManager
+from hotlora.adapters import AdapterLease, AdapterManager, AdapterRef
 from hotlora.config.errors import InvalidRequest
 from hotlora.config.settings import Settings
 from hotlora.server.api.completion_requests import (
@@ -141,7 +141,7 @@ class InferenceService:
         tools = tool_calls.tools if tool_calls else None
         prompt = await self._off_loop(lambda: self._render_chat(messages, tools))
         grammar = await self._grammar(request, tool_calls)
-        prepared = self._prepare(
+        prepared = await self._prepare(
             request,
             [prompt],
             "messages",
@@ -227,7 +227,7 @@ class InferenceService:
             prompts = list(prompt)
         token_lists = await self._off_loop(lambda: [self._tokens(p) for p in prompts])
         n_logprobs = request.logprobs
-        return self._prepare(
+        return await self._prepare(
             request,
             token_lists,
             "prompt",
@@ -252,7 +252,7 @@ class InferenceService:
             )
         return list(prompt)
 
-    def _prepare(
+    async def _prepare(
         self,
         request: SamplingFields,
         prompts: list[list[int]],
@@ -315,8 +315,22 @@ class InferenceService:
             logit_bias=self._logit_bias(request.logit_bias),
         )
         # Select last: the lease it takes must be released on any later error.
-        lease = self.adapters.select(request.model, request.adapter)
+        lease = await self._lease(request.model, request.adapter)
         return Prepared(lease, prompts, params, request.n)
+
+    async def _lease(self, model: str, refs: tuple[AdapterRef, ...]) -> AdapterLease:
+        """The request's adapters, leased; an adapter to mount first (on first use, or evicted)
+        is read on a thread, and a request that goes away meanwhile lets its lease go."""
+        lease = self.adapters.try_select(model, refs)
+        if lease is not None:
+            return lease
+        loop = asyncio.get_running_loop()
+        selecting = loop.run_in_executor(None, self.adapters.select, model, refs)
+        try:
+            return await asyncio.shield(selecting)
+        except asyncio.CancelledError:
+            selecting.add_done_callback(_release_unclaimed)
+            raise
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         if not bias:
@@ -386,6 +400,12 @@ class InferenceService:
                 stats.failed = True
                 self.metrics.client_not_reading()
             stats.done()
+
+
+def _release_unclaimed(selecting: asyncio.Future[AdapterLease]) -> None:
+    """A lease selected for a request that went away while it was loaded: let it go."""
+    if not selecting.cancelled() and selecting.exception() is None:
+        selecting.result().release()
 
 
 def _pick(value: Any, default: Any, fallback: Any) -> Any:

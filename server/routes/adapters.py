@@ -1,4 +1,5 @@
-"""Adapter admin: mount, list, inspect and unmount, plus vLLM's load/unload aliases."""
+"""Adapter admin: mount, list, inspect and unmount, what the adapter root holds, plus vLLM's
+load/unload aliases."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from hotlora.adapters import AdapterError, AdapterInfo, AdapterManager, AdapterN
 from hotlora.server.api.admin_models import (
     AdapterCard,
     AdapterList,
+    AdapterRootEntry,
+    AdapterRootList,
     LoadLoraAdapterRequest,
     MountAdapterRequest,
     UnloadLoraAdapterRequest,
@@ -36,7 +39,12 @@ def _card(info: AdapterInfo) -> dict[str, Any]:
 
 
 async def _mount(
-    manager: AdapterManager, metrics: Metrics, adapter_id: str, path: str, replace: bool
+    manager: AdapterManager,
+    metrics: Metrics,
+    adapter_id: str,
+    path: str,
+    replace: bool,
+    pin: bool = False,
 ) -> JSONResponse:
     """201 when this call mounted something; 200 when the same revision was already there."""
     try:
@@ -45,7 +53,7 @@ async def _mount(
         before = None
     try:
         # Reading and checking the files is blocking I/O; keep it off the event loop.
-        info = await asyncio.to_thread(manager.mount, adapter_id, path, replace)
+        info = await asyncio.to_thread(manager.mount, adapter_id, path, replace, pin=pin)
     except AdapterError as exc:
         metrics.adapter_refused("mount", exc.code)
         raise
@@ -67,12 +75,25 @@ async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -
 async def mount_adapter(
     body: MountAdapterRequest, manager: ManagerDep, metrics: MetricsDep
 ) -> JSONResponse:
-    return await _mount(manager, metrics, body.id, body.path, body.replace)
+    return await _mount(manager, metrics, body.id, body.path, body.replace, body.pin)
 
 
 @router.get(paths.ADAPTERS)
 async def list_adapters(manager: ManagerDep) -> AdapterList:
     return AdapterList(data=[AdapterCard(**info.to_dict()) for info in manager.list()])
+
+
+@router.get(paths.ADAPTER_ROOT)
+async def list_adapter_root(manager: ManagerDep) -> AdapterRootList:
+    entries = await asyncio.to_thread(manager.root_entries)  # reads the root's directories
+    return AdapterRootList(
+        root=str(manager.adapter_root),
+        auto_mount=manager.auto_mount,
+        resident_bytes=manager.resident_bytes,
+        max_mounted_adapters=manager.budget.max_adapters,
+        adapter_memory_bytes=manager.budget.max_bytes,
+        data=[AdapterRootEntry(**entry.to_dict()) for entry in entries],
+    )
 
 
 @router.get(paths.ADAPTERS + "/{adapter_id}")

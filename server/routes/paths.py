@@ -7,6 +7,7 @@ COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 MODELS = "/v1/models"
 ADAPTERS = "/v1/adapters"
+ADAPTER_ROOT = "/v1/adapter_root"  # what the adapter root holds, resident or not
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"
 UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
 
