@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hotlora.config.errors import HotloraError
+from hotlora.config.errors import HotloraError, listed
 
 
 class AdapterError(HotloraError):
@@ -43,7 +43,7 @@ class AdapterNotFound(AdapterError):
     param = "adapter"
 
     def __init__(self, adapter_id: str, mounted: Iterable[str]):
-        names = ", ".join(sorted(mounted)) or "none"
+        names = listed(sorted(mounted))
         super().__init__(f"The adapter '{adapter_id}' is not mounted. Mounted adapters: {names}.")
         self.adapter_id = adapter_id
 

@@ -334,3 +334,16 @@ def test_a_bytes_budget_evicts_by_memory(root):
     assert resident(manager) == {"c", "d"}
     assert manager.resident_bytes == 2 * size
     assert heard.count("evicted") == 2
+
+
+def test_errors_name_a_few_of_thousands_of_adapters(root):
+    manager = manager_on(root, Heard(), auto_mount=False)
+    for i in range(25):
+        manager.mount(f"x{i:02d}", "a")
+    with pytest.raises(AdapterNotFound) as missing:
+        select(manager, "nowhere")
+    assert "x00, x01" in missing.value.message and "x19 and 5 more." in missing.value.message
+    assert "x20" not in missing.value.message
+    with pytest.raises(ModelNotFound) as unknown:
+        manager.select("nowhere")
+    assert "and 6 more." in unknown.value.message  # the base, then the adapters
