@@ -420,16 +420,17 @@ class AdapterManager:
             self._mount(
                 adapter_id,
                 path,
-                True,
+                False,
                 revision=revision,
                 record=False,
                 pin=False,
                 on_demand=gone is None or gone.on_demand,
             )
         except AdapterError as exc:
-            if isinstance(exc, AdapterConflict):
-                raise
-            raise InvalidAdapter(
+            if isinstance(exc, AdapterConflict) and exc.code != "adapter_changed":
+                return  # an admin mounted it meanwhile: the requests get that one
+            error = AdapterConflict if isinstance(exc, AdapterConflict) else InvalidAdapter
+            raise error(
                 f"adapter '{adapter_id}' could not be loaded: {exc.message}",
                 param="adapter",
                 code=exc.code,

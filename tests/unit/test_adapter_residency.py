@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 
 from hotlora.adapters import (
+    AdapterConflict,
     AdapterLease,
     AdapterManager,
     AdapterNotFound,
@@ -347,3 +348,16 @@ def test_errors_name_a_few_of_thousands_of_adapters(root):
     with pytest.raises(ModelNotFound) as unknown:
         manager.select("nowhere")
     assert "and 6 more." in unknown.value.message  # the base, then the adapters
+
+
+def test_an_evicted_hand_mount_whose_files_changed_is_not_served(tmp_path):
+    for seed, name in enumerate(("x", "y"), start=1):
+        write_mlx_adapter(tmp_path / name, random_pairs(tiny_model(), seed=seed))
+    manager = manager_on(tmp_path, Heard(), auto_mount=False, max_adapters=1)
+    manager.mount("sft", "x")
+    manager.mount("dpo", "y")  # evicts `sft`
+    write_mlx_adapter(tmp_path / "x", random_pairs(tiny_model(), seed=5))  # other weights
+    with pytest.raises(AdapterConflict) as changed:
+        select(manager, "sft")
+    assert changed.value.code == "adapter_changed" and changed.value.param == "adapter"
+    assert resident(manager) == {"dpo"}
