@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="per run")
     parser.add_argument("--rounds", type=int, default=2, help="base and adapter runs, alternated")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--mounted", type=int, default=200, help="mounted, unused adapters")
+    parser.add_argument(
+        "--mounted", type=int, default=200, help="mounted, unused adapters (0: skip that part)"
+    )
     parser.add_argument("--mounted-rank", type=int, default=8)
     parser.add_argument("--root", type=Path, default=None, help="adapter root (kept)")
     add_model_args(parser)
@@ -265,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             "peak_rss_mb": round(peak_rss_mb(lazy)),
         }
 
+    if not args.mounted:
+        print(json.dumps(report, indent=2))
+        return 0
     none = ServerProcess(hotlora_spec(*serve))
     many = ServerProcess(hotlora_spec(*serve))
     with none, many:
