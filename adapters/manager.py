@@ -27,11 +27,7 @@ from hotlora.adapters.adapter_errors import (
     AdapterNotFound,
     InvalidAdapter,
 )
-from hotlora.adapters.adapter_files import (
-    MAX_ADAPTER_BYTES,
-    read_adapter,
-    resolve_under_root,
-)
+from hotlora.adapters.adapter_files import MAX_ADAPTER_BYTES, read_adapter, resolve_under_root
 from hotlora.adapters.adapter_set import (
     BASE_ONLY,
     SHORT_REVISION,
