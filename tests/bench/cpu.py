@@ -104,9 +104,9 @@ class SystemRun:
 
     def short_rows(self, tokens: int) -> int:
         """Rows that stopped before `tokens` new tokens, over every run."""
-        runs = [s for runs in self.streams.values() for s in runs]
-        runs += [s for pair in self.adapter_rounds for s in pair]
-        return sum(sample.tokens < tokens for s in runs for sample in s.samples)
+        every = [one for rounds in self.streams.values() for one in rounds]
+        every += [one for pair in self.adapter_rounds for one in pair]
+        return sum(sample.tokens < tokens for one in every for sample in one.samples)
 
 
 class RssWatch(threading.Thread):

@@ -18,8 +18,19 @@ from hotlora.models.gguf import import_gguf, read_header
 from hotlora.models.loader import load_model_dir
 
 from tests.bench import llama_cpp
-from tests.bench.cpu import Line, RssWatch, no_stop_body, ratio_table, special_ids
+from tests.bench.cpu import (
+    Line,
+    Options,
+    RssWatch,
+    Streams,
+    SystemRun,
+    comparison,
+    no_stop_body,
+    ratio_table,
+    special_ids,
+)
 from tests.bench.random_llama import Shape, random_weights, write_gguf, write_model_dir
+from tests.bench.servers import Sample
 from tests.support.gguf_files import llama_cpp_permute
 
 # The embedded tokenizer's vocabulary, at a size that builds in a second.
@@ -115,6 +126,41 @@ def test_ratio_table_puts_hotlora_over_llama_and_dashes_what_is_missing():
         "16 streams: aggregate tok/s       232.0         317.0          0.73x",
         "peak RSS MB                         954             -              -",
         "prefill tok/s                       400             0              -",
+    ]
+
+
+def sample(tokens: int, ttft: float, decode: float) -> Sample:
+    return Sample("hotlora", 0, ttft, decode, tokens, 30, "length", "")
+
+
+def test_comparison_medians_the_rounds_ratios_the_adapters_and_names_short_rows():
+    def streams(tokens: int, wall: float) -> Streams:
+        return Streams([sample(tokens, 0.5, 20.0), sample(tokens, 0.7, 22.0)], wall)
+
+    hot = SystemRun(
+        "hotlora",
+        streams={2: [streams(96, 4.0), streams(96, 6.0), streams(96, 8.0)]},  # 48, 32, 24 tok/s
+        prefill=[(2.0, 1250), (2.5, 1250), (5.0, 1250)],
+        peak_rss_mb=900.0,
+        adapter_rounds=[(streams(96, 8.0), streams(96, 6.0)), (streams(96, 4.0), streams(96, 4.0))],
+        adapters_rss_mb=1500.0,
+    )
+    llama = SystemRun(
+        "llama-server",
+        streams={2: [streams(95, 2.0)]},  # 95 tok/s, a row one token short
+        prefill=[(1.0, 1250)],
+        peak_rss_mb=300.0,
+    )
+    lines = comparison({"hotlora": hot, "llama-server": llama}, Options(streams=(2,), tokens=96))
+    assert lines[1:] == [
+        "2 streams: first token s                0.60          0.60          1.00x",
+        "2 streams: decode tok/s a stream        21.0          21.0          1.00x",
+        "2 streams: aggregate tok/s              32.0          95.0          0.34x",
+        "1250-token prefill tok/s                 500          1250          0.40x",
+        "peak RSS MB                              900           300          3.00x",
+        "hotlora, 2 rows with 2 distinct rank-16 adapters: 36.0 tok/s aggregate, 0.88x its "
+        "base-only 2 rows beside them (40.0 tok/s); peak RSS with them mounted 1500 MB",
+        "llama-server: 2 rows stopped before 96 tokens",
     ]
 
 
