@@ -299,10 +299,32 @@ def comparison(runs: dict[str, SystemRun], options: Options) -> list[str]:
             f"aggregate, {ratio:.2f}x its base-only {rows} rows beside them ({base:.1f} tok/s); "
             f"peak RSS with them mounted {hot.adapters_rss_mb:.0f} MB"
         )
+    if hot is not None and systems[1] is not None:
+        notes.append(agreement(hot, systems[1]))
     for run in runs.values():
         if short := run.short_rows(options.tokens):
             notes.append(f"{run.system}: {short} rows stopped before {options.tokens} tokens")
     return ratio_table(lines) + notes
+
+
+def agreement(hot: SystemRun, llama: SystemRun) -> str:
+    """How far the two servers' greedy answers to the same prompts agree: with the same weights
+    they open alike, then drift apart where float32 and llama.cpp's 8-bit activations round
+    differently."""
+    pairs = [
+        (a.text, b.text)
+        for n, rounds in hot.streams.items()
+        for ours, theirs in zip(rounds, llama.streams.get(n, []), strict=False)
+        for a, b in zip(ours.samples, theirs.samples, strict=True)
+    ]
+    if not pairs:
+        return "greedy answers: no rows to compare"
+    same = sum(a == b for a, b in pairs)
+    prefix = statistics.median(len(os.path.commonprefix([a, b])) for a, b in pairs)
+    return (
+        f"greedy answers to the same prompts: {same}/{len(pairs)} identical, "
+        f"common opening {prefix:.0f} characters (median)"
+    )
 
 
 @dataclass(frozen=True)
