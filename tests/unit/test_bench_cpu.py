@@ -134,8 +134,13 @@ def sample(tokens: int, ttft: float, decode: float, text: str) -> Sample:
 
 
 def test_comparison_medians_the_rounds_ratios_the_adapters_and_names_short_rows():
-    def streams(tokens: int, wall: float, second: str = "Hello there!") -> Streams:
-        rows = [sample(tokens, 0.5, 20.0, "Once upon a time"), sample(tokens, 0.7, 22.0, second)]
+    def streams(
+        tokens: int, wall: float, first: str = "Once", second: str = "Hi there!"
+    ) -> Streams:
+        rows = [
+            sample(tokens, 0.5, 20.0, f"{first} upon a time"),
+            sample(tokens, 0.7, 22.0, second),
+        ]
         return Streams(rows, wall)
 
     hot = SystemRun(
@@ -148,7 +153,7 @@ def test_comparison_medians_the_rounds_ratios_the_adapters_and_names_short_rows(
     )
     llama = SystemRun(
         "llama-server",
-        streams={2: [streams(95, 2.0, "Hello there, you")]},  # 95 tok/s, rows a token short
+        streams={2: [streams(95, 2.0, " Once", "Hi there, you")]},  # 95 tok/s, rows a token short
         prefill=[(1.0, 1250)],
         peak_rss_mb=300.0,
     )
@@ -161,7 +166,7 @@ def test_comparison_medians_the_rounds_ratios_the_adapters_and_names_short_rows(
         "peak RSS MB                              900           300          3.00x",
         "hotlora, 2 rows with 2 distinct rank-16 adapters: 36.0 tok/s aggregate, 0.88x its "
         "base-only 2 rows beside them (40.0 tok/s); peak RSS with them mounted 1500 MB",
-        "greedy answers to the same prompts: 1/2 identical, common opening 14 characters (median)",
+        "greedy answers to the same prompts: 1/2 identical, common opening 12 characters (median)",
         "llama-server: 2 rows stopped before 96 tokens",
     ]
 
