@@ -277,14 +277,29 @@ def section_cpu(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     return SectionResult(out.title, [], out.lines)
 
 
+def section_adapters_at_scale(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """Generated adapters on disk, mounted on first use under a cap, Zipf traffic against
+    base-only traffic; cold loads, evictions, peak RSS (`tests.bench.adapters_at_scale`)."""
+    from tests.bench import adapters_at_scale
+
+    argv = ["--model", str(model_dir), "--home", str(args.home)]
+    argv += ["--adapters", str(args.scale_adapters), "--seconds", str(args.scale_seconds)]
+    argv += ["--clients", str(args.clients)]
+    code = adapters_at_scale.main(argv)
+    note = "report above (JSON)" if code == 0 else f"failed with exit status {code}"
+    return SectionResult("adapters-at-scale: many adapters, mounted on first use", [], [note])
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
     "base": section_base,
     "adapters": section_adapters,
     "concurrency": section_concurrency,
     "prefill": section_prefill,
     "cpu": section_cpu,
+    "adapters-at-scale": section_adapters_at_scale,
 }
-# `cpu` builds a random ~0.8B model and, without LLAMA_SERVER, llama.cpp: run only when named.
+# `cpu` builds a random ~0.8B model and, without LLAMA_SERVER, llama.cpp; `adapters-at-scale`
+# writes 1,000 adapters (~10 GB) and runs for minutes: run only when named.
 DEFAULT_SECTIONS = ("base", "adapters", "concurrency", "prefill")
 
 
@@ -320,6 +335,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=5,
         help="Alternating rounds of hotlora's two servers in section concurrency.",
+    )
+    p.add_argument(
+        "--scale-adapters",
+        type=int,
+        default=1000,
+        help="Adapters written on disk in section adapters-at-scale.",
+    )
+    p.add_argument(
+        "--scale-seconds",
+        type=float,
+        default=120.0,
+        help="Seconds of each traffic run in section adapters-at-scale.",
     )
     p.add_argument(
         "--prefill-tokens",
