@@ -12,12 +12,16 @@ Two dense matmuls per slot whatever the number of sets, and a stack such as `a+b
 and `b` adds no columns of its own. A zero column contributes an exact zero, so a row gets its
 own set's residual and nothing else. A batched decode step on the CPU's float32 weights runs the
 base projection and both products as one call of the batch kernel
-(`hotlora.models.cpu.layers.lora_rows`), on transposed copies of the pair.
+(`hotlora.models.cpu.layers.lora_rows`), on transposed copies of the pair; on packed quantized
+weights every call does, and a set alone on every row too (`lone_rows`): that kernel adds a
+row's residual column by column, skipping the masked ones, so with the adapters in one order
+(by id) a row's result is the same bits alone and beside any other sets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from weakref import WeakKeyDictionary
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -104,7 +108,7 @@ class RowAdapters:
         if plan is None:
             return base(x)
         a_cat, b_cat, mask, fused = plan
-        if fused is not None and serves_rows(x):
+        if fused is not None and serves_rows(x, base):
             return lora_rows(x, base, *fused)
         return _add_residuals(x, base(x), a_cat, b_cat, mask)
 
@@ -200,9 +204,31 @@ class RowAdapterCache:
                 self._built.remove(side_by_side)
                 break
         else:
-            side_by_side = SideBySide(list(used))
+            side_by_side = SideBySide(_in_order(used))
             if len(self._built) >= self.keep:
                 self._built.pop(0)
         self._built.append(side_by_side)
         self._last = RowAdapters(side_by_side, rows)
         return self._last
+
+
+def _in_order(
+    adapters: Sequence[MountedAdapter] | dict[MountedAdapter, None],
+) -> list[MountedAdapter]:
+    """The adapters side by side in one order whatever the batch: by id (a set never names two
+    mounts of one id), so that a row's columns come in the same order alone and beside others."""
+    return sorted(adapters, key=lambda mounted: mounted.id)
+
+
+_LONE: WeakKeyDictionary[AdapterSet, RowAdapters] = WeakKeyDictionary()
+
+
+def lone_rows(adapters: AdapterSet) -> RowAdapters:
+    """`adapters` on every row of a call, laid out as a batch of sets lays it out: what the
+    slots of packed quantized weights apply, so that a row's residual is the same bits alone
+    as beside other sets. Kept while the set lives."""
+    rows = _LONE.get(adapters)
+    if rows is None:
+        used = {entry.mounted: None for entry in adapters.entries if entry.weight != 0.0}
+        rows = _LONE[adapters] = RowAdapters(SideBySide(_in_order(used)), [adapters])
+    return rows

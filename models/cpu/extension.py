@@ -63,6 +63,9 @@ def build() -> Path:
         # Lets the compiler vectorize loops of selects (the softmax's exp); every operation
         # still rounds as IEEE says, so the results are the same bits.
         "-fno-trapping-math",
+        # A product and a sum stay two roundings unless the code fuses them itself: the
+        # quantized kernels dequantize as MLX does, scale * value, then + bias.
+        "-ffp-contract=off",
         "-DNB_DOMAIN=mlx",  # MLX's own nanobind domain, so that `mx.array` crosses over
         f"-I{sysconfig.get_paths()['include']}",
         f"-I{nb / 'include'}",

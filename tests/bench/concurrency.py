@@ -8,7 +8,7 @@ server's peak RSS.
 
 Systems: hotlora on the base model; hotlora with four adapter sets mixed across the clients
 (`a`, `b`, `m`, `a+b`; random rank-16 adapters on every projection); hotlora with its weights
-kept quantized (`--cpu-weights quantized`, single stream only: the path served before float32
+kept quantized (`--cpu-weights mlx`, single stream only: the path served before float32
 weights); mlx_lm.server with `--decode-concurrency` and `--prompt-concurrency` set to the
 client count; and llama.cpp's `llama-server` on the same GGUF when `LLAMA_SERVER` names its
 binary.
@@ -304,7 +304,7 @@ def run_concurrency(
         ),
     ]
     alone: list[tuple[ServerSpec, list[dict], bool]] = [
-        (_with_args(hot, "hotlora quantized", lambda: ["--cpu-weights", "quantized"]), [], False),
+        (_with_args(hot, "hotlora quantized", lambda: ["--cpu-weights", "mlx"]), [], False),
         (
             _with_args(
                 mlx_lm_spec(model_dir),
