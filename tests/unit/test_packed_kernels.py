@@ -91,7 +91,7 @@ def test_a_rows_result_is_the_same_whatever_the_other_rows_and_their_shape(isa: 
     packed, scales, biases, _ = quantized(1536, 576, 4, 32, mx.float16, seed=3)
     x = mx.random.normal((200, 576), key=mx.random.key(4))
     whole = native.quant_matmul(x, packed, scales, biases, 32, 4)
-    for size in (1, 2, 7, 16, 33):
+    for size in (1, 2, 3, 4, 5, 7, 8, 16, 33):  # in registers up to 8 rows, a tile beyond
         parts = [
             native.quant_matmul(x[i : i + size], packed, scales, biases, 32, 4)
             for i in range(0, 200, size)

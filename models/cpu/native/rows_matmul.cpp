@@ -72,49 +72,18 @@ struct Quantized {
   int dtype = 0;  // 0: float32, 1: float16, 2: bfloat16
 };
 
-// A half-precision float's value, exactly.
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu;
-  uint32_t mantissa = h & 0x3ffu, bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalized as a float
-    uint32_t shifts = 0;
-    while (!(mantissa & 0x400u)) mantissa <<= 1, shifts++;
-    bits = sign | ((113 - shifts) << 23) | ((mantissa & 0x3ffu) << 13);
-  }
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-// Element i of a scales or biases array of `dtype` (Quantized::dtype), as a float.
-inline float quant_param(const void* p, size_t i, int dtype) {
-  if (dtype == 0) return static_cast<const float*>(p)[i];
-  const uint16_t half = static_cast<const uint16_t*>(p)[i];
-  if (dtype == 1) return half_to_float(half);
-  const uint32_t bits = static_cast<uint32_t>(half) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
 using QuantRange = void (*)(const Quantized&, const float*, float*, int, int, int, int, float*,
                             int);
 using Residuals = void (*)(const float*, const float*, int, const int*, int, float*, int, int);
 
 #pragma GCC push_options
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,f16c")
 namespace avx512 {
 struct Isa {  // 32 vector registers: up to 16 accumulators, the weight rows and one x row
   using V = __m512;
   static constexpr int kLanes = 16;
   static constexpr int kShortK = 768, kShortP = 8, kShortR = 2, kLongP = 4, kLongR = 4;
+  static constexpr int kFusedR = 4;  // weight rows dequantized in registers at once
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load_first(const float* p, int n) {
@@ -134,12 +103,13 @@ struct Isa {  // 32 vector registers: up to 16 accumulators, the weight rows and
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 struct Isa {  // 16 vector registers: 8 accumulators
   using V = __m256;
   static constexpr int kLanes = 8;
   static constexpr int kShortK = 4096, kShortP = 4, kShortR = 2, kLongP = 2, kLongR = 4;
+  static constexpr int kFusedR = 2;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load_first(const float* p, int n) {
@@ -174,11 +144,15 @@ struct Kernel {
   Residuals residuals;
 };
 const Kernel kKernels[] = {
-    {"avx512", [] { return static_cast<bool>(__builtin_cpu_supports("avx512f")); },
+    {"avx512",
+     [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); },
      avx512::rows_matmul_range, avx512::attend, avx512::softmax_rows,
      avx512::quant_matmul_range, avx512::add_residuals},
     {"avx2",
-     [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); },
+     [] {
+       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+              __builtin_cpu_supports("f16c");
+     },
      avx2::rows_matmul_range, avx2::attend, avx2::softmax_rows, avx2::quant_matmul_range,
      avx2::add_residuals},
 };
@@ -487,8 +461,9 @@ class QuantMatmul : public CpuPrimitive {
         throw std::invalid_argument("quant_matmul: the weights must be row-contiguous");
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
     const int R = lora ? inputs[1].shape(0) : 0;
+    const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
     const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
-                      group_, scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2};
+                      group_, dtype};
     dispatch_rows(stream(), inputs, lora ? 4 : 1, outputs[0],
                   [=, kernel = g_kernel.load(), quant = g_quant.load(),
                    residuals = g_residuals.load()](auto& operands, float* op) {
