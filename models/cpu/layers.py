@@ -227,7 +227,9 @@ def quantized_unserved(model: nn.Module) -> str | None:
     """Why the quantized kernels cannot serve this model's quantized layers; None when they
     can (MLX's affine mode, 4 or 8 bits, groups of 32, 64 or 128, float scales)."""
     for path, module in model.named_modules():
-        if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        if type(module) not in (nn.QuantizedLinear, nn.QuantizedEmbedding):
+            if "scales" in module:  # another kind of quantized layer (e.g. experts')
+                return f"{path} is a quantized {type(module).__name__}"
             continue
         mode = getattr(module, "mode", "affine")
         if (

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -87,6 +86,15 @@ def prefill_rate(model: nn.Module) -> float:
     return PROMPT_TOKENS / (time.perf_counter() - began)
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak RSS in MB. Not getrusage's ru_maxrss: Linux carries the parent's
+    over fork and exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def peak_rss(path: str, threads: int | None) -> float:
     """MB at most resident in a process that loads the model served so and decodes 8 rows."""
     command = [sys.executable, "-m", "tests.bench.step_times", "--rss", path]
@@ -107,7 +115,7 @@ def main() -> int:
         model = load(args.rss, args.threads)
         step_time(model, 8, 3)
         prefill_rate(model)
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        print(_peak_rss_mb())
         return 0
     models = {path: load(path, args.threads) for path in PATHS}
     steps: dict[str, dict[int, list[float]]] = {p: {r: [] for r in ROWS} for p in PATHS}
