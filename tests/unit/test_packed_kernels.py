@@ -277,3 +277,28 @@ def test_logits_are_mlx_lms_on_the_dequantized_weights_within_the_tolerance(pack
             prompt_logits(model, prompt), prompt_logits(reference, prompt)
         )
         assert difference < LOGIT_TOLERANCE, difference
+
+
+def test_auto_serves_a_quantized_model_packed_on_the_threads_asked(tmp_path: Path, caplog):
+    model = tiny_model(quantize=True)
+    with caplog.at_level("INFO", logger="hotlora"):
+        setup = prepare_cpu(
+            model,
+            weights="auto",
+            float_budget=None,
+            vector_jit=False,
+            batch_kernels=True,
+            home=tmp_path,
+            threads=1,
+        )
+    assert setup.packed and not setup.float32
+    assert setup.batch_kernels is not None and f"({native.isa()}, 1 threads)" in setup.batch_kernels
+    logged = [r.getMessage() for r in caplog.records]
+    assert f"serving packed weights: {setup.weights}" in logged
+    assert f"native kernels: {setup.batch_kernels}" in logged
+    # The packed arrays stay as loaded; everything else is float32.
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, RowsQuantizedEmbedding) and embedding.weight.dtype == mx.uint32
+    assert embedding(mx.array([[3, 4]])).dtype == mx.float32
+    assert model.model.norm.weight.dtype == mx.float32
+    native.set_threads(2)
