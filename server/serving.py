@@ -59,6 +59,7 @@ class Prepared:
     tool_calls: ToolCalls | None = None  # the request's tools, when its answer may call them
     grammar: Grammar | None = None  # what `response_format` holds every choice to; None: free
     reasoning: Reasoning | None = None  # a thinking model's tags, when its answer may think
+    request_id: str | None = None  # the client's (vLLM's `request_id`): the answer's id suffix
 
     def jobs(self) -> list[GenerationJob]:
         """One job per choice, in choice-index order: each prompt's n choices in turn."""
@@ -366,7 +367,9 @@ class InferenceService:
         )
         # Select last: the lease it takes must be released on any later error.
         lease = self.adapters.select(request.model, request.adapter)
-        return Prepared(lease, prompts, params, request.n, grammar=grammar)
+        return Prepared(
+            lease, prompts, params, request.n, grammar=grammar, request_id=request.request_id
+        )
 
     # Running.
 
