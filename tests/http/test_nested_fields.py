@@ -303,6 +303,14 @@ def test_request_id_is_the_answers_id(tiny: TestClient):
         expected = f"{prefix}-job-9"
         chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
         assert chunks and {c["id"] for c in chunks} == {expected}
+    # vLLM's order: the client's x-request-id header first, then request_id.
+    headed = tiny.post(
+        "/v1/chat/completions",
+        json=_with(CHAT, request_id="job-11"),
+        headers={"x-request-id": "trace-5"},
+    )
+    assert headed.json()["id"] == "chatcmpl-trace-5"
+    assert headed.headers["x-request-id"] == "trace-5"
     # Without one, each answer gets a new id.
     first, second = (tiny.post("/v1/chat/completions", json=CHAT).json()["id"] for _ in "ab")
     assert first != second and first.startswith("chatcmpl-")
