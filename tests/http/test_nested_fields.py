@@ -149,6 +149,9 @@ UNKNOWN_KEYS = [
         {"model": "tiny", "messages": [{**USER, "colour": 1}]},
         "messages.0.colour",
     ),
+    ("/v1/adapters", {"id": "a", "path": "a", "replce": True}, "replce"),
+    ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "a", "inplace": True}, "inplace"),
+    ("/v1/unload_lora_adapter", {"lora_name": "a", "lora_id": 1}, "lora_id"),
 ]
 
 
