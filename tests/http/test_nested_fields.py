@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hotlora.config.settings import Settings
+from hotlora.server.api import wire_base
 from hotlora.server.app import create_app
 
 from tests.http.conftest import wait_ready
@@ -248,7 +249,7 @@ def test_neutral_values_pass_on_every_route(tiny: TestClient):
 
 
 def test_an_assistant_turn_replayed_by_an_sdk_is_accepted_and_logged_once(
-    tiny: TestClient, caplog: pytest.LogCaptureFixture
+    tiny: TestClient, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ):
     """The openai SDKs send back an answer's message as they parsed it (with `refusal`,
     `annotations`, `audio` and this server's `reasoning_content`), and LangChain gathers a
@@ -264,13 +265,17 @@ def test_an_assistant_turn_replayed_by_an_sdk_is_accepted_and_logged_once(
         "tool_calls": [{**CALL, "index": 0}],
     }
     messages = [USER, replayed, {"role": "tool", "tool_call_id": "c1", "content": "1"}, USER]
+    monkeypatch.setattr(wire_base, "_noted", set())  # as in a fresh process
     with caplog.at_level(logging.WARNING, logger="hotlora"):
         for _ in range(2):
             response = tiny.post("/v1/chat/completions", json=_with(CHAT, messages=messages))
             assert response.status_code == 200, response.text
-    noted = [r.getMessage() for r in caplog.records if "reasoning_content" in r.getMessage()]
-    # Logged at most once per key over the process (another test may have been first).
-    assert len(noted) <= 1
+    noted = [r.getMessage() for r in caplog.records if "accepted with no effect" in r.getMessage()]
+    # Once for each key that held a value; keys sent empty (`refusal: null`) ask for nothing.
+    assert sorted(noted) == [
+        "ChatMessage key 'reasoning_content' is accepted with no effect (logged once per key)",
+        "ToolCall key 'index' is accepted with no effect (logged once per key)",
+    ]
     # The text parts' prompt-caching mark some clients add is accepted too.
     cached = {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}
     assert tiny.post("/v1/chat/completions", json=_with(CHAT, messages=[cached])).status_code == 200
