@@ -91,6 +91,8 @@ class Tool(ClosedObject):
     type: Literal["function"]
     function: FunctionDefinition
 
+    tolerated = frozenset({"cache_control"})  # as on text parts
+
 
 class FunctionName(ClosedObject):
     name: str
@@ -127,8 +129,11 @@ class ChatMessage(ClosedObject):
 
     # What the openai SDKs and LangChain send back when they replay an assistant answer: its
     # refusal, annotations, audio reference and (vLLM's, this server's) reasoning. Chat
-    # templates do not show them, and drop an earlier turn's thinking.
-    tolerated = frozenset({"refusal", "annotations", "audio", "reasoning_content", "reasoning"})
+    # templates do not show them, and drop an earlier turn's thinking. And the prompt-caching
+    # mark of text parts, which LiteLLM also puts on messages.
+    tolerated = frozenset(
+        {"refusal", "annotations", "audio", "reasoning_content", "reasoning", "cache_control"}
+    )
 
     @field_validator("function_call", mode="before")
     @classmethod

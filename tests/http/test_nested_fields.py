@@ -277,8 +277,14 @@ def test_an_assistant_turn_replayed_by_an_sdk_is_accepted_and_logged_once(
         "ToolCall key 'index' is accepted with no effect (logged once per key)",
     ]
     # The text parts' prompt-caching mark some clients add is accepted too.
-    cached = {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}
-    assert tiny.post("/v1/chat/completions", json=_with(CHAT, messages=[cached])).status_code == 200
+    mark = {"type": "ephemeral"}
+    cached = {
+        "role": "user",
+        "content": [{"type": "text", "text": "a", "cache_control": mark}],
+        "cache_control": mark,
+    }
+    body = _with(CHAT, messages=[cached], tools=[{**TOOL, "cache_control": mark}])
+    assert tiny.post("/v1/chat/completions", json=body).status_code == 200
 
 
 def test_a_responses_output_replayed_is_accepted(tiny: TestClient):
