@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from openai import OpenAI
 
 from hotlora.config.settings import Settings
 from hotlora.server.api import wire_base
@@ -328,3 +329,17 @@ def test_request_id_is_the_answers_id(tiny: TestClient):
     # Without one, each answer gets a new id.
     first, second = (tiny.post("/v1/chat/completions", json=CHAT).json()["id"] for _ in "ab")
     assert first != second and first.startswith("chatcmpl-")
+
+
+def test_the_openai_sdk_replays_its_own_answers(tiny: TestClient):
+    """The answer objects the openai client parsed, sent back as they are: the chat message
+    (`messages.append(completion.choices[0].message)`) and the Responses output items."""
+    client = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=tiny)
+    messages: list[Any] = [USER]
+    completion = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    messages += [completion.choices[0].message, USER]
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert again.choices[0].message.role == "assistant"
+    response = client.responses.create(model="tiny", input="the cat", max_output_tokens=2)
+    items: list[Any] = [USER, *response.output, USER]
+    assert client.responses.create(model="tiny", input=items, max_output_tokens=2).output
