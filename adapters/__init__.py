@@ -8,13 +8,15 @@ slots apply while the model runs, or, for a batch, a `RowAdapters` from `RowAdap
 applies each row's own set. With a `MountJournal` (the mount record `MountFile`, or the Ray
 cluster's registry) every mount and unmount is recorded before it is made, and a `MountStore`
 mounts the recorded set again when a server starts. Listeners the manager is given hear of every
-mount, unmount and eviction (`MountEvent`), whatever made it.
+mount, on-demand load, unmount and eviction (`MountEvent`), whatever made it. With a `Budget`
+the manager keeps the least recently used adapters within it (`residency`).
 """
 
 from hotlora.adapters.adapter_errors import (
     AdapterConflict,
     AdapterError,
     AdapterNotFound,
+    AdapterOverBudget,
     AdapterPathRefused,
     InvalidAdapter,
     InvalidAdapterSpec,
@@ -40,6 +42,8 @@ from hotlora.adapters.mount_journal import (
     report_unmountable,
     write_mounted_set,
 )
+from hotlora.adapters.residency import Budget
+from hotlora.adapters.root_listing import RootEntry
 from hotlora.adapters.row_sets import RowAdapterCache, RowAdapters
 from hotlora.adapters.slots import activate
 from hotlora.adapters.spec import (
@@ -59,9 +63,11 @@ __all__ = [
     "AdapterLease",
     "AdapterManager",
     "AdapterNotFound",
+    "AdapterOverBudget",
     "AdapterPathRefused",
     "AdapterRef",
     "AdapterSet",
+    "Budget",
     "InvalidAdapter",
     "InvalidAdapterSpec",
     "MountEvent",
@@ -71,6 +77,7 @@ __all__ = [
     "MountRecord",
     "MountStore",
     "MountedSet",
+    "RootEntry",
     "RowAdapterCache",
     "RowAdapters",
     "activate",

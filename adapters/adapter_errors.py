@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hotlora.config.errors import HotloraError
+from hotlora.config.errors import HotloraError, listed
 
 
 class AdapterError(HotloraError):
@@ -43,7 +43,7 @@ class AdapterNotFound(AdapterError):
     param = "adapter"
 
     def __init__(self, adapter_id: str, mounted: Iterable[str]):
-        names = ", ".join(sorted(mounted)) or "none"
+        names = listed(sorted(mounted))
         super().__init__(f"The adapter '{adapter_id}' is not mounted. Mounted adapters: {names}.")
         self.adapter_id = adapter_id
 
@@ -56,3 +56,10 @@ class InvalidAdapterSpec(AdapterError, ValueError):
 
     code = "invalid_adapter_spec"
     param = "adapter"
+
+
+class AdapterOverBudget(AdapterError):
+    """The adapter can never fit this server's budget on mounted adapters; nothing was mounted."""
+
+    code = "adapter_over_budget"
+    param = "path"

@@ -1,9 +1,10 @@
 """The adapter manager: one per app, owning every mounted adapter's arrays.
 
 `select` is the one call a request makes: from its `model` and `adapter` fields to a leased,
-request-owned `AdapterSet`. Every change to what is mounted, whatever asked for it (the admin
-API, start-up, the mount record, the Ray cluster's registry), is told to the manager's listeners
-as a `MountEvent`.
+request-owned `AdapterSet`, mounting on first use what it may (`auto_mount`, or an adapter
+evicted to keep within the budget). Every change to what is mounted, whatever asked for it (the
+admin API, start-up, a request, the budget, the mount record, the Ray cluster's registry), is
+told to the manager's listeners as a `MountEvent`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,6 +36,8 @@ from hotlora.adapters.adapter_set import (
     MountedAdapter,
 )
 from hotlora.adapters.projections import TargetDims, linear_dims
+from hotlora.adapters.residency import Budget, Evicted, Residency, SingleFlight
+from hotlora.adapters.root_listing import RootEntry, list_root
 from hotlora.adapters.slots import LoRASlot, install_slots, probe_input_dtypes
 from hotlora.adapters.spec import (
     AdapterRef,
@@ -69,6 +72,8 @@ class AdapterInfo:
     mounted_layers: int  # slots it attaches to
     mounted_at: int  # unix seconds
     in_use: int  # requests computing with any revision mounted under this id now
+    pinned: bool = False  # never evicted to keep within the budget
+    on_demand: bool = False  # mounted by a request naming it, not by an admin
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,9 +83,12 @@ class AdapterInfo:
 class MountEvent:
     """One change to the mounted set, told to the manager's listeners once it is made."""
 
-    kind: Literal["mounted", "unmounted", "evicted"]  # a replace is "mounted"
+    # A replace is "mounted"; "loaded" is a mount a request asked for, on first use.
+    kind: Literal["mounted", "loaded", "unmounted", "evicted"]
     adapter_id: str
     revision: str  # what was mounted, or what was unmounted or evicted
+    seconds: float = 0.0  # how long a load took, files read to arrays mounted
+    ram_bytes: int = 0  # what the adapter's arrays hold
 
 
 MountListener = Callable[[MountEvent], None]
@@ -109,6 +117,11 @@ class AdapterManager:
     requests get their own immutable `AdapterSet` from `select`, so the worker thread's model
     calls never see a change half-way. Each change is then told to every listener, in the order
     the changes were made; a listener must not mount or unmount itself.
+
+    With a `budget`, the least recently used adapters that no request holds and no admin pinned
+    are evicted past it, and mounted again when a request names them. With `auto_mount`, a
+    request naming a directory under the adapter root that is not mounted mounts it (its id is
+    the directory's name). Concurrent first requests for one adapter share one load.
     """
 
     def __init__(
@@ -121,11 +134,14 @@ class AdapterManager:
         max_bytes: int = MAX_ADAPTER_BYTES,
         journal: MountJournal | None = None,
         listeners: Iterable[MountListener] = (),
+        budget: Budget | None = None,
+        auto_mount: bool = False,
     ):
         self.base_id = base_id
         self.adapter_root = Path(adapter_root).expanduser().resolve()
         self.max_rank = max_rank
         self.max_bytes = max_bytes  # per adapter file, checked on disk before reading
+        self.auto_mount = auto_mount
         slots = install_slots(model)
         if not slots:
             log.warning("%s has no q/k/v/o/gate/up/down projections", type(model).__name__)
@@ -138,9 +154,12 @@ class AdapterManager:
         self._listeners = tuple(listeners)
         self._admin = threading.Lock()
         self._mounted: dict[str, MountedAdapter] = {}
+        self._residency = Residency(budget or Budget())
+        self._loads = SingleFlight()
         # Counted per id, not per revision: a request that started before a `replace` or an
         # unmount still holds that id's arrays, and admins watching `in_use` must see it.
         self._in_use: dict[str, int] = {}
+        self._waiting: dict[str, int] = {}  # ids requests wait to be loaded: never evicted
         self._sets: weakref.WeakValueDictionary[tuple[AppliedAdapter, ...], AdapterSet] = (
             weakref.WeakValueDictionary()
         )
@@ -153,6 +172,7 @@ class AdapterManager:
         *,
         revision: str | None = None,
         record: bool = True,
+        pin: bool = False,
     ) -> AdapterInfo:
         """Validate the adapter at `path` (under the adapter root) and mount it as `adapter_id`.
 
@@ -161,14 +181,29 @@ class AdapterManager:
         `replace`, which swaps atomically while running requests keep the old arrays.
         With `revision`, files that no longer hash to it are refused (`AdapterConflict`, code
         `adapter_changed`): a recorded mount is made again exactly or not at all. The journal
-        records the change first; `record=False` applies one recorded elsewhere.
+        records the change first; `record=False` applies one recorded elsewhere. `pin` keeps
+        it from eviction; an adapter that can never fit the budget raises `AdapterOverBudget`.
         """
+        return self._mount(adapter_id, path, replace, revision=revision, record=record, pin=pin)
+
+    def _mount(
+        self,
+        adapter_id: str,
+        path: str | Path,
+        replace: bool,
+        *,
+        revision: str | None,
+        record: bool,
+        pin: bool = False,
+        on_demand: bool = False,
+    ) -> AdapterInfo:
         problem = adapter_id_problem(adapter_id)
         if problem is None and adapter_id == self.base_id:
             problem = f"'{adapter_id}' is the base model's id; choose another adapter id"
         if problem:
             raise InvalidAdapter(problem, param="id")
         directory = resolve_under_root(path, self.adapter_root)
+        began = time.perf_counter()
         try:
             loaded = read_adapter(
                 directory,
@@ -196,26 +231,44 @@ class AdapterManager:
         with self._admin:
             with self._lock:
                 current = self._mounted.get(adapter_id)
-                if current is not None and current.adapter.revision == loaded.revision:
+                same = current is not None and current.adapter.revision == loaded.revision
+                # An admin mounting what a request mounted makes it theirs: recorded, kept.
+                adopt = same and not on_demand and adapter_id in self._residency.on_demand
+                if same and not adopt:
+                    assert current is not None
+                    if pin:
+                        self._residency.check(adapter_id, loaded.ram_bytes, pin=True)
+                        self._residency.pinned.add(adapter_id)
                     return self._info(current)
-                if current is not None and not replace:
+                if current is not None and not replace and not adopt:
                     raise AdapterConflict(
                         f"adapter '{adapter_id}' is already mounted from {current.adapter.path} "
                         f"(revision {current.short_revision}); unmount it or mount with replace"
                     )
+                try:
+                    self._residency.check(adapter_id, loaded.ram_bytes, pin=pin)
+                except AdapterError:
+                    del loaded
+                    mx.clear_cache()
+                    raise
             if record and self._journal is not None:
-                self._journal.mounted(adapter_id, str(directory), loaded.revision, replace)
+                self._journal.mounted(adapter_id, str(directory), loaded.revision, replace or adopt)
             with self._lock:
                 current = self._mounted.get(adapter_id)
                 mounted = MountedAdapter(adapter_id, loaded, int(time.time()))
                 self._mounted[adapter_id] = mounted
+                self._residency.added(adapter_id, loaded.ram_bytes, pin=pin, on_demand=on_demand)
                 info = self._info(mounted)
-            self._tell(MountEvent("mounted", adapter_id, info.revision))
+            took = time.perf_counter() - began
+            kind: Literal["mounted", "loaded"] = "loaded" if on_demand else "mounted"
+            self._tell(MountEvent(kind, adapter_id, info.revision, took, info.ram_bytes))
+            self._evict_over_budget(keep=adapter_id)
         if current is not None:
             del current
             mx.clear_cache()
         log.info(
-            "mounted adapter %s from %s (rev %s)",
+            "%s adapter %s from %s (rev %s)",
+            kind,
             printable(adapter_id),
             printable(directory),
             info.revision[:12],
@@ -230,17 +283,26 @@ class AdapterManager:
         The slots hold no adapter state, so dropping the table's entry is all it takes; new
         requests naming it get `AdapterNotFound`. The journal records it first, as in `mount`.
         `evicted`: made to keep within a cap on mounted adapters, not asked for; the listeners
-        hear an "evicted" event instead of "unmounted".
+        hear an "evicted" event instead of "unmounted". An adapter evicted by the budget is
+        forgotten too: it is not mounted again on next use.
         """
         with self._admin:
             with self._lock:
-                if adapter_id not in self._mounted:
+                gone = self._residency.evicted.get(adapter_id)
+                if adapter_id not in self._mounted and gone is None:
                     raise AdapterNotFound(adapter_id, self._mounted)
-            if record and self._journal is not None:
+            # What a request mounted on first use was never recorded.
+            on_demand = adapter_id in self._residency.on_demand or bool(gone and gone.on_demand)
+            if record and self._journal is not None and not on_demand:
                 self._journal.unmounted(adapter_id)
             with self._lock:
-                mounted = self._mounted.pop(adapter_id)
-                info = self._info(mounted)
+                mounted = self._mounted.pop(adapter_id, None)
+                self._residency.removed(adapter_id)
+                self._residency.evicted.pop(adapter_id, None)
+                info = self._info(mounted) if mounted is not None else None
+            if info is None:
+                assert gone is not None
+                return self._evicted_info(gone)
             self._tell(MountEvent("evicted" if evicted else "unmounted", adapter_id, info.revision))
         del mounted
         mx.clear_cache()
@@ -253,17 +315,45 @@ class AdapterManager:
         `model` may name the base (then `refs` select the adapters), a mounted adapter id, or
         `"<base-id>:<spec>"`. Raises `ModelNotFound` for any other model, `InvalidRequest` when
         both fields select adapters or the model's spec is malformed, and `AdapterNotFound`
-        for an id that is not mounted. Nothing is counted as in use unless this returns.
+        for an id that is neither mounted nor loadable. An adapter evicted by the budget, or
+        (with `auto_mount`) a directory under the root, is mounted first: this call blocks on
+        its files then, and a load that fails raises `InvalidAdapter` naming the problem.
+        Nothing is counted as in use unless this returns.
         """
+        waiting: tuple[str, ...] = ()
+        try:
+            while True:
+                with self._lock:
+                    named = parse_selection(self.base_id, model, refs, _Selectable(self))
+                    missing = tuple(ref.id for ref in named if ref.id not in self._mounted)
+                    if not missing:
+                        lease = self._lease(model, named)
+                        self._wait(waiting, -1)
+                        waiting = ()
+                        return lease
+                    for adapter_id in missing:
+                        if not self._loadable(adapter_id):
+                            raise AdapterNotFound(adapter_id, self._mounted)
+                    self._wait(tuple(i for i in missing if i not in waiting), 1)
+                    waiting = tuple(dict.fromkeys((*waiting, *missing)))
+                for adapter_id in missing:
+                    self._loads.run(adapter_id, lambda i=adapter_id: self._load(i))
+        finally:
+            if waiting:
+                with self._lock:
+                    self._wait(waiting, -1)
+
+    def try_select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease | None:
+        """`select` without loading: None when an adapter must be mounted first (then call
+        `select` where blocking is fine). Raises as `select` does."""
         with self._lock:
-            named = parse_selection(self.base_id, model, refs, self._mounted)
-            adapters = self._resolve(named)
-            self._count(adapters, 1)
-        if model != self.base_id:
-            label = model
-        else:
-            label = f"{self.base_id}:{format_adapter_spec(named)}" if named else self.base_id
-        return AdapterLease(label, adapters, lambda: self._uncount(adapters))
+            named = parse_selection(self.base_id, model, refs, _Selectable(self))
+            for ref in named:
+                if ref.id not in self._mounted:
+                    if self._loadable(ref.id):
+                        return None
+                    raise AdapterNotFound(ref.id, self._mounted)
+            return self._lease(model, named)
 
     def resolve(self, refs: tuple[AdapterRef, ...]) -> AdapterSet:
         """The set `refs` name, not counted as in use (`select` is what requests call)."""
@@ -271,7 +361,7 @@ class AdapterManager:
             return self._resolve(refs)
 
     def list(self) -> list[AdapterInfo]:
-        """Every mounted adapter, in mount order."""
+        """Every resident adapter, in mount order."""
         with self._lock:
             return [self._info(mounted) for mounted in self._mounted.values()]
 
@@ -282,6 +372,124 @@ class AdapterManager:
             if mounted is None:
                 raise AdapterNotFound(adapter_id, self._mounted)
             return self._info(mounted)
+
+    @property
+    def budget(self) -> Budget:
+        """What this server keeps resident at most."""
+        return self._residency.budget
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the resident adapters' arrays hold, summed."""
+        with self._lock:
+            return self._residency.resident_bytes
+
+    def root_entries(self) -> Sequence[RootEntry]:
+        """What the adapter root holds and every evicted adapter, resident or not, by id."""
+        with self._lock:
+            mounted = [
+                (i, m.adapter, i in self._residency.pinned) for i, m in self._mounted.items()
+            ]
+            evicted = list(self._residency.evicted.values())
+        return list_root(self.adapter_root, mounted, evicted, skip=self.base_id)
+
+    def _loadable(self, adapter_id: str) -> bool:
+        """Whether `adapter_id`, not mounted, can be mounted on first use."""
+        if adapter_id in self._residency.evicted:
+            return True
+        if not self.auto_mount or adapter_id_problem(adapter_id) or adapter_id == self.base_id:
+            return False
+        return (self.adapter_root / adapter_id).is_dir()
+
+    def _load(self, adapter_id: str) -> None:
+        """Mount `adapter_id` for the requests waiting on it: from where it was evicted, else
+        from its directory under the root. A failure is the requests' error (`param`
+        adapter), naming the problem."""
+        with self._lock:
+            if adapter_id in self._mounted:
+                return  # a load that ended before this caller asked
+            gone = self._residency.evicted.get(adapter_id)
+        path = gone.path if gone is not None else adapter_id
+        # An adapter mounted by hand comes back as it was mounted, or not at all.
+        revision = gone.revision if gone is not None and not gone.on_demand else None
+        try:
+            self._mount(
+                adapter_id,
+                path,
+                False,
+                revision=revision,
+                record=False,
+                pin=False,
+                on_demand=gone is None or gone.on_demand,
+            )
+        except AdapterError as exc:
+            if isinstance(exc, AdapterConflict) and exc.code != "adapter_changed":
+                return  # an admin mounted it meanwhile: the requests get that one
+            error = AdapterConflict if isinstance(exc, AdapterConflict) else InvalidAdapter
+            raise error(
+                f"adapter '{adapter_id}' could not be loaded: {exc.message}",
+                param="adapter",
+                code=exc.code,
+            ) from None
+
+    def _wait(self, adapter_ids: tuple[str, ...], change: int) -> None:
+        for adapter_id in adapter_ids:
+            left = self._waiting.get(adapter_id, 0) + change
+            if left:
+                self._waiting[adapter_id] = left
+            else:
+                del self._waiting[adapter_id]
+
+    def _lease(self, model: str, named: tuple[AdapterRef, ...]) -> AdapterLease:
+        adapters = self._resolve(named)
+        self._count(adapters, 1)
+        self._residency.touch(adapters.ids)
+        if model != self.base_id:
+            label = model
+        else:
+            label = f"{self.base_id}:{format_adapter_spec(named)}" if named else self.base_id
+        return AdapterLease(label, adapters, lambda: self._uncount(adapters))
+
+    def _evict_over_budget(self, keep: str | None = None) -> None:
+        """Evict, least recently used first, what is resident past the budget and free: not
+        pinned, not held by a request, not waited for, not `keep` (just mounted). Called
+        holding `_admin`."""
+        evicted: list[MountedAdapter] = []
+        with self._lock:
+            if not self._residency.over():
+                return
+
+            def busy(adapter_id: str) -> bool:
+                held = self._in_use.get(adapter_id) or self._waiting.get(adapter_id)
+                return adapter_id == keep or bool(held)
+
+            for adapter_id in self._residency.victims(busy):
+                mounted = self._mounted.pop(adapter_id)
+                adapter = mounted.adapter
+                self._residency.evicted[adapter_id] = Evicted(
+                    adapter_id,
+                    str(adapter.path),
+                    adapter.revision,
+                    adapter.ram_bytes,
+                    adapter.size_bytes,
+                    adapter_id in self._residency.on_demand,
+                    int(time.time()),
+                )
+                self._residency.removed(adapter_id)
+                evicted.append(mounted)
+        for mounted in evicted:
+            self._tell(
+                MountEvent(
+                    "evicted",
+                    mounted.id,
+                    mounted.adapter.revision,
+                    ram_bytes=mounted.adapter.ram_bytes,
+                )
+            )
+            log.info("evicted adapter %s", printable(mounted.id))
+        if evicted:
+            del evicted, mounted
+            mx.clear_cache()
 
     def _tell(self, event: MountEvent) -> None:
         """Tell every listener of a change already made; one that fails cannot undo it."""
@@ -321,6 +529,14 @@ class AdapterManager:
     def _uncount(self, adapters: AdapterSet) -> None:
         with self._lock:
             self._count(adapters, -1)
+            over = self._residency.over()
+        # What a request let go may now be evicted. Never wait here (the caller may be the
+        # event loop): a mount holding `_admin` evicts when it is done.
+        if over and self._admin.acquire(blocking=False):
+            try:
+                self._evict_over_budget()
+            finally:
+                self._admin.release()
 
     def _info(self, mounted: MountedAdapter) -> AdapterInfo:
         adapter = mounted.adapter
@@ -336,7 +552,45 @@ class AdapterManager:
             mounted_layers=len(adapter.weights),
             mounted_at=mounted.mounted_at,
             in_use=self._in_use.get(mounted.id, 0),
+            pinned=mounted.id in self._residency.pinned,
+            on_demand=mounted.id in self._residency.on_demand,
         )
+
+    def _evicted_info(self, gone: Evicted) -> AdapterInfo:
+        return AdapterInfo(
+            id=gone.id,
+            path=gone.path,
+            rank=0,
+            scale=0.0,
+            rslora=False,
+            revision=gone.revision,
+            size_bytes=gone.size_bytes,
+            ram_bytes=gone.ram_bytes,
+            mounted_layers=0,
+            mounted_at=gone.evicted_at,
+            in_use=0,
+            on_demand=gone.on_demand,
+        )
+
+
+class _Selectable(Collection[str]):
+    """The ids a request's `model` may name: those mounted, and those it may mount on first
+    use. Iterates over the mounted ones alone (what an error lists)."""
+
+    def __init__(self, manager: AdapterManager):
+        self._manager = manager
+
+    def __contains__(self, adapter_id: object) -> bool:
+        manager = self._manager
+        if not isinstance(adapter_id, str):
+            return False
+        return adapter_id in manager._mounted or manager._loadable(adapter_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._manager._mounted)
+
+    def __len__(self) -> int:
+        return len(self._manager._mounted)
 
 
 def _target(slot: LoRASlot, input_dtype: mx.Dtype | None) -> TargetDims:

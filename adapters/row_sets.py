@@ -13,6 +13,11 @@ and `b` adds no columns of its own. A zero column contributes an exact zero, so 
 own set's residual and nothing else. A batched decode step on the CPU's float32 weights runs the
 base projection and both products as one call of the batch kernel
 (`hotlora.models.cpu.layers.lora_rows`), on transposed copies of the pair.
+
+The side-by-side pair is the only copy of adapter weights beyond each mounted adapter's own, and
+it holds the batch's adapters alone: one layout per slot (the kernel's transposed one where the
+kernel serves the slot, read through transposed views by a prefill call there), a few kept per
+`RowAdapterCache`, dropped as soon as no batch uses them.
 """
 
 from __future__ import annotations
@@ -30,31 +35,41 @@ Layout = tuple[tuple[MountedAdapter, int, int], ...]
 
 
 class SideBySide:
-    """Distinct adapters (mounted revisions), side by side per slot; built lazily, then kept."""
+    """Distinct adapters (mounted revisions), side by side per slot; built lazily, then kept.
+
+    Each slot is built in one layout: the batch kernel's (`A_cat.T` [R, in], `B_cat.T`
+    [out, R], contiguous) where that kernel serves it, else `A_cat` [in, R], `B_cat` [R, out].
+    The other layout, when a call needs it, is a transposed view of the same arrays, not a copy.
+    """
 
     def __init__(self, adapters: Sequence[MountedAdapter]):
         self.adapters = tuple(adapters)
         self.members = frozenset(self.adapters)
+        self.columns = 0  # rank columns built so far, over every slot: what this copy holds
         self._slots: dict[str, tuple[mx.array, mx.array, Layout] | None] = {}
         self._transposed: dict[str, tuple[mx.array, mx.array]] = {}
 
-    def slot(self, path: str) -> tuple[mx.array, mx.array, Layout] | None:
+    def slot(
+        self, path: str, *, transposed: bool = False
+    ) -> tuple[mx.array, mx.array, Layout] | None:
         """`(A_cat [in, R], B_cat [R, out], layout)` at one slot; None when no adapter has
         weights there. Built on first use, on the thread that runs the model (MLX streams are
-        per thread)."""
+        per thread); `transposed` builds it in the batch kernel's layout, if it is not built yet.
+        """
         if path not in self._slots:
-            self._slots[path] = self._build(path)
+            self._slots[path] = self._build(path, transposed)
         return self._slots[path]
 
     def transposed(self, path: str, a_cat: mx.array, b_cat: mx.array) -> tuple[mx.array, mx.array]:
         """`(A_cat.T [R, in], B_cat.T [out, R])` at a slot, contiguous: the batch kernel's
-        layout. Built on first use, and only where that kernel runs."""
+        layout. Built on first use, and only where that kernel runs; where the slot was built
+        in that layout these are its own arrays."""
         pair = self._transposed.get(path)
         if pair is None:
             pair = self._transposed[path] = (mx.contiguous(a_cat.T), mx.contiguous(b_cat.T))
         return pair
 
-    def _build(self, path: str) -> tuple[mx.array, mx.array, Layout] | None:
+    def _build(self, path: str, transposed: bool) -> tuple[mx.array, mx.array, Layout] | None:
         a_parts, b_parts, layout = [], [], []
         start = 0
         for mounted in self.adapters:
@@ -68,6 +83,12 @@ class SideBySide:
             start += a.shape[1]
         if not a_parts:
             return None
+        self.columns += start
+        if transposed:
+            a_t = mx.concatenate([a.T for a in a_parts], axis=0)  # [R, in]
+            b_t = mx.concatenate([b.T for b in b_parts], axis=1)  # [out, R]
+            self._transposed[path] = (a_t, b_t)
+            return a_t.T, b_t.T, tuple(layout)  # views: [in, R], [R, out]
         a_cat = mx.concatenate(a_parts, axis=1)  # [in, R]
         b_cat = mx.concatenate(b_parts, axis=0)  # [R, out]
         return a_cat, b_cat, tuple(layout)
@@ -109,17 +130,26 @@ class RowAdapters:
         return _add_residuals(x, base(x), a_cat, b_cat, mask)
 
     def _plan(self, path: str, base: nn.Module) -> _Plan:
-        slot = self.side_by_side.slot(path)
+        kernel = serves_lora(base) and self._float32(path)
+        slot = self.side_by_side.slot(path, transposed=kernel)
         plan: _Plan = None
         if slot is not None:
             a_cat, b_cat, layout = slot
             mask = self._mask(layout, a_cat)  # [B, 1, R]
             fused = None
-            if a_cat.dtype == b_cat.dtype == mx.float32 and serves_lora(base):
+            if kernel and a_cat.dtype == b_cat.dtype == mx.float32:
                 fused = (*self.side_by_side.transposed(path, a_cat, b_cat), mask)
             plan = (a_cat, b_cat, mask, fused)
         self._plans[path] = plan
         return plan
+
+    def _float32(self, path: str) -> bool:
+        """Whether the batch's adapters at `path` are float32 (what the kernel takes)."""
+        for mounted in self.side_by_side.adapters:
+            pair = mounted.adapter.weights.get(path)
+            if pair is not None:
+                return pair[0].dtype == mx.float32
+        return False
 
     def _mask(self, layout: Layout, a_cat: mx.array) -> mx.array:
         """[B, 1, R]: on each adapter's columns, the scale the row's set gives it (summed if
@@ -156,19 +186,29 @@ class RowAdapterCache:
 
     Side-by-side pairs copy their adapters' arrays, so they are built only when a batch uses an
     adapter that none of the kept ones holds; a kept superset serves any batch whose adapters
-    it holds (the columns of absent ones are masked out). Rows joining and leaving therefore
-    rebuild nothing while the same adapters are in use.
+    it holds (the columns of absent ones are masked out) while it holds no more than twice as
+    many. Rows joining and leaving therefore rebuild nothing while the same adapters are in use.
+    At most `keep` pairs are kept (a step's prefill call and its decode call may each need one),
+    and one that `idle` calls in a row have not used is dropped: what adapters cost beyond their
+    own arrays is the running batch's adapters, never every combination that ever met.
     """
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 2, idle: int = 4):
         self.keep = keep
-        self._built: list[SideBySide] = []  # most recently used last
+        self.idle = idle
+        self._built: dict[SideBySide, int] = {}  # -> the call that last used it; oldest first
+        self._calls = 0
         self._last: RowAdapters | None = None
 
     def clear(self) -> None:
         """Forget every kept pair (the batch is empty: nothing would reuse them)."""
         self._built.clear()
         self._last = None
+
+    @property
+    def kept(self) -> tuple[SideBySide, ...]:
+        """The side-by-side pairs kept now, least recently used first."""
+        return tuple(self._built)
 
     def for_rows(self, rows: Sequence[AdapterSet]) -> AdapterSet | RowAdapters:
         """`rows[b]` is row b's set. One set on every row is applied as is (no mask).
@@ -179,6 +219,8 @@ class RowAdapterCache:
         unmounted and mounted again from the same files, or replaced away and back, has its
         old revision under a new mount, and a request started before holds the old one.
         """
+        self._calls += 1
+        self._drop_idle()
         distinct: dict[tuple[AppliedAdapter, ...], AdapterSet] = {}
         for adapters in rows:
             if adapters.entries:
@@ -187,6 +229,7 @@ class RowAdapterCache:
             self._last = None  # one set for all: nothing of the last batch's is needed
             return rows[0]
         if self._last is not None and self._last.same_rows(rows):
+            self._use(self._last.side_by_side)
             return self._last  # the same rows as the last step: its masks and plans hold
         # Adapters compare by identity: a replaced id is another adapter. In order of first use.
         used = {
@@ -196,13 +239,30 @@ class RowAdapterCache:
             if entry.weight != 0.0
         }
         for side_by_side in reversed(self._built):
-            if side_by_side.members.issuperset(used):
-                self._built.remove(side_by_side)
+            members = side_by_side.members
+            if members.issuperset(used) and len(members) <= 2 * max(1, len(used)):
                 break
         else:
+            # A kept pair of some of these adapters would only duplicate the new one's columns.
+            for kept in [k for k in self._built if k.members.issubset(used)]:
+                self._drop(kept)
+            while len(self._built) >= self.keep:
+                self._drop(next(iter(self._built)))
             side_by_side = SideBySide(list(used))
-            if len(self._built) >= self.keep:
-                self._built.pop(0)
-        self._built.append(side_by_side)
+        self._use(side_by_side)
         self._last = RowAdapters(side_by_side, rows)
         return self._last
+
+    def _use(self, side_by_side: SideBySide) -> None:
+        self._built.pop(side_by_side, None)
+        self._built[side_by_side] = self._calls  # most recently used last
+
+    def _drop_idle(self) -> None:
+        for side_by_side, last in list(self._built.items()):
+            if self._calls - last > self.idle:
+                self._drop(side_by_side)
+
+    def _drop(self, side_by_side: SideBySide) -> None:
+        del self._built[side_by_side]
+        if self._last is not None and self._last.side_by_side is side_by_side:
+            self._last = None

@@ -33,5 +33,17 @@ class ModelNotFound(HotloraError):
     param = "model"
 
     def __init__(self, model: str, available: list[str]):
-        names = ", ".join(available) or "none"
+        names = listed(available)
         super().__init__(f"The model '{model}' does not exist. Available models: {names}.")
+
+
+# An error names at most this many ids: a server may hold thousands of adapters.
+LISTED = 20
+
+
+def listed(names: list[str]) -> str:
+    """`names` for an error message, comma-separated: the first `LISTED`, then how many more."""
+    if not names:
+        return "none"
+    more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more

@@ -199,6 +199,26 @@ class Settings(BaseSettings):
         "again on the next start; a recorded adapter whose files changed or vanished is "
         "reported and left unmounted.",
     )
+    auto_mount: bool = Field(
+        default=False,
+        description="Mount an adapter on its first request: a request naming an id that is not "
+        "mounted, whose directory of that name is under the adapter root, mounts it (requests "
+        "that ask at once share one load). Off: only admin mounts are served.",
+    )
+    max_mounted_adapters: int | None = Field(
+        default=None,
+        ge=1,
+        description="Adapters kept mounted at most: past it the least recently used one that no "
+        "running request holds and no admin pinned is evicted, and mounted again when a request "
+        "names it. With ray: per replica, mounted again from the registry. Unset: no bound.",
+    )
+    adapter_memory_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="Memory the mounted adapters' arrays may hold together, in bytes: evicted "
+        "as with max_mounted_adapters past it; an adapter larger on its own is refused (400). "
+        "Not with ray. Unset: no bound.",
+    )
     # Ray Serve.
     ray: bool = Field(
         default=False,
@@ -213,13 +233,6 @@ class Settings(BaseSettings):
         ge=1,
         description="With ray: autoscale between `replicas` and this many on the requests each "
         "replica has in flight (target: max_batch); unset: a fixed number of replicas.",
-    )
-    max_mounted_adapters: int | None = Field(
-        default=None,
-        ge=1,
-        description="With ray: adapters one replica keeps mounted at most, the least recently "
-        "used unmounted beyond it and mounted again from the registry when asked for; unset: "
-        "every replica mounts every registered adapter.",
     )
     api_key: str | None = Field(
         default=None,

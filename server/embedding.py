@@ -66,7 +66,7 @@ class EmbeddingService:
                     param="input",
                 )
         # Select last: the lease it takes is released whatever happens next.
-        lease = inference.adapters.select(request.model, request.adapter)
+        lease = await inference.lease(request.model, request.adapter)
         try:
             vectors = [await self._pool(tokens, lease.adapters) for tokens in token_lists]
         finally:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from hotlora.adapters import AdapterManager, MountStore, mount_file
+from hotlora.adapters import AdapterManager, Budget, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.cpu import prepare_cpu
@@ -173,6 +173,8 @@ class Runtime:
             max_bytes=self.settings.max_adapter_bytes,
             journal=self.mount_store,
             listeners=[self.metrics.adapter_changed],
+            budget=Budget(self.settings.max_mounted_adapters, self.settings.adapter_memory_bytes),
+            auto_mount=self.settings.auto_mount,
         )
         if self.mount_store is not None:
             with self._phase("adapter restore"):

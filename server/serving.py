@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 
-from hotlora.adapters import AdapterLease, AdapterManager
+from hotlora.adapters import AdapterLease, AdapterManager, AdapterRef
 from hotlora.config.errors import InvalidRequest
 from hotlora.config.settings import Settings
 from hotlora.server.api.completion_requests import (
@@ -164,7 +164,7 @@ class InferenceService:
         grammar = await self._grammar(
             request.output_spec(request.response_format), tool_calls, request.tool_use
         )
-        prepared = self._prepare(
+        prepared = await self._prepare(
             request,
             [prompt],
             "messages",
@@ -280,7 +280,7 @@ class InferenceService:
         )
         grammar = await self._grammar(request.output_spec(request.response_format), None)
         n_logprobs = request.logprobs
-        return self._prepare(
+        return await self._prepare(
             request,
             token_lists,
             "prompt",
@@ -308,7 +308,7 @@ class InferenceService:
             )
         return list(prompt)
 
-    def _prepare(
+    async def _prepare(
         self,
         request: SamplingFields,
         prompts: list[list[int]],
@@ -369,10 +369,24 @@ class InferenceService:
             grammar=grammar,
         )
         # Select last: the lease it takes must be released on any later error.
-        lease = self.adapters.select(request.model, request.adapter)
+        lease = await self.lease(request.model, request.adapter)
         # As vLLM: the client's x-request-id header names the answer, else its request_id.
         named = client_request_id() or request.request_id
         return Prepared(lease, prompts, params, request.n, grammar=grammar, request_id=named)
+
+    async def lease(self, model: str, refs: tuple[AdapterRef, ...]) -> AdapterLease:
+        """The request's adapters, leased; an adapter to mount first (on first use, or evicted)
+        is read on a thread, and a request that goes away meanwhile lets its lease go."""
+        lease = self.adapters.try_select(model, refs)
+        if lease is not None:
+            return lease
+        loop = asyncio.get_running_loop()
+        selecting = loop.run_in_executor(None, self.adapters.select, model, refs)
+        try:
+            return await asyncio.shield(selecting)
+        except asyncio.CancelledError:
+            selecting.add_done_callback(_release_unclaimed)
+            raise
 
     # Running.
 
@@ -426,3 +440,9 @@ class InferenceService:
                 stats.failed = True
                 self.metrics.client_not_reading()
             stats.done()
+
+
+def _release_unclaimed(selecting: asyncio.Future[AdapterLease]) -> None:
+    """A lease selected for a request that went away while it was loaded: let it go."""
+    if not selecting.cancelled() and selecting.exception() is None:
+        selecting.result().release()

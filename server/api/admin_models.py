@@ -39,6 +39,11 @@ class MountAdapterRequest(AdminBody):
     )
     path: str = Field(description="The adapter directory, under the server's adapter root.")
     replace: StrictBool = Field(default=False, description="Swap an adapter mounted under this id.")
+    pin: StrictBool = Field(
+        default=False,
+        description="Never evict it to keep within --max-mounted-adapters or "
+        "--adapter-memory-bytes.",
+    )
 
 
 class LoadLoraAdapterRequest(AdminBody):
@@ -69,11 +74,38 @@ class AdapterCard(BaseModel):
     mounted_layers: int
     mounted_at: int
     in_use: int
+    pinned: bool = Field(default=False, description="Never evicted to keep within the budget.")
+    on_demand: bool = Field(
+        default=False, description="Mounted by a request naming it (--auto-mount), not by hand."
+    )
 
 
 class AdapterList(BaseModel):
     object: Literal["list"] = "list"
     data: list[AdapterCard]
+
+
+class AdapterRootEntry(BaseModel):
+    id: str = Field(description="The id a request names it by.")
+    path: str
+    state: Literal["resident", "evicted", "on disk"] = Field(
+        description="resident: mounted now; evicted: unmounted to keep within the budget, "
+        "mounted again on next use; on disk: under the root, never mounted (with --auto-mount, "
+        "mounted on first use)."
+    )
+    pinned: bool
+    size_bytes: int | None = Field(description="Its weight file on disk.")
+    ram_bytes: int | None = Field(description="Its arrays mounted; null before it ever was.")
+
+
+class AdapterRootList(BaseModel):
+    object: Literal["list"] = "list"
+    root: str = Field(description="The adapter root.")
+    auto_mount: bool = Field(description="Whether a request mounts an adapter on first use.")
+    resident_bytes: int = Field(description="What the resident adapters' arrays hold together.")
+    max_mounted_adapters: int | None
+    adapter_memory_bytes: int | None
+    data: list[AdapterRootEntry]
 
 
 class ModelList(BaseModel):

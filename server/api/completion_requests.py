@@ -401,8 +401,9 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-# A prompt as the document shows it: no empty text, list or token list (`_non_empty` refuses them).
-_PROMPT_SCHEMA = {
+# A prompt or an input as the document shows it: no empty text, list or token list (`_non_empty`
+# refuses them).
+TEXT_OR_TOKENS_SCHEMA = {
     "anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
@@ -415,11 +416,13 @@ _PROMPT_SCHEMA = {
     ]
 }
 
+TextOrTokens = Annotated[
+    str | list[str] | list[StrictInt] | list[list[StrictInt]], WithJsonSchema(TEXT_OR_TOKENS_SCHEMA)
+]
+
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[
-        str | list[str] | list[StrictInt] | list[list[StrictInt]], WithJsonSchema(_PROMPT_SCHEMA)
-    ]
+    prompt: TextOrTokens
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     add_special_tokens: StrictBool = Field(

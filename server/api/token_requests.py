@@ -6,14 +6,13 @@ Fields that neither has carry a `Field(description=...)`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     Field,
     StrictBool,
     StrictInt,
-    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -22,6 +21,7 @@ from hotlora.server.api.completion_requests import (
     AdapterSpec,
     ChatMessage,
     RequestBody,
+    TextOrTokens,
     Tool,
 )
 from hotlora.server.api.field_support import TOKEN_ROUTES_REFUSED, check_fields, declared_names
@@ -83,27 +83,10 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-# An input as the document shows it: no empty text or token list.
-_INPUT_SCHEMA = {
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-        {"type": "array", "minItems": 1, "items": {"type": "integer"}},
-        {
-            "type": "array",
-            "minItems": 1,
-            "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}},
-        },
-    ]
-}
-
-
 class EmbeddingRequest(TokenRouteBody):
     """POST /v1/embeddings: one input or many, text or token ids."""
 
-    input: Annotated[
-        str | list[str] | list[StrictInt] | list[list[StrictInt]], WithJsonSchema(_INPUT_SCHEMA)
-    ]
+    input: TextOrTokens
     model: str
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
@@ -134,8 +117,8 @@ class EmbeddingRequest(TokenRouteBody):
         """Each input alone: a string, or one list of token ids."""
         value = self.input
         if isinstance(value, str) or all(isinstance(item, int) for item in value):
-            return [value]  # type: ignore[list-item]
-        return list(value)  # type: ignore[arg-type]
+            return [value]
+        return list(value)
 
 
 class Embedding(BaseModel):

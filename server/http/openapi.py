@@ -55,6 +55,7 @@ ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
     ("get", paths.VERSION): (),
     ("post", paths.ADAPTERS): _ADMIN_POST,
     ("get", paths.ADAPTERS): (401, 503),
+    ("get", paths.ADAPTER_ROOT): (401, 503),
     ("get", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
     ("delete", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
     ("post", paths.LOAD_LORA_ADAPTER): _ADMIN_POST,

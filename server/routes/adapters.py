@@ -1,5 +1,5 @@
-"""Adapter admin: mount, list, inspect and unmount, plus vLLM's load/unload aliases, which answer
-as vLLM's server does: 200 and a line of text."""
+"""Adapter admin: mount, list, inspect and unmount, what the adapter root holds, plus vLLM's
+load/unload aliases, which answer as vLLM's server does: 200 and a line of text."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from hotlora.adapters import AdapterError, AdapterInfo, AdapterManager, AdapterN
 from hotlora.server.api.admin_models import (
     AdapterCard,
     AdapterList,
+    AdapterRootEntry,
+    AdapterRootList,
     LoadLoraAdapterRequest,
     MountAdapterRequest,
     UnloadLoraAdapterRequest,
@@ -37,17 +39,22 @@ def _card(info: AdapterInfo) -> dict[str, Any]:
 
 
 async def _mount(
-    manager: AdapterManager, metrics: Metrics, adapter_id: str, path: str, replace: bool
+    manager: AdapterManager,
+    metrics: Metrics,
+    adapter_id: str,
+    path: str,
+    replace: bool,
+    pin: bool = False,
 ) -> tuple[AdapterInfo, bool]:
-    """The adapter mounted, and whether this call changed anything (False: the same revision
-    was already there)."""
+    """The adapter mounted (pinned: never evicted by the budget), and whether this call changed
+    anything (False: the same revision was already there)."""
     try:
         before: AdapterInfo | None = manager.get(adapter_id)
     except AdapterNotFound:
         before = None
     try:
         # Reading and checking the files is blocking I/O; keep it off the event loop.
-        info = await asyncio.to_thread(manager.mount, adapter_id, path, replace)
+        info = await asyncio.to_thread(manager.mount, adapter_id, path, replace, pin=pin)
     except AdapterError as exc:
         metrics.adapter_refused("mount", exc.code)
         raise
@@ -70,13 +77,26 @@ async def mount_adapter(
     body: MountAdapterRequest, manager: ManagerDep, metrics: MetricsDep
 ) -> JSONResponse:
     """201 when this call mounted something; 200 when the same revision was already there."""
-    info, changed = await _mount(manager, metrics, body.id, body.path, body.replace)
+    info, changed = await _mount(manager, metrics, body.id, body.path, body.replace, body.pin)
     return JSONResponse(_card(info), status_code=201 if changed else 200)
 
 
 @router.get(paths.ADAPTERS)
 async def list_adapters(manager: ManagerDep) -> AdapterList:
     return AdapterList(data=[AdapterCard(**info.to_dict()) for info in manager.list()])
+
+
+@router.get(paths.ADAPTER_ROOT)
+async def list_adapter_root(manager: ManagerDep) -> AdapterRootList:
+    entries = await asyncio.to_thread(manager.root_entries)  # reads the root's directories
+    return AdapterRootList(
+        root=str(manager.adapter_root),
+        auto_mount=manager.auto_mount,
+        resident_bytes=manager.resident_bytes,
+        max_mounted_adapters=manager.budget.max_adapters,
+        adapter_memory_bytes=manager.budget.max_bytes,
+        data=[AdapterRootEntry(**entry.to_dict()) for entry in entries],
+    )
 
 
 @router.get(paths.ADAPTERS + "/{adapter_id}")

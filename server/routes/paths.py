@@ -11,6 +11,7 @@ DETOKENIZE = "/detokenize"
 VERSION = "/version"
 MODELS = "/v1/models"
 ADAPTERS = "/v1/adapters"
+ADAPTER_ROOT = "/v1/adapter_root"  # what the adapter root holds, resident or not
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"
 UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
 

@@ -1,4 +1,5 @@
-// The adapters tab: what is mounted (GET /v1/adapters), mount (POST) and unmount (DELETE);
+// The adapters tab: what is resident (GET /v1/adapters) and what was evicted to keep within the
+// budget (GET /v1/adapter_root), with the memory each holds; mount (POST) and unmount (DELETE);
 // a 401 asks for the admin key and then retries.
 
 import {call} from "./api.js";
@@ -24,6 +25,7 @@ function cell(row, text, title) {
 
 export function initAdmin(page) {
   const rows = $("adapter-table").querySelector("tbody");
+  const evictedRows = $("evicted-table").querySelector("tbody");
   const message = $("admin-message");
   const form = $("mount-form");
 
@@ -49,13 +51,39 @@ export function initAdmin(page) {
     cell(tr, size(card.size_bytes), `${card.size_bytes} bytes on disk`);
     cell(tr, card.revision.slice(0, 12), card.revision);
     cell(tr, String(card.in_use), "requests running with it");
+    const kind = card.pinned ? "pinned" : card.on_demand ? "mounted on first use" : "";
+    cell(tr, size(card.ram_bytes) + (card.pinned ? " (pinned)" : ""), kind);
     cell(tr, card.path).className = "path";
+    unmountButton(tr, card.id);
+    return tr;
+  }
+
+  function unmountButton(tr, id) {
     const button = cell(tr, "").appendChild(document.createElement("button"));
     button.type = "button";
     button.className = "unmount";
     button.textContent = "Unmount";
-    button.addEventListener("click", () => unmount(card.id));
+    button.addEventListener("click", () => unmount(id));
+  }
+
+  function evictedRow(entry) {
+    const tr = document.createElement("tr");
+    tr.dataset.id = entry.id;
+    cell(tr, entry.id);
+    cell(tr, entry.size_bytes === null ? "" : size(entry.size_bytes), "on disk");
+    cell(tr, size(entry.ram_bytes), "mounted again on its next request");
+    cell(tr, entry.path).className = "path";
+    unmountButton(tr, entry.id);
     return tr;
+  }
+
+  function budget(listing) {
+    const bounds = [];
+    if (listing.max_mounted_adapters !== null) bounds.push(`${listing.max_mounted_adapters} adapters`);
+    if (listing.adapter_memory_bytes !== null) bounds.push(size(listing.adapter_memory_bytes));
+    const limit = bounds.length ? ` of at most ${bounds.join(" and ")}` : "";
+    const lazy = listing.auto_mount ? "; requests mount adapters under the root on first use" : "";
+    return `Resident: ${size(listing.resident_bytes)}${limit}${lazy}.`;
   }
 
   async function load() {
@@ -63,6 +91,11 @@ export function initAdmin(page) {
       const {data} = await call("admin", "GET", "v1/adapters");
       rows.replaceChildren(...data.data.map(row));
       $("adapter-empty").hidden = data.data.length > 0;
+      const root = (await call("admin", "GET", "v1/adapter_root")).data;
+      const evicted = root.data.filter((entry) => entry.state === "evicted");
+      evictedRows.replaceChildren(...evicted.map(evictedRow));
+      $("evicted-empty").hidden = evicted.length > 0;
+      $("adapter-budget").textContent = budget(root);
     } catch (error) {
       failed(error, load);
     }
@@ -89,6 +122,7 @@ export function initAdmin(page) {
       id: form.elements.id.value.trim(),
       path: form.elements.path.value.trim(),
       replace: form.elements.replace.checked,
+      pin: form.elements.pin.checked,
     };
     let answer;
     try {

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+# An adapter's first load: from a few milliseconds (small, cached files) to seconds.
+LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # vLLM's buckets, with finer steps below 10 ms for small models decoding on Apple silicon.
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -205,7 +207,19 @@ class Metrics:
         )
         self.adapter_evictions = Counter(
             "hotlora_adapter_evictions",
-            "Adapters a Ray replica unmounted to keep within --max-mounted-adapters.",
+            "Adapters unmounted to keep within --max-mounted-adapters or "
+            "--adapter-memory-bytes (mounted again when a request names them).",
+            registry=r,
+        )
+        self.adapter_loads = Counter(
+            "hotlora_adapter_loads",
+            "Adapters mounted because a request named them: with --auto-mount, or evicted.",
+            registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            "hotlora_adapter_load_seconds",
+            "Seconds a load on first use took, files read to arrays mounted.",
+            buckets=LOAD_BUCKETS,
             registry=r,
         )
         self.adapter_refusals = Counter(
@@ -287,13 +301,16 @@ class Metrics:
         self.batch_size.observe(batch)
 
     def adapter_changed(self, event: MountEvent) -> None:
-        """The adapter manager's listener: count each mount, unmount and eviction."""
+        """The adapter manager's listener: count each mount, load, unmount and eviction."""
         counters = {
             "mounted": self.adapter_mounts,
+            "loaded": self.adapter_loads,
             "unmounted": self.adapter_unmounts,
             "evicted": self.adapter_evictions,
         }
         counters[event.kind].inc()
+        if event.kind == "loaded":
+            self.adapter_load_seconds.observe(event.seconds)
 
     def adapter_refused(self, op: str, reason: str | None) -> None:
         self.adapter_refusals.labels(op, reason or "error").inc()
@@ -397,6 +414,14 @@ class _Gauges(Collector):
             cache_usage,
         )
         yield _gauge("hotlora_adapters_mounted", "Adapters mounted now.", model, mounted)
+        resident = GaugeMetricFamily(
+            "hotlora_adapter_resident_bytes",
+            "Memory each resident adapter's arrays hold.",
+            labels=["adapter"],
+        )
+        for info in adapters.list() if adapters is not None else ():
+            resident.add_metric([info.id], info.ram_bytes)
+        yield resident
         phases = GaugeMetricFamily(
             "hotlora_startup_phase_seconds", "How long each start-up phase took.", labels=["phase"]
         )

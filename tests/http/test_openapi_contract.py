@@ -38,6 +38,7 @@ STATUSES = {
     ("post", "/v1/completions"): {"200", "500"} | POST_ERRORS,
     ("post", "/v1/responses"): {"200", "500"} | POST_ERRORS,
     ("get", "/v1/adapters"): {"200", "401", "503"},
+    ("get", "/v1/adapter_root"): {"200", "401", "503"},
     ("post", "/v1/adapters"): ADMIN_POST,
     ("get", "/v1/adapters/{adapter_id}"): {"200", "401", "404", "503"},
     ("delete", "/v1/adapters/{adapter_id}"): {"200", "401", "404", "503"},

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
@@ -238,3 +241,54 @@ def test_a_replace_away_and_back_gets_its_own_columns(tmp_path):
         difference = mx.abs(batched[i : i + 1] - alone).max().item()
         assert difference < 1e-4, f"row {i} differs from its set alone by {difference}"
     assert mx.abs(batched[0] - batched[1]).max().item() > 1e-2  # `b`'s files really differ
+
+
+def test_a_pair_no_batch_uses_is_dropped(setup):
+    """Side-by-side copies live while batches use them, not for as long as the server runs."""
+    model, sets = setup
+    cache = RowAdapterCache()
+    mixed = cache.for_rows([sets["a"], sets["b"]])
+    assert isinstance(mixed, RowAdapters)
+    with activate(mixed):
+        logits(model, mx.concatenate([TOKENS] * 2))
+    kept = weakref.ref(mixed.side_by_side)
+    del mixed
+    for _ in range(cache.idle + 1):  # steps whose rows all hold one set
+        assert cache.for_rows([sets["a"], sets["a"]]) is sets["a"]
+    gc.collect()
+    assert kept() is None and cache.kept == ()
+
+
+def test_a_new_batch_of_more_adapters_replaces_the_pair_of_fewer(setup):
+    _, sets = setup
+    cache = RowAdapterCache()
+    first = cache.for_rows([sets["a"], BASE_ONLY])
+    assert isinstance(first, RowAdapters)
+    both = cache.for_rows([sets["a"], sets["b"]])  # `b` joins: `a`'s pair would duplicate it
+    assert isinstance(both, RowAdapters)
+    assert cache.kept == (both.side_by_side,)
+
+
+def test_a_decode_step_through_the_kernel_copies_each_adapter_once(tmp_path, monkeypatch):
+    """Through the batch kernel a slot's pair is built in the kernel's layout alone: the batch
+    costs one copy of its adapters, whatever else it computes (a prefill call included)."""
+    if (why := extension.unavailable()) is not None:
+        pytest.skip(f"batched decode kernel: {why}")
+    model, manager = manager_with_a_and_b(tmp_path)
+    model.set_dtype(mx.float32)
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    assert install_rows_kernels(model, threads=2).enabled
+    rows = [adapter_set(manager, spec) for spec in SPECS]
+    adapter_bytes = sum(info.ram_bytes for info in manager.list())
+    mixed = RowAdapterCache().for_rows(rows)
+    assert isinstance(mixed, RowAdapters)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    with activate(mixed):
+        step = logits(model, mx.array([[7]] * len(rows)))
+        prefill = logits(model, mx.concatenate([TOKENS] * len(rows)))
+    del step, prefill
+    gc.collect()
+    held = mx.get_active_memory() - before  # what the batch keeps for its next steps
+    assert adapter_bytes * 0.9 < held < adapter_bytes * 1.1, (held, adapter_bytes)

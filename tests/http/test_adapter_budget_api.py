@@ -1,0 +1,126 @@
+"""Many adapters over HTTP, in-process on the tiny model: mounts on first use, the budget, pins,
+what the root holds, and the metrics of loads and evictions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
+IDS = ("a", "b", "c")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    root = tmp_path / "adapters"
+    model = tiny_model(quantize=True)
+    for seed, adapter_id in enumerate(IDS, start=1):
+        write_mlx_adapter(root / adapter_id, random_pairs(model, seed=seed), scale=20.0)
+    broken = write_mlx_adapter(root / "broken", random_pairs(model, seed=9))
+    (broken / "adapter_config.json").write_text("{not json")
+    return root
+
+
+def chat(client: TestClient, **fields: object):
+    return client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 6, **fields})
+
+
+def resident(client: TestClient) -> list[str]:
+    return [card["id"] for card in client.get("/v1/adapters").json()["data"]]
+
+
+def states(client: TestClient) -> dict[str, str]:
+    listing = client.get("/v1/adapter_root")
+    assert listing.status_code == 200, listing.text
+    return {entry["id"]: entry["state"] for entry in listing.json()["data"]}
+
+
+def metric(client: TestClient, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_a_request_mounts_an_adapter_under_the_root_on_first_use(make_client, root: Path):
+    client = make_client(adapter_root=root, auto_mount=True)
+    assert resident(client) == []
+    assert states(client) == {"a": "on disk", "b": "on disk", "broken": "on disk", "c": "on disk"}
+    lazily = chat(client, adapter="a")
+    assert lazily.status_code == 200, lazily.text
+    by_model = chat(client, model="b")
+    assert by_model.status_code == 200 and by_model.json()["model"] == "b"
+    assert resident(client) == ["a", "b"]
+    cards = client.get("/v1/adapters").json()["data"]
+    assert all(card["on_demand"] and not card["pinned"] for card in cards)
+    # The same adapter mounted by hand answers the same.
+    hand = make_client(adapter_root=root)
+    assert hand.post("/v1/adapters", json={"id": "a", "path": "a"}).status_code == 201
+    assert chat(hand, adapter="a").json()["choices"] == lazily.json()["choices"]
+    assert metric(client, "hotlora_adapter_loads_total") == 2
+    assert metric(client, "hotlora_adapter_load_seconds_count") == 2
+    assert metric(client, 'hotlora_adapter_resident_bytes{adapter="a"}') == cards[0]["ram_bytes"]
+
+
+def test_without_auto_mount_an_adapter_under_the_root_is_not_found(make_client, root: Path):
+    client = make_client(adapter_root=root)
+    response = chat(client, adapter="a")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "adapter_not_found"
+    assert resident(client) == []
+
+
+def test_a_failed_first_load_is_a_400_naming_the_problem(make_client, root: Path):
+    client = make_client(adapter_root=root, auto_mount=True)
+    response = chat(client, adapter="broken")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == "adapter"
+    assert "'broken' could not be loaded" in error["message"]
+    assert "adapter_config.json" in error["message"]
+    assert resident(client) == [] and states(client)["broken"] == "on disk"
+
+
+def test_eviction_past_the_budget_and_back_on_next_use(make_client, root: Path):
+    client = make_client(adapter_root=root, auto_mount=True, max_mounted_adapters=2)
+    first = {adapter_id: chat(client, adapter=adapter_id).json()["choices"] for adapter_id in IDS}
+    assert resident(client) == ["b", "c"]
+    assert states(client)["a"] == "evicted"
+    assert metric(client, "hotlora_adapter_evictions_total") == 1
+    again = chat(client, adapter="a")  # evicted: mounted again, the same answer
+    assert again.status_code == 200 and again.json()["choices"] == first["a"]
+    assert resident(client) == ["c", "a"]
+    assert metric(client, "hotlora_adapter_loads_total") == 4
+
+
+def test_a_pinned_mount_stays_and_pins_past_the_budget_are_refused(make_client, root: Path):
+    client = make_client(adapter_root=root, auto_mount=True, max_mounted_adapters=1)
+    pinned = client.post("/v1/adapters", json={"id": "kept", "path": "a", "pin": True})
+    assert pinned.status_code == 201 and pinned.json()["pinned"]
+    for adapter_id in ("b", "c", "b"):
+        assert chat(client, adapter=adapter_id).status_code == 200
+    assert "kept" in resident(client)
+    refused = client.post("/v1/adapters", json={"id": "more", "path": "b", "pin": True})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "adapter_over_budget" and error["param"] == "pin"
+    assert "more" not in resident(client)
+
+
+def test_an_adapter_larger_than_the_memory_budget_is_refused(make_client, root: Path):
+    probe = make_client(adapter_root=root)
+    size = probe.post("/v1/adapters", json={"id": "a", "path": "a"}).json()["ram_bytes"]
+    client = make_client(adapter_root=root, auto_mount=True, adapter_memory_bytes=size - 1)
+    refused = client.post("/v1/adapters", json={"id": "a", "path": "a"})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "adapter_over_budget"
+    assert str(size) in refused.json()["error"]["message"]
+    lazily = chat(client, adapter="b")
+    assert lazily.status_code == 400 and "could not be loaded" in lazily.json()["error"]["message"]
+    assert resident(client) == []
+    assert client.get("/v1/adapter_root").json()["resident_bytes"] == 0
