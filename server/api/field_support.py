@@ -1,5 +1,6 @@
 """Request fields of chat and text completions as vLLM, llama.cpp and OpenAI define them: which
-this server honours, which it refuses, and what happens to a field no server defines.
+this server honours, which it refuses, and what happens to a field no server defines; and the
+fields /v1/responses and vLLM's embeddings and token routes refuse.
 
 No field is silently ignored. A field the request model declares is honoured (`HONOURED` says
 how); sent to the other endpoint (`messages` to completions, `prompt` to chat), it is refused.
@@ -181,7 +182,10 @@ RESPONSES_REFUSED: dict[str, Refused] = {
     "include": Refused("no extra output (encrypted reasoning, logprobs) is added", _EMPTY),
     "max_tool_calls": Refused("there are no built-in tools whose calls it would bound"),
     "reasoning": Refused("send the reasoning effort as a chat completion's reasoning_effort"),
-    "stream_options": Refused("stream obfuscation padding is not implemented", _EMPTY),
+    "stream_options": Refused(
+        "stream obfuscation padding is not implemented",
+        (*_EMPTY, {"include_obfuscation": False}),
+    ),
     "top_logprobs": Refused("log-probabilities are served on chat completions", (None, 0)),
 }
 

@@ -18,8 +18,9 @@ MAX_JSON_DEPTH = 64
 
 
 class OpenAIBase(BaseModel):
-    # Fields a model does not declare are dropped; the chat and completion requests check them
-    # first (`field_support`), so that none is ignored without a word. NaN and infinities are
+    # Fields a model does not declare are dropped here; each request body checks its own first
+    # (`field_support`), and the objects inside a request are `ClosedObject`s, so that none is
+    # ignored without a word. NaN and infinities are
     # refused wherever a number is read. Request fields are typed `StrictInt`, `StrictFloat` and
     # `StrictBool`: as OpenAI does, "3", true and 3.5 are refused where an integer goes, and
     # "0.5" and true where a number does, never converted.

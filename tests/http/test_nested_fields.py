@@ -176,7 +176,7 @@ REFUSED_FIELDS = [
     ("/v1/responses", _with(RESPONSES, top_logprobs=2), "top_logprobs"),
     (
         "/v1/responses",
-        _with(RESPONSES, stream=True, stream_options={"include_obfuscation": False}),
+        _with(RESPONSES, stream=True, stream_options={"include_obfuscation": True}),
         "stream_options",
     ),
     ("/v1/responses", _with(RESPONSES, max_tokens=5), "max_tokens"),
@@ -233,6 +233,10 @@ def test_neutral_values_pass_on_every_route(tiny: TestClient):
     """Defaults that scripts written for vLLM or OpenAI send, asking for nothing."""
     sent = [
         ("/v1/responses", _with(RESPONSES, include=[], service_tier="auto", user="u")),
+        (
+            "/v1/responses",
+            _with(RESPONSES, stream=True, stream_options={"include_obfuscation": False}),
+        ),
         (
             "/v1/responses",
             _with(RESPONSES, text={"format": {"type": "text"}, "verbosity": "medium"}),
