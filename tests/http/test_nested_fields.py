@@ -219,6 +219,10 @@ REFUSED_FIELDS = [
         "messages.1.function_call",
     ),
     ("/v1/chat/completions", _with(CHAT, request_id="has a space"), "request_id"),
+    # logit_bias in shapes other than OpenAI's {token id: bias}.
+    ("/v1/chat/completions", _with(CHAT, logit_bias=[[5, 1.0]]), "logit_bias"),
+    ("/v1/chat/completions", _with(CHAT, logit_bias={"5": {"bias": 1.0}}), "logit_bias.5"),
+    ("/v1/completions", _with(TEXT, logit_bias={"the": 1.0}), "logit_bias"),
 ]
 
 
