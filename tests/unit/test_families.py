@@ -25,7 +25,7 @@ from hotlora.adapters import (
     activate,
 )
 from hotlora.adapters.projections import TARGET_PROJECTIONS
-from hotlora.models.cpu import extension, install_rows_kernels
+from hotlora.models.cpu import extension, install_packed_kernels, install_rows_kernels
 from hotlora.models.cpu.layers import RowsLinear, RowsOffsetRMSNorm, RowsRMSNorm, RowsRoPE
 from hotlora.models.loader import load_model_dir
 from hotlora.models.row_masks import install_row_masks
@@ -44,6 +44,7 @@ from tests.support.adapter_builders import (
     write_peft_adapter,
 )
 from tests.support.families import FAMILIES, LONG, WINDOW, Family
+from tests.support.fidelity import LOGIT_TOLERANCE, dequantized_reference, relative_difference
 from tests.support.scheduling import Recorder, run
 from tests.support.tiny import ENDOFTEXT_ID, EOS_TOKEN_ID, MAX_POSITION_EMBEDDINGS, write_checkpoint
 
@@ -229,16 +230,22 @@ class CountingKernels:
         return counted
 
 
-def batched_step(model: nn.Module, prompts: list[list[int]]) -> mx.array:
-    """Each prompt but its last token prefilled alone, then one batched decode step of all the
-    rows, their caches merged as the scheduler merges them: logits [rows, vocab]."""
+def batched_step(
+    model: nn.Module, prompts: list[list[int]], sets: list[AdapterSet] | None = None
+) -> mx.array:
+    """Each prompt but its last token prefilled alone (under its row's adapter set, if given),
+    then one batched decode step of all the rows, their caches merged as the scheduler merges
+    them: logits [rows, vocab]."""
+    sets = sets or [BASE_ONLY] * len(prompts)
     caches = []
-    for prompt in prompts:
+    for prompt, adapters in zip(prompts, sets, strict=True):
         cache = make_prompt_cache(model)
-        model(mx.array([prompt[:-1]]), cache=cache)
+        with activate(adapters):
+            model(mx.array([prompt[:-1]]), cache=cache)
         caches.append(cache)
     merged = [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
-    step = model(mx.array([[p[-1]] for p in prompts]), cache=merged)[:, -1, :]
+    with activate(RowAdapterCache().for_rows(sets)):
+        step = model(mx.array([[p[-1]] for p in prompts]), cache=merged)[:, -1, :]
     mx.eval(step)
     return step
 
@@ -292,3 +299,68 @@ def test_the_peft_layout_of_an_adapter_equals_its_mlx_lm_layout(mounted: Mounted
         assert difference(peft_logits, mounted.mlx_lm_logits("a", TOKENS)) < TOLERANCE
     finally:
         mounted.manager.unmount("peft-a")
+
+
+def quantized_family(name: str) -> nn.Module:
+    """The family's tiny model quantized as mlx-lm's converter does (4 bits, groups of 32)."""
+    model = FAMILIES[name].build(name)
+    nn.quantize(model, group_size=32, bits=4)
+    install_row_masks(model)  # as the loader does
+    mx.eval(model.parameters())
+    return model
+
+
+def dense(family: Family) -> bool:
+    """Not a mixture of experts: the packed kernels serve every quantized layer."""
+    return not family.module.__name__.endswith("_moe")
+
+
+# Families whose attention is their own: their rows agree with the row alone within rounding,
+# not to the bit (MLX's products there).
+OWN_ATTENTION = {"gemma2"}
+
+
+def bitwise(name: str) -> bool:
+    """Whether a row's decode is the same bits alone and batched. Not so for the sliding-window
+    families: in a batch, a rotating cache holds a short row's keys in another order than alone
+    (the kernel sums them in cache order), nor for an attention of the family's own."""
+    return name not in OWN_ATTENTION and not FAMILIES[name].sliding
+
+
+@pytest.mark.parametrize("name", cases(dense))
+def test_a_packed_quantized_model_of_the_family_is_batch_invariant(name: str, tmp_path: Path):
+    if extension.unavailable():
+        pytest.skip(f"native kernels: {extension.unavailable()}")
+    model = quantized_family(name)
+    state = install_packed_kernels(model, threads=2)
+    assert state.enabled, state.reason
+    assert f"MLX's own operations: {MLX_PARTS.get(name, 'none')}" in state.reason
+    manager, _ = mount_a_and_b(name, model, tmp_path)
+    sets = [BASE_ONLY, *(adapter_set(manager, spec) for spec in ("a", "b", "a+b"))]
+    prompts = [LONG[0, :n].tolist() for n in (3, 2 * WINDOW + 1, 5, 9)]  # one past the window
+    together = batched_step(model, prompts, sets)
+    reference = dequantized_reference(quantized_family(name))
+    for row, (prompt, adapters) in enumerate(zip(prompts, sets, strict=True)):
+        alone = batched_step(model, [prompt], [adapters])[0]
+        if bitwise(name):
+            assert mx.array_equal(together[row], alone).item(), row
+        else:
+            assert relative_difference(together[row], alone) < LOGIT_TOLERANCE, row
+    # The base row against mlx-lm on the same weights dequantized in float32.
+    assert relative_difference(together[0], batched_step(reference, [prompts[0]])[0]) < (
+        LOGIT_TOLERANCE
+    )
+    # A prompt's logits are the same bits however it is chunked.
+    whole = logits(model, LONG)
+    cache = make_prompt_cache(model)
+    parts = [model(LONG[:, at : at + 5], cache=cache) for at in range(0, LONG.shape[1], 5)]
+    assert mx.array_equal(mx.concatenate(parts, axis=1), whole).item() or name in OWN_ATTENTION
+
+
+def test_a_quantized_moe_is_served_by_mlx_with_the_reason():
+    model = FAMILIES["qwen3_moe"].build("qwen3_moe")
+    nn.quantize(model, group_size=32, bits=4)
+    from hotlora.models.cpu import packed_unserved
+
+    why = packed_unserved(model, batch_kernels=True)
+    assert why is not None and "quantized" in why and "Switch" in why, why
