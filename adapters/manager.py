@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,16 +35,12 @@ from hotlora.adapters.adapter_set import (
     AppliedAdapter,
     MountedAdapter,
 )
+from hotlora.adapters.first_use import FirstUseMounts, SingleFlight
 from hotlora.adapters.projections import TargetDims, linear_dims
-from hotlora.adapters.residency import Budget, Evicted, Residency, SingleFlight
+from hotlora.adapters.residency import Budget, Evicted, Residency
 from hotlora.adapters.root_listing import RootEntry, list_root
 from hotlora.adapters.slots import LoRASlot, install_slots, probe_input_dtypes
-from hotlora.adapters.spec import (
-    AdapterRef,
-    adapter_id_problem,
-    format_adapter_spec,
-    parse_selection,
-)
+from hotlora.adapters.spec import AdapterRef, adapter_id_problem, format_adapter_spec
 from hotlora.config.log_text import printable
 
 if TYPE_CHECKING:
@@ -109,7 +105,7 @@ class AdapterLease:
             release()
 
 
-class AdapterManager:
+class AdapterManager(FirstUseMounts):
     """Mounts, unmounts and selects LoRA adapters over one base model that never reloads.
 
     Construction wraps the base's target projections in `LoRASlot`s once. After that,
@@ -309,52 +305,6 @@ class AdapterManager:
         log.info("unmounted adapter %s", printable(adapter_id))
         return info
 
-    def select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease:
-        """What a request with these `model` and `adapter` fields is served with, leased.
-
-        `model` may name the base (then `refs` select the adapters), a mounted adapter id, or
-        `"<base-id>:<spec>"`. Raises `ModelNotFound` for any other model, `InvalidRequest` when
-        both fields select adapters or the model's spec is malformed, and `AdapterNotFound`
-        for an id that is neither mounted nor loadable. An adapter evicted by the budget, or
-        (with `auto_mount`) a directory under the root, is mounted first: this call blocks on
-        its files then, and a load that fails raises `InvalidAdapter` naming the problem.
-        Nothing is counted as in use unless this returns.
-        """
-        waiting: tuple[str, ...] = ()
-        try:
-            while True:
-                with self._lock:
-                    named = parse_selection(self.base_id, model, refs, _Selectable(self))
-                    missing = tuple(ref.id for ref in named if ref.id not in self._mounted)
-                    if not missing:
-                        lease = self._lease(model, named)
-                        self._wait(waiting, -1)
-                        waiting = ()
-                        return lease
-                    for adapter_id in missing:
-                        if not self._loadable(adapter_id):
-                            raise AdapterNotFound(adapter_id, self._mounted)
-                    self._wait(tuple(i for i in missing if i not in waiting), 1)
-                    waiting = tuple(dict.fromkeys((*waiting, *missing)))
-                for adapter_id in missing:
-                    self._loads.run(adapter_id, lambda i=adapter_id: self._load(i))
-        finally:
-            if waiting:
-                with self._lock:
-                    self._wait(waiting, -1)
-
-    def try_select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease | None:
-        """`select` without loading: None when an adapter must be mounted first (then call
-        `select` where blocking is fine). Raises as `select` does."""
-        with self._lock:
-            named = parse_selection(self.base_id, model, refs, _Selectable(self))
-            for ref in named:
-                if ref.id not in self._mounted:
-                    if self._loadable(ref.id):
-                        return None
-                    raise AdapterNotFound(ref.id, self._mounted)
-            return self._lease(model, named)
-
     def resolve(self, refs: tuple[AdapterRef, ...]) -> AdapterSet:
         """The set `refs` name, not counted as in use (`select` is what requests call)."""
         with self._lock:
@@ -392,53 +342,6 @@ class AdapterManager:
             ]
             evicted = list(self._residency.evicted.values())
         return list_root(self.adapter_root, mounted, evicted, skip=self.base_id)
-
-    def _loadable(self, adapter_id: str) -> bool:
-        """Whether `adapter_id`, not mounted, can be mounted on first use."""
-        if adapter_id in self._residency.evicted:
-            return True
-        if not self.auto_mount or adapter_id_problem(adapter_id) or adapter_id == self.base_id:
-            return False
-        return (self.adapter_root / adapter_id).is_dir()
-
-    def _load(self, adapter_id: str) -> None:
-        """Mount `adapter_id` for the requests waiting on it: from where it was evicted, else
-        from its directory under the root. A failure is the requests' error (`param`
-        adapter), naming the problem."""
-        with self._lock:
-            if adapter_id in self._mounted:
-                return  # a load that ended before this caller asked
-            gone = self._residency.evicted.get(adapter_id)
-        path = gone.path if gone is not None else adapter_id
-        # An adapter mounted by hand comes back as it was mounted, or not at all.
-        revision = gone.revision if gone is not None and not gone.on_demand else None
-        try:
-            self._mount(
-                adapter_id,
-                path,
-                False,
-                revision=revision,
-                record=False,
-                pin=False,
-                on_demand=gone is None or gone.on_demand,
-            )
-        except AdapterError as exc:
-            if isinstance(exc, AdapterConflict) and exc.code != "adapter_changed":
-                return  # an admin mounted it meanwhile: the requests get that one
-            error = AdapterConflict if isinstance(exc, AdapterConflict) else InvalidAdapter
-            raise error(
-                f"adapter '{adapter_id}' could not be loaded: {exc.message}",
-                param="adapter",
-                code=exc.code,
-            ) from None
-
-    def _wait(self, adapter_ids: tuple[str, ...], change: int) -> None:
-        for adapter_id in adapter_ids:
-            left = self._waiting.get(adapter_id, 0) + change
-            if left:
-                self._waiting[adapter_id] = left
-            else:
-                del self._waiting[adapter_id]
 
     def _lease(self, model: str, named: tuple[AdapterRef, ...]) -> AdapterLease:
         adapters = self._resolve(named)
@@ -571,26 +474,6 @@ class AdapterManager:
             in_use=0,
             on_demand=gone.on_demand,
         )
-
-
-class _Selectable(Collection[str]):
-    """The ids a request's `model` may name: those mounted, and those it may mount on first
-    use. Iterates over the mounted ones alone (what an error lists)."""
-
-    def __init__(self, manager: AdapterManager):
-        self._manager = manager
-
-    def __contains__(self, adapter_id: object) -> bool:
-        manager = self._manager
-        if not isinstance(adapter_id, str):
-            return False
-        return adapter_id in manager._mounted or manager._loadable(adapter_id)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._manager._mounted)
-
-    def __len__(self) -> int:
-        return len(self._manager._mounted)
 
 
 def _target(slot: LoRASlot, input_dtype: mx.Dtype | None) -> TargetDims:
