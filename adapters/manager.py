@@ -232,23 +232,27 @@ class AdapterManager(FirstUseMounts):
                 adopt = same and not on_demand and adapter_id in self._residency.on_demand
                 if same and not adopt:
                     assert current is not None
-                    if pin:
-                        self._residency.check(adapter_id, loaded.ram_bytes, pin=True)
-                        self._residency.pinned.add(adapter_id)
-                    return self._info(current)
-                if current is not None and not replace and not adopt:
+                    if not pin or adapter_id in self._residency.pinned:
+                        return self._info(current)
+                    self._residency.check(adapter_id, loaded.ram_bytes, pin=True)
+                elif current is not None and not replace and not adopt:
                     raise AdapterConflict(
                         f"adapter '{adapter_id}' is already mounted from {current.adapter.path} "
                         f"(revision {current.short_revision}); unmount it or mount with replace"
                     )
-                try:
-                    self._residency.check(adapter_id, loaded.ram_bytes, pin=pin)
-                except AdapterError:
-                    del loaded
-                    mx.clear_cache()
-                    raise
+                else:
+                    try:
+                        self._residency.check(adapter_id, loaded.ram_bytes, pin=pin)
+                    except AdapterError:
+                        del loaded
+                        mx.clear_cache()
+                        raise
+            if same and not adopt:
+                return self._pin(current, record=record)
             if record and self._journal is not None:
-                self._journal.mounted(adapter_id, str(directory), loaded.revision, replace or adopt)
+                self._journal.mounted(
+                    adapter_id, str(directory), loaded.revision, replace or adopt, pin=pin
+                )
             with self._lock:
                 current = self._mounted.get(adapter_id)
                 mounted = MountedAdapter(adapter_id, loaded, int(time.time()))
@@ -270,6 +274,16 @@ class AdapterManager(FirstUseMounts):
             info.revision[:12],
         )
         return info
+
+    def _pin(self, mounted: MountedAdapter | None, *, record: bool) -> AdapterInfo:
+        """Pin what is mounted already, recorded first as a mount is. Called holding `_admin`."""
+        assert mounted is not None
+        adapter = mounted.adapter
+        if record and self._journal is not None:
+            self._journal.mounted(mounted.id, str(adapter.path), adapter.revision, False, pin=True)
+        with self._lock:
+            self._residency.pinned.add(mounted.id)
+            return self._info(mounted)
 
     def unmount(
         self, adapter_id: str, *, record: bool = True, evicted: bool = False
