@@ -22,15 +22,10 @@ from hotlora.adapters.adapter_errors import (
     InvalidAdapter,
     InvalidAdapterSpec,
 )
+from hotlora.adapters.adapter_info import AdapterInfo, MountEvent, MountListener
 from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet
 from hotlora.adapters.fuse import fuse_adapter
-from hotlora.adapters.manager import (
-    AdapterInfo,
-    AdapterLease,
-    AdapterManager,
-    MountEvent,
-    MountListener,
-)
+from hotlora.adapters.manager import AdapterLease, AdapterManager
 from hotlora.adapters.mount_journal import (
     MOUNTS_FILE,
     MountedSet,

@@ -24,8 +24,9 @@ from hotlora.adapters.adapter_errors import (
 from hotlora.adapters.spec import AdapterRef, adapter_id_problem, parse_selection
 
 if TYPE_CHECKING:
+    from hotlora.adapters.adapter_info import AdapterInfo
     from hotlora.adapters.adapter_set import MountedAdapter
-    from hotlora.adapters.manager import AdapterInfo, AdapterLease
+    from hotlora.adapters.manager import AdapterLease
     from hotlora.adapters.residency import Residency
 
 

@@ -14,9 +14,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +27,13 @@ from hotlora.adapters.adapter_errors import (
     InvalidAdapter,
 )
 from hotlora.adapters.adapter_files import MAX_ADAPTER_BYTES, read_adapter, resolve_under_root
+from hotlora.adapters.adapter_info import (
+    AdapterInfo,
+    MountEvent,
+    MountListener,
+    evicted_info,
+    mounted_info,
+)
 from hotlora.adapters.adapter_set import (
     BASE_ONLY,
     SHORT_REVISION,
@@ -51,43 +57,6 @@ log = logging.getLogger("hotlora.adapters")
 # Adapter arrays follow half-precision activations (half the memory, no per-call upcast);
 # against float32 activations they stay float32, which is how mlx-lm keeps trained adapters.
 _HALF = (mx.float16, mx.bfloat16)
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What the admin API reports about one mounted adapter."""
-
-    id: str
-    path: str
-    rank: int
-    scale: float
-    rslora: bool
-    revision: str
-    size_bytes: int  # the weight file on disk
-    ram_bytes: int  # the mounted arrays
-    mounted_layers: int  # slots it attaches to
-    mounted_at: int  # unix seconds
-    in_use: int  # requests computing with any revision mounted under this id now
-    pinned: bool = False  # never evicted to keep within the budget
-    on_demand: bool = False  # mounted by a request naming it, not by an admin
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class MountEvent:
-    """One change to the mounted set, told to the manager's listeners once it is made."""
-
-    # A replace is "mounted"; "loaded" is a mount a request asked for, on first use.
-    kind: Literal["mounted", "loaded", "unmounted", "evicted"]
-    adapter_id: str
-    revision: str  # what was mounted, or what was unmounted or evicted
-    seconds: float = 0.0  # how long a load took, files read to arrays mounted
-    ram_bytes: int = 0  # what the adapter's arrays hold
-
-
-MountListener = Callable[[MountEvent], None]
 
 
 class AdapterLease:
@@ -312,7 +281,7 @@ class AdapterManager(FirstUseMounts):
                 info = self._info(mounted) if mounted is not None else None
             if info is None:
                 assert gone is not None
-                return self._evicted_info(gone)
+                return evicted_info(gone)
             self._tell(MountEvent("evicted" if evicted else "unmounted", adapter_id, info.revision))
         del mounted
         mx.clear_cache()
@@ -456,37 +425,11 @@ class AdapterManager(FirstUseMounts):
                 self._admin.release()
 
     def _info(self, mounted: MountedAdapter) -> AdapterInfo:
-        adapter = mounted.adapter
-        return AdapterInfo(
-            id=mounted.id,
-            path=str(adapter.path),
-            rank=adapter.config.rank,
-            scale=adapter.config.scale,
-            rslora=adapter.config.rslora,
-            revision=adapter.revision,
-            size_bytes=adapter.size_bytes,
-            ram_bytes=adapter.ram_bytes,
-            mounted_layers=len(adapter.weights),
-            mounted_at=mounted.mounted_at,
+        return mounted_info(
+            mounted,
             in_use=self._in_use.get(mounted.id, 0),
             pinned=mounted.id in self._residency.pinned,
             on_demand=mounted.id in self._residency.on_demand,
-        )
-
-    def _evicted_info(self, gone: Evicted) -> AdapterInfo:
-        return AdapterInfo(
-            id=gone.id,
-            path=gone.path,
-            rank=0,
-            scale=0.0,
-            rslora=False,
-            revision=gone.revision,
-            size_bytes=gone.size_bytes,
-            ram_bytes=gone.ram_bytes,
-            mounted_layers=0,
-            mounted_at=gone.evicted_at,
-            in_use=0,
-            on_demand=gone.on_demand,
         )
 
 
