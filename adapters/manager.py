@@ -2,9 +2,9 @@
 
 `select` is the one call a request makes: from its `model` and `adapter` fields to a leased,
 request-owned `AdapterSet`, mounting on first use what it may (`auto_mount`, or an adapter
-evicted to keep within the budget). Every change to what is mounted, whatever asked for it (the
-admin API, start-up, a request, the budget, the mount record, the Ray cluster's registry), is
-told to the manager's listeners as a `MountEvent`.
+evicted to keep within the budget; that part is `first_use.FirstUseMounts`). Every change to
+what is mounted, whatever asked for it (the admin API, start-up, a request, the budget, the
+mount record, the Ray cluster's registry), is told to the manager's listeners as a `MountEvent`.
 """
 
 from __future__ import annotations

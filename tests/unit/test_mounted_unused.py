@@ -26,7 +26,7 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33]]
 UNUSED = 200
 
 
-class CountedTable(dict):  # type: ignore[type-arg]
+class CountedTable(dict[str, Any]):
     """The manager's table of mounted adapters, counting each way it is read."""
 
     def __init__(self, *args: Any) -> None:
