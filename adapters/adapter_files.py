@@ -108,8 +108,9 @@ def _read(
         )
     config = read_adapter_config(config_file, max_rank=max_rank, max_bytes=max_bytes)
     # The hash reads the file beside MLX reading and checking its tensors: both let go of the
-    # GIL, and a cold load is a request's wait.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-hash") as hasher:
+    # GIL, and a cold load is a request's wait. A refusal does not wait for the hash to end.
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-hash")
+    try:
         hashed = hasher.submit(revision, config, weight_file, max_bytes=max_bytes)
         try:
             tensors = mx.load(str(weight_file))
@@ -121,6 +122,8 @@ def _read(
         del tensors
         mx.eval([array for pair in matched.pairs.values() for array in pair])
         content = hashed.result()
+    finally:
+        hasher.shutdown(wait=False)
     return LoadedAdapter(
         path=directory,
         weight_file=weight_file,
