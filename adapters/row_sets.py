@@ -12,10 +12,14 @@ Two dense matmuls per slot whatever the number of sets, and a stack such as `a+b
 and `b` adds no columns of its own. A zero column contributes an exact zero, so a row gets its
 own set's residual and nothing else. A batched decode step on the CPU's float32 weights runs the
 base projection and both products as one call of the batch kernel
-(`hotlora.models.cpu.layers.lora_rows`), on transposed copies of the pair.
+(`hotlora.models.cpu.layers.lora_rows`), on transposed copies of the pair; on packed quantized
+weights every call does, and a set alone on every row too (`lone_rows`): that kernel adds a
+row's residual column by column, skipping the masked ones, so with the adapters in one order
+(by id) a row's result is the same bits alone and beside any other sets.
 
-The side-by-side pair is the only copy of adapter weights beyond each mounted adapter's own, and
-it holds the batch's adapters alone: one layout per slot (the kernel's transposed one where the
+The side-by-side pair of a mixed batch is the only copy of adapter weights beyond each mounted
+adapter's own (and, on packed weights, a set alone's own layout while the set lives), and it
+holds the batch's adapters alone: one layout per slot (the kernel's transposed one where the
 kernel serves the slot, read through transposed views by a prefill call there), a few kept per
 `RowAdapterCache`, dropped as soon as no batch uses them.
 """
@@ -23,6 +27,7 @@ kernel serves the slot, read through transposed views by a prefill call there), 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from weakref import WeakKeyDictionary
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -125,7 +130,7 @@ class RowAdapters:
         if plan is None:
             return base(x)
         a_cat, b_cat, mask, fused = plan
-        if fused is not None and serves_rows(x):
+        if fused is not None and serves_rows(x, base):
             return lora_rows(x, base, *fused)
         return _add_residuals(x, base(x), a_cat, b_cat, mask)
 
@@ -248,7 +253,7 @@ class RowAdapterCache:
                 self._drop(kept)
             while len(self._built) >= self.keep:
                 self._drop(next(iter(self._built)))
-            side_by_side = SideBySide(list(used))
+            side_by_side = SideBySide(_in_order(used))
         self._use(side_by_side)
         self._last = RowAdapters(side_by_side, rows)
         return self._last
@@ -266,3 +271,25 @@ class RowAdapterCache:
         del self._built[side_by_side]
         if self._last is not None and self._last.side_by_side is side_by_side:
             self._last = None
+
+
+def _in_order(
+    adapters: Sequence[MountedAdapter] | dict[MountedAdapter, None],
+) -> list[MountedAdapter]:
+    """The adapters side by side in one order whatever the batch: by id (a set never names two
+    mounts of one id), so that a row's columns come in the same order alone and beside others."""
+    return sorted(adapters, key=lambda mounted: mounted.id)
+
+
+_LONE: WeakKeyDictionary[AdapterSet, RowAdapters] = WeakKeyDictionary()
+
+
+def lone_rows(adapters: AdapterSet) -> RowAdapters:
+    """`adapters` on every row of a call, laid out as a batch of sets lays it out: what the
+    slots of packed quantized weights apply, so that a row's residual is the same bits alone
+    as beside other sets. Kept while the set lives."""
+    rows = _LONE.get(adapters)
+    if rows is None:
+        used = {entry.mounted: None for entry in adapters.entries if entry.weight != 0.0}
+        rows = _LONE[adapters] = RowAdapters(SideBySide(_in_order(used)), [adapters])
+    return rows

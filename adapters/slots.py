@@ -19,7 +19,8 @@ import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet
 from hotlora.adapters.projections import find_targets, replace_module
-from hotlora.adapters.row_sets import RowAdapters
+from hotlora.adapters.row_sets import RowAdapters, lone_rows
+from hotlora.models.cpu.layers import serves_every_row
 
 
 class _Residuals(Protocol):
@@ -50,6 +51,9 @@ class LoRASlot(nn.Module):
             return self.base(x)
         if isinstance(active, RowAdapters):  # a set per row: the base and residuals at once
             return active.project(self.path, x, self.base)
+        if isinstance(active, AdapterSet) and serves_every_row(self.base):
+            # Packed weights: a set alone computes as a batch of sets does, to the same bits.
+            return lone_rows(active).project(self.path, x, self.base)
         return active.apply(self.path, x, self.base(x))
 
 

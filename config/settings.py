@@ -108,10 +108,13 @@ class Settings(BaseSettings):
         gt=0,
         description="Memory the running batch's KV cache may reach; new requests wait beyond it.",
     )
-    cpu_weights: Literal["auto", "float32", "quantized"] = Field(
+    cpu_weights: Literal["auto", "packed", "float32", "mlx"] = Field(
         default="auto",
-        description="On a machine without a GPU: serve float32 weights (fast BLAS) or keep them "
-        "as loaded. auto: float32 when the copy fits cpu_float_budget_bytes.",
+        description="On a machine without a GPU: packed keeps quantized weights (MLX affine, 4 "
+        "or 8 bits) packed for the native kernels, every step and row count; float32 serves a "
+        "float32 copy (fast BLAS); mlx keeps the weights as loaded for MLX's own kernels. auto: "
+        "packed where the kernels serve the weights, else float32 when the copy fits "
+        "cpu_float_budget_bytes.",
     )
     cpu_float_budget_bytes: int | None = Field(
         default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."
@@ -123,10 +126,17 @@ class Settings(BaseSettings):
     )
     cpu_batch_matmul: bool = Field(
         default=True,
-        description="On an x86-64 CPU with AVX-512 or AVX2, float32 weights and no GPU: the "
-        "projections of batched decode steps (2-16 rows) read each weight once for all rows "
-        "and their attention takes one operation; every step's norms and RoPEs take one "
-        "operation each, to MLX's bits (built by make setup).",
+        description="On an x86-64 CPU with AVX-512 or AVX2 and no GPU, the native kernels "
+        "(built by make setup): packed quantized weights on every step; with float32 weights "
+        "the projections of batched decode steps (2-16 rows) read each weight once for all "
+        "rows and their attention takes one operation; every step's norms and RoPEs take one "
+        "operation each, to MLX's bits.",
+    )
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="Threads of the native CPU kernels; every core the process may use when unset.",
     )
     # The process.
     drain_timeout: float = Field(

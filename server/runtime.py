@@ -160,6 +160,7 @@ class Runtime:
             batch_kernels=self.settings.cpu_batch_matmul,
             home=self.settings.home,
             converting=self._converting,
+            threads=self.settings.threads,
         )
         max_batch = self._max_batch(loaded)
         self.model_path = path

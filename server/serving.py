@@ -38,6 +38,7 @@ from hotlora.server.engine import (
 from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.engine.grammar import Grammar
 from hotlora.server.http.request_errors import ContextOverflow
+from hotlora.server.http.request_ids import client_request_id
 from hotlora.server.render.chat_prompt import ChatTemplate
 from hotlora.server.render.reasoning import PROMPT_TAIL_TOKENS, Reasoning, ThinkTags
 from hotlora.server.request_sampling import sampling_params
@@ -59,6 +60,9 @@ class Prepared:
     tool_calls: ToolCalls | None = None  # the request's tools, when its answer may call them
     grammar: Grammar | None = None  # what `response_format` holds every choice to; None: free
     reasoning: Reasoning | None = None  # a thinking model's tags, when its answer may think
+    request_id: str | None = (
+        None  # the client's id for it (x-request-id, `request_id`): the answer's
+    )
 
     def jobs(self) -> list[GenerationJob]:
         """One job per choice, in choice-index order: each prompt's n choices in turn."""
@@ -366,7 +370,9 @@ class InferenceService:
         )
         # Select last: the lease it takes must be released on any later error.
         lease = await self.lease(request.model, request.adapter)
-        return Prepared(lease, prompts, params, request.n, grammar=grammar)
+        # As vLLM: the client's x-request-id header names the answer, else its request_id.
+        named = client_request_id() or request.request_id
+        return Prepared(lease, prompts, params, request.n, grammar=grammar, request_id=named)
 
     async def lease(self, model: str, refs: tuple[AdapterRef, ...]) -> AdapterLease:
         """The request's adapters, leased; an adapter to mount first (on first use, or evicted)

@@ -1,10 +1,10 @@
 """Serving without a GPU: which weights, MLX's JIT flags, and the native kernels, chosen at start.
 
 `prepare_cpu` is the one entry point: the server calls it with its settings once the base model
-is loaded, and the log says what it chose and why. Its parts, one job each: `weights` (float32
-or as loaded), `vector_jit` (MLX's fused kernels built for this CPU), `attention` (mlx-lm's
-attention on the CPU), `extension` (the native kernels' build and load), `layers` (the model's
-layers on those kernels) and `features` (what the CPU offers them).
+is loaded, and the log says what it chose and why. Its parts, one job each: `weights` (packed
+for the native kernels, float32 or as loaded), `vector_jit` (MLX's fused kernels built for this
+CPU), `attention` (mlx-lm's attention on the CPU), `extension` (the native kernels' build and
+load), `layers` (the model's layers on those kernels) and `features` (what the CPU offers them).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import mlx.nn as nn
 
 if TYPE_CHECKING:
-    import mlx.nn as nn
-
     from hotlora.models.cpu.weights import CpuWeights
 
 # The parts are imported where they are used: `python -m hotlora.models.cpu.extension` imports
@@ -46,12 +45,18 @@ class RowsKernels:
 @dataclass(frozen=True)
 class CpuSetup:
     """What `prepare_cpu` chose, each with why: the weights, MLX's JIT (None with a GPU), the
-    batched decode kernels (None with a GPU or weights as loaded)."""
+    native kernels (None with a GPU or weights as loaded for MLX's kernels)."""
 
     float32: bool
     weights: str
     vector_jit: str | None
     batch_kernels: str | None
+    packed: bool = False
+
+
+def default_threads() -> int:
+    """The native kernels' threads unless set: every core this process may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKernels:
@@ -66,19 +71,15 @@ def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKe
         RowsOffsetRMSNorm,
         RowsRMSNorm,
         RowsRoPE,
-        mlx_layers,
         swap_layers,
     )
 
-    threads = threads or min(len(os.sched_getaffinity(0)), 8)
+    threads = threads or default_threads()
     loaded = extension.load(threads)
     if isinstance(loaded, str):
         return RowsKernels(False, loaded)
     swapped = swap_layers(model)
     attention = install_rows_attention(model)
-    kept = [f"{count} {name}" for name, count in sorted(mlx_layers(model).items())]
-    if not attention:
-        kept.insert(0, f"the attention of {type(model).__module__.rsplit('.', 1)[-1]} (its own)")
     norms = swapped[RowsRMSNorm] + swapped[RowsOffsetRMSNorm]
     return RowsKernels(
         True,
@@ -86,8 +87,68 @@ def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKe
         f"{swapped[RowsLinear]} projections and {' and '.join(attention) or 'no'} attention "
         f"through the rows kernels ({loaded.isa()}, {threads} threads); every float32 step runs "
         f"{norms} norms and {swapped[RowsRoPE]} RoPEs as one operation each; "
-        f"MLX's own operations: {', '.join(kept) or 'none'}",
+        f"MLX's own operations: {_left_to_mlx(model, attention)}",
     )
+
+
+def _left_to_mlx(model: nn.Module, attention: list[str]) -> str:
+    """What the kernels leave to MLX's own operations: an architecture's own attention, layers
+    no Rows class serves (an MoE's experts, say); 'none'."""
+    from hotlora.models.cpu.layers import mlx_layers
+
+    kept = [f"{count} {name}" for name, count in sorted(mlx_layers(model).items())]
+    if not attention:
+        kept.insert(0, f"the attention of {type(model).__module__.rsplit('.', 1)[-1]} (its own)")
+    return ", ".join(kept) or "none"
+
+
+def install_packed_kernels(model: nn.Module, threads: int | None = None) -> RowsKernels:
+    """Route every call of the model's quantized layers (packed, 4 or 8 bits), its other float
+    layers, norms, RoPEs and attention through the native kernels, whatever the rows and
+    tokens: a row's results are then the same bits alone, in any batch, in any chunking of its
+    prompt. Changes the modules' classes in place and casts the float parameters that are not
+    packed to float32 (`weights.to_packed`)."""
+    from hotlora.models.cpu import extension
+    from hotlora.models.cpu.attention import install_rows_attention
+    from hotlora.models.cpu.layers import RowsQuantizedEmbedding, RowsQuantizedLinear, swap_layers
+    from hotlora.models.cpu.weights import to_packed
+
+    threads = threads or default_threads()
+    loaded = extension.load(threads)
+    if isinstance(loaded, str):
+        return RowsKernels(False, loaded)
+    to_packed(model)
+    swapped = swap_layers(model, all_rows=True)
+    attention = install_rows_attention(model, all_rows=True)
+    quantized = swapped[RowsQuantizedLinear] + swapped[RowsQuantizedEmbedding]
+    return RowsKernels(
+        True,
+        f"every step runs {quantized} quantized layers from their packed weights and "
+        f"{' and '.join(attention) or 'no'} attention through the native kernels "
+        f"({loaded.isa()}, {threads} threads), a row's results the same in any batch; "
+        f"MLX's own operations: {_left_to_mlx(model, attention)}",
+    )
+
+
+def packed_unserved(model: nn.Module, batch_kernels: bool) -> str | None:
+    """Why the native kernels cannot serve this model's weights packed; None when they can."""
+    import importlib.util
+
+    from hotlora.models.cpu import extension
+    from hotlora.models.cpu.layers import quantized_unserved
+    from hotlora.models.cpu.weights import has_gpu
+
+    if has_gpu():
+        return "MLX runs on a GPU here"
+    if not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+        return "the weights are not quantized"
+    if not batch_kernels:
+        return "--no-cpu-batch-matmul"
+    if (why := extension.unavailable()) is not None:
+        return why
+    if importlib.util.find_spec(f"{extension.__package__}.{extension._MODULE}") is None:
+        return "the native kernels are not built; `make setup` builds them"
+    return quantized_unserved(model)
 
 
 def prepare_cpu(
@@ -99,11 +160,13 @@ def prepare_cpu(
     batch_kernels: bool,
     home: Path,
     converting: Converting | None = None,
+    threads: int | None = None,
 ) -> CpuSetup:
-    """Float32 weights on a CPU-only machine when they fit (`weights`, `float_budget`); without
-    a GPU, MLX's fused CPU kernels built for this CPU and the attention that uses them
-    (`vector_jit`), and the batched decode kernels of float32 weights (`batch_kernels`). Logs
-    which weights and kernels serve and why."""
+    """Without a GPU: quantized weights kept packed for the native kernels, else float32 weights
+    when they fit (`weights`, `float_budget`); MLX's fused CPU kernels built for this CPU and the
+    attention that uses them (`vector_jit`); the native kernels (`batch_kernels`) on `threads`
+    threads (default: every core this process may run on). Logs which weights and kernels serve
+    and why."""
     from hotlora.models.cpu.attention import install_cpu_attention
     from hotlora.models.cpu.vector_jit import enable_vector_jit
     from hotlora.models.cpu.weights import all_float32, choose_cpu_weights, has_gpu, to_float32
@@ -115,11 +178,14 @@ def prepare_cpu(
         mx.metal.is_available(),
         cuda is not None and cuda.is_available(),
     )
-    choice = choose_cpu_weights(model, weights, float_budget)
+    unpacked = None if weights in ("auto", "packed") else f"--cpu-weights {weights}"
+    unpacked = unpacked or packed_unserved(model, batch_kernels)
+    choice = choose_cpu_weights(model, weights, float_budget, unpacked=unpacked)
     if choice.float32:
         with (converting or _quietly)(choice.reason):
             to_float32(model)
-    log.info("serving %s weights: %s", "float32" if choice.float32 else "as-loaded", choice.reason)
+    served = "packed" if choice.packed else "float32" if choice.float32 else "as-loaded"
+    log.info("serving %s weights: %s", served, choice.reason)
     if has_gpu():
         return CpuSetup(choice.float32, choice.reason, None, None)
     if vector_jit:
@@ -130,10 +196,17 @@ def prepare_cpu(
     else:
         jit_reason = "baseline x86-64 (--no-cpu-vector-jit)"
     log.info("CPU kernels: %s", jit_reason)
+    if choice.packed:
+        rows = install_packed_kernels(model, threads)
+        if rows.enabled:
+            log.info("native kernels: %s", rows.reason)
+            return CpuSetup(False, choice.reason, jit_reason, rows.reason, packed=True)
+        log.warning("native kernels: unusable (%s); MLX's own kernels serve as loaded", rows.reason)
+        return CpuSetup(False, choice.reason, jit_reason, None)
     if not all_float32(model):  # the batched decode kernels read float32 weights
         return CpuSetup(False, choice.reason, jit_reason, None)
     if batch_kernels:
-        rows = install_rows_kernels(model)
+        rows = install_rows_kernels(model, threads)
         rows_reason = rows.reason if rows.enabled else f"MLX's own (BLAS; {rows.reason})"
     else:
         rows_reason = "MLX's own (BLAS; --no-cpu-batch-matmul)"

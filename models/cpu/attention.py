@@ -9,7 +9,9 @@ about twenty operations a layer, two of them BLAS products of a few rows, become
 that reads each row's cached keys and values once (within rounding of MLX); a prefill chunk's
 keeps MLX's BLAS products, but the softmax between them, five single-threaded passes over a
 chunk's scores (which deep in a long prompt are tens of megabytes a layer), is one threaded
-primitive (`masked_softmax`) with MLX's results to the bit.
+primitive (`masked_softmax`) with MLX's results to the bit. A model served by the quantized
+weights' kernels takes the attention kernel on every call, a request alone and each prompt chunk
+too: each query token is then computed on its own, the same bits in any batch or chunking.
 """
 
 from __future__ import annotations
@@ -141,35 +143,71 @@ _running = threading.local()
 class _RowsModel(nn.Module):
     """Mixed into an installed model's own class: its calls let `rows_attention` serve."""
 
+    rows_mode: bool | str = True  # "all": every call takes the kernel, not batched steps only
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         outer = getattr(_running, "rows", False)
-        _running.rows = True
+        _running.rows = self.rows_mode
         try:
             return super().__call__(*args, **kwargs)
         finally:
             _running.rows = outer
 
 
-_ROWS_MODELS: dict[type[nn.Module], type[nn.Module]] = {}
+_ROWS_MODELS: dict[tuple[type[nn.Module], bool], type[nn.Module]] = {}
 
 
-def _rows_model_class(cls: type[nn.Module]) -> type[nn.Module]:
+def _rows_model_class(cls: type[nn.Module], all_rows: bool) -> type[nn.Module]:
     if issubclass(cls, _RowsModel):
-        return cls
-    if cls not in _ROWS_MODELS:
-        _ROWS_MODELS[cls] = type(cls.__name__, (_RowsModel, cls), {"__module__": cls.__module__})
-    return _ROWS_MODELS[cls]
+        cls = cls.__mro__[2]  # the model's own class, under the mixin
+    key = (cls, all_rows)
+    if key not in _ROWS_MODELS:
+        attributes = {"__module__": cls.__module__, "rows_mode": "all" if all_rows else True}
+        _ROWS_MODELS[key] = type(cls.__name__, (_RowsModel, cls), attributes)
+    return _ROWS_MODELS[key]
 
 
 Attention = Callable[..., mx.array]
 
 
-def _serves_attention(queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> bool:
-    """Whether an installed model's batched decode step calls attention with these: float32
-    queries [B, H, 1, D], keys and values [B, Hkv, S, *], a bool mask [B, 1, 1, S]."""
-    if not (getattr(_running, "rows", False) and extension.one_token_rows(queries, 4)):
-        return False
-    batch, heads, _, width = queries.shape
+def _kernel_mask(queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> mx.array | None:
+    """The bool mask [B, 1, L, S] for the attention kernel when an installed model's call takes
+    it, else None: a batched decode step's (float32 queries [B, H, 1, D], keys and values
+    [B, Hkv, S, *], a bool mask [B, 1, 1, S]); for a model of quantized kernels every call's,
+    whatever its rows and tokens, with no mask, "causal" or a bool one."""
+    mode = getattr(_running, "rows", False)
+    if mode == "all":
+        return _any_call_mask(queries, keys, values, mask)
+    if not (mode and extension.one_token_rows(queries, 4)):
+        return None
+    return mask if _fits(queries, keys, values, mask) else None
+
+
+def _any_call_mask(
+    queries: mx.array, keys: mx.array, values: mx.array, mask: Any
+) -> mx.array | None:
+    if extension.native is None or queries.ndim != 4 or queries.dtype != mx.float32:
+        return None
+    batch, _, length, _ = queries.shape
+    span = keys.shape[2] if keys.ndim == 4 else 0
+    shape = (batch, 1, length, span)
+    if mask is None:
+        mask = mx.array(True)
+    elif isinstance(mask, str):
+        if mask != "causal":
+            return None
+        mask = mx.arange(span - length, span)[:, None] >= mx.arange(span)[None]  # [L, S]
+    elif not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim <= 4):
+        return None
+    try:
+        mask = mx.broadcast_to(mask, shape)
+    except ValueError:
+        return None
+    return mask if _fits(queries, keys, values, mask) else None
+
+
+def _fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> bool:
+    batch, heads, length, width = queries.shape
     return (
         keys.ndim == 4
         and values.ndim == 4
@@ -179,9 +217,10 @@ def _serves_attention(queries: mx.array, keys: mx.array, values: mx.array, mask:
         and heads % keys.shape[1] == 0
         and keys.shape[2] == values.shape[2]
         and keys.shape[3] == width
+        and keys.shape[2] > 0
         and isinstance(mask, mx.array)
         and mask.dtype == mx.bool_
-        and mask.shape == (batch, 1, 1, keys.shape[2])
+        and mask.shape == (batch, 1, length, keys.shape[2])
     )
 
 
@@ -200,13 +239,14 @@ def rows_attention(fallback: Attention) -> Attention:
         mask: Any,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        if (
-            sinks is None
-            and not hasattr(cache, "bits")
-            and _serves_attention(queries, keys, values, mask)
-        ):
+        kernel_mask = (
+            None
+            if sinks is not None or hasattr(cache, "bits")
+            else _kernel_mask(queries, keys, values, mask)
+        )
+        if kernel_mask is not None:
             assert extension.native is not None
-            return extension.native.attention_rows(queries, keys, values, mask, scale)
+            return extension.native.attention_rows(queries, keys, values, kernel_mask, scale)
         native = extension.native
         if fallback is cpu_attention and native is not None and getattr(_running, "rows", False):
             # Prefill chunks: the masked softmax as one primitive, to cpu_attention's bits.
@@ -226,10 +266,11 @@ def rows_attention(fallback: Attention) -> Attention:
     return attention
 
 
-def install_rows_attention(model: nn.Module) -> list[str]:
+def install_rows_attention(model: nn.Module, all_rows: bool = False) -> list[str]:
     """Point the model's architecture modules at `rows_attention`, over the function they had
-    (mlx-lm's, or `cpu_attention`), and let the model's own calls take it; returns the modules
-    that take it (by their last name). The kernels serve once `extension.load` has succeeded."""
+    (mlx-lm's, or `cpu_attention`), and let the model's own calls take it (`all_rows`: every
+    call, not batched decode steps only); returns the modules that take it (by their last
+    name). The kernels serve once `extension.load` has succeeded."""
     served = []
     for module, current in attention_globals(model):
         if current in (mlx_lm_base.scaled_dot_product_attention, cpu_attention):
@@ -237,5 +278,5 @@ def install_rows_attention(model: nn.Module) -> list[str]:
         if hasattr(module.scaled_dot_product_attention, "rows_fallback"):
             served.append(module.__name__.rsplit(".", 1)[-1])
     if served:
-        model.__class__ = _rows_model_class(type(model))
+        model.__class__ = _rows_model_class(type(model), all_rows)
     return served

@@ -4,7 +4,7 @@
 projections, with or without each row's LoRA residual, and the attention) and for every float32
 step (RMSNorm, RoPE, a prefill chunk's masked softmax). It is a small C++ extension built by
 `make setup` (or `python -m hotlora.models.cpu.extension`) with g++ against MLX's headers and
-nanobind, next to this module: it needs x86-64 with AVX-512, or AVX2 and FMA.
+nanobind, next to this module: it needs x86-64 with AVX-512, or AVX2 and FMA, and F16C.
 
 Once `load` has checked it, `native` is the extension and `max_rows` the most rows of a batched
 step its products take; until then `native` is None and every layer keeps MLX's own operations.
@@ -44,8 +44,8 @@ def unavailable() -> str | None:
     if not x86_64_linux():
         return "not an x86-64 Linux machine"
     features = cpu_features()
-    if "avx512f" not in features and not {"avx2", "fma"} <= features:
-        return "the CPU lacks AVX-512 and AVX2 with FMA"
+    if "f16c" not in features or ("avx512f" not in features and not {"avx2", "fma"} <= features):
+        return "the CPU lacks AVX-512 and AVX2 with FMA, or F16C"
     return None
 
 
@@ -63,6 +63,9 @@ def build() -> Path:
         # Lets the compiler vectorize loops of selects (the softmax's exp); every operation
         # still rounds as IEEE says, so the results are the same bits.
         "-fno-trapping-math",
+        # A product and a sum stay two roundings unless the code fuses them itself: the
+        # quantized kernels dequantize as MLX does, scale * value, then + bias.
+        "-ffp-contract=off",
         "-DNB_DOMAIN=mlx",  # MLX's own nanobind domain, so that `mx.array` crosses over
         f"-I{sysconfig.get_paths()['include']}",
         f"-I{nb / 'include'}",

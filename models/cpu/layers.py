@@ -15,6 +15,13 @@ than to compute at a few rows, and they were most of a decode step's graph. Each
 composition operation for operation, with MLX's own exp, sin and cos, so its results are MLX's
 to the bit: every float32 call takes it, a request decoding alone and prefill included.
 
+Quantized weights (MLX's affine mode, 4 or 8 bits) stay packed: `RowsQuantizedLinear` and
+`RowsQuantizedEmbedding` (the lookup and a tied output layer) send every call, whatever its row
+count, through the extension's `quant_matmul`, which dequantizes a tile of weight rows at a time
+in cache and gives each output one fixed-order sum. A row's result is then the same bits alone,
+in any batch and in any chunking of its prompt; the float layers of such a model take the float
+kernel on every call (`AllRowsLinear`, `AllRowsEmbedding`) for the same reason.
+
 `swap_layers` changes the modules' classes in place; their weights are untouched.
 """
 
@@ -29,8 +36,11 @@ from mlx_lm.models import gemma, gemma2, gemma3_text
 from hotlora.models.cpu import extension
 
 
-def serves_rows(x: mx.array) -> bool:
-    """Whether x is a batched decode step's input ([B, 1, in], float32) the kernel takes."""
+def serves_rows(x: mx.array, linear: nn.Module | None = None) -> bool:
+    """Whether the kernel takes x as `linear`'s input: any float32 input for the layers of
+    quantized weights' kernels, else a batched decode step's ([B, 1, in], float32)."""
+    if isinstance(linear, _ALL_ROWS):
+        return extension.native is not None and x.dtype == mx.float32 and x.size > 0
     return extension.one_token_rows(x, 3)
 
 
@@ -42,11 +52,19 @@ def _decode_rows(x: mx.array, weight: mx.array) -> mx.array | None:
     return extension.native.rows_matmul(x, weight)  # [B, 1, out]
 
 
+def serves_every_row(linear: nn.Module) -> bool:
+    """Whether the kernels take every call of this projection (packed quantized weights)."""
+    return extension.native is not None and isinstance(linear, RowsQuantizedLinear)
+
+
 def serves_lora(linear: nn.Module) -> bool:
     """Whether `lora_rows` takes this projection, for inputs `serves_rows` takes."""
+    if extension.native is None:
+        return False
+    if isinstance(linear, RowsQuantizedLinear):
+        return True
     return (
-        extension.native is not None
-        and type(linear) is RowsLinear
+        type(linear) in (RowsLinear, AllRowsLinear)
         and "bias" not in linear
         and linear.weight.dtype == mx.float32
     )
@@ -61,6 +79,20 @@ def lora_rows(
     projection's weights are read, so are the low-rank pair's: one pass over the weights instead
     of three separate products."""
     assert extension.native is not None
+    mask = mx.broadcast_to(mask, (*x.shape[:-1], mask.shape[-1]))  # a row's scales, each token
+    if isinstance(linear, RowsQuantizedLinear):
+        y = extension.native.quant_matmul_lora(
+            x,
+            linear.weight,
+            linear.scales,
+            linear.biases,
+            linear.group_size,
+            linear.bits,
+            a_t,
+            b_t,
+            mask,
+        )
+        return y + linear.bias if "bias" in linear else y
     return extension.native.rows_matmul_lora(x, linear.weight, a_t, b_t, mask)  # [B, 1, out]
 
 
@@ -80,6 +112,66 @@ class RowsEmbedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:
         y = _decode_rows(x, self.weight)
         return super().as_linear(x) if y is None else y
+
+
+class AllRowsLinear(RowsLinear):
+    """`nn.Linear` of a model served by the quantized kernels: every call through the float
+    kernel, so that its rows too give the same bits in any batch."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not (serves_rows(x, self) and self.weight.dtype == mx.float32):
+            return super().__call__(x)
+        assert extension.native is not None
+        y = extension.native.rows_matmul(x, self.weight)
+        return y + self.bias if "bias" in self else y
+
+
+class AllRowsEmbedding(RowsEmbedding):
+    """`nn.Embedding` of such a model, whose use as the output layer does the same."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not (serves_rows(x, self) and self.weight.dtype == mx.float32):
+            return super().as_linear(x)
+        assert extension.native is not None
+        return extension.native.rows_matmul(x, self.weight)
+
+
+def _quant_rows(x: mx.array, layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> mx.array:
+    assert extension.native is not None
+    return extension.native.quant_matmul(
+        x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits
+    )
+
+
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose every float32 call goes through the quantized kernel."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not serves_rows(x, self):
+            return super().__call__(x)
+        y = _quant_rows(x, self)
+        return y + self.bias if "bias" in self else y
+
+
+class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose lookup gives float32 rows (dequantized as MLX does, in
+    float32) and whose use as the output layer goes through the quantized kernel."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        assert self.biases is not None  # the affine mode's
+        scales = self.scales[x].astype(mx.float32)
+        biases = self.biases[x].astype(mx.float32)
+        return mx.dequantize(
+            self.weight[x], scales, biases, group_size=self.group_size, bits=self.bits
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not serves_rows(x, self):
+            return super().as_linear(x)
+        return _quant_rows(x, self)
+
+
+_ALL_ROWS = (AllRowsLinear, AllRowsEmbedding, RowsQuantizedLinear, RowsQuantizedEmbedding)
 
 
 class RowsRMSNorm(nn.RMSNorm):
@@ -140,10 +232,45 @@ _ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
+_ALL_ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: AllRowsLinear,
+    nn.Embedding: AllRowsEmbedding,
+    nn.QuantizedLinear: RowsQuantizedLinear,
+    nn.QuantizedEmbedding: RowsQuantizedEmbedding,
+    nn.RMSNorm: RowsRMSNorm,
+    nn.RoPE: RowsRoPE,
+    gemma.RMSNorm: RowsOffsetRMSNorm,
+    gemma2.RMSNorm: RowsOffsetRMSNorm,
+    gemma3_text.RMSNorm: RowsOffsetRMSNorm,
+}
+
+
+def quantized_unserved(model: nn.Module) -> str | None:
+    """Why the quantized kernels cannot serve this model's quantized layers; None when they
+    can (MLX's affine mode, 4 or 8 bits, groups of 32, 64 or 128, float scales)."""
+    for path, module in model.named_modules():
+        if type(module) not in (nn.QuantizedLinear, nn.QuantizedEmbedding):
+            if "scales" in module:  # another kind of quantized layer (e.g. experts')
+                return f"{path} is a quantized {type(module).__name__}"
+            continue
+        mode = getattr(module, "mode", "affine")
+        if (
+            mode != "affine"
+            or module.bits not in (4, 8)
+            or module.group_size not in (32, 64, 128)
+            or module.scales.dtype not in (mx.float32, mx.float16, mx.bfloat16)
+        ):
+            return (
+                f"{path} is quantized as {mode}, {module.bits} bits, groups of "
+                f"{module.group_size}: the kernels take affine 4 or 8 bits, groups of 32-128"
+            )
+    return None
+
+
 def mlx_layers(model: nn.Module) -> Counter[str]:
     """The model's layers with weights of their own that no Rows class serves, by class name
     (an MoE's expert layers, say): they run MLX's own operations."""
-    rows_classes = set(_ROWS_CLASSES.values())
+    rows_classes = set(_ROWS_CLASSES.values()) | set(_ALL_ROWS_CLASSES.values())
     kept: Counter[str] = Counter()
     for _, module in model.named_modules():
         if type(module) in rows_classes or "weight" not in module:
@@ -152,12 +279,14 @@ def mlx_layers(model: nn.Module) -> Counter[str]:
     return kept
 
 
-def swap_layers(model: nn.Module) -> Counter[type[nn.Module]]:
-    """Give the model's float layers their Rows class, in place; returns how many of each. The
-    layers take the kernels once `extension.load` has succeeded."""
+def swap_layers(model: nn.Module, all_rows: bool = False) -> Counter[type[nn.Module]]:
+    """Give the model's layers their Rows class, in place; returns how many of each. The
+    layers take the kernels once `extension.load` has succeeded. `all_rows`: the classes of a
+    model whose quantized weights the kernels serve, every call of every layer."""
+    classes = _ALL_ROWS_CLASSES if all_rows else _ROWS_CLASSES
     swapped: Counter[type[nn.Module]] = Counter()
     for _, module in model.named_modules():
-        rows_class = _ROWS_CLASSES.get(type(module))
+        rows_class = classes.get(type(module))
         if rows_class is not None:
             module.__class__ = rows_class
             swapped[rows_class] += 1

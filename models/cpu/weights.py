@@ -1,10 +1,13 @@
-"""Which weights the CPU serves: a float32 copy through BLAS, or the weights as loaded.
+"""Which weights the CPU serves: quantized weights kept packed for the native kernels, a
+float32 copy through BLAS, or the weights as loaded for MLX's own kernels.
 
 MLX's CPU kernels for quantized and half-precision matmuls do not use BLAS: they are slow on
-prompts and gain nothing from batching. The same weights dequantized to float32 go through BLAS
-(OpenBLAS where preloaded), many times faster for prompts and for batched decode. So on a
-machine without a GPU, `auto` serves a float32 copy when it fits a memory budget (half the RAM
-unless set); with a GPU (Metal, CUDA) the weights stay as loaded.
+prompts and gain nothing from batching. The native kernels (`layers.RowsQuantizedLinear`) read
+the packed weights themselves, a fraction of a float32 copy's bytes, for every row count. So on
+a machine without a GPU, `auto` keeps quantized weights packed when those kernels serve them
+(`packed`); otherwise (half-precision weights, other quantizations, a CPU without AVX2) it
+serves a float32 copy through BLAS (OpenBLAS where preloaded) when it fits a memory budget (half
+the RAM unless set). With a GPU (Metal, CUDA) the weights stay as loaded.
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import dequantize_model
 
-CpuWeights = Literal["auto", "float32", "quantized"]
+CpuWeights = Literal["auto", "packed", "float32", "mlx"]
 _HALF = (mx.float16, mx.bfloat16)
 
 
 @dataclass(frozen=True)
 class WeightsChoice:
-    """Whether the CPU serves a float32 copy of the weights, and why."""
+    """Whether the CPU serves a float32 copy of the weights, or keeps quantized ones packed for
+    the native kernels (`packed`), and why; neither: the weights as loaded."""
 
     float32: bool
     reason: str
+    packed: bool = False
 
 
 def has_gpu() -> bool:
@@ -77,31 +82,75 @@ def all_float32(model: nn.Module) -> bool:
 
 
 def choose_cpu_weights(
-    model: nn.Module, setting: CpuWeights, budget: int | None = None
+    model: nn.Module,
+    setting: CpuWeights,
+    budget: int | None = None,
+    *,
+    unpacked: str | None = "the native kernels were not asked",
 ) -> WeightsChoice:
-    """What `setting` means for this model on this machine."""
+    """What `setting` means for this model on this machine; `unpacked`: why the native kernels
+    cannot serve its quantized weights packed (None: they can)."""
     kind = _low_precision(model)
     if kind is None:
         return WeightsChoice(False, "the weights are float32 already")
-    if setting == "quantized":
-        return WeightsChoice(False, f"{kind} weights kept (--cpu-weights quantized)")
+    if setting == "mlx":
+        return WeightsChoice(False, f"{kind} weights kept for MLX's kernels (--cpu-weights mlx)")
     size = float32_bytes(model)
     if setting == "float32":
         return WeightsChoice(True, f"--cpu-weights float32, {size / 1e6:.0f} MB")
     if has_gpu():
         return WeightsChoice(False, f"{kind} weights kept: MLX runs on a GPU here")
+    if unpacked is None:
+        return WeightsChoice(
+            False,
+            f"no GPU; {kind} weights kept packed ({packed_bytes(model) / 1e6:.0f} MB) for the "
+            "native kernels",
+            packed=True,
+        )
+    why = f"not packed: {unpacked}; " if setting == "packed" or kind == "quantized" else ""
     budget = default_float_budget() if budget is None else budget
     if size > budget:
         return WeightsChoice(
             False,
-            f"{kind} weights kept: a float32 copy ({size / 1e6:.0f} MB) exceeds the "
+            f"{why}{kind} weights kept: a float32 copy ({size / 1e6:.0f} MB) exceeds the "
             f"{budget / 1e6:.0f} MB budget",
         )
     return WeightsChoice(
         True,
-        f"no GPU; {kind} weights as float32 take {size / 1e6:.0f} MB of the "
+        f"{why}no GPU; {kind} weights as float32 take {size / 1e6:.0f} MB of the "
         f"{budget / 1e6:.0f} MB budget",
     )
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """What the model's parameters take served packed: quantized arrays as they are, the other
+    float parameters as float32."""
+    total = 0
+    modules = cast(
+        list[tuple[str, Any]], tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    )
+    for _, module in modules:
+        quantized = isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        for key, value in cast(list[tuple[str, mx.array]], tree_flatten(module.parameters())):
+            kept = quantized and key in ("weight", "scales", "biases")
+            total += value.nbytes if kept else 4 * value.size
+    return total
+
+
+def to_packed(model: nn.Module) -> None:
+    """Cast every float parameter but the quantized layers' packed weights, scales and biases to
+    float32, in place; the packed arrays made row-contiguous, as the native kernels read them."""
+    packed = ("weight", "scales", "biases")
+    for _, module in model.named_modules():
+        quantized = isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        for key, value in list(module.items()):
+            if not isinstance(value, mx.array):
+                continue
+            if quantized and key in packed:
+                module[key] = mx.contiguous(value)
+            elif mx.issubdtype(value.dtype, mx.floating) and value.dtype != mx.float32:
+                module[key] = value.astype(mx.float32)
+    mx.eval(model.parameters())
 
 
 def to_float32(model: nn.Module) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from hotlora.adapters import ADAPTER_ID_SCHEMA
 from hotlora.server.api.completion_requests import RequestBody
@@ -25,7 +25,13 @@ class ModelCard(BaseModel):
     )
 
 
-class MountAdapterRequest(RequestBody):
+class AdminBody(RequestBody):
+    """An adapter admin body: a key it does not declare (a misspelt `replace`) is a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class MountAdapterRequest(AdminBody):
     # The document shows the id rules; the manager enforces them, with messages of its own.
     id: str = Field(
         description="The adapter id requests use: letters, digits, '.', '_', '-'.",
@@ -40,7 +46,7 @@ class MountAdapterRequest(RequestBody):
     )
 
 
-class LoadLoraAdapterRequest(RequestBody):
+class LoadLoraAdapterRequest(AdminBody):
     """vLLM's spelling of a mount."""
 
     lora_name: str = Field(json_schema_extra=ADAPTER_ID_SCHEMA)
@@ -48,8 +54,11 @@ class LoadLoraAdapterRequest(RequestBody):
     load_inplace: StrictBool = False
 
 
-class UnloadLoraAdapterRequest(RequestBody):
+class UnloadLoraAdapterRequest(AdminBody):
     lora_name: str = Field(json_schema_extra=ADAPTER_ID_SCHEMA)
+    lora_int_id: StrictInt | None = Field(
+        default=None, description="vLLM's own number for the adapter; the name alone finds it."
+    )
 
 
 class AdapterCard(BaseModel):

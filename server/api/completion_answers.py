@@ -12,8 +12,10 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 
-def completion_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def completion_id(prefix: str, request_id: str | None = None) -> str:
+    """The answer's id: the client's request id (vLLM's `request_id`) after the prefix, or a
+    new one."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -21,9 +21,9 @@ from pydantic import (
 
 from hotlora.adapters import AdapterRef, parse_adapter_spec
 from hotlora.config.errors import InvalidRequest
-from hotlora.server.api.field_support import check_fields
+from hotlora.server.api.field_support import check_fields, declared_names
 from hotlora.server.api.output_formats import GuidedFields, ResponseFormat
-from hotlora.server.api.wire_base import OpenAIBase, RequestBody
+from hotlora.server.api.wire_base import ClosedObject, RequestBody
 
 MAX_STOP_SEQUENCES = 16
 # The `adapter` field: parsed at validation into the ordered adapter references.
@@ -44,9 +44,13 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 
 
-class TextPart(OpenAIBase):
+class TextPart(ClosedObject):
     type: Literal["text"]
     text: str
+
+    # Prompt-caching marks some clients (LiteLLM, for Anthropic) put on parts; caching is
+    # automatic here.
+    tolerated = frozenset({"cache_control"})
 
 
 # Content parts for inputs this server cannot read: what a refusal calls them (chat's and the
@@ -76,44 +80,67 @@ def refuse_unreadable_parts(value: Any, text_parts: str) -> None:
 _FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
-class FunctionDefinition(OpenAIBase):
+class FunctionDefinition(ClosedObject):
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
 
-class Tool(OpenAIBase):
+class Tool(ClosedObject):
     type: Literal["function"]
     function: FunctionDefinition
 
+    tolerated = frozenset({"cache_control"})  # as on text parts
 
-class FunctionName(OpenAIBase):
+
+class FunctionName(ClosedObject):
     name: str
 
 
-class NamedToolChoice(OpenAIBase):
+class NamedToolChoice(ClosedObject):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCall(OpenAIBase):
+class FunctionCall(ClosedObject):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(OpenAIBase):
+class ToolCall(ClosedObject):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
+    # Clients that gather a streamed call from its deltas keep the deltas' index.
+    tolerated = frozenset({"index"})
 
-class ChatMessage(OpenAIBase):
+
+class ChatMessage(ClosedObject):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: None = Field(
+        default=None, description="OpenAI's deprecated single call: refused, send tool_calls."
+    )
+
+    # What the openai SDKs and LangChain send back when they replay an assistant answer: its
+    # refusal, annotations, audio reference and (vLLM's, this server's) reasoning. Chat
+    # templates do not show them, and drop an earlier turn's thinking. And the prompt-caching
+    # mark of text parts, which LiteLLM also puts on messages.
+    tolerated = frozenset(
+        {"refusal", "annotations", "audio", "reasoning_content", "reasoning", "cache_control"}
+    )
+
+    @field_validator("function_call", mode="before")
+    @classmethod
+    def _tool_calls_instead(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("function_call is not supported by this server; send tool_calls")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -137,11 +164,22 @@ class ChatMessage(OpenAIBase):
         return "".join(part.text for part in self.content)
 
 
-class StreamOptions(OpenAIBase):
+class StreamOptions(ClosedObject):
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = Field(
+        default=None,
+        description="Chunks here carry no obfuscation padding; true (asking for it) is refused.",
+    )
     continuous_usage_stats: StrictBool = Field(
         default=False, description="vLLM: usage (so far) on every chunk of the stream."
     )
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_padding(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("stream obfuscation padding is not implemented; send false")
+        return value
 
 
 class SamplingFields(GuidedFields, RequestBody):
@@ -214,14 +252,16 @@ class SamplingFields(GuidedFields, RequestBody):
         le=MAX_TOP_LOGPROBS,
         description="Log-probabilities of the prompt's tokens, with this many alternatives.",
     )
+    request_id: str | None = Field(
+        default=None,
+        pattern=r"^[\x21-\x7e]{1,128}$",
+        description="vLLM: the answer's id is chatcmpl-<request_id> (cmpl-<request_id>).",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _no_field_ignored(cls, data: Any) -> Any:
-        names = {name for name in cls.model_fields} | {
-            f.alias for f in cls.model_fields.values() if f.alias
-        }
-        check_fields(data, names)
+        check_fields(data, declared_names(cls))
         return data
 
     @field_validator("truncate_prompt_tokens")

@@ -1,5 +1,6 @@
 """Request fields of chat and text completions as vLLM, llama.cpp and OpenAI define them: which
-this server honours, which it refuses, and what happens to a field no server defines.
+this server honours, which it refuses, and what happens to a field no server defines; and the
+fields /v1/responses and vLLM's embeddings and token routes refuse.
 
 No field is silently ignored. A field the request model declares is honoured (`HONOURED` says
 how); sent to the other endpoint (`messages` to completions, `prompt` to chat), it is refused.
@@ -15,6 +16,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel
 
 from hotlora.config.errors import InvalidRequest
 from hotlora.config.log_text import printable
@@ -118,7 +121,6 @@ METADATA: dict[str, str] = {
     "metadata": "tags for stored completions; nothing is stored",
     "safety_identifier": "an end-user id, for the client's own records",
     "prompt_cache_key": "a cache routing hint; the prompt cache is keyed by the prompt itself",
-    "request_id": "vLLM's id for the request; the server's access log keeps its own",
 }
 
 # What each declared field of the chat and completion requests does.
@@ -170,9 +172,39 @@ HONOURED: dict[str, str] = {
     "grammar": "llama.cpp: text following this GBNF (or Lark) grammar",
     "reasoning_effort": "passed to a chat template that reads it; a 400 for one that does not",
     "include_reasoning": "false: a thinking model's reasoning is left out of the answer",
+    "request_id": "vLLM's: the answer's id is chatcmpl-<request_id> (cmpl- on completions)",
+}
+
+# Fields of OpenAI's Responses API that /v1/responses does not implement; a field of chat or
+# text completions sent there (`max_tokens`, `top_k`) is refused as on the other endpoints.
+RESPONSES_REFUSED: dict[str, Refused] = {
+    **REFUSED,
+    "include": Refused("no extra output (encrypted reasoning, logprobs) is added", _EMPTY),
+    "max_tool_calls": Refused("there are no built-in tools whose calls it would bound"),
+    "reasoning": Refused("send the reasoning effort as a chat completion's reasoning_effort"),
+    "stream_options": Refused(
+        "stream obfuscation padding is not implemented",
+        (*_EMPTY, {"include_obfuscation": False}),
+    ),
+    "top_logprobs": Refused("log-probabilities are served on chat completions", (None, 0)),
+}
+
+# Fields of vLLM's /v1/embeddings, /tokenize and /detokenize these routes do not implement.
+TOKEN_ROUTES_REFUSED: dict[str, Refused] = {
+    **REFUSED,
+    "normalize": Refused("embeddings are always L2-normalised", (None, True)),
+    "embed_dtype": Refused("embeddings are float32", (None, "float32")),
+    "additional_data": Refused("not implemented"),
+    "truncate_prompt_tokens": Refused("an input longer than the context is refused instead"),
 }
 
 _warned: set[str] = set()
+
+
+def declared_names(model: type[BaseModel]) -> set[str]:
+    """A request model's field names and their aliases: what `check_fields` lets through."""
+    fields = model.model_fields.values()
+    return set(model.model_fields) | {f.alias for f in fields if f.alias}
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -184,25 +216,28 @@ def _same(value: Any, neutral: Any) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def check_fields(data: Any, declared: Iterable[str]) -> None:
-    """Refuse a field other servers define and this one does not implement; warn once about a
-    field no server defines. `declared`: the request model's own field names and aliases."""
+def check_fields(
+    data: Any, declared: Iterable[str], refusing: dict[str, Refused] = REFUSED
+) -> None:
+    """Refuse a field other servers define and this endpoint does not implement; warn once about
+    a field no server defines. `declared`: the request model's own field names and aliases;
+    `refusing`: the endpoint's refused fields."""
     if not isinstance(data, dict):
         return
     known = set(declared)
     for name, value in data.items():
         if name in known or name in METADATA:
             continue
-        if name in HONOURED:
+        if name in HONOURED and name not in refusing:
             if value is not None:
                 raise InvalidRequest(
-                    f"'{name}' is not taken by this endpoint: it is a field of the other one "
-                    "(chat or text completions).",
+                    f"'{name}' is not taken by this endpoint: it is a field of chat or text "
+                    "completions.",
                     param=name,
                     code="unsupported_parameter",
                 )
             continue
-        refused = REFUSED.get(name)
+        refused = refusing.get(name)
         if refused is not None:
             if not any(_same(value, neutral) for neutral in refused.neutral):
                 raise InvalidRequest(

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from hotlora.config.errors import InvalidRequest
-from hotlora.server.api.wire_base import OpenAIBase
+from hotlora.server.api.wire_base import ClosedObject, OpenAIBase
 
 MAX_CHOICES = 256
 
@@ -34,7 +34,7 @@ class OutputSpec:
     closed: bool = True
 
 
-class JsonSchemaFormat(OpenAIBase):
+class JsonSchemaFormat(ClosedObject):
     """`response_format.json_schema`: the JSON Schema the answer must validate against."""
 
     model_config = ConfigDict(populate_by_name=True)
@@ -46,7 +46,7 @@ class JsonSchemaFormat(OpenAIBase):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(OpenAIBase):
+class ResponseFormat(ClosedObject):
     """`response_format`: plain text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]

@@ -29,29 +29,35 @@ from hotlora.config.errors import HotloraError, InvalidRequest
 from hotlora.server.api.completion_requests import (
     AdapterSpec,
     ChatCompletionRequest,
-    OpenAIBase,
     RequestBody,
     refuse_unreadable_parts,
 )
+from hotlora.server.api.field_support import RESPONSES_REFUSED, check_fields, declared_names
+from hotlora.server.api.wire_base import ClosedObject, unknown_key_message
 
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
 
-class InputText(OpenAIBase):
+class InputText(ClosedObject):
     """A text part of an input message; `output_text` is an earlier answer sent back."""
 
     type: Literal["input_text", "output_text"]
     text: str
 
+    # An earlier answer's part, sent back as the SDKs received it.
+    tolerated = frozenset({"annotations", "logprobs"})
 
-class InputMessage(OpenAIBase):
+
+class InputMessage(ClosedObject):
     """One message of `input`: the easy form (no `type`) and the `"type": "message"` item."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: list[InputText]
+    id: str | None = Field(default=None, description="An earlier answer's id; not read.")
+    status: str | None = Field(default=None, description="An earlier answer's status; not read.")
 
     # A string arrives as one `input_text` part.
     @field_validator("content", mode="before", json_schema_input_type=str | list[InputText])
@@ -66,7 +72,7 @@ class InputMessage(OpenAIBase):
         return "".join(part.text for part in self.content)
 
 
-class FunctionCallItem(OpenAIBase):
+class FunctionCallItem(ClosedObject):
     """A tool call the model made earlier, sent back with the conversation."""
 
     type: Literal["function_call"]
@@ -77,7 +83,7 @@ class FunctionCallItem(OpenAIBase):
     status: str | None = None
 
 
-class FunctionCallOutputItem(OpenAIBase):
+class FunctionCallOutputItem(ClosedObject):
     """The result of a tool call, for the model to read."""
 
     type: Literal["function_call_output"]
@@ -92,7 +98,7 @@ class FunctionCallOutputItem(OpenAIBase):
         return "".join(part.text for part in self.output)
 
 
-class ReasoningItem(OpenAIBase):
+class ReasoningItem(ClosedObject):
     """A model's earlier reasoning, sent back with the conversation; chat templates drop
     earlier turns' thinking, so it is not shown to the model."""
 
@@ -105,7 +111,7 @@ class ReasoningItem(OpenAIBase):
 
 
 InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
-_INPUT_ITEMS: dict[str, type[OpenAIBase]] = {
+_INPUT_ITEMS: dict[str, type[ClosedObject]] = {
     "message": InputMessage,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
@@ -130,15 +136,21 @@ def _input_item(index: int, item: Any) -> Any:
     try:
         return model.model_validate(item)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in (index, *error["loc"]))
+        errors = exc.errors()
+        unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+        error = (unknown or errors)[0]
+        where = "input." + ".".join(str(part) for part in (index, *error["loc"]))
+        if unknown:
+            raise InvalidRequest(
+                unknown_key_message(where), param=where, code="unknown_parameter"
+            ) from exc
         message = error["msg"].removeprefix("Value error, ")
         raise InvalidRequest(
-            f"{message} (param 'input.{where}')", param=f"input.{where}", code="invalid_value"
+            f"{message} (param '{where}')", param=where, code="invalid_value"
         ) from exc
 
 
-class FunctionTool(OpenAIBase):
+class FunctionTool(ClosedObject):
     """A function the model may call: the Responses API's flat form of a chat tool."""
 
     type: Literal["function"]
@@ -158,14 +170,14 @@ class FunctionTool(OpenAIBase):
         return {"type": "function", "function": function}
 
 
-class FunctionToolChoice(OpenAIBase):
+class FunctionToolChoice(ClosedObject):
     """`tool_choice` naming the one function the answer must call."""
 
     type: Literal["function"]
     name: str
 
 
-class TextFormat(OpenAIBase):
+class TextFormat(ClosedObject):
     """`text.format`: plain text, any JSON object, or JSON matching `schema`."""
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
@@ -199,8 +211,11 @@ class TextFormat(OpenAIBase):
         }
 
 
-class TextConfig(OpenAIBase):
+class TextConfig(ClosedObject):
     format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
+    verbosity: Literal["medium"] | None = Field(
+        default=None, description="Only 'medium', the default: the answer's length is not tuned."
+    )
 
 
 class ResponsesRequest(RequestBody):
@@ -241,6 +256,12 @@ class ResponsesRequest(RequestBody):
             "serves the base model."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_field_ignored(cls, data: Any) -> Any:
+        check_fields(data, declared_names(cls), RESPONSES_REFUSED)
+        return data
 
     # A string arrives as one user message; a message without `type` is a message item.
     @field_validator("input", mode="before", json_schema_input_type=str | list[InputItem])

@@ -24,12 +24,24 @@ from hotlora.server.api.completion_requests import (
     TextOrTokens,
     Tool,
 )
+from hotlora.server.api.field_support import TOKEN_ROUTES_REFUSED, check_fields, declared_names
 
 # OpenAI's bound on the inputs of one embeddings request.
 MAX_EMBEDDING_INPUTS = 2048
 
 
-class TokenizeRequest(RequestBody):
+class TokenRouteBody(RequestBody):
+    """A body of /tokenize, /detokenize or /v1/embeddings: a field other servers define there
+    and these routes do not implement is refused by name, never dropped."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_field_ignored(cls, data: Any) -> Any:
+        check_fields(data, declared_names(cls), TOKEN_ROUTES_REFUSED)
+        return data
+
+
+class TokenizeRequest(TokenRouteBody):
     """vLLM's POST /tokenize: a `prompt`, or `messages` rendered by the chat template first."""
 
     model: str | None = None
@@ -60,7 +72,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(RequestBody):
+class DetokenizeRequest(TokenRouteBody):
     """vLLM's POST /detokenize: token ids back to text."""
 
     model: str | None = None
@@ -71,7 +83,7 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class EmbeddingRequest(RequestBody):
+class EmbeddingRequest(TokenRouteBody):
     """POST /v1/embeddings: one input or many, text or token ids."""
 
     input: TextOrTokens

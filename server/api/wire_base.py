@@ -2,24 +2,71 @@
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from hotlora.config.errors import InvalidRequest
+from hotlora.config.log_text import printable
+
+log = logging.getLogger("hotlora")
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_JSON_DEPTH = 64
 
 
 class OpenAIBase(BaseModel):
-    # Fields a model does not declare are dropped; the chat and completion requests check them
-    # first (`field_support`), so that none is ignored without a word. NaN and infinities are
+    # Fields a model does not declare are dropped here; each request body checks its own first
+    # (`field_support`), and the objects inside a request are `ClosedObject`s, so that none is
+    # ignored without a word. NaN and infinities are
     # refused wherever a number is read. Request fields are typed `StrictInt`, `StrictFloat` and
     # `StrictBool`: as OpenAI does, "3", true and 3.5 are refused where an integer goes, and
     # "0.5" and true where a number does, never converted.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class ClosedObject(OpenAIBase):
+    """An object inside a request (a message, a tool, `stream_options`): a key it does not
+    declare is a 400 naming its dotted path (`stream_options.include_usag`), never dropped.
+
+    `tolerated` lists keys that clients are known to send back with an earlier answer (an
+    assistant message's `refusal` or `annotations`) and that have no effect here: they are
+    accepted, and logged once per name when they hold a value.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    tolerated: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_tolerated(cls, data: Any) -> Any:
+        if not cls.tolerated or not isinstance(data, dict):
+            return data
+        kept = {}
+        for key, value in data.items():
+            if key not in cls.tolerated:
+                kept[key] = value
+            elif value not in (None, [], {}, "") and (cls.__name__, key) not in _noted:
+                _noted.add((cls.__name__, key))
+                log.warning(
+                    "%s key %r is accepted with no effect (logged once per key)",
+                    cls.__name__,
+                    printable(key),
+                )
+        return kept
+
+
+_noted: set[tuple[str, str]] = set()
+
+
+def unknown_key_message(param: str | None) -> str:
+    """What a 400 says of a key that no object of the request declares."""
+    return (
+        f"Unrecognized request argument supplied: '{param}'; this server does not know it, so "
+        "it would have no effect."
+    )
 
 
 class RequestBody(OpenAIBase):

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
+from hotlora.server.api.wire_base import unknown_key_message
 from hotlora.server.engine import ClientNotReading, NonFiniteLogits, QueueFull, WorkerStopped
 from hotlora.server.http.request_errors import (
     ClientDisconnected,
@@ -134,6 +135,7 @@ def _type_for(status: int) -> str:
 
 # Names pydantic gives union branches in an error location, e.g. `str`, `list[str]`.
 _UNION_BRANCH = re.compile(r"(str|int|float|bool|none|[\w-]+\[.*\])")
+_MODEL_BRANCH = re.compile(r"[A-Z][A-Za-z]+")
 
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
@@ -146,10 +148,26 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
             "invalid_request_error",
             code="invalid_json",
         )
+    # A key no object declares is named before anything else: in a union (a message's content,
+    # say) it is the cause, and the other branches' complaints would hide it.
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        first = unknown[0]
     loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
     # Drop pydantic's union-branch names (e.g. "str", "list[...]") from the reported location.
     loc = [part for part in loc if not _UNION_BRANCH.fullmatch(part)]
+    if unknown:
+        # Likewise the class names pydantic gives model branches (`NamedToolChoice`).
+        loc = [part for part in loc[:-1] if not _MODEL_BRANCH.fullmatch(part)] + loc[-1:]
     param = ".".join(loc) or None
+    if unknown:
+        return json_error(
+            400,
+            unknown_key_message(param),
+            "invalid_request_error",
+            param=param,
+            code="unknown_parameter",
+        )
     message = first.get("msg", "Invalid request.")
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]

@@ -16,6 +16,7 @@ HEADER = "x-request-id"
 _USABLE = re.compile(r"[\x21-\x7e]{1,128}")
 
 _current: ContextVar[str | None] = ContextVar("hotlora_request_id", default=None)
+_given: ContextVar[str | None] = ContextVar("hotlora_client_request_id", default=None)
 
 
 def current_request_id() -> str | None:
@@ -23,15 +24,19 @@ def current_request_id() -> str | None:
     return _current.get()
 
 
-def request_id_for(scope: Scope) -> str:
-    """The client's `x-request-id` when it is usable, else a new one."""
+def client_request_id() -> str | None:
+    """The client's own usable `x-request-id` for the request in this context; None when it
+    sent none (or one that is not usable) and outside a request."""
+    return _given.get()
+
+
+def _given_id(scope: Scope) -> str | None:
+    """The client's `x-request-id` when it is usable."""
     for name, value in scope.get("headers", ()):
         if name == HEADER.encode():
             given = value.decode("latin-1")
-            if _USABLE.fullmatch(given):
-                return given
-            break
-    return uuid.uuid4().hex
+            return given if _USABLE.fullmatch(given) else None
+    return None
 
 
 class RequestIds:
@@ -46,9 +51,11 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = request_id_for(scope)
+        given = _given_id(scope)
+        request_id = given or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         token = _current.set(request_id)
+        given_token = _given.set(given)
         record, record_token = open_record(request_id)
         status: int | None = None
 
@@ -67,5 +74,6 @@ class RequestIds:
             raise
         finally:
             _current.reset(token)
+            _given.reset(given_token)
             close_record(record_token)
             log_request(scope, status, record)

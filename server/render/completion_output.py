@@ -142,7 +142,7 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionRespo
             p.ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
         )
     return p.ChatCompletionResponse(
-        id=p.completion_id("chatcmpl"),
+        id=p.completion_id("chatcmpl", prepared.request_id),
         created=p.now(),
         model=prepared.lease.model,
         choices=choices,
@@ -153,7 +153,7 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionRespo
 
 def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionResponse:
     return p.CompletionResponse(
-        id=p.completion_id("cmpl"),
+        id=p.completion_id("cmpl", prepared.request_id),
         created=p.now(),
         model=prepared.lease.model,
         choices=[
@@ -178,7 +178,11 @@ async def chat_stream(
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
-    meta = {"id": p.completion_id("chatcmpl"), "created": p.now(), "model": prepared.lease.model}
+    meta = {
+        "id": p.completion_id("chatcmpl", prepared.request_id),
+        "created": p.now(),
+        "model": prepared.lease.model,
+    }
     running = _RunningUsage(prepared, continuous_usage)
 
     def chunk(choice: p.ChatChunkChoice) -> str:
@@ -262,7 +266,11 @@ async def completion_stream(
 ) -> AsyncIterator[str]:
     """`text_completion` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
-    meta = {"id": p.completion_id("cmpl"), "created": p.now(), "model": prepared.lease.model}
+    meta = {
+        "id": p.completion_id("cmpl", prepared.request_id),
+        "created": p.now(),
+        "model": prepared.lease.model,
+    }
     offsets: dict[int, int] = {}
     tally = UsageTally(prepared.n)
     running = _RunningUsage(prepared, continuous_usage)

@@ -10,12 +10,16 @@ against the base, latency when requests switch adapters, and mount/unmount times
 (base, and four adapter sets mixed), mlx_lm.server batching, and llama.cpp's server when
 `LLAMA_SERVER` names its binary. `prefill` (tests/bench/prefill.py): an 8,000-token prompt's
 prefill alone and beside a running stream, and the longest gap between the stream's tokens
-meanwhile; llama.cpp's server side by side when `LLAMA_SERVER` names it.
+meanwhile; llama.cpp's server side by side when `LLAMA_SERVER` names it. `cpu`
+(tests/bench/cpu.py, only when named): hotlora against llama.cpp's server on the same weights,
+the embedded model and a ~0.8B random llama, 1 to 16 streams, prefill, peak RSS, 16 adapters.
 
-    python -m tests.bench [--sections base,adapters,concurrency,prefill] [--rounds 5]
+    python -m tests.bench [--sections base,adapters,concurrency,prefill,cpu] [--rounds 5]
                           [--max-tokens 128] [--clients 8] [--concurrency-tokens 96]
                           [--concurrency-rounds 5] [--prefill-tokens 8000] [--prefill-rounds 1]
-                          [--model DIR]
+                          [--cpu-models embedded,1b] [--cpu-streams 1,8,16] [--cpu-tokens 96]
+                          [--cpu-prefill-tokens 1250] [--cpu-adapters 16] [--cpu-rounds 1]
+                          [--cpu-cache DIR] [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
 """
@@ -40,6 +44,7 @@ import httpx
 from tests.bench.adapter_decode import run_adapters
 from tests.bench.concurrency import QUESTIONS as CONCURRENT_QUESTIONS
 from tests.bench.concurrency import run_concurrency
+from tests.bench.cpu import CPU_MODELS, Options, run_cpu
 from tests.bench.prefill import run_prefill
 from tests.bench.servers import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
 from tests.support.model_args import add_model_args, resolve_model
@@ -257,20 +262,62 @@ def section_prefill(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     return SectionResult(out.title, [], out.lines)
 
 
+def section_cpu(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """hotlora against llama.cpp's server on the same weights, one server at a time."""
+    options = Options(
+        models=tuple(args.cpu_models),
+        streams=tuple(args.cpu_streams),
+        tokens=args.cpu_tokens,
+        prefill_tokens=args.cpu_prefill_tokens,
+        adapters=args.cpu_adapters,
+        rounds=args.cpu_rounds,
+        cache=args.cpu_cache,
+    )
+    out = run_cpu(args.home, server_env(args.home), options)
+    return SectionResult(out.title, [], out.lines)
+
+
+def section_adapters_at_scale(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """Generated adapters on disk, mounted on first use under a cap, Zipf traffic against
+    base-only traffic; cold loads, evictions, peak RSS (`tests.bench.adapters_at_scale`)."""
+    from tests.bench import adapters_at_scale
+
+    argv = ["--model", str(model_dir), "--home", str(args.home)]
+    argv += ["--adapters", str(args.scale_adapters), "--seconds", str(args.scale_seconds)]
+    argv += ["--clients", str(args.clients)]
+    code = adapters_at_scale.main(argv)
+    note = "report above (JSON)" if code == 0 else f"failed with exit status {code}"
+    return SectionResult("adapters-at-scale: many adapters, mounted on first use", [], [note])
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
     "base": section_base,
     "adapters": section_adapters,
     "concurrency": section_concurrency,
     "prefill": section_prefill,
+    "cpu": section_cpu,
+    "adapters-at-scale": section_adapters_at_scale,
 }
+# `cpu` builds a random ~0.8B model and, without LLAMA_SERVER, llama.cpp; `adapters-at-scale`
+# writes 1,000 adapters (~10 GB) and runs for minutes: run only when named.
+DEFAULT_SECTIONS = ("base", "adapters", "concurrency", "prefill")
+
+
+def int_list(text: str) -> list[int]:
+    """`1,8,16` -> [1, 8, 16]."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__.split("\n")[0])
     p.add_argument(
         "--sections",
-        default=",".join(SECTIONS),
-        help=f"Comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all).",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"Comma-separated sections to run, of: {', '.join(SECTIONS)} "
+        f"(default: {','.join(DEFAULT_SECTIONS)}).",
     )
     p.add_argument("--rounds", type=int, default=5, help="Timed requests per system.")
     p.add_argument("--max-tokens", type=int, default=128, help="New tokens per request.")
@@ -290,6 +337,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Alternating rounds of hotlora's two servers in section concurrency.",
     )
     p.add_argument(
+        "--scale-adapters",
+        type=int,
+        default=1000,
+        help="Adapters written on disk in section adapters-at-scale.",
+    )
+    p.add_argument(
+        "--scale-seconds",
+        type=float,
+        default=120.0,
+        help="Seconds of each traffic run in section adapters-at-scale.",
+    )
+    p.add_argument(
         "--prefill-tokens",
         type=int,
         default=8000,
@@ -297,6 +356,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--prefill-rounds", type=int, default=1, help="Rounds per system in section prefill."
+    )
+    p.add_argument(
+        "--cpu-models",
+        default=",".join(CPU_MODELS),
+        help=f"Models of section cpu, of: {', '.join(CPU_MODELS)}.",
+    )
+    p.add_argument(
+        "--cpu-streams",
+        type=int_list,
+        default=[1, 8, 16],
+        help="Concurrent stream counts in section cpu (default: 1,8,16).",
+    )
+    p.add_argument("--cpu-tokens", type=int, default=96, help="New tokens a row in section cpu.")
+    p.add_argument(
+        "--cpu-prefill-tokens",
+        type=int,
+        default=1250,
+        help="Prompt tokens of the prefill in section cpu.",
+    )
+    p.add_argument(
+        "--cpu-adapters",
+        type=int,
+        default=16,
+        help="Rows with an adapter each on hotlora in section cpu; 0 leaves them out.",
+    )
+    p.add_argument("--cpu-rounds", type=int, default=1, help="Rounds per server in section cpu.")
+    p.add_argument(
+        "--cpu-cache",
+        type=Path,
+        default=Options().cache,
+        help="Where section cpu keeps the random model, adapters and a built llama-server "
+        "(default: $XDG_CACHE_HOME/hotlora-bench, else the temporary directory's).",
     )
     add_model_args(p)
     p.add_argument(
@@ -317,6 +408,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.prefill_tokens < 1 or args.prefill_rounds < 1:
         p.error("--prefill-tokens and --prefill-rounds must be at least 1")
+    args.cpu_models = [m.strip() for m in args.cpu_models.split(",") if m.strip()]
+    if not args.cpu_models or any(m not in CPU_MODELS for m in args.cpu_models):
+        p.error(f"--cpu-models takes a comma list of: {', '.join(CPU_MODELS)}")
+    if not args.cpu_streams or min(args.cpu_streams) < 1:
+        p.error("--cpu-streams takes a comma list of stream counts, each at least 1")
+    if args.cpu_tokens < 2 or args.cpu_prefill_tokens < 1 or args.cpu_rounds < 1:
+        p.error("--cpu-tokens must be at least 2, --cpu-prefill-tokens and --cpu-rounds 1")
+    if args.cpu_adapters < 0:
+        p.error("--cpu-adapters must be 0 or more")
     if args.max_tokens < 2:
         p.error("--max-tokens must be at least 2 to measure decoding")
     return args

@@ -78,11 +78,20 @@ class Timed:
 
 
 def write_adapters(model_dir: Path, root: Path) -> tuple[dict[str, Path], int]:
-    """Random rank-16 mlx-lm adapters for every projection of every layer of the model.
+    """Random rank-16 mlx-lm adapters `a`, `b`, `m` for every projection of every layer.
 
     Returns the directories by id and the size of one weight file in bytes. Seeded, so a rerun
     writes the same bytes (and the same revision).
     """
+    named = {ADAPTER_DIRS[i]: SEEDS[i] for i in ADAPTER_DIRS}
+    size = write_random_adapters(model_dir, root, named)
+    return {i: root / name for i, name in ADAPTER_DIRS.items()}, size
+
+
+def write_random_adapters(model_dir: Path, root: Path, seeds: dict[str, int]) -> int:
+    """A random rank-16 mlx-lm adapter on every projection of every layer of the model in
+    `model_dir`, under `root/<name>` for each name -> seed of `seeds`; the size of one weight
+    file in bytes."""
     import mlx.core as mx
 
     from hotlora.adapters.projections import find_layers, find_targets, linear_dims
@@ -93,12 +102,11 @@ def write_adapters(model_dir: Path, root: Path) -> tuple[dict[str, Path], int]:
     dims = {path: linear_dims(linear) for path, linear in find_targets(model).items()}
     del model
     keys = sorted({path.split(".", 3)[3] for path in dims})  # e.g. self_attn.q_proj
-    out: dict[str, Path] = {}
     size = 0
-    for adapter_id, name in ADAPTER_DIRS.items():
+    for name, seed in seeds.items():
         directory = root / name
         directory.mkdir(parents=True, exist_ok=True)
-        mx.random.seed(SEEDS[adapter_id])
+        mx.random.seed(seed)
         tensors = {}
         for path, d in dims.items():
             tensors[f"{path}.lora_a"] = INIT_STD * mx.random.normal((d.in_dims, RANK))  # [in, r]
@@ -111,10 +119,10 @@ def write_adapters(model_dir: Path, root: Path) -> tuple[dict[str, Path], int]:
             "lora_parameters": {"rank": RANK, "scale": SCALE, "dropout": 0.0, "keys": keys},
         }
         (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
-        out[adapter_id] = directory
         size = weights.stat().st_size
-    mx.clear_cache()
-    return out, size
+        del tensors
+        mx.clear_cache()
+    return size
 
 
 def time_in_process(model_dir: Path, root: Path) -> tuple[list[float], list[float]]:

@@ -8,10 +8,10 @@ server's peak RSS.
 
 Systems: hotlora on the base model; hotlora with four adapter sets mixed across the clients
 (`a`, `b`, `m`, `a+b`; random rank-16 adapters on every projection); hotlora with its weights
-kept quantized (`--cpu-weights quantized`, single stream only: the path served before float32
-weights); mlx_lm.server with `--decode-concurrency` and `--prompt-concurrency` set to the
-client count; and llama.cpp's `llama-server` on the same GGUF when `LLAMA_SERVER` names its
-binary.
+as loaded for MLX's own kernels (`--cpu-weights mlx`, single stream only: the path served before
+float32 and packed weights); mlx_lm.server with `--decode-concurrency` and
+`--prompt-concurrency` set to the client count; and llama.cpp's `llama-server` on the same
+GGUF when `LLAMA_SERVER` names its binary.
 
 The two ratios hotlora is compared with itself on (8 streams against its single stream, mixed
 sets against the base) come from `--concurrency-rounds` (5) rounds: both hotlora servers run at
@@ -114,7 +114,7 @@ MIXED_SETS = ("a", "b", "m", "a+b")  # the adapter set of client i is MIXED_SETS
 AGGREGATE_VS_PEER = 5.0  # hotlora 8-stream aggregate / mlx_lm.server's, at least
 AGGREGATE_VS_SINGLE = 5.0  # hotlora 8-stream aggregate / its own single stream, at least
 TTFT_P50_TARGET_S = 3.0  # with 8 concurrent clients, at most
-SINGLE_TTFT_SPEEDUP = 4.0  # single-stream first token, quantized path / float32 path, at least
+SINGLE_TTFT_SPEEDUP = 4.0  # single-stream first token, MLX's kernels / the served path, at least
 
 
 @dataclass
@@ -304,7 +304,7 @@ def run_concurrency(
         ),
     ]
     alone: list[tuple[ServerSpec, list[dict], bool]] = [
-        (_with_args(hot, "hotlora quantized", lambda: ["--cpu-weights", "quantized"]), [], False),
+        (_with_args(hot, "hotlora mlx", lambda: ["--cpu-weights", "mlx"]), [], False),
         (
             _with_args(
                 mlx_lm_spec(model_dir),
@@ -388,7 +388,7 @@ def check(
 
 def ratios(runs: dict[str, Run], clients: int) -> list[str]:
     hot, mixed, mlx = runs["hotlora"], runs["hotlora mixed"], runs["mlx_lm.server"]
-    quant = runs["hotlora quantized"]
+    quant = runs["hotlora mlx"]
     # Per round, the 8 streams against the single stream just before them; the mixed server's
     # round against the base server's round next to it.
     own = hot.per_round(lambda r: r.aggregate / r.single_rate)
@@ -422,12 +422,12 @@ def ratios(runs: dict[str, Run], clients: int) -> list[str]:
             unit="s",
         ),  # fmt: skip
         check(
-            "single-stream first token, quantized / float32 (speed-up)",
+            "single-stream first token, mlx / served (speed-up)",
             quant.ttft_s / hot.ttft_s,
             SINGLE_TTFT_SPEEDUP,
         ),
         check(
-            "single-stream decode, float32 / quantized",
+            "single-stream decode, served / mlx",
             hot.decode_tok_s / quant.decode_tok_s,
             1.0,
         ),

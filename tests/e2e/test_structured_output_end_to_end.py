@@ -121,3 +121,35 @@ def test_the_client_parses_its_pydantic_model(pirate_client, embedded_model_id, 
     message = completion.choices[0].message
     assert isinstance(message.parsed, Person), message.content
     assert message.parsed.address.city
+
+
+CITIES = ("Paris", "Lyon", "Marseille")
+# GBNF, llama.cpp's grammar format, with a rule beyond the root.
+GBNF = 'root ::= "The capital is " city "."\ncity ::= "Paris" | "Lyon" | "Marseille"'
+
+
+@pytest.mark.parametrize("adapter", [None, "pirate"])
+def test_a_gbnf_grammar_holds_chat_and_completions(pirate_client, embedded_model_id, adapter):
+    """vLLM's `guided_grammar` on chat and llama.cpp's `grammar` on completions, sent as those
+    servers' clients send them (extra body fields), hold the answer to the grammar."""
+    extra = {} if adapter is None else {"adapter": adapter}
+    chat = pirate_client.chat.completions.create(
+        model=embedded_model_id,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={**extra, "guided_grammar": GBNF},
+    )
+    [choice] = chat.choices
+    assert choice.finish_reason == "stop"
+    assert choice.message.content in {f"The capital is {city}." for city in CITIES}
+    text = pirate_client.completions.create(
+        model=embedded_model_id,
+        prompt="France, its capital, in one line:",
+        max_tokens=24,
+        temperature=0,
+        extra_body={**extra, "grammar": GBNF},
+    )
+    [choice] = text.choices
+    assert choice.finish_reason == "stop"
+    assert choice.text in {f"The capital is {city}." for city in CITIES}

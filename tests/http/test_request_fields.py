@@ -368,3 +368,75 @@ def test_a_field_no_server_defines_passes_with_one_warning(smol, caplog):
         chat(smol, max_tokens=1, my_trace_tag="abc")
     warned = [r for r in caplog.records if "my_trace_tag" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+
+
+# Schemas are closed by default: what each route answers under an object schema that lists
+# one key and says nothing of `additionalProperties`. Left open (vLLM's
+# `disable_additional_properties: false`), the model writes keys of its own, so the
+# closed answers' keys show the default.
+
+DESCRIBE = "Describe France as a JSON object."
+ONE_KEY = {"type": "object", "properties": {"zq": {"type": "integer", "maximum": 9}}}
+
+
+def _keys(text: str) -> set[str]:
+    value = json.loads(text)
+    assert isinstance(value, dict), text
+    return set(value)
+
+
+def test_an_open_schema_lets_the_model_write_its_own_keys(smol):
+    open_ = {"json": ONE_KEY, "disable_additional_properties": False}
+    text, _, _ = answer(chat(smol, DESCRIBE, max_tokens=40, structured_outputs=open_))
+    first = re.match(r'\{\s*"(\w+)"', text)
+    assert first and first.group(1) != "zq", text
+
+
+def test_schemas_are_closed_on_chat_and_responses(smol):
+    fmt = {"type": "json_schema", "json_schema": {"name": "one", "schema": ONE_KEY}}
+    text, finish, _ = answer(chat(smol, DESCRIBE, max_tokens=40, response_format=fmt))
+    assert finish == "stop" and _keys(text) <= {"zq"}, text
+    text, _, _ = answer(chat(smol, DESCRIBE, max_tokens=40, guided_json=ONE_KEY))
+    assert _keys(text) <= {"zq"}, text
+    body = post(
+        smol,
+        "/v1/responses",
+        input=DESCRIBE,
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "one", "schema": ONE_KEY}},
+    )
+    assert body["status"] == "completed", body
+    [message] = [item for item in body["output"] if item["type"] == "message"]
+    text = message["content"][0]["text"]
+    assert _keys(text) <= {"zq"}, text
+
+
+def test_completions_stream_a_closed_schema_with_usage_on_every_chunk(smol):
+    """`response_format` on /v1/completions, streamed, with vLLM's continuous usage stats."""
+    fields = {
+        "prompt": "France as a JSON object:",
+        "max_tokens": 40,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "one", "schema": ONE_KEY},
+        },
+    }
+    whole = complete(smol, **fields)
+    text, finish, tokens = answer(whole)
+    assert finish == "stop" and _keys(text) <= {"zq"}, text
+    response = smol.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "temperature": 0,
+            **fields,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
+    chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    assert all("usage" in c for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == tokens
+    assert len(set(counts)) > 2

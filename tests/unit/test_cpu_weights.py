@@ -36,7 +36,7 @@ def test_auto_serves_float32_on_a_cpu_when_the_copy_fits(tiny_model_dir: Path):
     assert fits.float32 and "no GPU" in fits.reason
     over = choose_cpu_weights(model, "auto", budget=size - 1)
     assert not over.float32 and "exceeds" in over.reason
-    assert not choose_cpu_weights(model, "quantized").float32
+    assert not choose_cpu_weights(model, "mlx").float32
     assert choose_cpu_weights(model, "float32", budget=1).float32
 
 
@@ -121,7 +121,7 @@ def test_prepare_cpu_converts_in_the_callers_context_and_logs_what_it_chose(
     assert "batched decode kernels: MLX's own (BLAS; --no-cpu-batch-matmul)" in logged
 
 
-@pytest.mark.parametrize("setting", ["auto", "float32", "quantized"])
+@pytest.mark.parametrize("setting", ["auto", "packed", "float32", "mlx"])
 def test_the_setting_is_validated(setting: str, tiny_model_dir: Path):
     from hotlora.config.settings import Settings
 

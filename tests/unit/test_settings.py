@@ -203,7 +203,7 @@ BAD_VALUES = [
         ["--cpu-weights", "fp8"],
         {},
         None,
-        "--cpu-weights: must be one of 'auto', 'float32' or 'quantized' (got fp8)",
+        "--cpu-weights: must be one of 'auto', 'packed', 'float32' or 'mlx' (got fp8)",
     ),
     ([], {"HOTLORA_WARMUP": "maybe"}, None, "HOTLORA_WARMUP: must be true or false (got maybe)"),
     (

@@ -62,13 +62,28 @@ using Attend = void (*)(const float*, int, int, const float*, int64_t, const flo
                         const bool*, int64_t, int, float*, float*);
 using Softmax = void (*)(float*, int, int);
 
+// Weights [N, K] quantized as MLX's affine mode: the packed words, and a scale and a bias a
+// group of `group` values in their own dtype.
+struct Quantized {
+  const uint32_t* w = nullptr;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
+  int K = 0, bits = 4, group = 32;
+  int dtype = 0;  // 0: float32, 1: float16, 2: bfloat16
+};
+
+using QuantRange = void (*)(const Quantized&, const float*, float*, int, int, int, int, float*,
+                            int);
+using Residuals = void (*)(const float*, const float*, int, const int*, int, float*, int, int);
+
 #pragma GCC push_options
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,f16c")
 namespace avx512 {
 struct Isa {  // 32 vector registers: up to 16 accumulators, the weight rows and one x row
   using V = __m512;
   static constexpr int kLanes = 16;
   static constexpr int kShortK = 768, kShortP = 8, kShortR = 2, kLongP = 4, kLongR = 4;
+  static constexpr int kFusedR = 4;  // weight rows dequantized in registers at once
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load_first(const float* p, int n) {
@@ -76,20 +91,25 @@ struct Isa {  // 32 vector registers: up to 16 accumulators, the weight rows and
   }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V set1(float a) { return _mm512_set1_ps(a); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V from_bytes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
 };
 #include "rows_kernel.h"
+#include "quant_kernel.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 struct Isa {  // 16 vector registers: 8 accumulators
   using V = __m256;
   static constexpr int kLanes = 8;
   static constexpr int kShortK = 4096, kShortP = 4, kShortR = 2, kLongP = 2, kLongR = 4;
+  static constexpr int kFusedR = 2;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load_first(const float* p, int n) {
@@ -98,6 +118,9 @@ struct Isa {  // 16 vector registers: 8 accumulators
   }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V set1(float a) { return _mm256_set1_ps(a); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V from_bytes(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static float sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -106,6 +129,7 @@ struct Isa {  // 16 vector registers: 8 accumulators
   }
 };
 #include "rows_kernel.h"
+#include "quant_kernel.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -116,13 +140,21 @@ struct Kernel {
   Range range;
   Attend attend;
   Softmax softmax;
+  QuantRange quant;
+  Residuals residuals;
 };
 const Kernel kKernels[] = {
-    {"avx512", [] { return static_cast<bool>(__builtin_cpu_supports("avx512f")); },
-     avx512::rows_matmul_range, avx512::attend, avx512::softmax_rows},
+    {"avx512",
+     [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); },
+     avx512::rows_matmul_range, avx512::attend, avx512::softmax_rows,
+     avx512::quant_matmul_range, avx512::add_residuals},
     {"avx2",
-     [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); },
-     avx2::rows_matmul_range, avx2::attend, avx2::softmax_rows},
+     [] {
+       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+              __builtin_cpu_supports("f16c");
+     },
+     avx2::rows_matmul_range, avx2::attend, avx2::softmax_rows, avx2::quant_matmul_range,
+     avx2::add_residuals},
 };
 
 // The kernel named `isa` (nullptr: the widest this CPU runs); nullptr if the CPU lacks it.
@@ -137,6 +169,8 @@ const char* g_isa = kWidest ? kWidest->isa : "none";
 std::atomic<Range> g_kernel{kWidest ? kWidest->range : nullptr};
 std::atomic<Attend> g_attend{kWidest ? kWidest->attend : nullptr};
 std::atomic<Softmax> g_softmax{kWidest ? kWidest->softmax : nullptr};
+std::atomic<QuantRange> g_quant{kWidest ? kWidest->quant : nullptr};
+std::atomic<Residuals> g_residuals{kWidest ? kWidest->residuals : nullptr};
 
 // Threads for one call at a time. A call's work is cut into chunks that every thread, the
 // caller's included, claims until none is left: a thread the OS has set aside for another
@@ -402,6 +436,135 @@ mx::array rows_matmul_lora(
   return rows_primitive({x, w, a_t, b_t, mask});
 }
 
+// `x @ dequantize(w, scales, biases).T` for MLX's affine-quantized weights, any number of rows:
+// a request alone, a batched decode step, a prefill chunk. The weights stay packed in memory;
+// each thread dequantizes a tile of weight rows at a time into a buffer that stays in cache and
+// multiplies every row of x by it. Each output is one fixed-order sum over K, so a row's result
+// does not depend on the other rows, however many: a batch or a prompt's chunking changes no
+// bit. With LoRA (`mask` given) each row then adds its own residual, column by column in order
+// (`add_residuals`), skipping the columns its mask zeroes: the other rows' adapters.
+class QuantMatmul : public CpuPrimitive {
+ public:
+  QuantMatmul(mx::Stream stream, int bits, int group)
+      : CpuPrimitive(stream), bits_(bits), group_(group) {}
+
+  // inputs: x [..., K], with LoRA a_t [R, K], b_t [N, R], mask [..., R]; then w [N, K * bits /
+  // 32] uint32, scales and biases [N, K / group].
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const bool lora = inputs.size() == 7;
+    const auto& w = inputs[lora ? 4 : 1];
+    const auto& scales = inputs[lora ? 5 : 2];
+    const auto& biases = inputs[lora ? 6 : 3];
+    for (const auto* a : {&w, &scales, &biases})
+      if (!a->flags().row_contiguous)
+        throw std::invalid_argument("quant_matmul: the weights must be row-contiguous");
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
+    const int R = lora ? inputs[1].shape(0) : 0;
+    const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
+    const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
+                      group_, dtype};
+    dispatch_rows(stream(), inputs, lora ? 4 : 1, outputs[0],
+                  [=, kernel = g_kernel.load(), quant = g_quant.load(),
+                   residuals = g_residuals.load()](auto& operands, float* op) {
+      const float* xp = operands[0].get();
+      std::vector<float> h, b;  // [M, R] each row's low-rank activations times its scales; [R, N]
+      std::vector<int> columns, counts;  // per row: the columns its mask keeps, and how many
+      if (R > 0) {
+        const float* ap = operands[1].get();
+        const float* bp = operands[2].get();
+        const float* maskp = operands[3].get();
+        h.resize(static_cast<size_t>(M) * R);
+        parallel_rows(R, 8, [&](int r0, int r1) {
+          kernel(Seg{xp, ap, K}, Seg{}, h.data(), M, R, r0, r1);
+          for (int m = 0; m < M; m++)
+            for (int r = r0; r < r1; r++) h[m * R + r] *= maskp[m * R + r];
+        });
+        columns.resize(static_cast<size_t>(M) * R);
+        counts.assign(M, 0);
+        for (int m = 0; m < M; m++)
+          for (int r = 0; r < R; r++)
+            if (maskp[m * R + r] != 0.0f) columns[m * R + counts[m]++] = r;
+        b.resize(static_cast<size_t>(R) * N);
+        for (int n = 0; n < N; n++)
+          for (int r = 0; r < R; r++) b[static_cast<size_t>(r) * N + n] = bp[n * R + r];
+      }
+      // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
+      const int tile_floats = M <= 16 ? 8192 : 32768;
+      parallel_rows(N, 64, [&](int n0, int n1) {
+        thread_local std::vector<float> tile;
+        tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
+        quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
+        for (int m = 0; m < M && R > 0; m++)
+          if (counts[m] > 0)
+            residuals(h.data() + static_cast<size_t>(m) * R, b.data(), N,
+                      columns.data() + static_cast<size_t>(m) * R, counts[m],
+                      op + static_cast<size_t>(m) * N, n0, n1);
+      });
+    });
+  }
+  const char* name() const override { return "QuantMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantMatmul&>(other);
+    return bits_ == o.bits_ && group_ == o.group_;
+  }
+
+ private:
+  int bits_;
+  int group_;
+};
+
+void check_quantized(const mx::array& x, const mx::array& w, const mx::array& scales,
+                     const mx::array& biases, int group, int bits) {
+  if (g_quant.load() == nullptr)
+    throw std::invalid_argument("quant_matmul: the CPU lacks AVX2 and FMA");
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
+    throw std::invalid_argument("quant_matmul: x must be float32 [..., K]");
+  if (bits != 4 && bits != 8)
+    throw std::invalid_argument("quant_matmul: 4 or 8 bits only");
+  if (group != 32 && group != 64 && group != 128)
+    throw std::invalid_argument("quant_matmul: groups of 32, 64 or 128 only");
+  const auto dtype = scales.dtype();
+  if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16)
+    throw std::invalid_argument("quant_matmul: float32, float16 or bfloat16 scales only");
+  const int K = x.shape(-1);
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 || K % group != 0 ||
+      static_cast<int64_t>(w.shape(1)) * 32 / bits != K || biases.dtype() != dtype ||
+      scales.shape() != mx::Shape{w.shape(0), K / group} || biases.shape() != scales.shape())
+    throw std::invalid_argument(
+        "quant_matmul: expected x [..., K], w [N, K * bits / 32] uint32, and scales and "
+        "biases [N, K / group] of one dtype");
+}
+
+mx::array quant_primitive(std::vector<mx::array> inputs, int N, int group, int bits) {
+  const auto s = mx::default_stream(mx::Device::cpu);
+  mx::Shape shape = inputs[0].shape();
+  shape.back() = N;
+  return mx::array(shape, mx::float32, std::make_shared<QuantMatmul>(s, bits, group),
+                   std::move(inputs));
+}
+
+mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                       const mx::array& biases, int group_size, int bits) {
+  check_quantized(x, w, scales, biases, group_size, bits);
+  return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits);
+}
+
+mx::array quant_matmul_lora(const mx::array& x, const mx::array& w, const mx::array& scales,
+                            const mx::array& biases, int group_size, int bits,
+                            const mx::array& a_t, const mx::array& b_t, const mx::array& mask) {
+  check_quantized(x, w, scales, biases, group_size, bits);
+  check_float32({a_t, b_t, mask});
+  const auto K = x.shape(-1), N = w.shape(0), R = a_t.shape(0);
+  const auto M = x.size() / K;
+  if (a_t.ndim() != 2 || b_t.ndim() != 2 || a_t.shape(1) != K || b_t.shape(0) != N ||
+      b_t.shape(1) != R || mask.shape(-1) != R || mask.size() != M * R)
+    throw std::invalid_argument(
+        "quant_matmul_lora: expected x [..., K] (M rows), a_t [R, K], b_t [N, R], "
+        "mask [..., R] (M rows)");
+  return quant_primitive({x, a_t, b_t, mask, w, scales, biases}, N, group_size, bits);
+}
+
 // RMSNorm and RoPE, each one primitive: MLX's CPU backend composes them from ten to thirty small
 // operations, and at a few rows each costs more to schedule than to compute. Each is MLX's
 // composition step for step, in float32 (one rounding an operation, MLX's own exp, sin and
@@ -535,10 +698,13 @@ class CacheView {
   bool in_place_;
 };
 
-// softmax(q * scale . k^T over the keys the mask shows) . v for one query token a row: a batched
-// decode step's attention, each row on its own keys, in one primitive where MLX's CPU backend
-// takes about twenty. q [B, H, 1, D]; k [B, Hkv, S, D] and v [B, Hkv, S, Dv], views of a KV
-// cache; mask [B, 1, 1, S] bool. Query head h reads KV head h / (H / Hkv), as MLX groups them.
+// softmax(q * scale . k^T over the keys the mask shows) . v, each query token on its own: a
+// batched decode step's attention, each row on its own keys, in one primitive where MLX's CPU
+// backend takes about twenty; with the quantized weights' kernels, every step's (a request
+// alone, a prompt's chunks), so that a token's result does not depend on the other rows of the
+// batch or on how its prompt was cut into chunks. q [B, H, L, D]; k [B, Hkv, S, D] and
+// v [B, Hkv, S, Dv], views of a KV cache; mask [B, 1, L, S] bool (a broadcast view reads in
+// place). Query head h reads KV head h / (H / Hkv), as MLX groups them.
 class RowsAttention : public CpuPrimitive {
  public:
   RowsAttention(mx::Stream stream, float scale) : CpuPrimitive(stream), scale_(scale) {}
@@ -546,27 +712,35 @@ class RowsAttention : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
     const auto& mask = inputs[3];
-    const int B = q.shape(0), H = q.shape(1), D = q.shape(3);
+    const int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
     const int Hkv = inputs[1].shape(1), S = inputs[1].shape(2), Dv = inputs[2].shape(3);
     const int G = H / Hkv;
     const bool* visible = mask.data<bool>();
-    const int64_t mask_row = mask.strides(0), mask_step = mask.strides(3);
+    const int64_t mask_row = mask.strides(0), mask_token = mask.strides(2);
+    const int64_t mask_step = mask.strides(3);
     dispatch_rows(stream(), inputs, 1, outputs[0],
                   [=, scale = scale_, keys = CacheView(inputs[1]), values = CacheView(inputs[2]),
                    attend = g_attend.load()](auto& operands, float* op) mutable {
       const float* qp = operands[0].get();
       keys.prepare(), values.prepare();
-      parallel_rows(B * Hkv, 1, [&](int u0, int u1) {
+      parallel_rows(B * Hkv * L, 1, [&](int u0, int u1) {
         std::vector<float> scaled(static_cast<size_t>(G) * D), scores(static_cast<size_t>(G) * S);
+        std::vector<float> out(static_cast<size_t>(G) * Dv);
         for (int u = u0; u < u1; u++) {
-          const int b = u / Hkv, h = u % Hkv;
+          const int b = u / (Hkv * L), h = u / L % Hkv, l = u % L;
           const size_t first = static_cast<size_t>(b) * H + static_cast<size_t>(h) * G;
-          const float* qh = qp + first * D;
-          for (size_t i = 0; i < scaled.size(); i++) scaled[i] = qh[i] * scale;
+          for (int g = 0; g < G; g++) {
+            const float* qh = qp + ((first + g) * L + l) * D;
+            for (int d = 0; d < D; d++) scaled[static_cast<size_t>(g) * D + d] = qh[d] * scale;
+          }
           attend(scaled.data(), G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(),
-                 Dv, visible + b * mask_row, mask_step, S, scores.data(), op + first * Dv);
+                 Dv, visible + b * mask_row + l * mask_token, mask_step, S, scores.data(),
+                 out.data());
+          for (int g = 0; g < G; g++)
+            std::copy_n(out.data() + static_cast<size_t>(g) * Dv, Dv,
+                        op + ((first + g) * L + l) * Dv);
         }
-      }, /*align=*/1);  // a row's KV head a unit: no blocks of 4 to keep
+      }, /*align=*/1);  // a query token's KV head a unit: no blocks of 4 to keep
     });
   }
   const char* name() const override { return "RowsAttention"; }
@@ -584,17 +758,17 @@ mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || mask.ndim() != 4 ||
       mask.dtype() != mx::bool_)
     throw std::invalid_argument(
-        "attention_rows: expected q [B, H, 1, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] and a "
-        "bool mask [B, 1, 1, S]");
-  const int B = q.shape(0), H = q.shape(1), Hkv = k.shape(1), S = k.shape(2);
-  if (q.shape(2) != 1 || k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hkv ||
-      v.shape(2) != S || k.shape(3) != q.shape(3) || Hkv == 0 || H % Hkv != 0 || S == 0 ||
-      mask.shape() != mx::Shape{B, 1, 1, S})
+        "attention_rows: expected q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] and a "
+        "bool mask [B, 1, L, S]");
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2), Hkv = k.shape(1), S = k.shape(2);
+  if (k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hkv || v.shape(2) != S ||
+      k.shape(3) != q.shape(3) || Hkv == 0 || H % Hkv != 0 || S == 0 || L == 0 ||
+      mask.shape() != mx::Shape{B, 1, L, S})
     throw std::invalid_argument(
-        "attention_rows: expected q [B, H, 1, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] with H a "
-        "multiple of Hkv, and a bool mask [B, 1, 1, S]");
+        "attention_rows: expected q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] with H a "
+        "multiple of Hkv, and a bool mask [B, 1, L, S]");
   const auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array({B, H, 1, v.shape(3)}, mx::float32, std::make_shared<RowsAttention>(s, scale),
+  return mx::array({B, H, L, v.shape(3)}, mx::float32, std::make_shared<RowsAttention>(s, scale),
                    {q, k, v, mask});
 }
 
@@ -694,6 +868,10 @@ NB_MODULE(_rows_matmul, m) {
       "RoPE of every step, on the CPU";
   m.def("rows_matmul", &rows_matmul, "x"_a, "w"_a);
   m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
+  m.def("quant_matmul", &quant_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a);
+  m.def("quant_matmul_lora", &quant_matmul_lora, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, "a_t"_a, "b_t"_a, "mask"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
@@ -707,6 +885,7 @@ NB_MODULE(_rows_matmul, m) {
         const Kernel* kernel = name.empty() ? nullptr : find_kernel(name);
         if (kernel == nullptr) return false;
         g_kernel = kernel->range, g_attend = kernel->attend, g_softmax = kernel->softmax;
+        g_quant = kernel->quant, g_residuals = kernel->residuals;
         g_isa = kernel->isa;
         return true;
       },

@@ -1,0 +1,194 @@
+// The quantized kernel of rows_matmul.cpp, written once for every vector ISA: included after
+// rows_kernel.h inside a namespace that defines `Isa`, under that ISA's target.
+// No include guard: each inclusion is another ISA.
+//
+// MLX's affine quantization: weight row n holds K values of `bits` bits packed into uint32
+// words, the lowest bits first; each group of `group` values has a scale and a bias, and value
+// q dequantizes to scale * q + bias. A tile of weight rows is dequantized into a float buffer
+// that stays in cache, then every row of x is multiplied by it with the float kernel's blocks:
+// each output is the same fixed-order sum over K whatever the number of rows.
+
+// Element i of a scales or biases array of `dtype` (Quantized::dtype), as a float: a half by
+// the F16C instruction, a bfloat16 by its bits.
+inline float quant_param(const void* p, size_t i, int dtype) {
+  if (dtype == 0) return static_cast<const float*>(p)[i];
+  const uint16_t half = static_cast<const uint16_t*>(p)[i];
+  if (dtype == 1) return _cvtsh_ss(half);
+  const uint32_t bits = static_cast<uint32_t>(half) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// The 32 values of a chunk of one weight row (16 bytes at 4 bits, 32 at 8) as floats in
+// registers, `32 / kLanes` vectors: scale * value + bias, rounded as MLX's dequantize rounds it
+// in float32 (a product, then a sum).
+constexpr int kChunkVectors = 32 / Isa::kLanes;
+
+inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
+                         typename Isa::V bias, typename Isa::V (&out)[kChunkVectors]) {
+  __m128i halves[2];
+  if (bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
+    const __m128i low = _mm_set1_epi8(0x0f);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i lo = _mm_and_si128(packed, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+    halves[0] = _mm_unpacklo_epi8(lo, hi);
+    halves[1] = _mm_unpackhi_epi8(lo, hi);
+  } else {  // a value a byte
+    halves[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    halves[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16));
+  }
+  constexpr int per_half = kChunkVectors / 2;
+  for (int h = 0; h < 2; h++)
+    for (int i = 0; i < per_half; i++) {
+      const __m128i part = i == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
+      out[h * per_half + i] = Isa::add(Isa::mul(Isa::from_bytes(part), scale), bias);
+    }
+}
+
+inline const uint8_t* row_bytes(const Quantized& q, int n) {
+  return reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(n) * q.K * q.bits / 8;
+}
+
+// Rows [n0, n0 + T) of the weights as floats: out [T, K].
+inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
+  const int K = q.K, groups = K / q.group;
+  for (int t = 0; t < T; t++) {
+    const uint8_t* bytes = row_bytes(q, n0 + t);
+    float* row = out + static_cast<size_t>(t) * K;
+    for (int g = 0; g < groups; g++) {
+      const size_t at = static_cast<size_t>(n0 + t) * groups + g;
+      const typename Isa::V scale = Isa::set1(quant_param(q.scales, at, q.dtype));
+      const typename Isa::V bias = Isa::set1(quant_param(q.biases, at, q.dtype));
+      for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
+        typename Isa::V w[kChunkVectors];
+        dequantize32(bytes + k * q.bits / 8, q.bits, scale, bias, w);
+        for (int i = 0; i < kChunkVectors; i++) Isa::store(row + k + i * Isa::kLanes, w[i]);
+      }
+    }
+  }
+}
+
+// out[m, r] = x[m, :] . dequantize(w[n + r, :]) for m < P, r < R, the weights dequantized in
+// registers and multiplied at once: for the few rows of a decode step, where a tile in memory
+// would be written and read back for a row or two. Each accumulator takes the products in the
+// order `block` takes them from a tile, so the bits are the tile's.
+template <int P, int R>
+inline void fused_block(const Quantized& q, const float* x, int n, float* out, int ldo) {
+  const int K = q.K, groups = K / q.group;
+  typename Isa::V acc[R][P];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < P; m++) acc[r][m] = Isa::zero();
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; r++) rows[r] = row_bytes(q, n + r);
+  for (int g = 0; g < groups; g++) {
+    typename Isa::V scale[R], bias[R];
+    for (int r = 0; r < R; r++) {
+      const size_t at = static_cast<size_t>(n + r) * groups + g;
+      scale[r] = Isa::set1(quant_param(q.scales, at, q.dtype));
+      bias[r] = Isa::set1(quant_param(q.biases, at, q.dtype));
+    }
+    for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
+      typename Isa::V w[R][kChunkVectors];
+      for (int r = 0; r < R; r++)
+        dequantize32(rows[r] + k * q.bits / 8, q.bits, scale[r], bias[r], w[r]);
+      for (int i = 0; i < kChunkVectors; i++)
+        for (int m = 0; m < P; m++) {
+          const float* xm = x + static_cast<size_t>(m) * K;
+          const typename Isa::V xv = Isa::load(xm + k + i * Isa::kLanes);
+          for (int r = 0; r < R; r++) acc[r][m] = Isa::fma(w[r][i], xv, acc[r][m]);
+        }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < P; m++) out[static_cast<size_t>(m) * ldo + r] = Isa::sum(acc[r][m]);
+}
+
+// out[:, n0:n1] for the P (at most 8) rows of x, weight rows R at a time: as many as keep the
+// accumulators in registers.
+template <int P>
+void fused_rows(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
+  constexpr int R = P <= 4 ? Isa::kFusedR : Isa::kFusedR / 2;
+  int n = n0;
+  for (; n + R <= n1; n += R) fused_block<P, R>(q, x, n, out + n, N);
+  for (; n < n1; n++) fused_block<P, 1>(q, x, n, out + n, N);
+}
+
+// Rows [0, M) of x against the T dequantized rows of a tile, into out [M, ldo]: blocks of P
+// rows of x outermost, so each stays in L1 while the whole tile passes it.
+template <int P, int R>
+void tile_rows(const float* x, const float* tile, int K, int T, float* out, int M, int ldo) {
+  const Seg none;
+  for (int m = 0; m < M; m += P) {
+    const int rows = std::min(P, M - m);
+    const float* xm = x + static_cast<size_t>(m) * K;
+    float* om = out + static_cast<size_t>(m) * ldo;
+    int t = 0;
+    for (; t + R <= T; t += R) {
+      const Seg seg{xm, tile + static_cast<size_t>(t) * K, K};
+      if (rows == P)
+        block<P, R, false>(seg, none, om + t, ldo);
+      else
+        last_rows<P, R>(rows, seg, none, om + t, ldo);
+    }
+    for (; t < T; t++) {
+      const Seg seg{xm, tile + static_cast<size_t>(t) * K, K};
+      if (rows == P)
+        block<P, 1, false>(seg, none, om + t, ldo);
+      else
+        last_rows<P, 1>(rows, seg, none, om + t, ldo);
+    }
+  }
+}
+
+// out[:, n0:n1] of x @ dequantize(q).T; out is [M, N]. `tile` holds `tile_floats` floats.
+void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, int N, int n0,
+                        int n1, float* tile, int tile_floats) {
+  switch (M) {  // a decode step's few rows: the weights dequantized in registers
+    case 1: return fused_rows<1>(q, x, out, N, n0, n1);
+    case 2: return fused_rows<2>(q, x, out, N, n0, n1);
+    case 3: return fused_rows<3>(q, x, out, N, n0, n1);
+    case 4: return fused_rows<4>(q, x, out, N, n0, n1);
+    case 5: return fused_rows<5>(q, x, out, N, n0, n1);
+    case 6: return fused_rows<6>(q, x, out, N, n0, n1);
+    case 7: return fused_rows<7>(q, x, out, N, n0, n1);
+    case 8: return fused_rows<8>(q, x, out, N, n0, n1);
+    default: break;
+  }
+  const int K = q.K;
+  const bool short_k = K <= Isa::kShortK;
+  const int R = short_k ? Isa::kShortR : Isa::kLongR;
+  const int T = std::max(R, tile_floats / K / R * R);
+  for (int n = n0; n < n1; n += T) {
+    const int rows = std::min(T, n1 - n);
+    dequantize_rows(q, n, rows, tile);
+    if (short_k)
+      tile_rows<Isa::kShortP, Isa::kShortR>(x, tile, K, rows, out + n, M, N);
+    else
+      tile_rows<Isa::kLongP, Isa::kLongR>(x, tile, K, rows, out + n, M, N);
+  }
+}
+
+// out[n0:n1] of one row of x += its low-rank residual, b [R, N]: for the columns r its mask
+// keeps, in order, h[r] * b[r, n] added one at a time (a fused multiply-add each). Each output
+// is its own sequence of operations: its bits depend neither on the vector width nor on the
+// columns the mask drops (other rows' adapters).
+void add_residuals(const float* h, const float* b, int N, const int* columns, int count,
+                   float* out, int n0, int n1) {
+  int n = n0;
+  for (; n + Isa::kLanes <= n1; n += Isa::kLanes) {
+    typename Isa::V acc = Isa::load(out + n);
+    for (int i = 0; i < count; i++) {
+      const int r = columns[i];
+      acc = Isa::fma(Isa::set1(h[r]), Isa::load(b + static_cast<size_t>(r) * N + n), acc);
+    }
+    Isa::store(out + n, acc);
+  }
+  for (; n < n1; n++) {
+    float acc = out[n];
+    for (int i = 0; i < count; i++)
+      acc = std::fma(h[columns[i]], b[static_cast<size_t>(columns[i]) * N + n], acc);
+    out[n] = acc;
+  }
+}

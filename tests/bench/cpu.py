@@ -1,0 +1,416 @@
+"""`make bench`, section `cpu`: hotlora against llama.cpp's server on the CPU, on the same weights.
+
+For each model of `--cpu-models`, each server in turn, alone on the machine:
+- `embedded`: the embedded model; llama.cpp serves the GGUF it is imported from.
+- `1b`: a ~0.8B random-weight llama (hidden 2048, 16 layers, ffn 5632, heads 32/4, vocabulary
+  49,152 with the embedded model's tokenizer) built once into `--cpu-cache`: a 4-bit (group 32)
+  mlx-lm directory for hotlora and a Q4_1 GGUF of the same 4-bit weights for llama.cpp
+  (tests/bench/random_llama.py).
+
+Measured on each: 1, 8 and 16 (`--cpu-streams`) concurrent streaming chats of `--cpu-tokens`
+(96) new tokens, each on a prompt of its own, with the end-of-text and special tokens biased
+away (llama.cpp also gets `ignore_eos`) so that every row runs to the end: the median time to
+first token and decode tokens/s per stream, and the aggregate (all tokens / wall time); a
+`--cpu-prefill-tokens` (1,250) token prompt's prefill tokens/s (`/v1/completions`, one new
+token); the server's peak RSS (its VmHWM, or the polled RSS of it and its children when larger).
+Then on hotlora alone: `--cpu-adapters` (16) random rank-16 adapters on every projection are
+mounted, and that many rows, each with an adapter of its own, run beside a base-only run of as
+many rows on the same server, alternating per round; their ratio is the median of the per-round
+ratios. `LLAMA_SERVER` names llama.cpp's server, else one is built once (tests/bench/llama_cpp.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tokenizers import Tokenizer
+
+from tests.bench.adapter_decode import admin, write_random_adapters
+from tests.bench.concurrency import QUESTIONS, concurrent_chats
+from tests.bench.llama_cpp import ensure_llama_server, llama_server_spec
+from tests.bench.prefill import complete, end_ids, long_prompt
+from tests.bench.random_llama import Shape, ensure_random_llama
+from tests.bench.servers import Sample, hotlora_bench_spec, launch
+from tests.support.server_process import ServerProcess, ServerSpec
+
+CPU_MODELS = ("embedded", "1b")
+WARMUP_TOKENS = 8
+WARMUP_PROMPT_TOKENS = 300
+RSS_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Options:
+    """The section's flags."""
+
+    models: tuple[str, ...] = CPU_MODELS
+    streams: tuple[int, ...] = (1, 8, 16)
+    tokens: int = 96
+    prefill_tokens: int = 1250
+    adapters: int = 16
+    rounds: int = 1
+    cache: Path = Path(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir()) / "hotlora-bench"
+
+
+@dataclass
+class Streams:
+    """One run of n concurrent streams."""
+
+    samples: list[Sample]
+    wall_s: float
+
+    @property
+    def aggregate(self) -> float:
+        return sum(s.tokens for s in self.samples) / self.wall_s
+
+    @property
+    def decode(self) -> float:
+        return statistics.median(s.decode_tok_s for s in self.samples)
+
+    @property
+    def ttft(self) -> float:
+        return statistics.median(s.ttft_s for s in self.samples)
+
+
+@dataclass
+class SystemRun:
+    """One server's figures on one model; lists hold one entry per round."""
+
+    system: str
+    streams: dict[int, list[Streams]] = field(default_factory=dict)
+    prefill: list[tuple[float, int]] = field(default_factory=list)  # (seconds, prompt tokens)
+    peak_rss_mb: float = 0.0
+    adapter_rounds: list[tuple[Streams, Streams]] = field(default_factory=list)  # (adapters, base)
+    adapters_rss_mb: float = 0.0
+
+    def at(self, n: int, attr: str) -> float:
+        """The median over rounds of one `Streams` figure at n streams."""
+        return statistics.median(getattr(s, attr) for s in self.streams[n])
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return statistics.median(tokens / seconds for seconds, tokens in self.prefill)
+
+    def short_rows(self, tokens: int) -> int:
+        """Rows that stopped before `tokens` new tokens, over every run."""
+        every = [one for rounds in self.streams.values() for one in rounds]
+        every += [one for pair in self.adapter_rounds for one in pair]
+        return sum(sample.tokens < tokens for one in every for sample in one.samples)
+
+
+class RssWatch(threading.Thread):
+    """Polls the resident memory of a process and its descendants; `peak_mb()` also takes the
+    process's own high-water mark (VmHWM), which sees peaks between two polls."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.polled_kb = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(RSS_POLL_S):
+            total = sum(_status_kb(pid, "VmRSS") for pid in _tree(self.pid))
+            self.polled_kb = max(self.polled_kb, total)
+
+    def peak_mb(self) -> float:
+        return max(self.polled_kb, _status_kb(self.pid, "VmHWM")) / 1024
+
+
+def _status_kb(pid: int, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants, from /proc's children lists."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # the task ended meanwhile
+                todo.extend(int(child) for child in task.read_text().split())
+    return found
+
+
+def prompts(tag: str, n: int) -> list[str]:
+    """n distinct chat prompts: a line naming the run and row, so no prompt cache helps."""
+    return [f"Request {tag}-{i}. {QUESTIONS[i % len(QUESTIONS)]}" for i in range(n)]
+
+
+def special_ids(model_dir: Path) -> list[int]:
+    """End-of-text and special token ids: biased away so that every row runs to the end (a
+    random-weight model samples them as readily as any other)."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    added = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
+    return sorted({*end_ids(model_dir), *added})
+
+
+def no_stop_body(system: str, ids: Sequence[int]) -> dict[str, Any]:
+    """The request fields that keep a row from stopping before its max_tokens."""
+    body: dict[str, Any] = {"logit_bias": {str(i): -100 for i in ids}}
+    if system == "llama-server":
+        body["ignore_eos"] = True
+    return body
+
+
+def run_streams(
+    server: ServerProcess, tag: str, n: int, tokens: int, extras: list[dict[str, Any]]
+) -> Streams:
+    samples, wall = concurrent_chats(server, prompts(tag, n), tokens, extras)
+    return Streams(samples, wall)
+
+
+def measure(
+    server: ServerProcess,
+    model_dir: Path,
+    options: Options,
+    adapter_ids: list[str],
+    progress: Callable[[str], None],
+) -> SystemRun:
+    """Every figure of one server on one model (adapters on hotlora only)."""
+    name = server.spec.name
+    assert server.proc is not None
+    watch = RssWatch(server.proc.pid)
+    watch.start()
+    run = SystemRun(name)
+    body = no_stop_body(name, special_ids(model_dir))
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    try:
+        with httpx.Client() as client:
+            for n in options.streams:  # every batch shape once, before any is timed
+                run_streams(server, f"warm-up-{n}", n, WARMUP_TOKENS, [body] * n)
+            complete(client, server, long_prompt(tokenizer, WARMUP_PROMPT_TOKENS, seed=-1))
+            for round_ in range(options.rounds):
+                for n in options.streams:
+                    got = run_streams(server, f"{round_}-{n}", n, options.tokens, [body] * n)
+                    run.streams.setdefault(n, []).append(got)
+                    progress(
+                        f"{name}, round {round_ + 1}: {n} stream{'s' * (n > 1)}, ttft "
+                        f"{got.ttft:.2f}s, decode {got.decode:.1f} tok/s a stream, "
+                        f"aggregate {got.aggregate:.1f} tok/s"
+                    )
+                long = long_prompt(tokenizer, options.prefill_tokens, seed=round_)
+                seconds, prompt = complete(client, server, long)
+                run.prefill.append((seconds, prompt))
+                progress(
+                    f"{name}, round {round_ + 1}: {prompt}-token prefill {prompt / seconds:.0f}"
+                )
+            run.peak_rss_mb = watch.peak_mb()
+            if adapter_ids:
+                measure_adapters(client, server, run, body, adapter_ids, options, progress)
+                run.adapters_rss_mb = watch.peak_mb()
+    finally:
+        watch.stop.set()
+    return run
+
+
+def measure_adapters(
+    client: httpx.Client,
+    server: ServerProcess,
+    run: SystemRun,
+    body: dict[str, Any],
+    adapter_ids: list[str],
+    options: Options,
+    progress: Callable[[str], None],
+) -> None:
+    """Mount the adapters, then per round a row for each beside as many base-only rows."""
+    for adapter_id in adapter_ids:
+        admin(client, server, "POST", "/v1/adapters", json={"id": adapter_id, "path": adapter_id})
+    rows = len(adapter_ids)
+    mixed = [{**body, "adapter": i} for i in adapter_ids]
+    run_streams(server, "warm-up-adapters", rows, WARMUP_TOKENS, mixed)
+    for round_ in range(options.rounds):
+        pair = (
+            run_streams(server, f"a{round_}", rows, options.tokens, mixed),
+            run_streams(server, f"b{round_}", rows, options.tokens, [body] * rows),
+        )
+        run.adapter_rounds.append(pair)
+        progress(
+            f"{run.system}, round {round_ + 1}: {rows} rows with {rows} adapters "
+            f"{pair[0].aggregate:.1f} tok/s, base only {pair[1].aggregate:.1f} tok/s"
+        )
+
+
+@dataclass(frozen=True)
+class Line:
+    """One figure of the comparison: hotlora's and llama-server's (None: not measured)."""
+
+    label: str
+    hotlora: float | None
+    llama: float | None
+    digits: int = 1
+
+
+def ratio_table(lines: Sequence[Line]) -> list[str]:
+    """The figures side by side with hotlora / llama-server; '-' where one is missing."""
+
+    def cell(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    width = max(len(line.label) for line in lines) + 2
+    out = [f"{'':<{width}}{'hotlora':>10}{'llama-server':>14}{'hotlora/llama':>15}"]
+    for line in lines:
+        ratio = (
+            f"{line.hotlora / line.llama:.2f}x" if line.hotlora is not None and line.llama else "-"
+        )
+        out.append(
+            f"{line.label:<{width}}{cell(line.hotlora, line.digits):>10}"
+            f"{cell(line.llama, line.digits):>14}{ratio:>15}"
+        )
+    return out
+
+
+def comparison(runs: dict[str, SystemRun], options: Options) -> list[str]:
+    """The table and notes for one model."""
+    systems = (runs.get("hotlora"), runs.get("llama-server"))
+
+    def line(label: str, value: Callable[[SystemRun], float], digits: int = 1) -> Line:
+        hot, llama = (None if run is None else value(run) for run in systems)
+        return Line(label, hot, llama, digits)
+
+    lines: list[Line] = []
+    for n in options.streams:
+        streams = f"{n} stream{'s' * (n > 1)}"
+        lines += [
+            line(f"{streams}: first token s", partial(SystemRun.at, n=n, attr="ttft"), 2),
+            line(f"{streams}: decode tok/s a stream", partial(SystemRun.at, n=n, attr="decode")),
+            line(f"{streams}: aggregate tok/s", partial(SystemRun.at, n=n, attr="aggregate")),
+        ]
+    prompt = max((p for r in runs.values() for _, p in r.prefill), default=0)
+    lines.append(line(f"{prompt}-token prefill tok/s", lambda r: r.prefill_tok_s, 0))
+    lines.append(line("peak RSS MB", lambda r: r.peak_rss_mb, 0))
+    notes: list[str] = []
+    hot = systems[0]
+    if hot is not None and hot.adapter_rounds:
+        rows = len(hot.adapter_rounds[0][0].samples)
+        ratio = statistics.median(a.aggregate / b.aggregate for a, b in hot.adapter_rounds)
+        adapters = statistics.median(a.aggregate for a, _ in hot.adapter_rounds)
+        base = statistics.median(b.aggregate for _, b in hot.adapter_rounds)
+        notes.append(
+            f"hotlora, {rows} rows with {rows} distinct rank-16 adapters: {adapters:.1f} tok/s "
+            f"aggregate, {ratio:.2f}x its base-only {rows} rows beside them ({base:.1f} tok/s); "
+            f"peak RSS with them mounted {hot.adapters_rss_mb:.0f} MB"
+        )
+    if hot is not None and systems[1] is not None:
+        notes.append(agreement(hot, systems[1]))
+    for run in runs.values():
+        if short := run.short_rows(options.tokens):
+            notes.append(f"{run.system}: {short} rows stopped before {options.tokens} tokens")
+    return ratio_table(lines) + notes
+
+
+def agreement(hot: SystemRun, llama: SystemRun) -> str:
+    """How far the two servers' greedy answers to the same prompts agree: with the same weights
+    they open alike, then drift apart where float32 and llama.cpp's 8-bit activations round
+    differently."""
+    # hotlora's stream drops the first token's leading space (" Salmon" opens as "Salmon");
+    # llama.cpp's keeps it: the texts are compared without it.
+    pairs = [
+        (a.text.lstrip(), b.text.lstrip())
+        for n, rounds in hot.streams.items()
+        for ours, theirs in zip(rounds, llama.streams.get(n, []), strict=False)
+        for a, b in zip(ours.samples, theirs.samples, strict=True)
+    ]
+    if not pairs:
+        return "greedy answers: no rows to compare"
+    same = sum(a == b for a, b in pairs)
+    prefix = statistics.median(len(os.path.commonprefix([a, b])) for a, b in pairs)
+    return (
+        f"greedy answers to the same prompts: {same}/{len(pairs)} identical, "
+        f"common opening {prefix:.0f} characters (median)"
+    )
+
+
+@dataclass(frozen=True)
+class CpuSection:
+    title: str
+    lines: list[str]
+
+
+def model_pair(name: str, home: Path, cache: Path) -> tuple[str, Path, Path]:
+    """(label, the mlx-lm directory hotlora serves, the GGUF llama-server serves)."""
+    from hotlora.models.embedded import embedded_gguf_path, ensure_embedded_model
+
+    embedded = ensure_embedded_model(home, progress=print)
+    if name == "embedded":
+        return f"embedded model ({embedded.name})", embedded, embedded_gguf_path()
+    shape = Shape()
+    built = ensure_random_llama(cache, shape, embedded, embedded_gguf_path())
+    return f"random llama ({shape.name}, GGUF Q4_1 of the same codes)", built.model_dir, built.gguf
+
+
+def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
+    """Every model of `options`, hotlora then llama-server, one server at a time."""
+    binary = ensure_llama_server(options.cache)
+    most = max(options.streams)
+    lines: list[str] = []
+    for name in options.models:
+        label, model_dir, gguf = model_pair(name, home, options.cache)
+        adapter_root = options.cache / "adapters" / model_dir.parent.name / model_dir.name
+        adapter_ids = [f"cpu-r16-{i}" for i in range(options.adapters)]
+        # adapter_config.json is written last: where it is, the adapter is whole.
+        missing = {
+            a: 100 + i
+            for i, a in enumerate(adapter_ids)
+            if not (adapter_root / a / "adapter_config.json").is_file()
+        }
+        if missing:
+            print(f"writing {len(missing)} rank-16 adapters into {adapter_root}", flush=True)
+            write_random_adapters(model_dir, adapter_root, missing)
+        hot_args = [
+            "--max-batch",
+            str(max(most, options.adapters)),
+            "--adapter-root",
+            str(adapter_root),
+        ]
+        slot_context = options.prefill_tokens + options.tokens + 256
+        specs: list[tuple[ServerSpec, list[str]]] = [
+            (_with_args(hotlora_bench_spec(model_dir), hot_args), adapter_ids),
+            (llama_server_spec(binary, gguf, most, slot_context), []),
+        ]
+        runs: dict[str, SystemRun] = {}
+        with tempfile.TemporaryDirectory(prefix="hotlora-bench-") as logs:
+            for spec, adapters in specs:
+                print(f"{label}: starting {spec.name}", flush=True)
+                (server,) = launch([spec], env, Path(logs))
+                try:
+                    runs[spec.name] = measure(server, model_dir, options, adapters, _progress)
+                finally:
+                    server.stop()
+        lines += [f"-- {label}", *comparison(runs, options)]
+    title = (
+        f"cpu: hotlora against llama.cpp's server, {options.tokens} new tokens a row, greedy, "
+        f"rows run to the end (medians of {options.rounds} round{'s' * (options.rounds > 1)})"
+    )
+    return CpuSection(title, lines)
+
+
+def _with_args(spec: ServerSpec, extra: list[str]) -> ServerSpec:
+    base = spec.argv
+    return ServerSpec(spec.name, lambda port: [*base(port), *extra], spec.ready)
+
+
+def _progress(line: str) -> None:
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit("run through `python -m tests.bench --sections cpu`")
