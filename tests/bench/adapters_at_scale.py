@@ -82,19 +82,28 @@ def write_adapters(model_dir: Path, root: Path, names: list[str], ranks: list[in
 
 def cold_loads(model_dir: Path, root: Path, loads: int, rank: int = 16) -> dict[str, float]:
     """Mount and unmount one rank-`rank` adapter on every projection `loads` times in this
-    process, through the adapter manager on the served model's weights (float32 on a CPU, as a
-    server keeps them): each mount's latency, files read to arrays mounted."""
+    process, through the adapter manager on the model prepared as a server with the default
+    settings prepares it (the adapters' dtype follows its activations): each mount's latency,
+    files read to arrays mounted."""
     import mlx.core as mx
 
     from hotlora.adapters import AdapterManager
-    from hotlora.models.cpu.weights import has_gpu, to_float32
+    from hotlora.config.settings import Settings
+    from hotlora.models.cpu import prepare_cpu
     from hotlora.models.loader import load_model_dir
 
     name = f"cold-r{rank}"
     write_adapters(model_dir, root, [name], [rank])
     model = load_model_dir(model_dir).model
-    if not has_gpu():
-        to_float32(model)
+    settings = Settings()
+    prepare_cpu(
+        model,
+        weights=settings.cpu_weights,
+        float_budget=settings.cpu_float_budget_bytes,
+        vector_jit=settings.cpu_vector_jit,
+        batch_kernels=settings.cpu_batch_matmul,
+        home=settings.home,
+    )
     manager = AdapterManager(model, base_id="base", adapter_root=root, max_rank=rank)
     seconds = []
     for _ in range(loads):
