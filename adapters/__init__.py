@@ -9,7 +9,8 @@ applies each row's own set. With a `MountJournal` (the mount record `MountFile`,
 cluster's registry) every mount and unmount is recorded before it is made, and a `MountStore`
 mounts the recorded set again when a server starts. Listeners the manager is given hear of every
 mount, on-demand load, unmount and eviction (`MountEvent`), whatever made it. With a `Budget`
-the manager keeps the least recently used adapters within it (`residency`).
+the manager keeps the least recently used adapters within it (`residency`); an adapter it
+evicted, or one under the adapter root with `auto_mount`, is mounted on first use (`first_use`).
 """
 
 from hotlora.adapters.adapter_errors import (
@@ -21,15 +22,10 @@ from hotlora.adapters.adapter_errors import (
     InvalidAdapter,
     InvalidAdapterSpec,
 )
+from hotlora.adapters.adapter_info import AdapterInfo, MountEvent, MountListener
 from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet
 from hotlora.adapters.fuse import fuse_adapter
-from hotlora.adapters.manager import (
-    AdapterInfo,
-    AdapterLease,
-    AdapterManager,
-    MountEvent,
-    MountListener,
-)
+from hotlora.adapters.manager import AdapterLease, AdapterManager
 from hotlora.adapters.mount_journal import (
     MOUNTS_FILE,
     MountedSet,

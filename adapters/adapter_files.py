@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,20 +107,28 @@ def _read(
             f"file ({size} bytes)"
         )
     config = read_adapter_config(config_file, max_rank=max_rank, max_bytes=max_bytes)
+    # The hash reads the file beside MLX reading and checking its tensors: both let go of the
+    # GIL, and a cold load is a request's wait. A refusal does not wait for the hash to end.
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-hash")
     try:
-        tensors = mx.load(str(weight_file))
-    except Exception as exc:  # mlx raises RuntimeError/ValueError for unreadable files
-        raise InvalidAdapter(f"cannot read {weight_file.name}: {exc}") from None
-    if not isinstance(tensors, dict):
-        raise InvalidAdapter(f"{weight_file.name} is not a safetensors file")
-    matched = match_pairs(tensors, targets, config.rank)
-    del tensors
-    mx.eval([array for pair in matched.pairs.values() for array in pair])
+        hashed = hasher.submit(revision, config, weight_file, max_bytes=max_bytes)
+        try:
+            tensors = mx.load(str(weight_file))
+        except Exception as exc:  # mlx raises RuntimeError/ValueError for unreadable files
+            raise InvalidAdapter(f"cannot read {weight_file.name}: {exc}") from None
+        if not isinstance(tensors, dict):
+            raise InvalidAdapter(f"{weight_file.name} is not a safetensors file")
+        matched = match_pairs(tensors, targets, config.rank)
+        del tensors
+        mx.eval([array for pair in matched.pairs.values() for array in pair])
+        content = hashed.result()
+    finally:
+        hasher.shutdown(wait=False)
     return LoadedAdapter(
         path=directory,
         weight_file=weight_file,
         config=config,
-        revision=revision(config, weight_file, max_bytes=max_bytes),
+        revision=content,
         size_bytes=size,
         weights=dict(matched.pairs),
     )

@@ -2,9 +2,9 @@
 
 `select` is the one call a request makes: from its `model` and `adapter` fields to a leased,
 request-owned `AdapterSet`, mounting on first use what it may (`auto_mount`, or an adapter
-evicted to keep within the budget). Every change to what is mounted, whatever asked for it (the
-admin API, start-up, a request, the budget, the mount record, the Ray cluster's registry), is
-told to the manager's listeners as a `MountEvent`.
+evicted to keep within the budget; that part is `first_use.FirstUseMounts`). Every change to
+what is mounted, whatever asked for it (the admin API, start-up, a request, the budget, the
+mount record, the Ray cluster's registry), is told to the manager's listeners as a `MountEvent`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +27,13 @@ from hotlora.adapters.adapter_errors import (
     InvalidAdapter,
 )
 from hotlora.adapters.adapter_files import MAX_ADAPTER_BYTES, read_adapter, resolve_under_root
+from hotlora.adapters.adapter_info import (
+    AdapterInfo,
+    MountEvent,
+    MountListener,
+    evicted_info,
+    mounted_info,
+)
 from hotlora.adapters.adapter_set import (
     BASE_ONLY,
     SHORT_REVISION,
@@ -35,16 +41,12 @@ from hotlora.adapters.adapter_set import (
     AppliedAdapter,
     MountedAdapter,
 )
+from hotlora.adapters.first_use import FirstUseMounts, SingleFlight
 from hotlora.adapters.projections import TargetDims, linear_dims
-from hotlora.adapters.residency import Budget, Evicted, Residency, SingleFlight
+from hotlora.adapters.residency import Budget, Evicted, Residency
 from hotlora.adapters.root_listing import RootEntry, list_root
 from hotlora.adapters.slots import LoRASlot, install_slots, probe_input_dtypes
-from hotlora.adapters.spec import (
-    AdapterRef,
-    adapter_id_problem,
-    format_adapter_spec,
-    parse_selection,
-)
+from hotlora.adapters.spec import AdapterRef, adapter_id_problem, format_adapter_spec
 from hotlora.config.log_text import printable
 
 if TYPE_CHECKING:
@@ -55,43 +57,6 @@ log = logging.getLogger("hotlora.adapters")
 # Adapter arrays follow half-precision activations (half the memory, no per-call upcast);
 # against float32 activations they stay float32, which is how mlx-lm keeps trained adapters.
 _HALF = (mx.float16, mx.bfloat16)
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What the admin API reports about one mounted adapter."""
-
-    id: str
-    path: str
-    rank: int
-    scale: float
-    rslora: bool
-    revision: str
-    size_bytes: int  # the weight file on disk
-    ram_bytes: int  # the mounted arrays
-    mounted_layers: int  # slots it attaches to
-    mounted_at: int  # unix seconds
-    in_use: int  # requests computing with any revision mounted under this id now
-    pinned: bool = False  # never evicted to keep within the budget
-    on_demand: bool = False  # mounted by a request naming it, not by an admin
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class MountEvent:
-    """One change to the mounted set, told to the manager's listeners once it is made."""
-
-    # A replace is "mounted"; "loaded" is a mount a request asked for, on first use.
-    kind: Literal["mounted", "loaded", "unmounted", "evicted"]
-    adapter_id: str
-    revision: str  # what was mounted, or what was unmounted or evicted
-    seconds: float = 0.0  # how long a load took, files read to arrays mounted
-    ram_bytes: int = 0  # what the adapter's arrays hold
-
-
-MountListener = Callable[[MountEvent], None]
 
 
 class AdapterLease:
@@ -109,7 +74,7 @@ class AdapterLease:
             release()
 
 
-class AdapterManager:
+class AdapterManager(FirstUseMounts):
     """Mounts, unmounts and selects LoRA adapters over one base model that never reloads.
 
     Construction wraps the base's target projections in `LoRASlot`s once. After that,
@@ -236,23 +201,27 @@ class AdapterManager:
                 adopt = same and not on_demand and adapter_id in self._residency.on_demand
                 if same and not adopt:
                     assert current is not None
-                    if pin:
-                        self._residency.check(adapter_id, loaded.ram_bytes, pin=True)
-                        self._residency.pinned.add(adapter_id)
-                    return self._info(current)
-                if current is not None and not replace and not adopt:
+                    if not pin or adapter_id in self._residency.pinned:
+                        return self._info(current)
+                    self._residency.check(adapter_id, loaded.ram_bytes, pin=True)
+                elif current is not None and not replace and not adopt:
                     raise AdapterConflict(
                         f"adapter '{adapter_id}' is already mounted from {current.adapter.path} "
                         f"(revision {current.short_revision}); unmount it or mount with replace"
                     )
-                try:
-                    self._residency.check(adapter_id, loaded.ram_bytes, pin=pin)
-                except AdapterError:
-                    del loaded
-                    mx.clear_cache()
-                    raise
+                else:
+                    try:
+                        self._residency.check(adapter_id, loaded.ram_bytes, pin=pin)
+                    except AdapterError:
+                        del loaded
+                        mx.clear_cache()
+                        raise
+            if same and not adopt:
+                return self._pin(current, record=record)
             if record and self._journal is not None:
-                self._journal.mounted(adapter_id, str(directory), loaded.revision, replace or adopt)
+                self._journal.mounted(
+                    adapter_id, str(directory), loaded.revision, replace or adopt, pin=pin
+                )
             with self._lock:
                 current = self._mounted.get(adapter_id)
                 mounted = MountedAdapter(adapter_id, loaded, int(time.time()))
@@ -274,6 +243,16 @@ class AdapterManager:
             info.revision[:12],
         )
         return info
+
+    def _pin(self, mounted: MountedAdapter | None, *, record: bool) -> AdapterInfo:
+        """Pin what is mounted already, recorded first as a mount is. Called holding `_admin`."""
+        assert mounted is not None
+        adapter = mounted.adapter
+        if record and self._journal is not None:
+            self._journal.mounted(mounted.id, str(adapter.path), adapter.revision, False, pin=True)
+        with self._lock:
+            self._residency.pinned.add(mounted.id)
+            return self._info(mounted)
 
     def unmount(
         self, adapter_id: str, *, record: bool = True, evicted: bool = False
@@ -302,58 +281,12 @@ class AdapterManager:
                 info = self._info(mounted) if mounted is not None else None
             if info is None:
                 assert gone is not None
-                return self._evicted_info(gone)
+                return evicted_info(gone)
             self._tell(MountEvent("evicted" if evicted else "unmounted", adapter_id, info.revision))
         del mounted
         mx.clear_cache()
         log.info("unmounted adapter %s", printable(adapter_id))
         return info
-
-    def select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease:
-        """What a request with these `model` and `adapter` fields is served with, leased.
-
-        `model` may name the base (then `refs` select the adapters), a mounted adapter id, or
-        `"<base-id>:<spec>"`. Raises `ModelNotFound` for any other model, `InvalidRequest` when
-        both fields select adapters or the model's spec is malformed, and `AdapterNotFound`
-        for an id that is neither mounted nor loadable. An adapter evicted by the budget, or
-        (with `auto_mount`) a directory under the root, is mounted first: this call blocks on
-        its files then, and a load that fails raises `InvalidAdapter` naming the problem.
-        Nothing is counted as in use unless this returns.
-        """
-        waiting: tuple[str, ...] = ()
-        try:
-            while True:
-                with self._lock:
-                    named = parse_selection(self.base_id, model, refs, _Selectable(self))
-                    missing = tuple(ref.id for ref in named if ref.id not in self._mounted)
-                    if not missing:
-                        lease = self._lease(model, named)
-                        self._wait(waiting, -1)
-                        waiting = ()
-                        return lease
-                    for adapter_id in missing:
-                        if not self._loadable(adapter_id):
-                            raise AdapterNotFound(adapter_id, self._mounted)
-                    self._wait(tuple(i for i in missing if i not in waiting), 1)
-                    waiting = tuple(dict.fromkeys((*waiting, *missing)))
-                for adapter_id in missing:
-                    self._loads.run(adapter_id, lambda i=adapter_id: self._load(i))
-        finally:
-            if waiting:
-                with self._lock:
-                    self._wait(waiting, -1)
-
-    def try_select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease | None:
-        """`select` without loading: None when an adapter must be mounted first (then call
-        `select` where blocking is fine). Raises as `select` does."""
-        with self._lock:
-            named = parse_selection(self.base_id, model, refs, _Selectable(self))
-            for ref in named:
-                if ref.id not in self._mounted:
-                    if self._loadable(ref.id):
-                        return None
-                    raise AdapterNotFound(ref.id, self._mounted)
-            return self._lease(model, named)
 
     def resolve(self, refs: tuple[AdapterRef, ...]) -> AdapterSet:
         """The set `refs` name, not counted as in use (`select` is what requests call)."""
@@ -392,53 +325,6 @@ class AdapterManager:
             ]
             evicted = list(self._residency.evicted.values())
         return list_root(self.adapter_root, mounted, evicted, skip=self.base_id)
-
-    def _loadable(self, adapter_id: str) -> bool:
-        """Whether `adapter_id`, not mounted, can be mounted on first use."""
-        if adapter_id in self._residency.evicted:
-            return True
-        if not self.auto_mount or adapter_id_problem(adapter_id) or adapter_id == self.base_id:
-            return False
-        return (self.adapter_root / adapter_id).is_dir()
-
-    def _load(self, adapter_id: str) -> None:
-        """Mount `adapter_id` for the requests waiting on it: from where it was evicted, else
-        from its directory under the root. A failure is the requests' error (`param`
-        adapter), naming the problem."""
-        with self._lock:
-            if adapter_id in self._mounted:
-                return  # a load that ended before this caller asked
-            gone = self._residency.evicted.get(adapter_id)
-        path = gone.path if gone is not None else adapter_id
-        # An adapter mounted by hand comes back as it was mounted, or not at all.
-        revision = gone.revision if gone is not None and not gone.on_demand else None
-        try:
-            self._mount(
-                adapter_id,
-                path,
-                False,
-                revision=revision,
-                record=False,
-                pin=False,
-                on_demand=gone is None or gone.on_demand,
-            )
-        except AdapterError as exc:
-            if isinstance(exc, AdapterConflict) and exc.code != "adapter_changed":
-                return  # an admin mounted it meanwhile: the requests get that one
-            error = AdapterConflict if isinstance(exc, AdapterConflict) else InvalidAdapter
-            raise error(
-                f"adapter '{adapter_id}' could not be loaded: {exc.message}",
-                param="adapter",
-                code=exc.code,
-            ) from None
-
-    def _wait(self, adapter_ids: tuple[str, ...], change: int) -> None:
-        for adapter_id in adapter_ids:
-            left = self._waiting.get(adapter_id, 0) + change
-            if left:
-                self._waiting[adapter_id] = left
-            else:
-                del self._waiting[adapter_id]
 
     def _lease(self, model: str, named: tuple[AdapterRef, ...]) -> AdapterLease:
         adapters = self._resolve(named)
@@ -539,58 +425,12 @@ class AdapterManager:
                 self._admin.release()
 
     def _info(self, mounted: MountedAdapter) -> AdapterInfo:
-        adapter = mounted.adapter
-        return AdapterInfo(
-            id=mounted.id,
-            path=str(adapter.path),
-            rank=adapter.config.rank,
-            scale=adapter.config.scale,
-            rslora=adapter.config.rslora,
-            revision=adapter.revision,
-            size_bytes=adapter.size_bytes,
-            ram_bytes=adapter.ram_bytes,
-            mounted_layers=len(adapter.weights),
-            mounted_at=mounted.mounted_at,
+        return mounted_info(
+            mounted,
             in_use=self._in_use.get(mounted.id, 0),
             pinned=mounted.id in self._residency.pinned,
             on_demand=mounted.id in self._residency.on_demand,
         )
-
-    def _evicted_info(self, gone: Evicted) -> AdapterInfo:
-        return AdapterInfo(
-            id=gone.id,
-            path=gone.path,
-            rank=0,
-            scale=0.0,
-            rslora=False,
-            revision=gone.revision,
-            size_bytes=gone.size_bytes,
-            ram_bytes=gone.ram_bytes,
-            mounted_layers=0,
-            mounted_at=gone.evicted_at,
-            in_use=0,
-            on_demand=gone.on_demand,
-        )
-
-
-class _Selectable(Collection[str]):
-    """The ids a request's `model` may name: those mounted, and those it may mount on first
-    use. Iterates over the mounted ones alone (what an error lists)."""
-
-    def __init__(self, manager: AdapterManager):
-        self._manager = manager
-
-    def __contains__(self, adapter_id: object) -> bool:
-        manager = self._manager
-        if not isinstance(adapter_id, str):
-            return False
-        return adapter_id in manager._mounted or manager._loadable(adapter_id)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._manager._mounted)
-
-    def __len__(self) -> int:
-        return len(self._manager._mounted)
 
 
 def _target(slot: LoRASlot, input_dtype: mx.Dtype | None) -> TargetDims:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -40,8 +41,11 @@ HISTORY_LIMIT = 16  # past revisions kept per id
 class MountJournal(Protocol):
     """Where the manager records a change before it makes it; raising refuses the change."""
 
-    def mounted(self, adapter_id: str, path: str, revision: str, replace: bool) -> None:
-        """`adapter_id` is about to be mounted from `path` (a directory) at `revision`."""
+    def mounted(
+        self, adapter_id: str, path: str, revision: str, replace: bool, *, pin: bool = False
+    ) -> None:
+        """`adapter_id` is about to be mounted from `path` (a directory) at `revision`; `pin`:
+        kept from eviction (the same revision again with `pin` is a pin added)."""
 
     def unmounted(self, adapter_id: str) -> None:
         """`adapter_id` is about to be unmounted."""
@@ -73,6 +77,7 @@ class MountRecord:
     revision: str
     mounted_at: int
     history: tuple[PastRevision, ...] = field(default=())  # oldest first
+    pinned: bool = False  # never evicted to keep within the budget
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,14 +91,16 @@ class MountRecord:
             revision=str(data["revision"]),
             mounted_at=int(data["mounted_at"]),
             history=history,
+            pinned=bool(data.get("pinned", False)),  # absent from records made before pins
         )
 
 
 class MountedSet:
     """The mounted ids in mount order, and a version that grows with every change.
 
-    `mount` follows the manager's rules: the same revision again changes nothing, other files
-    under a mounted id conflict unless `replace`, which keeps the old revision in the history.
+    `mount` follows the manager's rules: the same revision again changes nothing but adds a
+    pin, other files under a mounted id conflict unless `replace`, which keeps the old revision
+    in the history and pins the new one only if asked to.
     """
 
     def __init__(self, records: dict[str, MountRecord] | None = None, version: int = 0):
@@ -101,12 +108,24 @@ class MountedSet:
         self.version = version
 
     def mount(
-        self, adapter_id: str, path: str, revision: str, *, replace: bool, now: int | None = None
+        self,
+        adapter_id: str,
+        path: str,
+        revision: str,
+        *,
+        replace: bool,
+        pin: bool = False,
+        now: int | None = None,
     ) -> bool:
-        """Record the mount; False when this revision was already recorded (nothing changed)."""
+        """Record the mount; False when this revision was already recorded, pinned if `pin`
+        (nothing changed)."""
         current = self.records.get(adapter_id)
         if current is not None and current.revision == revision:
-            return False
+            if not pin or current.pinned:
+                return False
+            self.records[adapter_id] = dataclasses.replace(current, pinned=True)
+            self.version += 1
+            return True
         if current is not None and not replace:
             raise AdapterConflict(
                 f"adapter '{adapter_id}' is already mounted from {current.path} (revision "
@@ -117,7 +136,7 @@ class MountedSet:
         if current is not None:
             past = PastRevision(current.path, current.revision, current.mounted_at, now)
             history = (*current.history, past)[-HISTORY_LIMIT:]
-        self.records[adapter_id] = MountRecord(adapter_id, path, revision, now, history)
+        self.records[adapter_id] = MountRecord(adapter_id, path, revision, now, history, pin)
         self.version += 1
         return True
 
@@ -237,10 +256,12 @@ class MountFile:
         with self._lock:
             return list(self._set.records.values())
 
-    def mounted(self, adapter_id: str, path: str, revision: str, replace: bool) -> None:
+    def mounted(
+        self, adapter_id: str, path: str, revision: str, replace: bool, *, pin: bool = False
+    ) -> None:
         with self._lock:
             updated = self._set.copy()
-            if updated.mount(adapter_id, path, revision, replace=replace):
+            if updated.mount(adapter_id, path, revision, replace=replace, pin=pin):
                 write_mounted_set(self.path, updated)
                 self._set = updated
 
@@ -252,7 +273,8 @@ class MountFile:
             self._set = updated
 
     def restore(self, manager: AdapterManager) -> None:
-        """Mount every recorded adapter again, exactly as recorded or not at all.
+        """Mount every recorded adapter again, exactly as recorded (pinned if it was) or not at
+        all.
 
         An entry whose directory vanished, whose files no longer hash to the recorded revision,
         or that the manager refuses for any other reason is logged (WARNING, naming it and why)
@@ -261,7 +283,13 @@ class MountFile:
         dropped = []
         for record in self.records:
             try:
-                manager.mount(record.id, record.path, revision=record.revision, record=False)
+                manager.mount(
+                    record.id,
+                    record.path,
+                    revision=record.revision,
+                    record=False,
+                    pin=record.pinned,
+                )
             except AdapterError as exc:
                 report_unmountable(record, exc)
                 dropped.append(record.id)

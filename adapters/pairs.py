@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
+import numpy as np
 
 from hotlora.adapters.adapter_errors import InvalidAdapter
 from hotlora.adapters.projections import TARGET_PROJECTIONS, TargetDims, canonical_path, float_dtype
@@ -16,6 +17,7 @@ from hotlora.adapters.projections import TARGET_PROJECTIONS, TargetDims, canonic
 _TENSOR_NAME = re.compile(r"^(?P<module>.+)\.(?P<half>lora_[aAbB])(?:\.weight)?$")
 _SHOWN = 3  # how many offending modules or tensors an error message names
 _PROJECTIONS = " ".join(sorted(TARGET_PROJECTIONS))
+_NUMPY_FLOATS = (mx.float16, mx.float32, mx.float64)  # the float dtypes NumPy reads as they are
 # Modules an adapter may carry weights for that no LoRA slot stands in for, by a part of the name.
 _NOT_TARGETS = (
     (("experts", "switch_mlp", "block_sparse_moe"), "MoE expert weights take no LoRA here"),
@@ -93,28 +95,46 @@ def _check_finite(tensors: list[tuple[str, mx.array, mx.array]]) -> None:
     """Refuse NaN or infinite values, as stored or once cast to the mount dtype (float32
     values past float16's range become inf), naming the tensors.
 
-    One evaluation for every tensor, which also materialises the mounted arrays.
+    One evaluation for every tensor, which also materialises the mounted arrays; then the
+    checks read the evaluated buffers in place, each tensor once, and a mounted array once more
+    only where the cast changed its dtype.
     """
-    flags = mx.stack(  # [n, 2]: finite as stored, finite as mounted
-        [
-            mx.stack([mx.isfinite(stored).all(), mx.isfinite(mounted).all()])
-            for _, stored, mounted in tensors
-        ]
-    )
-    mx.eval(flags, [mounted for _, _, mounted in tensors])
-    rows = cast(list[list[bool]], flags.tolist())
-    stored_bad = [name for (name, _, _), (ok, _) in zip(tensors, rows, strict=True) if not ok]
+    mx.eval([stored for _, stored, _ in tensors], [mounted for _, _, mounted in tensors])
+    stored_ok = _all_finite([stored for _, stored, _ in tensors])
+    stored_bad = [name for (name, _, _), ok in zip(tensors, stored_ok, strict=True) if not ok]
     if stored_bad:
         names = ", ".join(stored_bad[:_SHOWN])
         more = f" and {len(stored_bad) - _SHOWN} more" if len(stored_bad) > _SHOWN else ""
         noun = "tensor" if len(stored_bad) == 1 else "tensors"
         raise InvalidAdapter(f"NaN or infinite values in the {noun} {names}{more}")
-    for (name, _, mounted), (_, ok) in zip(tensors, rows, strict=True):
+    cast_ = [(name, mounted) for name, stored, mounted in tensors if mounted.dtype != stored.dtype]
+    for (name, mounted), ok in zip(cast_, _all_finite([m for _, m in cast_]), strict=True):
         if not ok:
             raise InvalidAdapter(
                 f"the tensor {name} has values beyond the range of {_dtype_name(mounted.dtype)}, "
                 "the dtype this base model's activations use"
             )
+
+
+def _all_finite(arrays: list[mx.array]) -> list[bool]:
+    """Whether each evaluated array holds finite values only.
+
+    NumPy reads MLX's buffers without a copy in one pass; a graph of one reduction per tensor
+    costs more in per-operation overhead than the pass itself. bfloat16, which NumPy lacks,
+    is checked by MLX, all such tensors in one evaluation.
+    """
+    found: dict[int, bool] = {}
+    in_mlx: list[int] = []
+    for index, array in enumerate(arrays):
+        if array.dtype in _NUMPY_FLOATS:
+            found[index] = bool(np.isfinite(np.asarray(array)).all())
+        else:
+            in_mlx.append(index)
+    if in_mlx:
+        flags = mx.stack([mx.isfinite(arrays[index]).all() for index in in_mlx])  # [n]
+        for index, ok in zip(in_mlx, cast(list[bool], flags.tolist()), strict=True):
+            found[index] = ok
+    return [found[index] for index in range(len(arrays))]
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

@@ -3,15 +3,12 @@
 The adapter manager keeps its table of mounted adapters; `Residency` keeps, beside it, the order
 they were last used in, which are pinned, how many bytes they hold and what was evicted (so that
 it can be loaded again on next use). It is not thread-safe: the manager calls it under its lock.
-`SingleFlight` makes concurrent first requests for one adapter share one load.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from hotlora.adapters.adapter_errors import AdapterOverBudget
@@ -131,33 +128,3 @@ class Residency:
             resident -= 1
             total -= ram_bytes
         return chosen
-
-
-class SingleFlight:
-    """One load per adapter id at a time: the first caller loads, the others wait for it and get
-    its result, or its exception."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loads: dict[str, Future[None]] = {}
-
-    def run(self, key: str, load: Callable[[], None]) -> None:
-        """Run `load` unless a load of `key` is under way; then wait for that one instead."""
-        with self._lock:
-            future = self._loads.get(key)
-            leader = future is None
-            if future is None:
-                future = self._loads[key] = Future()
-        if not leader:
-            future.result()
-            return
-        try:
-            load()
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        else:
-            future.set_result(None)
-        finally:
-            with self._lock:
-                del self._loads[key]

@@ -164,7 +164,10 @@ class ClusterMounts:
 
     # The journal: the manager records here before it changes (admin routes, start-up flags).
 
-    def mounted(self, adapter_id: str, path: str, revision: str, replace: bool) -> None:
+    def mounted(
+        self, adapter_id: str, path: str, revision: str, replace: bool, *, pin: bool = False
+    ) -> None:
+        # A replica keeps its own cap over the registry's set; a pin is no part of that set.
         problem = self._registry.call("mount", adapter_id, path, revision, replace)
         if problem is not None:
             raise AdapterConflict(problem)

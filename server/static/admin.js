@@ -79,7 +79,8 @@ export function initAdmin(page) {
 
   function budget(listing) {
     const bounds = [];
-    if (listing.max_mounted_adapters !== null) bounds.push(`${listing.max_mounted_adapters} adapters`);
+    const most = listing.max_mounted_adapters;
+    if (most !== null) bounds.push(`${most} adapter${most === 1 ? "" : "s"}`);
     if (listing.adapter_memory_bytes !== null) bounds.push(size(listing.adapter_memory_bytes));
     const limit = bounds.length ? ` of at most ${bounds.join(" and ")}` : "";
     const lazy = listing.auto_mount ? "; requests mount adapters under the root on first use" : "";

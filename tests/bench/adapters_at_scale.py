@@ -7,7 +7,8 @@ projection of every layer, seeded: a rerun reuses them). One hotlora server serv
 Zipf-like (s=1.1), and, in turns with that, the same clients on the base model alone. Reported:
 aggregate tokens/s of both, adapters mounted on first use against the base (ratio), the cold
 loads' latency (p50/p95, from the server's `hotlora_adapter_load_seconds` histogram), the
-evictions, and the server's peak RSS.
+evictions, and the server's peak RSS. First, `--cold-loads` (20) mounts of one rank-16 adapter
+on every projection (19 MB on the embedded model) in this process: their latency p50/p95.
 
 Then whether what is mounted costs anything when it is not used: two servers, one with
 `--mounted` (200) adapters mounted (rank `--mounted-rank`, 8) and one with none, take turns
@@ -16,7 +17,7 @@ median gap between a stream's tokens) and aggregate tokens/s.
 
     python -m tests.bench.adapters_at_scale [--adapters 1000] [--hot 100] [--cap 32]
         [--clients 8] [--seconds 60] [--rounds 2] [--max-tokens 32] [--mounted 200]
-        [--mounted-rank 8] [--root DIR] [--model DIR]
+        [--mounted-rank 8] [--cold-loads 20] [--root DIR] [--model DIR]
 
 A measurement, not a test: it exits 0 whatever the figures.
 """
@@ -77,6 +78,49 @@ def write_adapters(model_dir: Path, root: Path, names: list[str], ranks: list[in
         written += weights.stat().st_size
         mx.clear_cache()
     return written
+
+
+def cold_loads(model_dir: Path, root: Path, loads: int, rank: int = 16) -> dict[str, float]:
+    """Mount and unmount one rank-`rank` adapter on every projection `loads` times in this
+    process, through the adapter manager on the model prepared as a server with the default
+    settings prepares it (the adapters' dtype follows its activations): each mount's latency,
+    files read to arrays mounted."""
+    import mlx.core as mx
+
+    from hotlora.adapters import AdapterManager
+    from hotlora.config.settings import Settings
+    from hotlora.models.cpu import prepare_cpu
+    from hotlora.models.loader import load_model_dir
+
+    name = f"cold-r{rank}"
+    write_adapters(model_dir, root, [name], [rank])
+    model = load_model_dir(model_dir).model
+    settings = Settings()
+    prepare_cpu(
+        model,
+        weights=settings.cpu_weights,
+        float_budget=settings.cpu_float_budget_bytes,
+        vector_jit=settings.cpu_vector_jit,
+        batch_kernels=settings.cpu_batch_matmul,
+        home=settings.home,
+    )
+    manager = AdapterManager(model, base_id="base", adapter_root=root, max_rank=rank)
+    seconds = []
+    for _ in range(loads):
+        began = time.perf_counter()
+        info = manager.mount(name, name)
+        seconds.append(time.perf_counter() - began)
+        manager.unmount(name)
+    del manager, model
+    mx.clear_cache()
+    seconds.sort()
+    return {
+        "rank": rank,
+        "file_mb": round(info.size_bytes / 1e6, 1),
+        "loads": loads,
+        "p50_ms": round(statistics.median(seconds) * 1000, 1),
+        "p95_ms": round(seconds[min(loads - 1, int(0.95 * loads))] * 1000, 1),
+    }
 
 
 @dataclass
@@ -204,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         "--mounted", type=int, default=200, help="mounted, unused adapters (0: skip that part)"
     )
     parser.add_argument("--mounted-rank", type=int, default=8)
+    parser.add_argument(
+        "--cold-loads", type=int, default=20, help="in-process rank-16 mounts timed (0: skip)"
+    )
     parser.add_argument("--root", type=Path, default=None, help="adapter root (kept)")
     add_model_args(parser)
     args = parser.parse_args(argv)
@@ -230,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": args.seconds,
         "max_tokens": args.max_tokens,
     }
+    if args.cold_loads:
+        report["cold_load_rank16"] = cold_loads(model_dir, root, args.cold_loads)
 
     serve = ["--model", str(model_dir), "--adapter-root", str(root), "--max-batch", "16"]
     lazy = ServerProcess(

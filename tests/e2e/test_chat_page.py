@@ -134,6 +134,33 @@ def visit(browser: Browser, server: ServerProcess, tmp_path: Path) -> Iterator[V
     yield from _visit(browser, server, tmp_path, api_key=True)
 
 
+@pytest.fixture(scope="module")
+def budget_server(
+    embedded_model_dir: Path, trained_adapters: TrainedAdapters
+) -> Iterator[ServerProcess]:
+    """One adapter resident at most: of the two mounted at start, the second evicts the first."""
+    spec = hotlora_spec(
+        "--model",
+        str(embedded_model_dir),
+        *trained_adapters.serve_args("pirate", "fortytwo"),
+        "--max-mounted-adapters",
+        "1",
+        "--admin-api-key",
+        ADMIN_KEY,
+    )
+    with ServerProcess(spec) as srv:
+        yield srv
+
+
+@pytest.fixture
+def admin_visit(browser: Browser, budget_server: ServerProcess, tmp_path: Path) -> Iterator[Visit]:
+    """A tab on `budget_server` whose session already holds the admin key."""
+    for visit in _visit(browser, budget_server, tmp_path, api_key=False):
+        held = json.dumps(ADMIN_KEY)
+        visit.page.context.add_init_script(f"sessionStorage.setItem('hotlora.adminKey', {held})")
+        yield visit
+
+
 @pytest.fixture
 def keyless_visit(browser: Browser, server: ServerProcess, tmp_path: Path) -> Iterator[Visit]:
     yield from _visit(browser, server, tmp_path, api_key=False)
@@ -244,6 +271,41 @@ def test_the_admin_panel_asks_for_its_key_then_mounts_and_unmounts(
         f"401: GET {visit.origin}/v1/adapters"
     ]
     assert visit.unexpected(allowed="401") == []
+
+
+MEMORY = re.compile(r"\d+(\.\d)? (B|KiB|MiB|GiB)")
+
+
+def test_the_adapters_tab_shows_resident_evicted_and_pinned_adapters(
+    admin_visit: Visit, trained_adapters: TrainedAdapters
+):
+    visit = admin_visit
+    page = visit.page
+    visit.open("/#admin")
+    resident = page.locator("#adapter-table tbody tr")
+    evicted = page.locator("#evicted-table tbody tr")
+    expect(resident).to_have_count(1)
+    expect(page.locator('#adapter-table tr[data-id="fortytwo"] td').nth(5)).to_have_text(MEMORY)
+    expect(evicted).to_have_count(1)
+    expect(page.locator('#evicted-table tr[data-id="pirate"] td').nth(2)).to_have_text(MEMORY)
+    expect(page.locator("#evicted-empty")).to_be_hidden()
+    budget = re.compile(r"^Resident: .* of at most 1 adapter\.$")
+    expect(page.locator("#adapter-budget")).to_have_text(budget)
+
+    # A pinned mount stays resident: the one it displaces is evicted, with the memory it held.
+    page.fill("#mount-form [name=id]", "answer")
+    page.fill("#mount-form [name=path]", str(trained_adapters["pirate"]))
+    page.check("#mount-form [name=pin]")
+    page.click("#mount-form button[type=submit]")
+    expect(page.locator("#admin-message")).to_contain_text("Mounted answer")
+    answer = page.locator('#adapter-table tr[data-id="answer"] td').nth(5)
+    expect(answer).to_contain_text("(pinned)")
+    expect(answer).to_have_attribute("title", "pinned")
+    expect(resident).to_have_count(1)
+    expect(evicted).to_have_count(2)
+    expect(page.locator('#evicted-table tr[data-id="fortytwo"] td').nth(2)).to_have_text(MEMORY)
+    visit.screenshot("admin-budget")
+    assert visit.unexpected() == []
 
 
 def test_the_page_asks_for_an_api_key_when_the_server_wants_one(keyless_visit: Visit):

@@ -110,3 +110,56 @@ def test_without_the_setting_nothing_is_recorded(make_client, root: Path, tmp_pa
     stop(first)
     assert not (tmp_path / "home" / "mounts.json").exists()
     assert listed(make_client(adapter_root=root, persist_mounts=True)) == {}
+
+
+def pins(client: TestClient) -> dict[str, bool]:
+    return {card["id"]: card["pinned"] for card in client.get("/v1/adapters").json()["data"]}
+
+
+def test_a_pin_survives_a_restart_as_the_mount_does(make_client, root: Path):
+    budget = {"adapter_root": root, "persist_mounts": True, "max_mounted_adapters": 2}
+    first = make_client(**budget)
+    assert first.post("/v1/adapters", json={"id": "a", "path": "a", "pin": True}).status_code == 201
+    assert first.post("/v1/adapters", json={"id": "b", "path": "b"}).status_code == 201
+    # Pinning what is mounted already, same files, is recorded too.
+    assert first.post("/v1/adapters", json={"id": "a2", "path": "a2"}).status_code == 201
+    assert first.post("/v1/adapters", json={"id": "a2", "path": "a2", "pin": True}).status_code in (
+        200,
+        201,
+    )
+    assert pins(first) == {"a": True, "a2": True}  # b evicted past the cap of 2
+    stop(first)
+
+    again = make_client(**budget)
+    assert pins(again) == {"a": True, "a2": True}  # b made again, then evicted past the cap
+    assert text(again, "b")  # an evicted hand mount comes back on use; a pin is never evicted
+    assert {"a": True, "a2": True}.items() <= pins(again).items()
+
+
+def test_a_replace_without_pin_unpins_and_the_record_follows(make_client, root: Path):
+    first = make_client(adapter_root=root, persist_mounts=True)
+    assert first.post("/v1/adapters", json={"id": "a", "path": "a", "pin": True}).status_code == 201
+    replaced = {"id": "a", "path": "a2", "replace": True}
+    assert first.post("/v1/adapters", json=replaced).status_code == 201
+    assert pins(first) == {"a": False}
+    stop(first)
+    assert pins(make_client(adapter_root=root, persist_mounts=True)) == {"a": False}
+
+
+def test_a_mount_on_first_use_is_not_recorded_and_loads_again_after_a_restart(
+    make_client, root: Path, tmp_path: Path
+):
+    lazy = {"adapter_root": root, "persist_mounts": True, "auto_mount": True}
+    first = make_client(**lazy)
+    answer = text(first, "a")
+    assert listed(first) == {"a": str(root / "a")}
+    stop(first)
+    assert [r.id for r in MountFile(tmp_path / "home" / "mounts.json").records] == []
+
+    again = make_client(**lazy)
+    assert listed(again) == {}
+    assert text(again, "a") == answer  # mounted again on first use, from the root
+    # An admin mounting what a request loaded makes it a recorded mount.
+    assert again.post("/v1/adapters", json={"id": "a", "path": "a"}).status_code in (200, 201)
+    stop(again)
+    assert [r.id for r in MountFile(tmp_path / "home" / "mounts.json").records] == ["a"]

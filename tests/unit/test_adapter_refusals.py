@@ -437,6 +437,26 @@ def test_values_past_the_half_precision_range_are_refused(tmp_path: Path):
     make_manager(tmp_path)[1].mount("sft", "bad")  # float32 activations hold it
 
 
+def test_bfloat16_weights_are_checked_as_the_others(tmp_path: Path):
+    """bfloat16, which NumPy cannot read, takes the same checks: a NaN is refused naming the
+    tensor, finite values mount."""
+    _, manager = make_manager(tmp_path)
+    pairs = random_pairs(tiny_model(), seed=3)
+    halves = {
+        path: (a.astype(mx.bfloat16), b.astype(mx.bfloat16)) for path, (a, b) in pairs.items()
+    }
+    write_mlx_adapter(tmp_path / "good16", halves)
+    a, b = halves[Q]
+    poisoned_b = mx.array(b)
+    poisoned_b[0, 1] = float("nan")
+    write_mlx_adapter(tmp_path / "bad16", {**halves, Q: (a, poisoned_b)})
+    with pytest.raises(InvalidAdapter) as caught:
+        manager.mount("sft", "bad16")
+    assert str(caught.value) == f"NaN or infinite values in the tensor {Q}.lora_b"
+    assert manager.list() == []
+    assert manager.mount("sft", "good16").mounted_layers == len(pairs)
+
+
 def test_a_refused_mount_leaves_no_memory_behind(tmp_path: Path):
     _, manager = make_manager(tmp_path)
     pairs = random_pairs(tiny_model(), rank=64, seed=3)

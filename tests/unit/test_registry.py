@@ -226,7 +226,7 @@ def test_writes_a_killed_server_left_are_cleared_at_start(record_path, caplog):
 
 def test_a_journal_that_refuses_leaves_the_manager_unchanged(root):
     class Refusing:
-        def mounted(self, adapter_id, path, revision, replace):
+        def mounted(self, adapter_id, path, revision, replace, pin=False):
             raise AdapterConflict(f"no {adapter_id}")
 
         def unmounted(self, adapter_id):
