@@ -5,8 +5,9 @@
 // MLX's affine quantization: weight row n holds K values of `bits` bits packed into uint32
 // words, the lowest bits first; each group of `group` values has a scale and a bias, and value
 // q dequantizes to scale * q + bias. A tile of weight rows is dequantized into a float buffer
-// that stays in cache, then every row of x is multiplied by it with the float kernel's blocks:
-// each output is the same fixed-order sum over K whatever the number of rows.
+// that stays in cache, then every row of x is multiplied by it in register blocks (BLAS's
+// outer products, many rows of x by a few weight rows): each output is the same fixed-order sum
+// over K, the float kernel's, whatever the number of rows.
 
 // Element i of a scales or biases array of `dtype` (Quantized::dtype), as a float: a half by
 // the F16C instruction, a bfloat16 by its bits.
@@ -115,11 +116,44 @@ void fused_rows(const Quantized& q, const float* x, float* out, int N, int n0, i
   for (; n < n1; n++) fused_block<P, 1>(q, x, n, out + n, N);
 }
 
+// out[m, r] = x[m, :] . tile[r, :] for m < P, r < R: `block`'s sums, reduced sixteen at a
+// time (Isa::sums16, the same bits as one at a time).
+template <int P, int R>
+inline void tile_block(const Seg& seg, float* out, int ldo) {
+  typename Isa::V acc[R][P];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < P; m++) acc[r][m] = Isa::zero();
+  accumulate<P, R, false>(acc, seg);
+  const typename Isa::V zero = Isa::zero();
+  constexpr int kOutputs = P * R;
+#pragma GCC unroll 4
+  for (int i0 = 0; i0 < kOutputs; i0 += 16) {
+    typename Isa::V v[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++)
+      v[i] = i0 + i < kOutputs ? acc[(i0 + i) % R][(i0 + i) / R] : zero;
+    float sums[16];
+    Isa::sums16(v, sums);
+    for (int i = i0; i < std::min(i0 + 16, kOutputs); i++)
+      out[static_cast<size_t>(i / R) * ldo + i % R] = sums[i - i0];
+  }
+}
+
+// The last `rows` (< P) rows of x against R rows of a tile.
+template <int P, int R>
+inline void tile_last_rows(int rows, const Seg& seg, float* out, int ldo) {
+  if constexpr (P > 1) {
+    if (rows == P - 1)
+      tile_block<P - 1, R>(seg, out, ldo);
+    else
+      tile_last_rows<P - 1, R>(rows, seg, out, ldo);
+  }
+}
+
 // Rows [0, M) of x against the T dequantized rows of a tile, into out [M, ldo]: blocks of P
 // rows of x outermost, so each stays in L1 while the whole tile passes it.
 template <int P, int R>
 void tile_rows(const float* x, const float* tile, int K, int T, float* out, int M, int ldo) {
-  const Seg none;
   for (int m = 0; m < M; m += P) {
     const int rows = std::min(P, M - m);
     const float* xm = x + static_cast<size_t>(m) * K;
@@ -128,16 +162,16 @@ void tile_rows(const float* x, const float* tile, int K, int T, float* out, int 
     for (; t + R <= T; t += R) {
       const Seg seg{xm, tile + static_cast<size_t>(t) * K, K};
       if (rows == P)
-        block<P, R, false>(seg, none, om + t, ldo);
+        tile_block<P, R>(seg, om + t, ldo);
       else
-        last_rows<P, R>(rows, seg, none, om + t, ldo);
+        tile_last_rows<P, R>(rows, seg, om + t, ldo);
     }
     for (; t < T; t++) {
       const Seg seg{xm, tile + static_cast<size_t>(t) * K, K};
       if (rows == P)
-        block<P, 1, false>(seg, none, om + t, ldo);
+        tile_block<P, 1>(seg, om + t, ldo);
       else
-        last_rows<P, 1>(rows, seg, none, om + t, ldo);
+        tile_last_rows<P, 1>(rows, seg, om + t, ldo);
     }
   }
 }
@@ -157,16 +191,12 @@ void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, i
     default: break;
   }
   const int K = q.K;
-  const bool short_k = K <= Isa::kShortK;
-  const int R = short_k ? Isa::kShortR : Isa::kLongR;
+  constexpr int R = Isa::kTileR;
   const int T = std::max(R, tile_floats / K / R * R);
   for (int n = n0; n < n1; n += T) {
     const int rows = std::min(T, n1 - n);
     dequantize_rows(q, n, rows, tile);
-    if (short_k)
-      tile_rows<Isa::kShortP, Isa::kShortR>(x, tile, K, rows, out + n, M, N);
-    else
-      tile_rows<Isa::kLongP, Isa::kLongR>(x, tile, K, rows, out + n, M, N);
+    tile_rows<Isa::kTileP, Isa::kTileR>(x, tile, K, rows, out + n, M, N);
   }
 }
 

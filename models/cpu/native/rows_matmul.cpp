@@ -79,11 +79,13 @@ using Residuals = void (*)(const float*, const float*, int, const int*, int, flo
 #pragma GCC push_options
 #pragma GCC target("avx512f,f16c")
 namespace avx512 {
-struct Isa {  // 32 vector registers: up to 16 accumulators, the weight rows and one x row
+struct Isa {  // 32 vector registers: up to 24 accumulators, the weight rows and one x row
   using V = __m512;
   static constexpr int kLanes = 16;
   static constexpr int kShortK = 768, kShortP = 8, kShortR = 2, kLongP = 4, kLongR = 4;
   static constexpr int kFusedR = 4;  // weight rows dequantized in registers at once
+  // A prompt's rows against a dequantized tile: 24 accumulators, ten loads for 24 products.
+  static constexpr int kTileP = 6, kTileR = 4;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load_first(const float* p, int n) {
@@ -96,6 +98,27 @@ struct Isa {  // 32 vector registers: up to 16 accumulators, the weight rows and
   static V from_bytes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  // out[i] = sum(v[i]) for i < 16, the same bits: sum's tree of additions (lanes 8 apart,
+  // then 4, 2, 1) taken for sixteen vectors at once, each step's additions in whole vectors.
+  // Lane 4u + e of the result holds the source 4e + u, so the sources go in in that order.
+  static void sums16(const V (&v)[16], float* out) {
+    V a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++) {  // units 0, 1 of a[j]: source 2j's lanes i + (i + 8)
+      const V x = v[order(2 * j)], y = v[order(2 * j + 1)];
+      a[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xee));
+    }
+    for (int j = 0; j < 4; j++)  // unit u of b[j]: source 4j + u's lanes i + (i + 4)
+      b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
+                           _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xdd));
+    for (int j = 0; j < 2; j++) {  // lanes i + (i + 2), two sources a unit
+      const __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
+      c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
+                                        _mm512_shuffle_ps(c[0], c[1], 0xdd)));
+  }
+  static constexpr int order(int lane) { return 4 * (lane % 4) + lane / 4; }
 };
 #include "rows_kernel.h"
 #include "quant_kernel.h"
@@ -110,6 +133,7 @@ struct Isa {  // 16 vector registers: 8 accumulators
   static constexpr int kLanes = 8;
   static constexpr int kShortK = 4096, kShortP = 4, kShortR = 2, kLongP = 2, kLongR = 4;
   static constexpr int kFusedR = 2;
+  static constexpr int kTileP = 4, kTileR = 2;  // a prompt's rows against a dequantized tile
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load_first(const float* p, int n) {
@@ -126,6 +150,9 @@ struct Isa {  // 16 vector registers: 8 accumulators
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static void sums16(const V (&v)[16], float* out) {
+    for (int i = 0; i < 16; i++) out[i] = sum(v[i]);  // too few registers to gain by it
   }
 };
 #include "rows_kernel.h"
