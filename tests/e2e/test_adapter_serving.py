@@ -315,8 +315,9 @@ def test_mount_unmount_churn_keeps_memory_flat(api: Api, trained_adapters: Train
     for i in range(200):
         cycle(i)
     grown = api.rss_kib() - before
-    # One mounted copy of the adapter is ~2.4 MiB, so a leak would show as ~480 MiB.
-    assert grown < 4 * 1024, f"RSS grew by {grown} KiB over 200 mount/unmount cycles"
+    # One mounted copy of the adapter is ~2.4 MiB, so a leak would show as ~480 MiB; a few MiB
+    # are the allocator's (the revision hash runs on a pool thread, with an arena of its own).
+    assert grown < 16 * 1024, f"RSS grew by {grown} KiB over 200 mount/unmount cycles"
 
     assert api.http.delete("/v1/adapters/pirate").status_code == 200
     unloaded = api.http.post("/v1/unload_lora_adapter", json={"lora_name": "fortytwo"})
