@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet, AppliedAdapter, MountedAdapter
-from hotlora.models.cpu.layers import lora_rows, serves_lora, serves_rows
+from hotlora.models.cpu.layers import b_rows_major, lora_rows, serves_lora, serves_rows
 
 # One slot's layout: each adapter with weights there, and the span of its columns.
 Layout = tuple[tuple[MountedAdapter, int, int], ...]
@@ -42,8 +42,9 @@ Layout = tuple[tuple[MountedAdapter, int, int], ...]
 class SideBySide:
     """Distinct adapters (mounted revisions), side by side per slot; built lazily, then kept.
 
-    Each slot is built in one layout: the batch kernel's (`A_cat.T` [R, in], `B_cat.T`
-    [out, R], contiguous) where that kernel serves it, else `A_cat` [in, R], `B_cat` [R, out].
+    Each slot is built in one layout: the batch kernel's where that kernel serves it (`A_cat.T`
+    [R, in] and, for float weights, `B_cat.T` [out, R]; for packed ones `B_cat` [R, out] as it
+    is, contiguous), else `A_cat` [in, R], `B_cat` [R, out].
     The other layout, when a call needs it, is a transposed view of the same arrays, not a copy.
     """
 
@@ -55,26 +56,31 @@ class SideBySide:
         self._transposed: dict[str, tuple[mx.array, mx.array]] = {}
 
     def slot(
-        self, path: str, *, transposed: bool = False
+        self, path: str, *, transposed: bool = False, b_rows: bool = False
     ) -> tuple[mx.array, mx.array, Layout] | None:
         """`(A_cat [in, R], B_cat [R, out], layout)` at one slot; None when no adapter has
         weights there. Built on first use, on the thread that runs the model (MLX streams are
         per thread); `transposed` builds it in the batch kernel's layout, if it is not built yet.
         """
         if path not in self._slots:
-            self._slots[path] = self._build(path, transposed)
+            self._slots[path] = self._build(path, transposed, b_rows)
         return self._slots[path]
 
-    def transposed(self, path: str, a_cat: mx.array, b_cat: mx.array) -> tuple[mx.array, mx.array]:
+    def transposed(
+        self, path: str, a_cat: mx.array, b_cat: mx.array, *, b_rows: bool = False
+    ) -> tuple[mx.array, mx.array]:
         """`(A_cat.T [R, in], B_cat.T [out, R])` at a slot, contiguous: the batch kernel's
         layout. Built on first use, and only where that kernel runs; where the slot was built
         in that layout these are its own arrays."""
         pair = self._transposed.get(path)
         if pair is None:
-            pair = self._transposed[path] = (mx.contiguous(a_cat.T), mx.contiguous(b_cat.T))
+            b = mx.contiguous(b_cat if b_rows else b_cat.T)
+            pair = self._transposed[path] = (mx.contiguous(a_cat.T), b)
         return pair
 
-    def _build(self, path: str, transposed: bool) -> tuple[mx.array, mx.array, Layout] | None:
+    def _build(
+        self, path: str, transposed: bool, b_rows: bool
+    ) -> tuple[mx.array, mx.array, Layout] | None:
         a_parts, b_parts, layout = [], [], []
         start = 0
         for mounted in self.adapters:
@@ -89,6 +95,11 @@ class SideBySide:
         if not a_parts:
             return None
         self.columns += start
+        if transposed and b_rows:  # the packed kernel's layout: A.T [R, in], B [R, out]
+            a_t = mx.concatenate([a.T for a in a_parts], axis=0)
+            b_cat = mx.concatenate(b_parts, axis=0)
+            self._transposed[path] = (a_t, b_cat)
+            return a_t.T, b_cat, tuple(layout)
         if transposed:
             a_t = mx.concatenate([a.T for a in a_parts], axis=0)  # [R, in]
             b_t = mx.concatenate([b.T for b in b_parts], axis=1)  # [out, R]
@@ -136,14 +147,16 @@ class RowAdapters:
 
     def _plan(self, path: str, base: nn.Module) -> _Plan:
         kernel = serves_lora(base) and self._float32(path)
-        slot = self.side_by_side.slot(path, transposed=kernel)
+        b_rows = b_rows_major(base)
+        slot = self.side_by_side.slot(path, transposed=kernel, b_rows=b_rows)
         plan: _Plan = None
         if slot is not None:
             a_cat, b_cat, layout = slot
             mask = self._mask(layout, a_cat)  # [B, 1, R]
             fused = None
             if kernel and a_cat.dtype == b_cat.dtype == mx.float32:
-                fused = (*self.side_by_side.transposed(path, a_cat, b_cat), mask)
+                operands = self.side_by_side.transposed(path, a_cat, b_cat, b_rows=b_rows)
+                fused = (*operands, mask)
             plan = (a_cat, b_cat, mask, fused)
         self._plans[path] = plan
         return plan

@@ -70,14 +70,21 @@ def serves_lora(linear: nn.Module) -> bool:
     )
 
 
+def b_rows_major(linear: nn.Module) -> bool:
+    """Whether `lora_rows` takes B as it is, [R, out] (packed weights' kernel), rather than
+    transposed, [out, R] (float weights' kernel)."""
+    return isinstance(linear, RowsQuantizedLinear)
+
+
 def lora_rows(
-    x: mx.array, linear: nn.Module, a_t: mx.array, b_t: mx.array, mask: mx.array
+    x: mx.array, linear: nn.Module, a_t: mx.array, b: mx.array, mask: mx.array
 ) -> mx.array:
-    """`linear(x) + ((x @ a_t.T) * mask) @ b_t.T` for a batched decode step, in one kernel call
-    (`serves_lora` and `serves_rows` say when): x [B, 1, in], a_t [R, in], b_t [out, R],
-    mask [B, R] or [B, 1, R], each row's scale on each low-rank column. Where the base
-    projection's weights are read, so are the low-rank pair's: one pass over the weights instead
-    of three separate products."""
+    """`linear(x) + ((x @ a_t.T) * mask) @ B` for a batched decode step, in one kernel call
+    (`serves_lora` and `serves_rows` say when): x [B, 1, in], a_t [R, in], mask [B, R] or
+    [B, 1, R], each row's scale on each low-rank column; `b` is B in the layout the projection's
+    kernel reads (`lora_b_layout`): B.T [out, R] for float weights, B [R, out] for packed ones.
+    Where the base projection's weights are read, so are the low-rank pair's: one pass over the
+    weights instead of three separate products."""
     assert extension.native is not None
     mask = mx.broadcast_to(mask, (*x.shape[:-1], mask.shape[-1]))  # a row's scales, each token
     if isinstance(linear, RowsQuantizedLinear):
@@ -89,11 +96,11 @@ def lora_rows(
             linear.group_size,
             linear.bits,
             a_t,
-            b_t,
+            b,
             mask,
         )
         return y + linear.bias if "bias" in linear else y
-    return extension.native.rows_matmul_lora(x, linear.weight, a_t, b_t, mask)  # [B, 1, out]
+    return extension.native.rows_matmul_lora(x, linear.weight, a_t, b, mask)  # [B, 1, out]
 
 
 class RowsLinear(nn.Linear):

@@ -88,9 +88,9 @@ def serve_once(
     built: list[str] = []
     build = row_sets.SideBySide._build
 
-    def counted_build(self: row_sets.SideBySide, path: str, transposed: bool) -> Any:
+    def counted_build(self: row_sets.SideBySide, path: str, *layout: bool) -> Any:
         built.append("+".join(sorted(mounted.id for mounted in self.adapters)))
-        return build(self, path, transposed)
+        return build(self, path, *layout)
 
     monkeypatch.setattr(row_sets.SideBySide, "_build", counted_build)
     leases = [manager.select("tiny", parse_adapter_spec(spec)) for spec in SPECS]

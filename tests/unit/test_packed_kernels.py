@@ -115,11 +115,12 @@ def lora_operands(rows: int, k: int, n: int, rank: int, seed: int):
 def test_the_lora_kernel_adds_each_rows_own_residual(isa: str, rows: int):
     packed, scales, biases, exact = quantized(200, 256, 4, 32, mx.float16, seed=5)
     x, a_t, b_t, mask = lora_operands(rows, 256, 200, 24, seed=rows)
-    got = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b_t, mask)
+    b = mx.contiguous(b_t.T)  # [R, N], as the kernel reads it
+    got = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b, mask)
     expected = x @ exact.T + ((x @ a_t.T) * mask) @ b_t.T
     assert mx.allclose(got, expected, rtol=1e-4, atol=1e-3).item()
     # No column kept: the base product, to the bit.
-    bare = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b_t, mx.zeros_like(mask))
+    bare = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b, mx.zeros_like(mask))
     assert mx.array_equal(bare, native.quant_matmul(x, packed, scales, biases, 32, 4)).item()
 
 
@@ -130,9 +131,10 @@ def test_a_lora_rows_result_ignores_the_other_rows_columns(isa: str):
     x, a_t, b_t, mask = lora_operands(9, 576, 300, 32, seed=7)
     own = (mx.arange(32) >= 8) & (mx.arange(32) < 16)
     mask[0] = mx.where(own, 1.5, 0.0)
-    whole = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b_t, mask)
+    b = mx.contiguous(b_t.T)  # [R, N]
+    whole = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b, mask)
     alone = native.quant_matmul_lora(
-        x[:1], packed, scales, biases, 32, 4, a_t[8:16], b_t[:, 8:16], mask[:1, 8:16]
+        x[:1], packed, scales, biases, 32, 4, a_t[8:16], mx.contiguous(b[8:16]), mask[:1, 8:16]
     )
     assert mx.array_equal(alone[0], whole[0]).item()
 

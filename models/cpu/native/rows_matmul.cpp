@@ -495,11 +495,11 @@ class QuantMatmul : public CpuPrimitive {
                   [=, kernel = g_kernel.load(), quant = g_quant.load(),
                    residuals = g_residuals.load()](auto& operands, float* op) {
       const float* xp = operands[0].get();
-      std::vector<float> h, b;  // [M, R] each row's low-rank activations times its scales; [R, N]
+      std::vector<float> h;  // [M, R]: each row's low-rank activations times its scales
+      const float* bp = R > 0 ? operands[2].get() : nullptr;  // [R, N]
       std::vector<int> columns, counts;  // per row: the columns its mask keeps, and how many
       if (R > 0) {
         const float* ap = operands[1].get();
-        const float* bp = operands[2].get();
         const float* maskp = operands[3].get();
         h.resize(static_cast<size_t>(M) * R);
         parallel_rows(R, 8, [&](int r0, int r1) {
@@ -512,9 +512,6 @@ class QuantMatmul : public CpuPrimitive {
         for (int m = 0; m < M; m++)
           for (int r = 0; r < R; r++)
             if (maskp[m * R + r] != 0.0f) columns[m * R + counts[m]++] = r;
-        b.resize(static_cast<size_t>(R) * N);
-        for (int n = 0; n < N; n++)
-          for (int r = 0; r < R; r++) b[static_cast<size_t>(r) * N + n] = bp[n * R + r];
       }
       // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
       const int tile_floats = M <= 16 ? 8192 : 32768;
@@ -524,7 +521,7 @@ class QuantMatmul : public CpuPrimitive {
         quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
         for (int m = 0; m < M && R > 0; m++)
           if (counts[m] > 0)
-            residuals(h.data() + static_cast<size_t>(m) * R, b.data(), N,
+            residuals(h.data() + static_cast<size_t>(m) * R, bp, N,
                       columns.data() + static_cast<size_t>(m) * R, counts[m],
                       op + static_cast<size_t>(m) * N, n0, n1);
       });
@@ -579,17 +576,17 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 
 mx::array quant_matmul_lora(const mx::array& x, const mx::array& w, const mx::array& scales,
                             const mx::array& biases, int group_size, int bits,
-                            const mx::array& a_t, const mx::array& b_t, const mx::array& mask) {
+                            const mx::array& a_t, const mx::array& b, const mx::array& mask) {
   check_quantized(x, w, scales, biases, group_size, bits);
-  check_float32({a_t, b_t, mask});
+  check_float32({a_t, b, mask});
   const auto K = x.shape(-1), N = w.shape(0), R = a_t.shape(0);
   const auto M = x.size() / K;
-  if (a_t.ndim() != 2 || b_t.ndim() != 2 || a_t.shape(1) != K || b_t.shape(0) != N ||
-      b_t.shape(1) != R || mask.shape(-1) != R || mask.size() != M * R)
+  if (a_t.ndim() != 2 || b.ndim() != 2 || a_t.shape(1) != K || b.shape(0) != R ||
+      b.shape(1) != N || mask.shape(-1) != R || mask.size() != M * R)
     throw std::invalid_argument(
-        "quant_matmul_lora: expected x [..., K] (M rows), a_t [R, K], b_t [N, R], "
+        "quant_matmul_lora: expected x [..., K] (M rows), a_t [R, K], b [R, N], "
         "mask [..., R] (M rows)");
-  return quant_primitive({x, a_t, b_t, mask, w, scales, biases}, N, group_size, bits);
+  return quant_primitive({x, a_t, b, mask, w, scales, biases}, N, group_size, bits);
 }
 
 // RMSNorm and RoPE, each one primitive: MLX's CPU backend composes them from ten to thirty small
@@ -898,7 +895,7 @@ NB_MODULE(_rows_matmul, m) {
   m.def("quant_matmul", &quant_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a);
   m.def("quant_matmul_lora", &quant_matmul_lora, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "a_t"_a, "b_t"_a, "mask"_a);
+        "group_size"_a, "bits"_a, "a_t"_a, "b"_a, "mask"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
