@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from hotlora.server.api import completion_answers as p
 from hotlora.server.api.tool_calls import ToolCallStream
@@ -170,6 +171,15 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
     )
 
 
+def _stream_meta(prefix: str, prepared: Prepared) -> dict[str, Any]:
+    """What every chunk of a stream repeats: its id, creation time and model."""
+    return {
+        "id": p.completion_id(prefix, prepared.request_id),
+        "created": p.now(),
+        "model": prepared.lease.model,
+    }
+
+
 async def chat_stream(
     service: InferenceService,
     submitted: Submitted,
@@ -178,11 +188,7 @@ async def chat_stream(
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
-    meta = {
-        "id": p.completion_id("chatcmpl", prepared.request_id),
-        "created": p.now(),
-        "model": prepared.lease.model,
-    }
+    meta = _stream_meta("chatcmpl", prepared)
     running = _RunningUsage(prepared, continuous_usage)
 
     def chunk(choice: p.ChatChunkChoice) -> str:
@@ -266,11 +272,7 @@ async def completion_stream(
 ) -> AsyncIterator[str]:
     """`text_completion` JSON strings, then the usage chunk if asked, then [DONE]."""
     prepared = submitted.prepared
-    meta = {
-        "id": p.completion_id("cmpl", prepared.request_id),
-        "created": p.now(),
-        "model": prepared.lease.model,
-    }
+    meta = _stream_meta("cmpl", prepared)
     offsets: dict[int, int] = {}
     tally = UsageTally(prepared.n)
     running = _RunningUsage(prepared, continuous_usage)
