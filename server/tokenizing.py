@@ -49,12 +49,10 @@ class TokenizingService:
             )
         else:
             prompt = request.prompt or ""
-            if request.add_special_tokens is False:
-                tokens = await inference.off_loop(
-                    lambda: list(self.tokenizer.encode(prompt, add_special_tokens=False))
-                )
-            else:
-                tokens = await inference.off_loop(lambda: inference.tokens(prompt, "prompt"))
+            special = request.add_special_tokens is not False
+            tokens = await inference.off_loop(
+                lambda: inference.tokens(prompt, "prompt", special=special)
+            )
         strs = None
         if request.return_token_strs:
             pieces = await inference.off_loop(lambda: self.tokenizer.convert_ids_to_tokens(tokens))
