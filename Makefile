@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The batched decode kernel (models/cpu/native), built against the venv's MLX on x86-64 Linux.
-ROWS := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(VENV)/.rows_matmul)
+# The native CPU kernels (models/cpu/native), built against the venv's MLX on x86-64 and arm64
+# Linux.
+ROWS := $(if $(filter Linux-x86_64 Linux-aarch64,$(shell uname -s)-$(shell uname -m)),$(VENV)/.rows_matmul)
 UNAME := $(shell uname -s)
 # MLX's Linux CPU wheel bundles the reference BLAS; Debian's OpenBLAS is ~50x faster for the
 # float matmuls of adapter training and of the float32 weights served on the CPU.

@@ -4,7 +4,8 @@
 projections, with or without each row's LoRA residual, and the attention) and for every float32
 step (RMSNorm, RoPE, a prefill chunk's masked softmax). It is a small C++ extension built by
 `make setup` (or `python -m hotlora.models.cpu.extension`) with g++ against MLX's headers and
-nanobind, next to this module: it needs x86-64 with AVX-512, or AVX2 and FMA, and F16C.
+nanobind, next to this module: it needs Linux on x86-64 with AVX-512, or AVX2 and FMA, and F16C,
+or on arm64 (AArch64, whose NEON every CPU has). Elsewhere the layers keep MLX's own operations.
 
 Once `load` has checked it, `native` is the extension and `max_rows` the most rows of a batched
 step its products take; until then `native` is None and every layer keeps MLX's own operations.
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
@@ -25,8 +28,9 @@ from hotlora.models.cpu.features import cpu_features, x86_64_linux
 
 MIN_ROWS = 2
 # Up to these many rows the kernel beats OpenBLAS; by the vector instructions it uses. Beyond
-# them BLAS, whose packing of the weights then pays off, is faster again.
-MAX_ROWS = {"avx512": 16, "avx2": 8}
+# them BLAS, whose packing of the weights then pays off, is faster again. NEON's bound is AVX2's
+# until it is measured on an arm64 server.
+MAX_ROWS = {"avx512": 16, "avx2": 8, "neon": 8}
 _SOURCE = Path(__file__).with_name("native") / "rows_matmul.cpp"
 _MODULE = "_rows_matmul"
 _BUILD_HINT = "`make setup` builds it"
@@ -41,12 +45,32 @@ def library_path() -> Path:
 
 def unavailable() -> str | None:
     """Why the kernels cannot run on this machine; None when they can."""
+    if sys.platform == "linux" and platform.machine() == "aarch64":
+        return None  # NEON and the half-to-float conversion are in every ARMv8-A CPU
     if not x86_64_linux():
-        return "not an x86-64 Linux machine"
+        return "not an x86-64 or arm64 Linux machine"
     features = cpu_features()
     if "f16c" not in features or ("avx512f" not in features and not {"avx2", "fma"} <= features):
         return "the CPU lacks AVX-512 and AVX2 with FMA, or F16C"
     return None
+
+
+def kernel_flags(machine: str | None = None) -> list[str]:
+    """g++'s flags for the kernels' code on `machine` (x86_64 or aarch64; default: this one),
+    the extension's and tests/native's check's alike. x86-64 needs none for its vector
+    instructions: each ISA's code asks for its own target and runs where the CPU has it."""
+    machine = machine or platform.machine()
+    return [
+        *("-O3", "-std=c++20", "-DNDEBUG"),
+        # Lets the compiler vectorize loops of selects (the softmax's exp); every operation
+        # still rounds as IEEE says, so the results are the same bits.
+        "-fno-trapping-math",
+        # A product and a sum stay two roundings unless the code fuses them itself: the
+        # quantized kernels dequantize as MLX does, scale * value, then + bias.
+        "-ffp-contract=off",
+        # The baseline every arm64 server runs: NEON, nothing newer.
+        *(["-march=armv8-a"] if machine == "aarch64" else []),
+    ]
 
 
 def build() -> Path:
@@ -59,13 +83,8 @@ def build() -> Path:
     staged = target.with_name(f".{target.name}.{os.getpid()}")
     command = [
         os.environ.get("CXX", "g++"),
-        *("-O3", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG"),
-        # Lets the compiler vectorize loops of selects (the softmax's exp); every operation
-        # still rounds as IEEE says, so the results are the same bits.
-        "-fno-trapping-math",
-        # A product and a sum stay two roundings unless the code fuses them itself: the
-        # quantized kernels dequantize as MLX does, scale * value, then + bias.
-        "-ffp-contract=off",
+        *kernel_flags(),
+        *("-shared", "-fPIC", "-fvisibility=hidden"),
         "-DNB_DOMAIN=mlx",  # MLX's own nanobind domain, so that `mx.array` crosses over
         f"-I{sysconfig.get_paths()['include']}",
         f"-I{nb / 'include'}",

@@ -10,11 +10,19 @@
 // over K, the float kernel's, whatever the number of rows.
 
 // Element i of a scales or biases array of `dtype` (Quantized::dtype), as a float: a half by
-// the F16C instruction, a bfloat16 by its bits.
+// the F16C instruction (AArch64's own conversion there), a bfloat16 by its bits.
 inline float quant_param(const void* p, size_t i, int dtype) {
   if (dtype == 0) return static_cast<const float*>(p)[i];
   const uint16_t half = static_cast<const uint16_t*>(p)[i];
+#if defined(__aarch64__)
+  if (dtype == 1) {
+    __fp16 value;
+    std::memcpy(&value, &half, sizeof value);
+    return value;
+  }
+#else
   if (dtype == 1) return _cvtsh_ss(half);
+#endif
   const uint32_t bits = static_cast<uint32_t>(half) << 16;
   float value;
   std::memcpy(&value, &bits, sizeof value);
@@ -26,6 +34,29 @@ inline float quant_param(const void* p, size_t i, int dtype) {
 // in float32 (a product, then a sum).
 constexpr int kChunkVectors = 32 / Isa::kLanes;
 
+#if defined(__aarch64__)
+inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
+                         typename Isa::V bias, typename Isa::V (&out)[kChunkVectors]) {
+  uint8x16_t halves[2];
+  if (bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
+    const uint8x16_t packed = vld1q_u8(bytes);
+    const uint8x16_t lo = vandq_u8(packed, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(packed, 4);
+    halves[0] = vzip1q_u8(lo, hi);
+    halves[1] = vzip2q_u8(lo, hi);
+  } else {  // a value a byte
+    halves[0] = vld1q_u8(bytes);
+    halves[1] = vld1q_u8(bytes + 16);
+  }
+  for (int h = 0; h < 2; h++) {  // 16 bytes, widened to 16 bits, then to 32, 4 at a time
+    const uint16x8_t wide[2] = {vmovl_u8(vget_low_u8(halves[h])), vmovl_high_u8(halves[h])};
+    for (int j = 0; j < 2; j++) {
+      const uint32x4_t words[2] = {vmovl_u16(vget_low_u16(wide[j])), vmovl_high_u16(wide[j])};
+      for (int i = 0; i < 2; i++)
+        out[h * 4 + j * 2 + i] = Isa::add(Isa::mul(vcvtq_f32_u32(words[i]), scale), bias);
+    }
+  }
+}
+#else
 inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
                          typename Isa::V bias, typename Isa::V (&out)[kChunkVectors]) {
   __m128i halves[2];
@@ -47,6 +78,7 @@ inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
       out[h * per_half + i] = Isa::add(Isa::mul(Isa::from_bytes(part), scale), bias);
     }
 }
+#endif
 
 inline const uint8_t* row_bytes(const Quantized& q, int n) {
   return reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(n) * q.K * q.bits / 8;

@@ -13,7 +13,11 @@ inline void accumulate(typename Isa::V (&acc)[R][P], const Seg& seg) {
     for (int r = 0; r < R; r++) {
       const float* row = seg.w + static_cast<size_t>(r) * K + k;
       u[r] = Isa::load(row);
+#if defined(__x86_64__)
       if (kPrefetchW) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+#else
+      if (kPrefetchW) __builtin_prefetch(row + kPrefetch);
+#endif
     }
     for (int m = 0; m < P; m++) {
       const typename Isa::V xv = Isa::load(seg.x + static_cast<size_t>(m) * K + k);

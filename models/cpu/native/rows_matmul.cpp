@@ -6,15 +6,26 @@
 // fixed order, so a row's result does not depend on the other rows of the batch.
 //
 // x: [..., K] float32 (M rows), w: [N, K] float32 (a Linear's weight), out: [..., N]. AVX-512,
-// or AVX2 with FMA, chosen at run time; each gives its own fixed bits.
+// or AVX2 with FMA, chosen at run time on x86-64; NEON on AArch64. Each gives its own fixed bits.
 //
 // With LoRA (rows_matmul_lora): out = x @ w.T + ((x @ a_t.T) * mask) @ b_t.T, each row with its
 // own scales in `mask` [..., R] (M rows), in the same pass: the low-rank columns extend every
 // dot product, so a batch of rows with different adapters costs one primitive per projection.
+//
+// Built with ROWS_KERNELS_ONLY defined, this file is the vector kernels and their table alone,
+// without MLX or nanobind: what tests/native/kernels_check.cpp checks on each ISA.
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#else
+#error "the native kernels are written for x86-64 and AArch64"
+#endif
+#ifndef ROWS_KERNELS_ONLY
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -34,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#ifndef ROWS_KERNELS_ONLY
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/simd/math.h"
 #include "mlx/ops.h"
@@ -42,6 +54,7 @@
 namespace mx = mlx::core;
 namespace nb = nanobind;
 using namespace nb::literals;
+#endif
 
 namespace {
 
@@ -76,6 +89,7 @@ using QuantRange = void (*)(const Quantized&, const float*, float*, int, int, in
                             int);
 using Residuals = void (*)(const float*, const float*, int, const int*, int, float*, int, int);
 
+#if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,f16c")
 namespace avx512 {
@@ -159,6 +173,45 @@ struct Isa {  // 16 vector registers: 8 accumulators
 #include "quant_kernel.h"
 }  // namespace avx2
 #pragma GCC pop_options
+#endif  // __x86_64__
+
+#if defined(__aarch64__)
+// Every ARMv8-A CPU has NEON and the half-to-float conversion: no target to ask for, nothing to
+// check at run time.
+namespace neon {
+struct Isa {  // 32 vector registers, as AVX-512 has: its register blocks, of 4 lanes
+  using V = float32x4_t;
+  static constexpr int kLanes = 4;
+  static constexpr int kShortK = 768, kShortP = 8, kShortR = 2, kLongP = 4, kLongR = 4;
+  static constexpr int kFusedR = 2;  // a chunk of 32 values is 8 vectors a weight row here
+  static constexpr int kTileP = 6, kTileR = 4;  // a prompt's rows against a dequantized tile
+  static V zero() { return vdupq_n_f32(0.0f); }
+  static V load(const float* p) { return vld1q_f32(p); }
+  static V load_first(const float* p, int n) {  // no masked load: the n floats, then zeros
+    float lanes[kLanes] = {};
+    std::memcpy(lanes, p, sizeof(float) * n);
+    return vld1q_f32(lanes);
+  }
+  static V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
+  static V set1(float a) { return vdupq_n_f32(a); }
+  static V mul(V a, V b) { return vmulq_f32(a, b); }
+  static V add(V a, V b) { return vaddq_f32(a, b); }
+  static void store(float* p, V v) { vst1q_f32(p, v); }
+  // (lane 0 + lane 1) + (lane 2 + lane 3), by pairwise additions as sums16 takes them.
+  static float sum(V v) {
+    const V pairs = vpaddq_f32(v, v);
+    return vgetq_lane_f32(pairs, 0) + vgetq_lane_f32(pairs, 1);
+  }
+  // out[i] = sum(v[i]) for i < 16, the same bits: four vectors' pairs, then their pairs' sums.
+  static void sums16(const V (&v)[16], float* out) {
+    for (int i = 0; i < 16; i += 4)
+      vst1q_f32(out + i, vpaddq_f32(vpaddq_f32(v[i], v[i + 1]), vpaddq_f32(v[i + 2], v[i + 3])));
+  }
+};
+#include "rows_kernel.h"
+#include "quant_kernel.h"
+}  // namespace neon
+#endif  // __aarch64__
 
 // The kernels, widest first, with what the CPU needs for each.
 struct Kernel {
@@ -171,6 +224,7 @@ struct Kernel {
   Residuals residuals;
 };
 const Kernel kKernels[] = {
+#if defined(__x86_64__)
     {"avx512",
      [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); },
      avx512::rows_matmul_range, avx512::attend, avx512::softmax_rows,
@@ -182,6 +236,10 @@ const Kernel kKernels[] = {
      },
      avx2::rows_matmul_range, avx2::attend, avx2::softmax_rows, avx2::quant_matmul_range,
      avx2::add_residuals},
+#elif defined(__aarch64__)
+    {"neon", [] { return true; }, neon::rows_matmul_range, neon::attend, neon::softmax_rows,
+     neon::quant_matmul_range, neon::add_residuals},
+#endif
 };
 
 // The kernel named `isa` (nullptr: the widest this CPU runs); nullptr if the CPU lacks it.
@@ -191,6 +249,7 @@ const Kernel* find_kernel(const std::string& isa = "") {
   return nullptr;
 }
 
+#ifndef ROWS_KERNELS_ONLY
 const Kernel* const kWidest = find_kernel();
 const char* g_isa = kWidest ? kWidest->isa : "none";
 std::atomic<Range> g_kernel{kWidest ? kWidest->range : nullptr};
@@ -198,6 +257,15 @@ std::atomic<Attend> g_attend{kWidest ? kWidest->attend : nullptr};
 std::atomic<Softmax> g_softmax{kWidest ? kWidest->softmax : nullptr};
 std::atomic<QuantRange> g_quant{kWidest ? kWidest->quant : nullptr};
 std::atomic<Residuals> g_residuals{kWidest ? kWidest->residuals : nullptr};
+
+// A spin-wait's hint to the core that this thread only waits.
+inline void spin_pause() {
+#if defined(__x86_64__)
+  _mm_pause();
+#else
+  __asm__ __volatile__("yield");
+#endif
+}
 
 // Threads for one call at a time. A call's work is cut into chunks that every thread, the
 // caller's included, claims until none is left: a thread the OS has set aside for another
@@ -237,7 +305,7 @@ class Pool {
     if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
     const int mine = work(generation);
     for (int spins = 1; done_.load(std::memory_order_acquire) + mine < chunks; spins++) {
-      _mm_pause();
+      spin_pause();
       if (spins % 64 == 0) std::this_thread::yield();
     }
   }
@@ -269,7 +337,7 @@ class Pool {
     while (true) {
       const auto start = std::chrono::steady_clock::now();
       for (int spins = 1; !changed(); spins++) {
-        _mm_pause();
+        spin_pause();
         if (spins % 256 != 0) continue;
         if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(300)) {
           std::this_thread::yield();
@@ -884,8 +952,10 @@ mx::array rope_rows(const mx::array& x, const mx::array& offset, int dims, bool 
                    std::make_shared<RowsRoPE>(s, dims, traditional, base, scale), {x, offset});
 }
 
+#endif  // ROWS_KERNELS_ONLY
 }  // namespace
 
+#ifndef ROWS_KERNELS_ONLY
 NB_MODULE(_rows_matmul, m) {
   m.doc() =
       "The projections and attention of a batched decode step's few rows, and the norms and "
@@ -913,5 +983,7 @@ NB_MODULE(_rows_matmul, m) {
         g_isa = kernel->isa;
         return true;
       },
-      "name"_a, "Use the avx512 or avx2 kernel for later products; False if the CPU lacks it.");
+      "name"_a,
+      "Use the avx512, avx2 or neon kernel for later products; False if the CPU lacks it.");
 }
+#endif  // ROWS_KERNELS_ONLY
