@@ -54,6 +54,12 @@ ifeq ($(UNAME),Linux)
 		echo "installing g++"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++; \
 	fi
+# The kernels' check builds their NEON code for arm64 and runs it under qemu on x86-64
+# (tests/unit/test_native_kernels.py).
+	@if [ "$$(uname -m)" = x86_64 ] && ! { command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64; } >/dev/null; then \
+		echo "installing the arm64 cross compiler and qemu (g++-aarch64-linux-gnu, qemu-user)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++-aarch64-linux-gnu qemu-user; \
+	fi
 # The browser test drives Debian's Chromium (playwright's own download is not used).
 	@if ! command -v chromium >/dev/null; then \
 		echo "installing Chromium (chromium)"; \

@@ -1,0 +1,238 @@
+// The native kernels' float and quantized products on every ISA this machine runs, without MLX:
+// each against a plain scalar reference within rounding, and each row's result the same bits
+// alone as in a batch. tests/unit/test_native_kernels.py builds it for x86-64 and AArch64 (the
+// latter run under qemu) with the extension's flags; it prints a line an ISA and exits 1 on the
+// first wrong result.
+
+#define ROWS_KERNELS_ONLY
+#include "rows_matmul.cpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+namespace {
+
+std::mt19937 g_random(7);
+
+std::vector<float> normal(size_t n) {
+  std::normal_distribution<float> value(0.0f, 1.0f);
+  std::vector<float> out(n);
+  for (auto& v : out) v = value(g_random);
+  return out;
+}
+
+[[noreturn]] void fail(const char* isa, const char* what, int M, int K, int N, int m, int n,
+                       double got, double want) {
+  std::printf("%s: %s wrong at M=%d K=%d N=%d, row %d column %d: %.9g, expected %.9g\n", isa,
+              what, M, K, N, m, n, got, want);
+  std::exit(1);
+}
+
+// got [M, N] against want [M, N], each within float32's rounding of its sum's magnitude.
+void check_close(const char* isa, const char* what, const std::vector<float>& got,
+                 const std::vector<double>& want, const std::vector<double>& magnitude, int M,
+                 int K, int N) {
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      const size_t i = static_cast<size_t>(m) * N + n;
+      if (std::abs(got[i] - want[i]) > 1e-5 * magnitude[i] + 1e-6)
+        fail(isa, what, M, K, N, m, n, got[i], want[i]);
+    }
+}
+
+// Row m of `batch` [M, N] is the bits of `alone` [N].
+void check_row_bits(const char* isa, const char* what, const std::vector<float>& batch,
+                    const std::vector<float>& alone, int M, int K, int N, int m) {
+  if (std::memcmp(batch.data() + static_cast<size_t>(m) * N, alone.data(),
+                  sizeof(float) * N) != 0)
+    for (int n = 0; n < N; n++)
+      if (std::memcmp(&batch[static_cast<size_t>(m) * N + n], &alone[n], sizeof(float)) != 0)
+        fail(isa, what, M, K, N, m, n, batch[static_cast<size_t>(m) * N + n], alone[n]);
+}
+
+// x [M, K] @ w [N, K].T (+ h [M, R] @ b_t [N, R].T), as the extension's RowsMatmul calls the
+// kernel: weight rows split in two ranges on a multiple of 4, as its threads split them.
+std::vector<float> float_product(const Kernel& kernel, const float* x, const float* w,
+                                 const float* h, const float* b_t, int M, int K, int N, int R) {
+  std::vector<float> out(static_cast<size_t>(M) * N);
+  const Seg extra = R > 0 ? Seg{h, b_t, R} : Seg{};
+  const int split = N / 2 - N / 2 % 4;
+  kernel.range(Seg{x, w, K}, extra, out.data(), M, N, 0, split);
+  kernel.range(Seg{x, w, K}, extra, out.data(), M, N, split, N);
+  return out;
+}
+
+void check_float(const Kernel& kernel, int M, int K, int N, int R) {
+  const auto x = normal(static_cast<size_t>(M) * K), w = normal(static_cast<size_t>(N) * K);
+  const auto h = normal(static_cast<size_t>(M) * R), b_t = normal(static_cast<size_t>(N) * R);
+  const auto out = float_product(kernel, x.data(), w.data(), h.data(), b_t.data(), M, K, N, R);
+  std::vector<double> want(out.size()), magnitude(out.size());
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      double sum = 0, size = 0;
+      for (int k = 0; k < K; k++) {
+        const double p = static_cast<double>(x[static_cast<size_t>(m) * K + k]) *
+                         w[static_cast<size_t>(n) * K + k];
+        sum += p, size += std::abs(p);
+      }
+      for (int r = 0; r < R; r++) {
+        const double p = static_cast<double>(h[static_cast<size_t>(m) * R + r]) *
+                         b_t[static_cast<size_t>(n) * R + r];
+        sum += p, size += std::abs(p);
+      }
+      want[static_cast<size_t>(m) * N + n] = sum, magnitude[static_cast<size_t>(m) * N + n] = size;
+    }
+  const char* what = R > 0 ? "float product with LoRA" : "float product";
+  check_close(kernel.isa, what, out, want, magnitude, M, K, N);
+  for (int m = 0; m < M; m++) {
+    const auto alone = float_product(kernel, x.data() + static_cast<size_t>(m) * K, w.data(),
+                                     h.data() + static_cast<size_t>(m) * R, b_t.data(), 1, K, N, R);
+    check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
+  }
+}
+
+// A scale or bias of `dtype` (0 float32, 1 float16, 2 bfloat16): a value each of the three holds
+// exactly, +-(1 + j / 128) * 2^e, with its bits in the dtype (the low 16 bits for the halves).
+struct Param {
+  float value;
+  uint32_t bits;
+};
+
+Param quant_param_value(int dtype, bool negative, int e, int j) {
+  const float value = (negative ? -1.0f : 1.0f) * (1.0f + j / 128.0f) * std::ldexp(1.0f, e);
+  uint32_t bits;
+  if (dtype == 1)
+    bits = (negative ? 0x8000u : 0u) | static_cast<uint32_t>(e + 15) << 10 |
+           static_cast<uint32_t>(j) << 3;
+  else
+    std::memcpy(&bits, &value, sizeof bits);
+  if (dtype == 2) bits >>= 16;
+  return {value, bits};
+}
+
+// Weights [N, K] of `bits` bits in MLX's affine layout, with their dequantized values.
+struct QuantWeights {
+  std::vector<uint32_t> words;
+  std::vector<uint8_t> scales, biases;  // [N, K / group] of the dtype's width
+  std::vector<float> dequantized;        // [N, K]: scale * q + bias, two roundings
+  Quantized q;
+};
+
+QuantWeights quantized(int N, int K, int bits, int group, int dtype) {
+  QuantWeights out;
+  const int groups = K / group, width = dtype == 0 ? 4 : 2;
+  out.words.assign(static_cast<size_t>(N) * K * bits / 32, 0);
+  out.scales.resize(static_cast<size_t>(N) * groups * width);
+  out.biases.resize(out.scales.size());
+  out.dequantized.resize(static_cast<size_t>(N) * K);
+  std::uniform_int_distribution<int> level(0, (1 << bits) - 1), mantissa(0, 127);
+  for (int n = 0; n < N; n++)
+    for (int g = 0; g < groups; g++) {
+      const size_t at = static_cast<size_t>(n) * groups + g;
+      const Param scale = quant_param_value(dtype, false, bits == 4 ? -4 : -7, mantissa(g_random));
+      const Param bias = quant_param_value(dtype, true, -1, mantissa(g_random));
+      std::memcpy(out.scales.data() + at * width, &scale.bits, width);
+      std::memcpy(out.biases.data() + at * width, &bias.bits, width);
+      for (int k = g * group; k < (g + 1) * group; k++) {
+        const auto value = static_cast<uint32_t>(level(g_random));
+        const size_t bit = (static_cast<size_t>(n) * K + k) * bits;
+        out.words[bit / 32] |= value << (bit % 32);  // the lowest bits first
+        const float product = scale.value * static_cast<float>(value);
+        out.dequantized[static_cast<size_t>(n) * K + k] = product + bias.value;
+      }
+    }
+  out.q = Quantized{out.words.data(), out.scales.data(), out.biases.data(), K, bits, group, dtype};
+  return out;
+}
+
+// x [M, K] @ dequantize(w).T, then each row's residual over the columns it keeps, as the
+// extension's QuantMatmul calls the kernels: weight rows in two ranges, tiles by the row count.
+std::vector<float> quant_product(const Kernel& kernel, const Quantized& q, const float* x,
+                                 const float* h, const float* b, const std::vector<int>& columns,
+                                 const std::vector<int>& counts, int M, int N, int R) {
+  std::vector<float> out(static_cast<size_t>(M) * N);
+  const int tile_floats = M <= 16 ? 8192 : 32768;
+  std::vector<float> tile(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(q.K)));
+  const int split = N / 2 - N / 2 % 4;
+  for (const auto& [n0, n1] : {std::pair{0, split}, std::pair{split, N}}) {
+    kernel.quant(q, x, out.data(), M, N, n0, n1, tile.data(), tile_floats);
+    for (int m = 0; m < M && R > 0; m++)
+      if (counts[m] > 0)
+        kernel.residuals(h + static_cast<size_t>(m) * R, b, N,
+                         columns.data() + static_cast<size_t>(m) * R, counts[m],
+                         out.data() + static_cast<size_t>(m) * N, n0, n1);
+  }
+  return out;
+}
+
+void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group, int dtype,
+                 int R) {
+  const auto w = quantized(N, K, bits, group, dtype);
+  const auto x = normal(static_cast<size_t>(M) * K);
+  const auto h = normal(static_cast<size_t>(M) * R), b = normal(static_cast<size_t>(R) * N);
+  // Row m keeps the columns r with (r + m) % 3 != 0, and every third row none: rows of other
+  // adapters, and rows of the base alone, in one batch.
+  std::vector<int> columns(static_cast<size_t>(M) * R), counts(M, 0);
+  for (int m = 0; m < M; m++)
+    for (int r = 0; r < R && m % 3 != 2; r++)
+      if ((r + m) % 3 != 0) columns[static_cast<size_t>(m) * R + counts[m]++] = r;
+  const auto out = quant_product(kernel, w.q, x.data(), h.data(), b.data(), columns, counts, M,
+                                 N, R);
+  std::vector<double> want(out.size()), magnitude(out.size());
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      double sum = 0, size = 0;
+      for (int k = 0; k < K; k++) {
+        const double p = static_cast<double>(x[static_cast<size_t>(m) * K + k]) *
+                         w.dequantized[static_cast<size_t>(n) * K + k];
+        sum += p, size += std::abs(p);
+      }
+      for (int i = 0; i < counts[m]; i++) {
+        const int r = columns[static_cast<size_t>(m) * R + i];
+        const double p = static_cast<double>(h[static_cast<size_t>(m) * R + r]) *
+                         b[static_cast<size_t>(r) * N + n];
+        sum += p, size += std::abs(p);
+      }
+      want[static_cast<size_t>(m) * N + n] = sum, magnitude[static_cast<size_t>(m) * N + n] = size;
+    }
+  char what[96];
+  std::snprintf(what, sizeof what, "%d-bit product (group %d, dtype %d%s)", bits, group, dtype,
+                R > 0 ? ", LoRA" : "");
+  check_close(kernel.isa, what, out, want, magnitude, M, K, N);
+  for (int m = 0; m < M; m++) {
+    const std::vector<int> own(columns.begin() + static_cast<ptrdiff_t>(m) * R,
+                               columns.begin() + static_cast<ptrdiff_t>(m + 1) * R);
+    const auto alone = quant_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K,
+                                     h.data() + static_cast<size_t>(m) * R, b.data(), own,
+                                     {counts[m]}, 1, N, R);
+    check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
+  }
+}
+
+}  // namespace
+
+int main() {
+  int isas = 0;
+  for (const auto& kernel : kKernels) {
+    if (!kernel.supported()) {
+      std::printf("%s: not run, the CPU lacks it\n", kernel.isa);
+      continue;
+    }
+    int checks = 0;
+    // Widths off every vector (7, 100), short rows and long ones (past every ISA's kShortK).
+    for (int M : {1, 3, 16, 40})
+      for (int K : {7, 100, 576, 4100})
+        for (int R : {0, 5}) check_float(kernel, M, K, 37, R), checks++;
+    // Rows in registers (up to 8) and against tiles; K of several groups, N off the blocks.
+    for (int M : {1, 3, 16, 40})
+      for (int bits : {4, 8})
+        for (int group : {32, 64, 128})
+          for (int dtype : {0, 1, 2})
+            for (int R : {0, 6}) check_quant(kernel, M, 384, 37, bits, group, dtype, R), checks++;
+    std::printf("%s: %d products right, each row the same bits alone and in its batch\n",
+                kernel.isa, checks);
+    isas++;
+  }
+  return isas > 0 ? 0 : 1;
+}

@@ -1,0 +1,110 @@
+"""The native kernels on every ISA, without MLX: tests/native/kernels_check.cpp built with the
+extension's flags, for this machine and for arm64 (run under qemu), checks each float and
+quantized product against a scalar reference and each row's bits alone and in a batch. Which
+machines take the kernels, and what the others log."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from hotlora.models.cpu import extension, prepare_cpu, weights
+from hotlora.models.cpu.extension import kernel_flags
+from hotlora.models.loader import load_model_dir
+
+from tests.support.tiny import write_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT / "tests" / "native" / "kernels_check.cpp"
+NATIVE = ROOT / "models" / "cpu" / "native"
+ARM64_CXX = "aarch64-linux-gnu-g++"
+QEMU = "qemu-aarch64"
+ARM64_ROOT = Path("/usr/aarch64-linux-gnu")  # Debian's arm64 libraries, for qemu's loader
+
+
+def build(cxx: str, machine: str, out: Path) -> Path:
+    """The check compiled by `cxx` for `machine`, at `out`."""
+    command = [cxx, *kernel_flags(machine), f"-I{NATIVE}", str(CHECK), "-o", str(out)]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return out
+
+
+def passed(result: subprocess.CompletedProcess[str], isa: str) -> bool:
+    return (
+        result.returncode == 0
+        and f"{isa}: 176 products right, each row the same bits alone and in its batch"
+        in result.stdout
+    )
+
+
+def test_the_kernels_of_this_machine_pass_the_check(tmp_path: Path):
+    machine = platform.machine()
+    if sys.platform != "linux" or machine not in ("x86_64", "aarch64"):
+        pytest.skip("the native kernels serve x86-64 and arm64 Linux")
+    if shutil.which("g++") is None:
+        pytest.fail("g++ is missing: `make setup` installs it")
+    check = build("g++", machine, tmp_path / "kernels_check")
+    result = subprocess.run([check], capture_output=True, text=True, timeout=300)
+    # AVX2 or NEON: every server these kernels serve runs one of them.
+    assert passed(result, "avx2" if machine == "x86_64" else "neon"), result.stdout
+    if machine == "x86_64" and "avx512: not run" not in result.stdout:
+        assert passed(result, "avx512"), result.stdout
+
+
+def test_the_neon_kernels_pass_the_check_under_qemu(tmp_path: Path):
+    if platform.machine() == "aarch64":
+        pytest.skip("an arm64 machine: the check above runs NEON natively")
+    missing = [tool for tool in (ARM64_CXX, QEMU) if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(
+            f"{' and '.join(missing)} missing: `make setup` installs the arm64 cross "
+            "compiler and qemu (g++-aarch64-linux-gnu, qemu-user)"
+        )
+    check = build(ARM64_CXX, "aarch64", tmp_path / "kernels_check")
+    result = subprocess.run(
+        [QEMU, "-L", str(ARM64_ROOT), check], capture_output=True, text=True, timeout=600
+    )
+    assert passed(result, "neon"), result.stdout
+
+
+def test_an_arm64_linux_machine_takes_the_kernels_whatever_its_flags(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(extension, "cpu_features", lambda: set())  # arm64 lists no x86 flags
+    assert extension.unavailable() is None
+    assert "-march=armv8-a" in kernel_flags()
+    assert not any(flag.startswith("-m") for flag in kernel_flags("x86_64"))
+
+
+@pytest.mark.parametrize("machine", ["riscv64", "armv7l"])  # 32-bit arm: no AArch64 NEON
+def test_another_machine_keeps_mlxs_operations_and_the_log_says_why(
+    machine: str, monkeypatch, tmp_path: Path, caplog
+):
+    if weights.has_gpu():
+        pytest.skip("MLX runs on a GPU here: the CPU kernels are not considered")
+    model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
+    model.set_dtype(mx.float32)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    with caplog.at_level(logging.INFO, logger="hotlora"):
+        setup = prepare_cpu(
+            model,
+            weights="auto",
+            float_budget=None,
+            vector_jit=False,
+            batch_kernels=True,
+            home=tmp_path,
+        )
+    reason = "not an x86-64 or arm64 Linux machine"
+    assert setup.batch_kernels == f"MLX's own (BLAS; {reason})"
+    assert f"batched decode kernels: MLX's own (BLAS; {reason})" in [
+        r.getMessage() for r in caplog.records
+    ]
+    assert all(type(m) is nn.Linear for _, m in model.named_modules() if isinstance(m, nn.Linear))
