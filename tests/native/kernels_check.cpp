@@ -1,8 +1,8 @@
 // The native kernels' float and quantized products on every ISA this machine runs, without MLX:
 // each against a plain scalar reference within rounding, and each row's result the same bits
-// alone as in a batch. tests/unit/test_native_kernels.py builds it for x86-64 and AArch64 (the
-// latter run under qemu) with the extension's flags; it prints a line an ISA and exits 1 on the
-// first wrong result.
+// alone as in a batch; their attention against the reference's softmax.
+// tests/unit/test_native_kernels.py builds it for x86-64 and AArch64 (the latter run under qemu)
+// with the extension's flags; it prints a line an ISA and exits 1 on the first wrong result.
 
 #define ROWS_KERNELS_ONLY
 #include "rows_matmul.cpp"
@@ -210,6 +210,48 @@ void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group,
   }
 }
 
+// attend's G query heads [G, D] against S keys and values, the mask showing `visible` (all,
+// some, or none: then every position weighs alike); a hidden position's value is NaN, which
+// must stay out.
+void check_attention(const Kernel& kernel, int G, int D, int S, int shown) {
+  const auto q = normal(static_cast<size_t>(G) * D), k = normal(static_cast<size_t>(S) * D);
+  auto v = normal(static_cast<size_t>(S) * D);
+  std::vector<char> visible(S);
+  for (int s = 0; s < S; s++) visible[s] = shown == 2 || (shown == 1 && s % 3 != 1);
+  if (shown > 0)
+    for (int s = 0; s < S; s++)
+      if (!visible[s]) v[static_cast<size_t>(s) * D] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> scores(static_cast<size_t>(G) * S), out(static_cast<size_t>(G) * D);
+  kernel.attend(q.data(), G, D, k.data(), D, v.data(), D, D,
+                reinterpret_cast<const bool*>(visible.data()), 1, S, scores.data(), out.data());
+  std::vector<double> want(out.size()), magnitude(out.size());
+  for (int g = 0; g < G; g++) {
+    std::vector<double> weight(S, 0.0);
+    double top = -1e300, total = 0;
+    for (int s = 0; s < S; s++)
+      if (visible[s] || shown == 0) {
+        double score = 0;
+        for (int d = 0; d < D; d++)
+          score += static_cast<double>(q[static_cast<size_t>(g) * D + d]) *
+                   k[static_cast<size_t>(s) * D + d];
+        weight[s] = shown == 0 ? 0.0 : score;
+        top = std::max(top, weight[s]);
+      }
+    for (int s = 0; s < S; s++)
+      if (visible[s] || shown == 0) total += weight[s] = std::exp(weight[s] - top);
+    for (int s = 0; s < S; s++)
+      for (int d = 0; d < D && (visible[s] || shown == 0); d++) {
+        const double term = weight[s] / total * v[static_cast<size_t>(s) * D + d];
+        want[static_cast<size_t>(g) * D + d] += term;
+        magnitude[static_cast<size_t>(g) * D + d] += std::abs(term);
+      }
+  }
+  for (size_t i = 0; i < out.size(); i++)
+    if (!(std::abs(out[i] - want[i]) <= 1e-5 * magnitude[i] + 1e-6))
+      fail(kernel.isa, "attention (M: heads, K: head size, N: positions)", G, D, S,
+           static_cast<int>(i) / D, static_cast<int>(i) % D, out[i], want[i]);
+}
+
 }  // namespace
 
 int main() {
@@ -230,7 +272,13 @@ int main() {
         for (int group : {32, 64, 128})
           for (int dtype : {0, 1, 2})
             for (int R : {0, 6}) check_quant(kernel, M, 384, 37, bits, group, dtype, R), checks++;
-    std::printf("%s: %d products right, each row the same bits alone and in its batch\n",
+    // Query heads a KV head serves (up to 4 at once, then the rest), head sizes off the vectors.
+    for (int G : {1, 3, 7})
+      for (int D : {64, 7})
+        for (int S : {1, 13, 300})
+          for (int shown : {2, 1, 0}) check_attention(kernel, G, D, S, shown), checks++;
+    std::printf("%s: %d products and attentions right, each row's product the same bits alone "
+                "and in its batch\n",
                 kernel.isa, checks);
     isas++;
   }

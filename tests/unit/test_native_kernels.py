@@ -1,7 +1,7 @@
 """The native kernels on every ISA, without MLX: tests/native/kernels_check.cpp built with the
 extension's flags, for this machine and for arm64 (run under qemu), checks each float and
-quantized product against a scalar reference and each row's bits alone and in a batch. Which
-machines take the kernels, and what the others log."""
+quantized product and the attention against a scalar reference, and each row's bits alone and
+in a batch. Which machines take the kernels, and what the others log."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def build(cxx: str, machine: str, out: Path) -> Path:
 def passed(result: subprocess.CompletedProcess[str], isa: str) -> bool:
     return (
         result.returncode == 0
-        and f"{isa}: 176 products right, each row the same bits alone and in its batch"
+        and f"{isa}: 230 products and attentions right, each row's product the same bits "
+        "alone and in its batch"
         in result.stdout
     )
 
