@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import mlx.core as mx
@@ -74,6 +75,32 @@ def test_the_neon_kernels_pass_the_check_under_qemu(tmp_path: Path):
         [QEMU, "-L", str(ARM64_ROOT), check], capture_output=True, text=True, timeout=600
     )
     assert passed(result, "neon"), result.stdout
+
+
+def test_the_whole_extension_compiles_for_arm64(tmp_path: Path):
+    """The primitives and threads beside the kernels too: code the check above leaves out, which
+    must keep to no x86 intrinsic. Compiled against MLX's and nanobind's headers, not linked
+    (MLX's arm64 library is not at hand)."""
+    import nanobind
+
+    if shutil.which(ARM64_CXX) is None:
+        pytest.skip(f"{ARM64_CXX} missing: `make setup` installs it (g++-aarch64-linux-gnu)")
+    include = Path(sysconfig.get_paths()["include"])
+    if "x86_64-linux-gnu" in (include / "pyconfig.h").read_text():
+        pytest.skip("this Python's headers describe x86-64 alone (a multiarch pyconfig.h)")
+    nb = Path(nanobind.__file__).parent
+    command = [
+        ARM64_CXX,
+        *kernel_flags("aarch64"),
+        *("-fsyntax-only", "-Wno-psabi", "-DNB_DOMAIN=mlx"),
+        f"-I{include}",
+        f"-I{nb / 'include'}",
+        f"-I{nb / 'ext' / 'robin_map' / 'include'}",
+        f"-I{Path(mx.__file__).parent / 'include'}",
+        str(NATIVE / "rows_matmul.cpp"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 def test_an_arm64_linux_machine_takes_the_kernels_whatever_its_flags(monkeypatch):
