@@ -126,8 +126,9 @@ class Settings(BaseSettings):
     )
     cpu_batch_matmul: bool = Field(
         default=True,
-        description="On an x86-64 CPU with AVX-512 or AVX2 and no GPU, the native kernels "
-        "(built by make setup): packed quantized weights on every step; with float32 weights "
+        description="On an x86-64 CPU with AVX-512 or AVX2, or an arm64 one with NEON, and no "
+        "GPU, the native kernels (built by make setup): packed quantized weights on every step; "
+        "with float32 weights "
         "the projections of batched decode steps (2-16 rows) read each weight once for all "
         "rows and their attention takes one operation; every step's norms and RoPEs take one "
         "operation each, to MLX's bits.",
