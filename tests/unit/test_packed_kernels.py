@@ -89,6 +89,25 @@ def test_the_kernel_multiplies_by_the_dequantized_weights(
         assert mx.allclose(got, x @ exact.T, rtol=1e-4, atol=1e-4 * 384**0.5).item(), rows
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float16_scales_at_their_extremes_dequantize_as_mlx_does(isa: str, bits: int):
+    """Float16 scales from the largest to subnormal ones, with the largest values: each weight
+    is still scale * value + bias rounded as mx.dequantize rounds it, to the bit."""
+    n, k, group = 40, 128, 32
+    words = mx.random.randint(0, 2**31, (n, k * bits // 32), key=mx.random.key(1))
+    packed = (words.astype(mx.uint32) * 2 + 1).astype(mx.uint32)  # top bits set too
+    extremes = mx.array([65504.0, 1.0e-7, 6.0e-5, 3.14159, -0.0078125], dtype=mx.float16)
+    scales = extremes[mx.arange(n * k // group) % 5].reshape(n, k // group)
+    biases = (-scales / 3).astype(mx.float16)
+    exact = mx.dequantize(
+        packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
+    )
+    for rows in (1, 3, 16):
+        x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 1e-3
+        got = native.quant_matmul(x, packed, scales, biases, group, bits)
+        assert mx.array_equal(got, native.rows_matmul(x, exact)).item(), rows
+
+
 def test_a_rows_result_is_the_same_whatever_the_other_rows_and_their_shape(isa: str):
     packed, scales, biases, _ = quantized(1536, 576, 4, 32, mx.float16, seed=3)
     x = mx.random.normal((200, 576), key=mx.random.key(4))
