@@ -56,6 +56,11 @@ class LoRASlot(nn.Module):
             return lone_rows(active).project(self.path, x, self.base)
         return active.apply(self.path, x, self.base(x))
 
+    def bare_projection(self) -> nn.Module | None:
+        """The base projection when no adapter applies to calls made now (in this context), so
+        that a layer may compute it together with its neighbours; None while a set is active."""
+        return self.base if _ACTIVE.get() is None else None
+
 
 @contextmanager
 def activate(adapters: AdapterSet | RowAdapters) -> Iterator[None]:

@@ -110,6 +110,7 @@ def install_packed_kernels(model: nn.Module, threads: int | None = None) -> Rows
     packed to float32 (`weights.to_packed`)."""
     from hotlora.models.cpu import extension
     from hotlora.models.cpu.attention import install_rows_attention
+    from hotlora.models.cpu.fused import install_fused
     from hotlora.models.cpu.layers import RowsQuantizedEmbedding, RowsQuantizedLinear, swap_layers
     from hotlora.models.cpu.weights import to_packed
 
@@ -120,12 +121,15 @@ def install_packed_kernels(model: nn.Module, threads: int | None = None) -> Rows
     to_packed(model)
     swapped = swap_layers(model, all_rows=True)
     attention = install_rows_attention(model, all_rows=True)
+    fused = install_fused(model)
     quantized = swapped[RowsQuantizedLinear] + swapped[RowsQuantizedEmbedding]
     return RowsKernels(
         True,
         f"every step runs {quantized} quantized layers from their packed weights and "
         f"{' and '.join(attention) or 'no'} attention through the native kernels "
         f"({loaded.isa()}, {threads} threads), a row's results the same in any batch; "
+        f"{fused} llama attention and MLP layers compute their projections together "
+        "while no adapter applies; "
         f"MLX's own operations: {_left_to_mlx(model, attention)}",
     )
 

@@ -266,6 +266,21 @@ def rows_attention(fallback: Attention) -> Attention:
     return attention
 
 
+def merged_rows_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any
+) -> mx.array | None:
+    """The attention kernel's output as [B, L, H * Dv], the heads side by side as the output
+    projection reads them, when the call of an installed model takes the kernel (as
+    `rows_attention` decides); else None, and the caller takes its module's own function."""
+    if hasattr(cache, "bits"):
+        return None
+    kernel_mask = _kernel_mask(queries, keys, values, mask)
+    if kernel_mask is None:
+        return None
+    assert extension.native is not None
+    return extension.native.attention_rows_merged(queries, keys, values, kernel_mask, scale)
+
+
 def install_rows_attention(model: nn.Module, all_rows: bool = False) -> list[str]:
     """Point the model's architecture modules at `rows_attention`, over the function they had
     (mlx-lm's, or `cpu_attention`), and let the model's own calls take it (`all_rows`: every

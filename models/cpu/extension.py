@@ -1,11 +1,13 @@
 """The native CPU kernels' extension: built with g++ against MLX's headers, loaded, self-checked.
 
 `native/rows_matmul.cpp` holds MLX primitives for the few rows of a batched decode step (the
-projections, with or without each row's LoRA residual, and the attention) and for every float32
-step (RMSNorm, RoPE, a prefill chunk's masked softmax). It is a small C++ extension built by
-`make setup` (or `python -m hotlora.models.cpu.extension`) with g++ against MLX's headers and
-nanobind, next to this module: it needs Linux on x86-64 with AVX-512, or AVX2 and FMA, and F16C,
-or on arm64 (AArch64, whose NEON every CPU has). Elsewhere the layers keep MLX's own operations.
+projections, with or without each row's LoRA residual, and the attention), for every step of
+packed quantized weights (their products, several projections of one input as one primitive)
+and for every float32 step (RMSNorm, RoPE, a prefill chunk's masked softmax). It is a small C++
+extension built by `make setup` (or `python -m hotlora.models.cpu.extension`) with g++ against
+MLX's headers and nanobind, next to this module: it needs Linux on x86-64 with AVX-512, or AVX2
+and FMA, and F16C, or on arm64 (AArch64, whose NEON every CPU has). Elsewhere the layers keep
+MLX's own operations.
 
 Once `load` has checked it, `native` is the extension and `max_rows` the most rows of a batched
 step its products take; until then `native` is None and every layer keeps MLX's own operations.

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from hotlora.adapters import AdapterSet, RowAdapterCache, activate
 from hotlora.adapters.manager import AdapterManager
 from hotlora.models.cpu import extension, install_packed_kernels, prepare_cpu
+from hotlora.models.cpu.fused import FusedAttention, FusedMLP, install_fused
 from hotlora.models.cpu.layers import RowsQuantizedEmbedding, RowsQuantizedLinear
 
 from tests.support.adapter_builders import (
@@ -88,6 +89,25 @@ def test_the_kernel_multiplies_by_the_dequantized_weights(
         assert mx.allclose(got, x @ exact.T, rtol=1e-4, atol=1e-4 * 384**0.5).item(), rows
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float16_scales_at_their_extremes_dequantize_as_mlx_does(isa: str, bits: int):
+    """Float16 scales from the largest to subnormal ones, with the largest values: each weight
+    is still scale * value + bias rounded as mx.dequantize rounds it, to the bit."""
+    n, k, group = 40, 128, 32
+    words = mx.random.randint(0, 2**31, (n, k * bits // 32), key=mx.random.key(1))
+    packed = (words.astype(mx.uint32) * 2 + 1).astype(mx.uint32)  # top bits set too
+    extremes = mx.array([65504.0, 1.0e-7, 6.0e-5, 3.14159, -0.0078125], dtype=mx.float16)
+    scales = extremes[mx.arange(n * k // group) % 5].reshape(n, k // group)
+    biases = (-scales / 3).astype(mx.float16)
+    exact = mx.dequantize(
+        packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
+    )
+    for rows in (1, 3, 16):
+        x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 1e-3
+        got = native.quant_matmul(x, packed, scales, biases, group, bits)
+        assert mx.array_equal(got, native.rows_matmul(x, exact)).item(), rows
+
+
 def test_a_rows_result_is_the_same_whatever_the_other_rows_and_their_shape(isa: str):
     packed, scales, biases, _ = quantized(1536, 576, 4, 32, mx.float16, seed=3)
     x = mx.random.normal((200, 576), key=mx.random.key(4))
@@ -137,6 +157,44 @@ def test_a_lora_rows_result_ignores_the_other_rows_columns(isa: str):
         x[:1], packed, scales, biases, 32, 4, a_t[8:16], mx.contiguous(b[8:16]), mask[:1, 8:16]
     )
     assert mx.array_equal(alone[0], whole[0]).item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (16, 1), (2, 5), (1, 33), (9, 2)])
+def test_products_together_are_each_products_bits_in_the_attentions_layout(
+    isa: str, bits: int, rows: int, length: int
+):
+    """q, k, v and a fourth projection without heads as one primitive: each output is
+    quant_matmul's to the bit, reshaped to [B, heads, L, D] (or left [B, L, N] for 0 heads)."""
+    layers = [quantized(n, 128, bits, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
+    heads = [4, 2, 2, 0]
+    x = mx.random.normal((rows, length, 128), key=mx.random.key(rows * length))
+    together = native.quant_matmul_heads(
+        x,
+        [w for w, *_ in layers],
+        [s for _, s, *_ in layers],
+        [b for *_, b, _ in layers],
+        heads,
+        32,
+        bits,
+    )
+    for (w, s, b, _), h, got in zip(layers, heads, together, strict=True):
+        alone = native.quant_matmul(x, w, s, b, 32, bits)  # [B, L, N]
+        if h:
+            alone = alone.reshape(rows, length, h, -1).transpose(0, 2, 1, 3)
+        assert got.shape == alone.shape
+        assert mx.array_equal(got, alone).item(), h
+
+
+def test_the_attentions_merged_output_is_its_output_with_the_heads_side_by_side(isa: str):
+    keys = mx.random.split(mx.random.key(11), 3)
+    q = mx.random.normal((2, 4, 3, 16), key=keys[0])
+    k = mx.random.normal((2, 2, 9, 16), key=keys[1])
+    v = mx.random.normal((2, 2, 9, 8), key=keys[2])
+    mask = mx.broadcast_to(mx.arange(6, 9)[:, None] >= mx.arange(9)[None], (2, 1, 3, 9))
+    heads = native.attention_rows(q, k, v, mask, 0.25)  # [B, H, L, Dv]
+    merged = native.attention_rows_merged(q, k, v, mask, 0.25)  # [B, L, H * Dv]
+    assert mx.array_equal(merged, heads.transpose(0, 2, 1, 3).reshape(2, 3, 32)).item()
 
 
 @pytest.mark.parametrize(
@@ -258,6 +316,70 @@ def test_a_rows_decode_is_the_same_bits_alone_and_beside_other_sets(packed):
             own = alone(model, adapters, PROMPTS[row], [len(PROMPTS[row])], steps[row])[1:]
             for step, logits in enumerate(own):
                 assert mx.array_equal(together[step][row], logits[0]).item(), (specs, spec, step)
+
+
+def step_products(model: nn.Module, tmp_path: Path, rows: int) -> dict[str, int]:
+    """The packed products in the graph of one decode step of `rows` rows, by primitive."""
+    cache = (
+        make_prompt_cache(model) if rows == 1 else [BatchKVCache([0] * rows) for _ in model.layers]
+    )
+    mx.eval(model(mx.full((rows, 4), 5), cache=cache))
+    logits = model(mx.full((rows, 1), 7), cache=cache)
+    dot = tmp_path / "step.dot"
+    mx.export_to_dot(str(dot), logits)
+    mx.eval(logits)
+    text = dot.read_text()
+    return {
+        name: text.count(f'label ="{name}"') + text.count(f'label="{name}"')
+        for name in ("QuantMatmul", "QuantMatmulHeads", "Transpose")
+    }
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_decode_steps_layer_takes_two_fused_products_and_two_alone(packed, tmp_path, rows):
+    """q, k and v as one product, gate and up as another, o and down alone, and no transposes
+    around the attention: the step's graph has those products and no more."""
+    model, _ = packed
+    layers = len(model.layers)
+    assert step_products(model, tmp_path, rows) == {
+        "QuantMatmul": 2 * layers + 1,  # o_proj and down_proj, then the tied output layer
+        "QuantMatmulHeads": 2 * layers,
+        "Transpose": 0,
+    }
+
+
+def test_fused_layers_give_the_separate_layers_bits_and_yield_to_adapters(packed):
+    """Prefill and decode steps alone and batched, on the base and under an adapter set: the
+    fused model's logits are those of the same layers under mlx-lm's own classes, to the bit
+    (under a set, each projection takes its slot, which adds the set's residual)."""
+    model, manager = packed
+    assert {FusedAttention, FusedMLP} <= {type(m) for _, m in model.named_modules()}
+
+    def logits(rows: int, spec: str) -> list[mx.array]:
+        cache = (
+            make_prompt_cache(model)
+            if rows == 1
+            else [BatchKVCache([0] * rows) for _ in model.layers]
+        )
+        prompt = mx.array([PROMPTS[0]] * rows)
+        with activate(adapter_set(manager, spec)):
+            out = [model(prompt[:, :5], cache=cache), model(prompt[:, 5:], cache=cache)]
+            out += [model(mx.full((rows, 1), t), cache=cache) for t in (3, 40)]
+        mx.eval(out)
+        return out
+
+    cases = [(rows, spec) for rows in (1, 3) for spec in ("", "a+b")]
+    fused = {case: logits(*case) for case in cases}
+    assert relative_difference(fused[1, "a+b"][-1], fused[1, ""][-1]) > 1e-3
+    for _, module in model.named_modules():
+        if isinstance(module, FusedAttention | FusedMLP):
+            module.__class__ = type(module).__mro__[1]
+    try:
+        for case, expected in fused.items():
+            for got, want in zip(logits(*case), expected, strict=True):
+                assert mx.array_equal(got, want).item(), case
+    finally:
+        install_fused(model)
 
 
 def test_a_set_alone_and_beside_others_differ_from_the_base(packed):

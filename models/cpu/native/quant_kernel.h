@@ -31,10 +31,15 @@ inline float quant_param(const void* p, size_t i, int dtype) {
 
 // The 32 values of a chunk of one weight row (16 bytes at 4 bits, 32 at 8) as floats in
 // registers, `32 / kLanes` vectors: scale * value + bias, rounded as MLX's dequantize rounds it
-// in float32 (a product, then a sum).
+// in float32 (a product, then a sum). With float16 scales (`Exact`) the product is exact in
+// float32 (11 significant bits times 8 at most), so one fused multiply-add, which rounds only
+// the sum, gives the same bits in one operation instead of two.
 constexpr int kChunkVectors = 32 / Isa::kLanes;
 
+inline bool exact_products(const Quantized& q) { return q.dtype == 1; }
+
 #if defined(__aarch64__)
+template <bool Exact>
 inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
                          typename Isa::V bias, typename Isa::V (&out)[kChunkVectors]) {
   uint8x16_t halves[2];
@@ -52,11 +57,15 @@ inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
     for (int j = 0; j < 2; j++) {
       const uint32x4_t words[2] = {vmovl_u16(vget_low_u16(wide[j])), vmovl_high_u16(wide[j])};
       for (int i = 0; i < 2; i++)
-        out[h * 4 + j * 2 + i] = Isa::add(Isa::mul(vcvtq_f32_u32(words[i]), scale), bias);
+        if constexpr (Exact)
+          out[h * 4 + j * 2 + i] = Isa::fma(vcvtq_f32_u32(words[i]), scale, bias);
+        else
+          out[h * 4 + j * 2 + i] = Isa::add(Isa::mul(vcvtq_f32_u32(words[i]), scale), bias);
     }
   }
 }
 #else
+template <bool Exact>
 inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
                          typename Isa::V bias, typename Isa::V (&out)[kChunkVectors]) {
   __m128i halves[2];
@@ -75,7 +84,11 @@ inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
   for (int h = 0; h < 2; h++)
     for (int i = 0; i < per_half; i++) {
       const __m128i part = i == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
-      out[h * per_half + i] = Isa::add(Isa::mul(Isa::from_bytes(part), scale), bias);
+      const typename Isa::V values = Isa::from_bytes(part);
+      if constexpr (Exact)
+        out[h * per_half + i] = Isa::fma(values, scale, bias);
+      else
+        out[h * per_half + i] = Isa::add(Isa::mul(values, scale), bias);
     }
 }
 #endif
@@ -85,7 +98,8 @@ inline const uint8_t* row_bytes(const Quantized& q, int n) {
 }
 
 // Rows [n0, n0 + T) of the weights as floats: out [T, K].
-inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
+template <bool Exact>
+inline void dequantize_rows_of(const Quantized& q, int n0, int T, float* out) {
   const int K = q.K, groups = K / q.group;
   for (int t = 0; t < T; t++) {
     const uint8_t* bytes = row_bytes(q, n0 + t);
@@ -96,18 +110,25 @@ inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
       const typename Isa::V bias = Isa::set1(quant_param(q.biases, at, q.dtype));
       for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
         typename Isa::V w[kChunkVectors];
-        dequantize32(bytes + k * q.bits / 8, q.bits, scale, bias, w);
+        dequantize32<Exact>(bytes + k * q.bits / 8, q.bits, scale, bias, w);
         for (int i = 0; i < kChunkVectors; i++) Isa::store(row + k + i * Isa::kLanes, w[i]);
       }
     }
   }
 }
 
+inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
+  if (exact_products(q))
+    dequantize_rows_of<true>(q, n0, T, out);
+  else
+    dequantize_rows_of<false>(q, n0, T, out);
+}
+
 // out[m, r] = x[m, :] . dequantize(w[n + r, :]) for m < P, r < R, the weights dequantized in
 // registers and multiplied at once: for the few rows of a decode step, where a tile in memory
 // would be written and read back for a row or two. Each accumulator takes the products in the
 // order `block` takes them from a tile, so the bits are the tile's.
-template <int P, int R>
+template <int P, int R, bool Exact>
 inline void fused_block(const Quantized& q, const float* x, int n, float* out, int ldo) {
   const int K = q.K, groups = K / q.group;
   typename Isa::V acc[R][P];
@@ -125,7 +146,7 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
     for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
       typename Isa::V w[R][kChunkVectors];
       for (int r = 0; r < R; r++)
-        dequantize32(rows[r] + k * q.bits / 8, q.bits, scale[r], bias[r], w[r]);
+        dequantize32<Exact>(rows[r] + k * q.bits / 8, q.bits, scale[r], bias[r], w[r]);
       for (int i = 0; i < kChunkVectors; i++)
         for (int m = 0; m < P; m++) {
           const float* xm = x + static_cast<size_t>(m) * K;
@@ -140,12 +161,20 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
 
 // out[:, n0:n1] for the P (at most 8) rows of x, weight rows R at a time: as many as keep the
 // accumulators in registers.
-template <int P>
-void fused_rows(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
+template <int P, bool Exact>
+void fused_rows_of(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
   constexpr int R = P <= 4 ? Isa::kFusedR : Isa::kFusedR / 2;
   int n = n0;
-  for (; n + R <= n1; n += R) fused_block<P, R>(q, x, n, out + n, N);
-  for (; n < n1; n++) fused_block<P, 1>(q, x, n, out + n, N);
+  for (; n + R <= n1; n += R) fused_block<P, R, Exact>(q, x, n, out + n, N);
+  for (; n < n1; n++) fused_block<P, 1, Exact>(q, x, n, out + n, N);
+}
+
+template <int P>
+void fused_rows(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
+  if (exact_products(q))
+    fused_rows_of<P, true>(q, x, out, N, n0, n1);
+  else
+    fused_rows_of<P, false>(q, x, out, N, n0, n1);
 }
 
 // out[m, r] = x[m, :] . tile[r, :] for m < P, r < R: `block`'s sums, reduced sixteen at a

@@ -25,6 +25,7 @@
 #ifndef ROWS_KERNELS_ONLY
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 #endif
 
 #include <algorithm>
@@ -657,6 +658,122 @@ mx::array quant_matmul_lora(const mx::array& x, const mx::array& w, const mx::ar
   return quant_primitive({x, a_t, b, mask, w, scales, biases}, N, group_size, bits);
 }
 
+// x @ dequantize(w_j).T for several weights of one input at once (a layer's q, k and v, or its
+// gate and up): one primitive and one pass of the pool's threads where separate products take
+// one each. Each output is computed by quant_matmul's kernel on the same rows, so its bits are
+// quant_matmul's. x [B, L, K]; output j is [B, heads_j, L, N_j / heads_j] (the attention's
+// layout, with the reshape and transpose that would make it done here), or [B, L, N_j] where
+// heads_j is 0. At L = 1 the two layouts are the same bytes; otherwise the products go to a
+// scratch buffer first.
+class QuantMatmulHeads : public CpuPrimitive {
+ public:
+  QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads)
+      : CpuPrimitive(stream), bits_(bits), group_(group), heads_(std::move(heads)) {}
+
+  // inputs: x, then w, scales, biases for each output.
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
+    const int count = static_cast<int>(outputs.size());
+    std::vector<Quantized> weights;
+    std::vector<int> widths, offsets{0};
+    for (int j = 0; j < count; j++) {
+      const auto& w = inputs[1 + 3 * j];
+      const auto& scales = inputs[2 + 3 * j];
+      const auto& biases = inputs[3 + 3 * j];
+      for (const auto* a : {&w, &scales, &biases})
+        if (!a->flags().row_contiguous)
+          throw std::invalid_argument("quant_matmul_heads: the weights must be row-contiguous");
+      const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
+      weights.push_back(Quantized{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K,
+                                  bits_, group_, dtype});
+      widths.push_back(w.shape(0));
+      offsets.push_back(offsets.back() + w.shape(0));
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    std::vector<float*> outs;
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      outs.push_back(out.data<float>());
+    }
+    encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, heads = heads_, M, L,
+                      quant = g_quant.load()]() mutable {
+      const float* xp = source.get();
+      const int count = static_cast<int>(weights.size());
+      // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
+      std::vector<std::vector<float>> scratch(count);
+      std::vector<float*> products(outs);
+      for (int j = 0; j < count; j++)
+        if (heads[j] > 0 && L > 1) {
+          scratch[j].resize(static_cast<size_t>(M) * widths[j]);
+          products[j] = scratch[j].data();
+        }
+      const int tile_floats = M <= 16 ? 8192 : 32768;
+      parallel_rows(offsets.back(), 64, [&](int n0, int n1) {
+        thread_local std::vector<float> tile;
+        for (int j = 0; j < count; j++) {
+          const int a = std::max(n0, offsets[j]) - offsets[j];
+          const int b = std::min(n1, offsets[j + 1]) - offsets[j];
+          if (a >= b) continue;
+          tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(weights[j].K)));
+          quant(weights[j], xp, products[j], M, widths[j], a, b, tile.data(), tile_floats);
+        }
+      });
+      for (int j = 0; j < count; j++) {
+        if (scratch[j].empty()) continue;
+        const int H = heads[j], N = widths[j], D = N / H, B = M / L;
+        for (int b = 0; b < B; b++)  // [B, L, H, D] to [B, H, L, D]
+          for (int l = 0; l < L; l++)
+            for (int h = 0; h < H; h++)
+              std::copy_n(scratch[j].data() + (static_cast<size_t>(b) * L + l) * N + h * D, D,
+                          outs[j] + ((static_cast<size_t>(b) * H + h) * L + l) * D);
+      }
+    });
+  }
+  const char* name() const override { return "QuantMatmulHeads"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantMatmulHeads&>(other);
+    return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_;
+  }
+
+ private:
+  int bits_;
+  int group_;
+  std::vector<int> heads_;
+};
+
+// `quant_matmul` of x [B, L, K] by each of `ws` (w, scales, biases triplets, one quantization)
+// as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L, N_j] for heads 0.
+std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
+                                          const std::vector<mx::array>& scales,
+                                          const std::vector<mx::array>& biases,
+                                          const std::vector<int>& heads, int group_size,
+                                          int bits) {
+  if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
+      heads.size() != ws.size())
+    throw std::invalid_argument(
+        "quant_matmul_heads: expected as many weights, scales, biases and heads, at least one");
+  if (x.ndim() != 3)
+    throw std::invalid_argument("quant_matmul_heads: expected x [B, L, K]");
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes;
+  const int B = x.shape(0), L = x.shape(1);
+  for (size_t j = 0; j < ws.size(); j++) {
+    check_quantized(x, ws[j], scales[j], biases[j], group_size, bits);
+    const int N = ws[j].shape(0), H = heads[j];
+    if (H < 0 || (H > 0 && N % H != 0))
+      throw std::invalid_argument("quant_matmul_heads: heads must divide the weight's rows");
+    shapes.push_back(H > 0 ? mx::Shape{B, H, L, N / H} : mx::Shape{B, L, N});
+    inputs.insert(inputs.end(), {ws[j], scales[j], biases[j]});
+  }
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays(
+      std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
+      std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads), std::move(inputs));
+}
+
 // RMSNorm and RoPE, each one primitive: MLX's CPU backend composes them from ten to thirty small
 // operations, and at a few rows each costs more to schedule than to compute. Each is MLX's
 // composition step for step, in float32 (one rounding an operation, MLX's own exp, sin and
@@ -799,7 +916,9 @@ class CacheView {
 // place). Query head h reads KV head h / (H / Hkv), as MLX groups them.
 class RowsAttention : public CpuPrimitive {
  public:
-  RowsAttention(mx::Stream stream, float scale) : CpuPrimitive(stream), scale_(scale) {}
+  // merged: the output as [B, L, H * Dv], the heads side by side (`attention_rows_merged`).
+  RowsAttention(mx::Stream stream, float scale, bool merged = false)
+      : CpuPrimitive(stream), scale_(scale), merged_(merged) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
@@ -811,7 +930,8 @@ class RowsAttention : public CpuPrimitive {
     const int64_t mask_row = mask.strides(0), mask_token = mask.strides(2);
     const int64_t mask_step = mask.strides(3);
     dispatch_rows(stream(), inputs, 1, outputs[0],
-                  [=, scale = scale_, keys = CacheView(inputs[1]), values = CacheView(inputs[2]),
+                  [=, scale = scale_, merged = merged_, keys = CacheView(inputs[1]),
+                   values = CacheView(inputs[2]),
                    attend = g_attend.load()](auto& operands, float* op) mutable {
       const float* qp = operands[0].get();
       keys.prepare(), values.prepare();
@@ -828,24 +948,29 @@ class RowsAttention : public CpuPrimitive {
           attend(scaled.data(), G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(),
                  Dv, visible + b * mask_row + l * mask_token, mask_step, S, scores.data(),
                  out.data());
-          for (int g = 0; g < G; g++)
-            std::copy_n(out.data() + static_cast<size_t>(g) * Dv, Dv,
-                        op + ((first + g) * L + l) * Dv);
+          for (int g = 0; g < G; g++) {
+            const size_t head = static_cast<size_t>(h) * G + g;
+            const size_t at = merged ? ((static_cast<size_t>(b) * L + l) * H + head) * Dv
+                                     : ((first + g) * L + l) * Dv;
+            std::copy_n(out.data() + static_cast<size_t>(g) * Dv, Dv, op + at);
+          }
         }
       }, /*align=*/1);  // a query token's KV head a unit: no blocks of 4 to keep
     });
   }
   const char* name() const override { return "RowsAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return scale_ == static_cast<const RowsAttention&>(other).scale_;
+    const auto& o = static_cast<const RowsAttention&>(other);
+    return scale_ == o.scale_ && merged_ == o.merged_;
   }
 
  private:
   float scale_;
+  bool merged_;
 };
 
-mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v,
-                         const mx::array& mask, float scale) {
+void check_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                     const mx::array& mask) {
   check_float32({q, k, v});
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || mask.ndim() != 4 ||
       mask.dtype() != mx::bool_)
@@ -859,9 +984,26 @@ mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array
     throw std::invalid_argument(
         "attention_rows: expected q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] with H a "
         "multiple of Hkv, and a bool mask [B, 1, L, S]");
+}
+
+mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v,
+                         const mx::array& mask, float scale) {
+  check_attention(q, k, v, mask);
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2);
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array({B, H, L, v.shape(3)}, mx::float32, std::make_shared<RowsAttention>(s, scale),
                    {q, k, v, mask});
+}
+
+// attention_rows' output as the output projection reads it, [B, L, H * Dv]: written so by the
+// primitive, where [B, H, L, Dv] would take a transpose and a reshape (two more operations).
+mx::array attention_rows_merged(const mx::array& q, const mx::array& k, const mx::array& v,
+                                const mx::array& mask, float scale) {
+  check_attention(q, k, v, mask);
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2);
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({B, L, H * v.shape(3)}, mx::float32,
+                   std::make_shared<RowsAttention>(s, scale, /*merged=*/true), {q, k, v, mask});
 }
 
 // softmax(where(mask, scores, lowest)) over the last axis of scores [..., S]: the middle of
@@ -966,10 +1108,14 @@ NB_MODULE(_rows_matmul, m) {
         "bits"_a);
   m.def("quant_matmul_lora", &quant_matmul_lora, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "a_t"_a, "b"_a, "mask"_a);
+  m.def("quant_matmul_heads", &quant_matmul_heads, "x"_a, "ws"_a, "scales"_a, "biases"_a,
+        "heads"_a, "group_size"_a, "bits"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
   m.def("attention_rows", &attention_rows, "q"_a, "k"_a, "v"_a, "mask"_a, "scale"_a);
+  m.def("attention_rows_merged", &attention_rows_merged, "q"_a, "k"_a, "v"_a, "mask"_a,
+        "scale"_a);
   m.def("masked_softmax", &masked_softmax, "scores"_a, "mask"_a);
   m.def("set_threads", &set_threads, "threads"_a, "The threads of every later product.");
   m.def("isa", [] { return std::string(g_isa); }, "The vector instructions the kernel uses.");

@@ -1,0 +1,130 @@
+"""Llama's attention and MLP on packed weights in fewer operations: one product for q, k and v.
+
+MLX's CPU backend pays to schedule each operation of a step, and at a few rows that is much of
+a step's time; each product also wakes the kernels' threads. `FusedAttention` computes a
+layer's q, k and v projections as one primitive (`quant_matmul_heads`) that writes them in the
+attention's [B, heads, L, head_dim] layout, so the three reshapes and transposes go too, and
+takes the attention's output in the layout the output projection reads (`attention_rows_merged`),
+without the transpose and reshape back. `FusedMLP` computes gate and up as one primitive. Every
+product is the packed kernel's, on the same rows, so the results are the same bits as the
+separate layers' (in any batch and any chunking, as those are).
+
+A layer takes the fused path when its projections are packed (`RowsQuantizedLinear`) with one
+quantization and no bias, and no adapter applies to the call: while an adapter set is active
+(one for the batch, or one per row) each projection is called on its own, through its LoRA slot,
+which adds its residual. Only mlx-lm's llama module (llama, mistral and the models it builds)
+takes these classes; the other families keep their own attention and MLP on the packed layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+from hotlora.models.cpu import extension
+from hotlora.models.cpu.attention import merged_rows_attention
+from hotlora.models.cpu.layers import RowsQuantizedLinear
+
+
+def _bare(projection: nn.Module) -> RowsQuantizedLinear | None:
+    """The packed layer that computes this projection's call alone, if one does: the layer
+    itself, or the base of a LoRA slot no adapter applies to (its `bare_projection`)."""
+    layer: object = projection
+    if not isinstance(layer, RowsQuantizedLinear):
+        bare = getattr(projection, "bare_projection", None)
+        layer = bare() if callable(bare) else None
+    if isinstance(layer, RowsQuantizedLinear) and "bias" not in layer:
+        return layer
+    return None
+
+
+def fused_products(
+    x: mx.array, projections: Sequence[nn.Module], heads: list[int]
+) -> list[mx.array] | None:
+    """`projection(x)` for each of `projections` as one primitive, or None when the fused path
+    does not take them (see the module's docstring). x [B, L, K] float32; output j is
+    [B, heads[j], L, out_j / heads[j]] (the attention's layout), or [B, L, out_j] for 0."""
+    native = extension.native
+    if native is None or x.ndim != 3 or x.dtype != mx.float32 or x.size == 0:
+        return None
+    layers = [_bare(p) for p in projections]
+    first = layers[0]
+    if first is None or any(
+        layer is None
+        or layer.bits != first.bits
+        or layer.group_size != first.group_size
+        or layer.scales.dtype != first.scales.dtype
+        for layer in layers
+    ):
+        return None
+    packed = [layer for layer in layers if layer is not None]
+    return native.quant_matmul_heads(
+        x,
+        [layer.weight for layer in packed],
+        [layer.scales for layer in packed],
+        [layer.biases for layer in packed],
+        heads,
+        first.group_size,
+        first.bits,
+    )
+
+
+class FusedAttention(llama.Attention):
+    """mlx-lm's llama attention with q, k and v as one product, in the attention's layout, and
+    the attention's output in the output projection's; otherwise mlx-lm's own call."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        kv_heads = self.n_kv_heads or self.n_heads  # ModelArgs sets it; None reads as all
+        qkv = fused_products(x, projections, [self.n_heads, kv_heads, kv_heads])
+        if qkv is None:
+            return super().__call__(x, mask, cache)
+        queries, keys, values = qkv  # [B, heads, L, head_dim] each
+        if cache is not None:
+            queries = self.rope(queries, offset=cache.offset)
+            keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries = self.rope(queries)
+            keys = self.rope(keys)
+        output = merged_rows_attention(queries, keys, values, cache, self.scale, mask)
+        if output is None:  # the architecture module's own attention function
+            batch, length, _ = x.shape
+            output = llama.scaled_dot_product_attention(
+                queries, keys, values, cache=cache, scale=self.scale, mask=mask
+            )
+            output = output.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        return self.o_proj(output)
+
+
+class FusedMLP(llama.MLP):
+    """mlx-lm's llama MLP with gate and up as one product; otherwise mlx-lm's own call."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        pair = fused_products(x, [self.gate_proj, self.up_proj], [0, 0])
+        if pair is None:
+            return super().__call__(x)
+        gate, up = pair
+        return self.down_proj(llama.swiglu(gate, up))
+
+
+_FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    llama.Attention: FusedAttention,
+    llama.MLP: FusedMLP,
+}
+
+
+def install_fused(model: nn.Module) -> int:
+    """Give the model's llama attention and MLP layers their fused class, in place; returns how
+    many layers changed. Their projections and weights are untouched."""
+    changed = 0
+    for _, module in model.named_modules():
+        fused = _FUSED_CLASSES.get(type(module))
+        if fused is not None:
+            module.__class__ = fused
+            changed += 1
+    return changed
