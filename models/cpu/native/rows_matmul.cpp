@@ -474,62 +474,34 @@ mx::array rows_matmul_lora(
 // each thread dequantizes a tile of weight rows at a time into a buffer that stays in cache and
 // multiplies every row of x by it. Each output is one fixed-order sum over K, so a row's result
 // does not depend on the other rows, however many: a batch or a prompt's chunking changes no
-// bit. With LoRA (`mask` given) each row then adds its own residual, column by column in order
-// (`add_residuals`), skipping the columns its mask zeroes: the other rows' adapters.
+// bit. With LoRA, QuantMatmulGather adds each row's own residuals after the same products.
 class QuantMatmul : public CpuPrimitive {
  public:
   QuantMatmul(mx::Stream stream, int bits, int group)
       : CpuPrimitive(stream), bits_(bits), group_(group) {}
 
-  // inputs: x [..., K], with LoRA a_t [R, K], b_t [N, R], mask [..., R]; then w [N, K * bits /
-  // 32] uint32, scales and biases [N, K / group].
+  // inputs: x [..., K], w [N, K * bits / 32] uint32, scales and biases [N, K / group].
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
-    const bool lora = inputs.size() == 7;
-    const auto& w = inputs[lora ? 4 : 1];
-    const auto& scales = inputs[lora ? 5 : 2];
-    const auto& biases = inputs[lora ? 6 : 3];
+    const auto& w = inputs[1];
+    const auto& scales = inputs[2];
+    const auto& biases = inputs[3];
     for (const auto* a : {&w, &scales, &biases})
       if (!a->flags().row_contiguous)
         throw std::invalid_argument("quant_matmul: the weights must be row-contiguous");
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
-    const int R = lora ? inputs[1].shape(0) : 0;
     const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
     const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
                       group_, dtype};
-    dispatch_rows(stream(), inputs, lora ? 4 : 1, outputs[0],
-                  [=, kernel = g_kernel.load(), quant = g_quant.load(),
-                   residuals = g_residuals.load()](auto& operands, float* op) {
+    dispatch_rows(stream(), inputs, 1, outputs[0],
+                  [=, quant = g_quant.load()](auto& operands, float* op) {
       const float* xp = operands[0].get();
-      std::vector<float> h;  // [M, R]: each row's low-rank activations times its scales
-      const float* bp = R > 0 ? operands[2].get() : nullptr;  // [R, N]
-      std::vector<int> columns, counts;  // per row: the columns its mask keeps, and how many
-      if (R > 0) {
-        const float* ap = operands[1].get();
-        const float* maskp = operands[3].get();
-        h.resize(static_cast<size_t>(M) * R);
-        parallel_rows(R, 8, [&](int r0, int r1) {
-          kernel(Seg{xp, ap, K}, Seg{}, h.data(), M, R, r0, r1);
-          for (int m = 0; m < M; m++)
-            for (int r = r0; r < r1; r++) h[m * R + r] *= maskp[m * R + r];
-        });
-        columns.resize(static_cast<size_t>(M) * R);
-        counts.assign(M, 0);
-        for (int m = 0; m < M; m++)
-          for (int r = 0; r < R; r++)
-            if (maskp[m * R + r] != 0.0f) columns[m * R + counts[m]++] = r;
-      }
       // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
       const int tile_floats = M <= 16 ? 8192 : 32768;
       parallel_rows(N, 64, [&](int n0, int n1) {
         thread_local std::vector<float> tile;
         tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
         quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
-        for (int m = 0; m < M && R > 0; m++)
-          if (counts[m] > 0)
-            residuals(h.data() + static_cast<size_t>(m) * R, bp, N,
-                      columns.data() + static_cast<size_t>(m) * R, counts[m],
-                      op + static_cast<size_t>(m) * N, n0, n1);
       });
     });
   }
@@ -578,21 +550,6 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
                        const mx::array& biases, int group_size, int bits) {
   check_quantized(x, w, scales, biases, group_size, bits);
   return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits);
-}
-
-mx::array quant_matmul_lora(const mx::array& x, const mx::array& w, const mx::array& scales,
-                            const mx::array& biases, int group_size, int bits,
-                            const mx::array& a_t, const mx::array& b, const mx::array& mask) {
-  check_quantized(x, w, scales, biases, group_size, bits);
-  check_float32({a_t, b, mask});
-  const auto K = x.shape(-1), N = w.shape(0), R = a_t.shape(0);
-  const auto M = x.size() / K;
-  if (a_t.ndim() != 2 || b.ndim() != 2 || a_t.shape(1) != K || b.shape(0) != R ||
-      b.shape(1) != N || mask.shape(-1) != R || mask.size() != M * R)
-    throw std::invalid_argument(
-        "quant_matmul_lora: expected x [..., K] (M rows), a_t [R, K], b [R, N], "
-        "mask [..., R] (M rows)");
-  return quant_primitive({x, a_t, b, mask, w, scales, biases}, N, group_size, bits);
 }
 
 // The gathered form of QuantMatmul's LoRA (Punica's BGMV): each adapter's pair comes in once,
@@ -1063,8 +1020,6 @@ NB_MODULE(_rows_matmul, m) {
   m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
   m.def("quant_matmul", &quant_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a);
-  m.def("quant_matmul_lora", &quant_matmul_lora, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "a_t"_a, "b"_a, "mask"_a);
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "pairs"_a, "plan"_a, "entry_scales"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
