@@ -649,7 +649,7 @@ class QuantMatmulGather : public CpuPrimitive {
           for (int u = first[m]; u < first[m + 1]; u++)
             residuals(activations.data() + units[u].h, b[units[u].i], N, columns.data(),
                       ranks[units[u].i], op + static_cast<size_t>(m) * N, n0, n1);
-      });
+      }, /*align=*/16);  // whole vectors for the residuals: a tail's columns go one at a time
     });
   }
   const char* name() const override { return "QuantMatmulGather"; }
