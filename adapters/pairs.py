@@ -175,7 +175,8 @@ def _checked_pair(
         raise InvalidAdapter(
             f"{path}: the tensors have rank {a.shape[1]} but adapter_config.json says {rank}"
         )
-    return a.astype(dims.dtype), b.astype(dims.dtype)
+    # Row-major, as the packed kernels read a pair in place: a PEFT pair's transpose is a view.
+    return mx.contiguous(a.astype(dims.dtype)), mx.contiguous(b.astype(dims.dtype))
 
 
 def _why_unusable(name: str, module: str) -> str | None:

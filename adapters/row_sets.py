@@ -12,16 +12,17 @@ Two dense matmuls per slot whatever the number of sets, and a stack such as `a+b
 and `b` adds no columns of its own. A zero column contributes an exact zero, so a row gets its
 own set's residual and nothing else. A batched decode step on the CPU's float32 weights runs the
 base projection and both products as one call of the batch kernel
-(`hotlora.models.cpu.layers.lora_rows`), on transposed copies of the pair; on packed quantized
-weights every call does, and a set alone on every row too (`lone_rows`): that kernel adds a
-row's residual column by column, skipping the masked ones, so with the adapters in one order
-(by id) a row's result is the same bits alone and beside any other sets.
+(`hotlora.models.cpu.layers.lora_rows`), on transposed copies of the pair. The side-by-side pair
+serves float32 weights and MLX's own layers (the GPU included); it is the only copy of adapter
+weights beyond each mounted adapter's own, and holds the batch's adapters alone: one layout per
+slot, a few kept per `RowAdapterCache`, dropped as soon as no batch uses them.
 
-The side-by-side pair of a mixed batch is the only copy of adapter weights beyond each mounted
-adapter's own (and, on packed weights, a set alone's own layout while the set lives), and it
-holds the batch's adapters alone: one layout per slot (the kernel's transposed one where the
-kernel serves the slot, read through transposed views by a prefill call there), a few kept per
-`RowAdapterCache`, dropped as soon as no batch uses them.
+Packed quantized weights copy nothing (`GatheredRows`, Punica's gathered form): their kernel
+(`hotlora.models.cpu.layers.lora_gather`) takes each adapter's pair as mounted and, per row, the
+adapters of its set in the set's order with their scales, and computes each row's own low-rank
+products alone. A set alone on every row goes through it too (`lone_rows`), so a row's result is
+the same bits alone and beside any other sets, and adapters cost their own arrays whatever the
+traffic.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet, AppliedAdapter, MountedAdapter
-from hotlora.models.cpu.layers import b_rows_major, lora_rows, serves_lora, serves_rows
+from hotlora.models.cpu.layers import (
+    lora_gather,
+    lora_rows,
+    serves_every_row,
+    serves_lora,
+    serves_rows,
+)
 
 # One slot's layout: each adapter with weights there, and the span of its columns.
 Layout = tuple[tuple[MountedAdapter, int, int], ...]
@@ -43,8 +50,7 @@ class SideBySide:
     """Distinct adapters (mounted revisions), side by side per slot; built lazily, then kept.
 
     Each slot is built in one layout: the batch kernel's where that kernel serves it (`A_cat.T`
-    [R, in] and, for float weights, `B_cat.T` [out, R]; for packed ones `B_cat` [R, out] as it
-    is, contiguous), else `A_cat` [in, R], `B_cat` [R, out].
+    [R, in], `B_cat.T` [out, R]), else `A_cat` [in, R], `B_cat` [R, out].
     The other layout, when a call needs it, is a transposed view of the same arrays, not a copy.
     """
 
@@ -56,31 +62,26 @@ class SideBySide:
         self._transposed: dict[str, tuple[mx.array, mx.array]] = {}
 
     def slot(
-        self, path: str, *, transposed: bool = False, b_rows: bool = False
+        self, path: str, *, transposed: bool = False
     ) -> tuple[mx.array, mx.array, Layout] | None:
         """`(A_cat [in, R], B_cat [R, out], layout)` at one slot; None when no adapter has
         weights there. Built on first use, on the thread that runs the model (MLX streams are
         per thread); `transposed` builds it in the batch kernel's layout, if it is not built yet.
         """
         if path not in self._slots:
-            self._slots[path] = self._build(path, transposed, b_rows)
+            self._slots[path] = self._build(path, transposed)
         return self._slots[path]
 
-    def transposed(
-        self, path: str, a_cat: mx.array, b_cat: mx.array, *, b_rows: bool = False
-    ) -> tuple[mx.array, mx.array]:
+    def transposed(self, path: str, a_cat: mx.array, b_cat: mx.array) -> tuple[mx.array, mx.array]:
         """`(A_cat.T [R, in], B_cat.T [out, R])` at a slot, contiguous: the batch kernel's
         layout. Built on first use, and only where that kernel runs; where the slot was built
         in that layout these are its own arrays."""
         pair = self._transposed.get(path)
         if pair is None:
-            b = mx.contiguous(b_cat if b_rows else b_cat.T)
-            pair = self._transposed[path] = (mx.contiguous(a_cat.T), b)
+            pair = self._transposed[path] = (mx.contiguous(a_cat.T), mx.contiguous(b_cat.T))
         return pair
 
-    def _build(
-        self, path: str, transposed: bool, b_rows: bool
-    ) -> tuple[mx.array, mx.array, Layout] | None:
+    def _build(self, path: str, transposed: bool) -> tuple[mx.array, mx.array, Layout] | None:
         a_parts, b_parts, layout = [], [], []
         start = 0
         for mounted in self.adapters:
@@ -95,11 +96,6 @@ class SideBySide:
         if not a_parts:
             return None
         self.columns += start
-        if transposed and b_rows:  # the packed kernel's layout: A.T [R, in], B [R, out]
-            a_t = mx.concatenate([a.T for a in a_parts], axis=0)
-            b_cat = mx.concatenate(b_parts, axis=0)
-            self._transposed[path] = (a_t, b_cat)
-            return a_t.T, b_cat, tuple(layout)
         if transposed:
             a_t = mx.concatenate([a.T for a in a_parts], axis=0)  # [R, in]
             b_t = mx.concatenate([b.T for b in b_parts], axis=1)  # [out, R]
@@ -108,6 +104,73 @@ class SideBySide:
         a_cat = mx.concatenate(a_parts, axis=1)  # [in, R]
         b_cat = mx.concatenate(b_parts, axis=0)  # [R, out]
         return a_cat, b_cat, tuple(layout)
+
+
+# One slot's operands of the gathered kernel: each adapter's pair as mounted, once ([in, r],
+# [r, out], flat), the plan (int32 [S + 1 + E]) and its entries' scales (float32 [E]).
+_Gather = tuple[list[mx.array], mx.array, mx.array]
+
+
+class GatheredRows:
+    """Each row's own adapters, read where they are mounted: what packed quantized weights apply.
+
+    Per slot, the kernel takes the pairs of the adapters the rows' sets use there, each once,
+    and a plan: for each row, its set's entries in the set's order (an adapter named twice is
+    two entries), each an index into the pairs and the entry's scale. Nothing is copied; a plan
+    is a few integers, and slots whose rows name the same entries share one.
+    """
+
+    def __init__(self, rows: Sequence[AdapterSet]):
+        self._rows = tuple(rows)
+        self._slots: dict[str, _Gather | None] = {}
+        self._plans: dict[tuple[tuple[tuple[int, float], ...], ...], tuple[mx.array, mx.array]] = {}
+
+    def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array | None:
+        """`base(x)` plus each row's residuals through the packed kernel (x [S, L, in], S the
+        rows, or any shape for one row); None where that kernel does not serve (other weights,
+        inputs or adapters than float32)."""
+        if not (serves_every_row(base) and serves_rows(x, base)):
+            return None
+        if path not in self._slots:
+            self._slots[path] = self._slot(path)
+        slot = self._slots[path]
+        if slot is None:
+            return None
+        pairs, plan, scales = slot
+        if not pairs:
+            return base(x)
+        return lora_gather(x, base, pairs, plan, scales)
+
+    def _slot(self, path: str) -> _Gather | None:
+        index: dict[MountedAdapter, int] = {}  # in order of first use
+        pairs: list[mx.array] = []
+        rows: list[tuple[tuple[int, float], ...]] = []
+        for adapters in self._rows:
+            entries: list[tuple[int, float]] = []
+            for entry in adapters.entries:
+                pair = entry.mounted.adapter.weights.get(path)
+                if pair is None or entry.weight == 0.0:
+                    continue  # adds nothing here
+                if pair[0].dtype != mx.float32 or pair[1].dtype != mx.float32:
+                    return None
+                if entry.mounted not in index:
+                    index[entry.mounted] = len(index)
+                    pairs.extend(pair)
+                entries.append((index[entry.mounted], entry.scale))
+            rows.append(tuple(entries))
+        key = tuple(rows)
+        planned = self._plans.get(key)
+        if planned is None:
+            offsets = [0]
+            for own in rows:
+                offsets.append(offsets[-1] + len(own))
+            indices = [i for own in rows for i, _ in own]
+            scales = [scale for own in rows for _, scale in own]
+            planned = self._plans[key] = (
+                mx.array(offsets + indices, dtype=mx.int32),  # [S + 1 + E]
+                mx.array(scales, dtype=mx.float32),  # [E]
+            )
+        return pairs, *planned
 
 
 # What a slot does for one batch: nothing (no adapter has weights there), or its side-by-side
@@ -125,6 +188,7 @@ class RowAdapters:
 
     def __init__(self, side_by_side: SideBySide, rows: Sequence[AdapterSet]):
         self.side_by_side = side_by_side
+        self.gathered = GatheredRows(rows)
         self._rows = tuple(rows)
         self._masks: dict[Layout, mx.array] = {}
         self._plans: dict[str, _Plan] = {}
@@ -137,6 +201,9 @@ class RowAdapters:
 
     def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array:
         """`base(x)` plus each row's residual: one call of the batch kernel where it serves."""
+        gathered = self.gathered.project(path, x, base)
+        if gathered is not None:
+            return gathered
         plan = self._plans[path] if path in self._plans else self._plan(path, base)
         if plan is None:
             return base(x)
@@ -147,15 +214,14 @@ class RowAdapters:
 
     def _plan(self, path: str, base: nn.Module) -> _Plan:
         kernel = serves_lora(base) and self._float32(path)
-        b_rows = b_rows_major(base)
-        slot = self.side_by_side.slot(path, transposed=kernel, b_rows=b_rows)
+        slot = self.side_by_side.slot(path, transposed=kernel)
         plan: _Plan = None
         if slot is not None:
             a_cat, b_cat, layout = slot
             mask = self._mask(layout, a_cat)  # [B, 1, R]
             fused = None
             if kernel and a_cat.dtype == b_cat.dtype == mx.float32:
-                operands = self.side_by_side.transposed(path, a_cat, b_cat, b_rows=b_rows)
+                operands = self.side_by_side.transposed(path, a_cat, b_cat)
                 fused = (*operands, mask)
             plan = (a_cat, b_cat, mask, fused)
         self._plans[path] = plan
@@ -294,15 +360,15 @@ def _in_order(
     return sorted(adapters, key=lambda mounted: mounted.id)
 
 
-_LONE: WeakKeyDictionary[AdapterSet, RowAdapters] = WeakKeyDictionary()
+_LONE: WeakKeyDictionary[AdapterSet, GatheredRows] = WeakKeyDictionary()
 
 
-def lone_rows(adapters: AdapterSet) -> RowAdapters:
-    """`adapters` on every row of a call, laid out as a batch of sets lays it out: what the
-    slots of packed quantized weights apply, so that a row's residual is the same bits alone
-    as beside other sets. Kept while the set lives."""
+def lone_rows(adapters: AdapterSet) -> GatheredRows:
+    """`adapters` on every row of a call, planned as a batch of sets plans it: what the slots of
+    packed quantized weights apply, so that a row's residual is the same bits alone as beside
+    other sets. The plan (a few integers a slot) is kept while the set lives; the adapters'
+    arrays are read where they are mounted."""
     rows = _LONE.get(adapters)
     if rows is None:
-        used = {entry.mounted: None for entry in adapters.entries if entry.weight != 0.0}
-        rows = _LONE[adapters] = RowAdapters(SideBySide(_in_order(used)), [adapters])
+        rows = _LONE[adapters] = GatheredRows([adapters])
     return rows

@@ -53,7 +53,9 @@ class LoRASlot(nn.Module):
             return active.project(self.path, x, self.base)
         if isinstance(active, AdapterSet) and serves_every_row(self.base):
             # Packed weights: a set alone computes as a batch of sets does, to the same bits.
-            return lone_rows(active).project(self.path, x, self.base)
+            y = lone_rows(active).project(self.path, x, self.base)
+            if y is not None:
+                return y
         return active.apply(self.path, x, self.base(x))
 
     def bare_projection(self) -> nn.Module | None:

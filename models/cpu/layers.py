@@ -58,11 +58,10 @@ def serves_every_row(linear: nn.Module) -> bool:
 
 
 def serves_lora(linear: nn.Module) -> bool:
-    """Whether `lora_rows` takes this projection, for inputs `serves_rows` takes."""
+    """Whether `lora_rows` takes this projection (float32 weights without a bias), for inputs
+    `serves_rows` takes. Packed quantized weights take `lora_gather` instead."""
     if extension.native is None:
         return False
-    if isinstance(linear, RowsQuantizedLinear):
-        return True
     return (
         type(linear) in (RowsLinear, AllRowsLinear)
         and "bias" not in linear
@@ -70,37 +69,45 @@ def serves_lora(linear: nn.Module) -> bool:
     )
 
 
-def b_rows_major(linear: nn.Module) -> bool:
-    """Whether `lora_rows` takes B as it is, [R, out] (packed weights' kernel), rather than
-    transposed, [out, R] (float weights' kernel)."""
-    return isinstance(linear, RowsQuantizedLinear)
-
-
 def lora_rows(
-    x: mx.array, linear: nn.Module, a_t: mx.array, b: mx.array, mask: mx.array
+    x: mx.array, linear: nn.Module, a_t: mx.array, b_t: mx.array, mask: mx.array
 ) -> mx.array:
-    """`linear(x) + ((x @ a_t.T) * mask) @ B` for a batched decode step, in one kernel call
-    (`serves_lora` and `serves_rows` say when): x [B, 1, in], a_t [R, in], mask [B, R] or
-    [B, 1, R], each row's scale on each low-rank column; `b` is B in the layout the projection's
-    kernel reads (`lora_b_layout`): B.T [out, R] for float weights, B [R, out] for packed ones.
-    Where the base projection's weights are read, so are the low-rank pair's: one pass over the
-    weights instead of three separate products."""
+    """`linear(x) + ((x @ a_t.T) * mask) @ b_t.T` for a batched decode step, in one kernel call
+    (`serves_lora` and `serves_rows` say when): x [B, 1, in], a_t [R, in], b_t [out, R],
+    mask [B, R] or [B, 1, R], each row's scale on each low-rank column. Where the base
+    projection's weights are read, so are the low-rank pair's: one pass over the weights
+    instead of three separate products."""
     assert extension.native is not None
     mask = mx.broadcast_to(mask, (*x.shape[:-1], mask.shape[-1]))  # a row's scales, each token
-    if isinstance(linear, RowsQuantizedLinear):
-        y = extension.native.quant_matmul_lora(
-            x,
-            linear.weight,
-            linear.scales,
-            linear.biases,
-            linear.group_size,
-            linear.bits,
-            a_t,
-            b,
-            mask,
-        )
-        return y + linear.bias if "bias" in linear else y
-    return extension.native.rows_matmul_lora(x, linear.weight, a_t, b, mask)  # [B, 1, out]
+    return extension.native.rows_matmul_lora(x, linear.weight, a_t, b_t, mask)  # [B, 1, out]
+
+
+def lora_gather(
+    x: mx.array,
+    linear: nn.Module,
+    pairs: list[mx.array],
+    plan: mx.array,
+    scales: mx.array,
+) -> mx.array:
+    """`linear(x)` plus each row's own adapters' residuals, for packed quantized weights
+    (`serves_every_row`), any number of tokens a row: x [S, L, in] or [L, in] (S = 1).
+    `pairs`: A [in, r], B [r, out] of each adapter, as mounted, each once; `plan` int32
+    [S + 1 + E]: S + 1 offsets into the E entries (row s's are `[plan[s], plan[s + 1])`), then
+    each entry's index into the adapters; `scales` float32 [E], each entry's. A row computes its
+    own entries only, in order: its bits depend on its own adapters alone."""
+    assert extension.native is not None
+    y = extension.native.quant_matmul_gather(
+        x,
+        linear.weight,
+        linear.scales,
+        linear.biases,
+        linear.group_size,
+        linear.bits,
+        pairs,
+        plan,
+        scales,
+    )
+    return y + linear.bias if "bias" in linear else y
 
 
 class RowsLinear(nn.Linear):

@@ -13,8 +13,9 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from hotlora.adapters import AdapterSet, RowAdapterCache, activate
+from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate
 from hotlora.adapters.manager import AdapterManager
+from hotlora.adapters.projections import find_targets, replace_module
 from hotlora.models.cpu import extension, install_packed_kernels, prepare_cpu
 from hotlora.models.cpu.fused import FusedAttention, FusedMLP, install_fused
 from hotlora.models.cpu.layers import RowsQuantizedEmbedding, RowsQuantizedLinear
@@ -122,41 +123,102 @@ def test_a_rows_result_is_the_same_whatever_the_other_rows_and_their_shape(isa: 
     assert mx.array_equal(prompt.reshape(200, 1536), whole).item()
 
 
-def lora_operands(rows: int, k: int, n: int, rank: int, seed: int):
-    keys = mx.random.split(mx.random.key(seed), 4)
-    x = mx.random.normal((rows, k), key=keys[0])
-    a_t = mx.random.normal((rank, k), key=keys[1]) * 0.1
-    b_t = mx.random.normal((n, rank), key=keys[2]) * 0.1
-    mask = mx.where(mx.random.normal((rows, rank), key=keys[3]) > 0, 2.0, 0.0)
-    return x, a_t, b_t, mask
+def gather_operands(k: int, n: int, ranks: tuple[int, ...], seed: int) -> list[mx.array]:
+    """Adapters' pairs as mounted, flat: A [k, r], B [r, n] for each rank."""
+    pairs = []
+    for i, rank in enumerate(ranks):
+        keys = mx.random.split(mx.random.key(seed + i), 2)
+        pairs.append(mx.random.normal((k, rank), key=keys[0]) * 0.1)
+        pairs.append(mx.random.normal((rank, n), key=keys[1]) * 0.1)
+    return pairs
+
+
+def plan(rows: list[list[tuple[int, float]]]) -> tuple[mx.array, mx.array]:
+    """The kernel's plan of each row's entries (adapter index, scale), in order."""
+    offsets = [0]
+    for entries in rows:
+        offsets.append(offsets[-1] + len(entries))
+    indices = [i for entries in rows for i, _ in entries]
+    scales = [scale for entries in rows for _, scale in entries]
+    return mx.array(offsets + indices, dtype=mx.int32), mx.array(scales, dtype=mx.float32)
+
+
+# Ranks below, at and beyond a vector's lanes; a row's entries: none, one, a stack in either
+# order, one adapter twice.
+RANKS = (16, 8, 24, 3)
+ENTRIES = [[], [(0, 2.0)], [(1, 0.5), (0, -1.0)], [(0, -1.0), (1, 0.5)], [(3, 1.5), (3, 0.25)],
+           [(2, 1.0), (1, 2.0), (3, -0.5)]]  # fmt: skip
+
+
+def row_entries(rows: int) -> list[list[tuple[int, float]]]:
+    return [ENTRIES[(3 * m + 1) % len(ENTRIES)] for m in range(rows)]
 
 
 @pytest.mark.parametrize("rows", ROW_COUNTS)
-def test_the_lora_kernel_adds_each_rows_own_residual(isa: str, rows: int):
+def test_the_gather_kernel_adds_each_rows_own_adapters(isa: str, rows: int):
     packed, scales, biases, exact = quantized(200, 256, 4, 32, mx.float16, seed=5)
-    x, a_t, b_t, mask = lora_operands(rows, 256, 200, 24, seed=rows)
-    b = mx.contiguous(b_t.T)  # [R, N], as the kernel reads it
-    got = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b, mask)
-    expected = x @ exact.T + ((x @ a_t.T) * mask) @ b_t.T
-    assert mx.allclose(got, expected, rtol=1e-4, atol=1e-3).item()
-    # No column kept: the base product, to the bit.
-    bare = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b, mx.zeros_like(mask))
-    assert mx.array_equal(bare, native.quant_matmul(x, packed, scales, biases, 32, 4)).item()
+    pairs = gather_operands(256, 200, RANKS, seed=rows)
+    x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
+    entries = row_entries(rows)
+    got = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, pairs, *plan(entries))
+    base = native.quant_matmul(x, packed, scales, biases, 32, 4)
+    for m, own in enumerate(entries):
+        expected = x[m] @ exact.T
+        for i, scale in own:
+            expected = expected + scale * ((x[m] @ pairs[2 * i]) @ pairs[2 * i + 1])
+        assert mx.allclose(got[m], expected, rtol=1e-4, atol=1e-3).item(), m
+        if not own:  # no adapter: the base product, to the bit
+            assert mx.array_equal(got[m], base[m]).item()
 
 
-def test_a_lora_rows_result_ignores_the_other_rows_columns(isa: str):
-    """Row 0 keeps columns 8-15; the others keep anything. Alone, with only its own columns in
-    the pair, it gets the same bits: other adapters' columns add nothing, not even a rounding."""
+def test_a_gathered_rows_result_is_the_same_bits_alone_as_in_any_batch(isa: str):
+    """Each row alone, given only its own adapters (in another order among the pairs), gets the
+    bits it gets among 16 rows of other adapters, and its prompt's tokens the same again."""
     packed, scales, biases, _ = quantized(300, 576, 4, 32, mx.float16, seed=6)
-    x, a_t, b_t, mask = lora_operands(9, 576, 300, 32, seed=7)
-    own = (mx.arange(32) >= 8) & (mx.arange(32) < 16)
-    mask[0] = mx.where(own, 1.5, 0.0)
-    b = mx.contiguous(b_t.T)  # [R, N]
-    whole = native.quant_matmul_lora(x, packed, scales, biases, 32, 4, a_t, b, mask)
-    alone = native.quant_matmul_lora(
-        x[:1], packed, scales, biases, 32, 4, a_t[8:16], mx.contiguous(b[8:16]), mask[:1, 8:16]
+    pairs = gather_operands(576, 300, RANKS, seed=7)
+    x = mx.random.normal((16, 1, 576), key=mx.random.key(8))
+    entries = row_entries(16)
+    whole = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, pairs, *plan(entries))
+    for m, own in enumerate(entries):
+        used = sorted({i for i, _ in own}, reverse=True)
+        mine = [array for i in used for array in pairs[2 * i : 2 * i + 2]]
+        renumbered = [[(used.index(i), scale) for i, scale in own]]
+        alone = native.quant_matmul_gather(
+            x[m], packed, scales, biases, 32, 4, mine, *plan(renumbered)
+        )
+        assert mx.array_equal(alone, whole[m]).item(), m
+    # A prompt's tokens a row, 5 each: row s's tokens under row s's entries.
+    prompt = mx.concatenate([x[:4]] * 5, axis=1)  # [4, 5, 576]
+    chunked = native.quant_matmul_gather(
+        prompt, packed, scales, biases, 32, 4, pairs, *plan(entries[:4])
     )
-    assert mx.array_equal(alone[0], whole[0]).item()
+    for t in range(5):
+        assert mx.array_equal(chunked[:, t], whole[:4, 0]).item(), t
+
+
+@pytest.mark.parametrize(
+    ("rows", "plan_values", "message"),
+    [
+        (2, [0, 1, 3, 0, 4, 1], "name one of the pairs"),  # adapter 4 of 2
+        (2, [0, 2, 1, 0, 1, 1], "offsets must rise"),
+        (3, [0, 1, 3, 0, 1, 1], "rows must divide"),  # 2 rows of plan, 3 of x
+    ],
+)
+def test_a_wrong_plan_is_refused(rows: int, plan_values: list[int], message: str):
+    packed, scales, biases, _ = quantized(16, 64, 4, 32, mx.float16, seed=9)
+    pairs = gather_operands(64, 16, (4, 4), seed=1)
+    with pytest.raises(ValueError, match=message):
+        native.quant_matmul_gather(
+            mx.ones((rows, 64)),
+            packed,
+            scales,
+            biases,
+            32,
+            4,
+            pairs,
+            mx.array(plan_values, dtype=mx.int32),
+            mx.ones((3,)),  # three entries
+        )
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -427,3 +489,110 @@ def test_auto_serves_a_quantized_model_packed_on_the_threads_asked(tmp_path: Pat
     assert embedding(mx.array([[3, 4]])).dtype == mx.float32
     assert model.model.norm.weight.dtype == mx.float32
     native.set_threads(2)
+
+
+# Six adapters of ranks 4 to 64 (a vector's lanes and beyond), on rows of their own and stacked.
+MANY = {"c": 4, "d": 8, "e": 16, "f": 24, "g": 64, "h": 3}
+MANY_SPECS = ["c", "d+e", "f", "g@0.5+c", "h", "e@-1+h+d", "", "g", "c+d+e+f+g+h", "f@2"]
+
+
+@pytest.fixture
+def many(tmp_path: Path):
+    """(model, manager): the tiny quantized llama served packed, with the six adapters."""
+    model = tiny_model(quantize=True)
+    assert install_packed_kernels(model, threads=2).enabled
+    manager = AdapterManager(model, base_id=BASE_ID, adapter_root=tmp_path, max_rank=64)
+    for seed, (adapter_id, rank) in enumerate(MANY.items(), start=3):
+        pairs = random_pairs(tiny_model(), rank=rank, seed=seed)
+        write_mlx_adapter(tmp_path / adapter_id, pairs, rank=rank)
+        manager.mount(adapter_id, adapter_id)
+    return model, manager
+
+
+def decode_together(
+    model: nn.Module, batch: AdapterSet | RowAdapters | list[AdapterSet], steps: list[list[int]]
+) -> tuple[list[mx.array], list]:
+    """The prompts left-padded and prefilled together, then a decode step a column of steps."""
+    longest = max(map(len, PROMPTS))
+    prompts = [PROMPTS[row % len(PROMPTS)] for row in range(len(steps))]
+    pads = [longest - len(p) for p in prompts]
+    cache = [BatchKVCache(pads) for _ in model.layers]
+    tokens = mx.array([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)])
+    if isinstance(batch, list):
+        batch = RowAdapterCache().for_rows(batch)
+    with activate(batch):
+        model(tokens, cache=cache)
+        together = [
+            model(mx.array(column)[:, None], cache=cache)[:, 0]
+            for column in zip(*steps, strict=True)
+        ]
+    mx.eval(together)
+    return together, cache
+
+
+def test_many_distinct_adapters_and_stacks_decode_the_same_bits_alone_and_together(many):
+    model, manager = many
+    sets = [adapter_set(manager, spec) for spec in MANY_SPECS]
+    steps = [[10 + row, 40 + row, 70 + row] for row in range(len(sets))]
+    together, _ = decode_together(model, RowAdapterCache().for_rows(sets), steps)
+    for row, (spec, adapters) in enumerate(zip(MANY_SPECS, sets, strict=True)):
+        prompt = PROMPTS[row % len(PROMPTS)]
+        own = alone(model, adapters, prompt, [len(prompt)], steps[row])[1:]
+        for step, logits in enumerate(own):
+            assert mx.array_equal(together[step][row], logits[0]).item(), (spec, step)
+
+
+def test_a_stack_on_packed_weights_is_the_float_reference_within_the_tolerance(many):
+    """The gathered sums against mlx-lm's own LoRA form on the dequantized weights."""
+    model, manager = many
+    reference = dequantized_reference(tiny_model(quantize=True))
+    for spec in ("g@0.5+c", "e@-1+h+d"):
+        adapters = adapter_set(manager, spec)
+        for path, slot in find_targets(reference, (nn.Linear,)).items():
+            terms = [
+                (*entry.mounted.adapter.weights[path], entry.scale)
+                for entry in adapters.entries
+                if path in entry.mounted.adapter.weights
+            ]
+            replace_module(reference, path, Residuals(slot, terms))
+        for prompt in PROMPTS:
+            got = alone(model, adapters, prompt, [len(prompt)], [])[0]
+            expected = reference(mx.array([prompt]))[0]
+            difference = relative_difference(got, expected)
+            assert difference < LOGIT_TOLERANCE, (spec, difference)
+        reference = dequantized_reference(tiny_model(quantize=True))
+
+
+class Residuals(nn.Module):
+    """A float projection plus scale * (x @ A) @ B for each term: mlx-lm's LoRALinear, summed."""
+
+    def __init__(self, base: nn.Module, terms: list[tuple[mx.array, mx.array, float]]):
+        super().__init__()
+        self.base = base
+        self.terms = terms
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        for a, b, scale in self.terms:
+            y = y + scale * ((x @ a) @ b)
+        return y
+
+
+def test_a_mixed_batch_copies_no_adapter(many):
+    """The adapters' memory is their mounted arrays alone: a batch of ten sets, and a set
+    alone, build no side-by-side pair or layout of their own; once their arrays are dropped,
+    what they keep is far less than the smallest adapter's bytes."""
+    model, manager = many
+    sets = [adapter_set(manager, spec) for spec in MANY_SPECS]
+    smallest = min(entry.mounted.adapter.ram_bytes for s in sets for entry in s.entries)
+    steps = [[10 + row] for row in range(len(sets))]
+    decode_together(model, [BASE_ONLY] * len(sets), steps)  # the graph's buffers, once
+    mx.eval(alone(model, BASE_ONLY, PROMPTS[0], [9], [5]))
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    cache = RowAdapterCache()
+    decode_together(model, cache.for_rows(sets), steps)
+    alone(model, sets[1], PROMPTS[0], [9], [5])
+    kept = mx.get_active_memory() - before
+    assert all(side_by_side.columns == 0 for side_by_side in cache.kept)
+    assert kept < smallest, (kept, smallest)

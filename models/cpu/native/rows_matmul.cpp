@@ -12,6 +12,9 @@
 // own scales in `mask` [..., R] (M rows), in the same pass: the low-rank columns extend every
 // dot product, so a batch of rows with different adapters costs one primitive per projection.
 //
+// Packed quantized weights (quant_matmul) take LoRA in the gathered form (quant_matmul_gather):
+// each adapter's pair as mounted, once, and a plan of each row's own adapters.
+//
 // Built with ROWS_KERNELS_ONLY defined, this file is the vector kernels and their table alone,
 // without MLX or nanobind: what tests/native/kernels_check.cpp checks on each ISA.
 
@@ -137,6 +140,7 @@ struct Isa {  // 32 vector registers: up to 24 accumulators, the weight rows and
 };
 #include "rows_kernel.h"
 #include "quant_kernel.h"
+#include "gather_kernel.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -172,6 +176,7 @@ struct Isa {  // 16 vector registers: 8 accumulators
 };
 #include "rows_kernel.h"
 #include "quant_kernel.h"
+#include "gather_kernel.h"
 }  // namespace avx2
 #pragma GCC pop_options
 #endif  // __x86_64__
@@ -211,6 +216,7 @@ struct Isa {  // 32 vector registers, as AVX-512 has: its register blocks, of 4 
 };
 #include "rows_kernel.h"
 #include "quant_kernel.h"
+#include "gather_kernel.h"
 }  // namespace neon
 #endif  // __aarch64__
 
@@ -537,62 +543,34 @@ mx::array rows_matmul_lora(
 // each thread dequantizes a tile of weight rows at a time into a buffer that stays in cache and
 // multiplies every row of x by it. Each output is one fixed-order sum over K, so a row's result
 // does not depend on the other rows, however many: a batch or a prompt's chunking changes no
-// bit. With LoRA (`mask` given) each row then adds its own residual, column by column in order
-// (`add_residuals`), skipping the columns its mask zeroes: the other rows' adapters.
+// bit. With LoRA, QuantMatmulGather adds each row's own residuals after the same products.
 class QuantMatmul : public CpuPrimitive {
  public:
   QuantMatmul(mx::Stream stream, int bits, int group)
       : CpuPrimitive(stream), bits_(bits), group_(group) {}
 
-  // inputs: x [..., K], with LoRA a_t [R, K], b_t [N, R], mask [..., R]; then w [N, K * bits /
-  // 32] uint32, scales and biases [N, K / group].
+  // inputs: x [..., K], w [N, K * bits / 32] uint32, scales and biases [N, K / group].
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
-    const bool lora = inputs.size() == 7;
-    const auto& w = inputs[lora ? 4 : 1];
-    const auto& scales = inputs[lora ? 5 : 2];
-    const auto& biases = inputs[lora ? 6 : 3];
+    const auto& w = inputs[1];
+    const auto& scales = inputs[2];
+    const auto& biases = inputs[3];
     for (const auto* a : {&w, &scales, &biases})
       if (!a->flags().row_contiguous)
         throw std::invalid_argument("quant_matmul: the weights must be row-contiguous");
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
-    const int R = lora ? inputs[1].shape(0) : 0;
     const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
     const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
                       group_, dtype};
-    dispatch_rows(stream(), inputs, lora ? 4 : 1, outputs[0],
-                  [=, kernel = g_kernel.load(), quant = g_quant.load(),
-                   residuals = g_residuals.load()](auto& operands, float* op) {
+    dispatch_rows(stream(), inputs, 1, outputs[0],
+                  [=, quant = g_quant.load()](auto& operands, float* op) {
       const float* xp = operands[0].get();
-      std::vector<float> h;  // [M, R]: each row's low-rank activations times its scales
-      const float* bp = R > 0 ? operands[2].get() : nullptr;  // [R, N]
-      std::vector<int> columns, counts;  // per row: the columns its mask keeps, and how many
-      if (R > 0) {
-        const float* ap = operands[1].get();
-        const float* maskp = operands[3].get();
-        h.resize(static_cast<size_t>(M) * R);
-        parallel_rows(R, 8, [&](int r0, int r1) {
-          kernel(Seg{xp, ap, K}, Seg{}, h.data(), M, R, r0, r1);
-          for (int m = 0; m < M; m++)
-            for (int r = r0; r < r1; r++) h[m * R + r] *= maskp[m * R + r];
-        });
-        columns.resize(static_cast<size_t>(M) * R);
-        counts.assign(M, 0);
-        for (int m = 0; m < M; m++)
-          for (int r = 0; r < R; r++)
-            if (maskp[m * R + r] != 0.0f) columns[m * R + counts[m]++] = r;
-      }
       // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
       const int tile_floats = M <= 16 ? 8192 : 32768;
       parallel_rows(N, 64, [&](int n0, int n1) {
         thread_local std::vector<float> tile;
         tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
         quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
-        for (int m = 0; m < M && R > 0; m++)
-          if (counts[m] > 0)
-            residuals(h.data() + static_cast<size_t>(m) * R, bp, N,
-                      columns.data() + static_cast<size_t>(m) * R, counts[m],
-                      op + static_cast<size_t>(m) * N, n0, n1);
       });
     });
   }
@@ -643,19 +621,174 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
   return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits);
 }
 
-mx::array quant_matmul_lora(const mx::array& x, const mx::array& w, const mx::array& scales,
-                            const mx::array& biases, int group_size, int bits,
-                            const mx::array& a_t, const mx::array& b, const mx::array& mask) {
+// The gathered form of QuantMatmul's LoRA (Punica's BGMV): each adapter's pair comes in once,
+// as mounted (a [K, r], b [r, N]), and an int32 plan says which of them each row applies, in its
+// set's order, at which scale. A row computes only its own adapters' activations
+// (low_rank_row), then adds (h * scale) @ b for each of them in order, column by column
+// (add_residuals): the operations on a row's outputs are fixed by its own set alone, so its
+// bits are the same alone and beside any other rows and adapters, and no pair is copied.
+using LowRank = void (*)(const float*, const float*, int, int, float, float*);
+
+const struct {
+  const char* isa;
+  LowRank low_rank;
+} kLowRank[] = {
+#if defined(__x86_64__)
+    {"avx512", avx512::low_rank_row},
+    {"avx2", avx2::low_rank_row},
+#elif defined(__aarch64__)
+    {"neon", neon::low_rank_row},
+#endif
+};
+
+// The low-rank kernel of the ISA the other kernels use now.
+LowRank current_low_rank() {
+  for (const auto& kernel : kLowRank)
+    if (std::strcmp(kernel.isa, g_isa) == 0) return kernel.low_rank;
+  return nullptr;
+}
+
+class QuantMatmulGather : public CpuPrimitive {
+ public:
+  QuantMatmulGather(mx::Stream stream, int bits, int group, int plan_rows)
+      : CpuPrimitive(stream), bits_(bits), group_(group), plan_rows_(plan_rows) {}
+
+  // inputs: x [..., K] (M rows, M / plan_rows a row of the plan), then a_i [K, r_i] and
+  // b_i [r_i, N] for each adapter i, then w, scales, biases as QuantMatmul's, then the plan:
+  // int32 [S + 1 + E], S + 1 offsets into its E entries (row s's are [offsets[s],
+  // offsets[s + 1])), then each entry's adapter i; and float32 [E], each entry's scale.
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const int pairs = (static_cast<int>(inputs.size()) - 6) / 2;
+    const auto& w = inputs[1 + 2 * pairs];
+    const auto& scales = inputs[2 + 2 * pairs];
+    const auto& biases = inputs[3 + 2 * pairs];
+    for (const auto* a : {&w, &scales, &biases})
+      if (!a->flags().row_contiguous)
+        throw std::invalid_argument("quant_matmul_gather: the weights must be row-contiguous");
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
+    const int S = plan_rows_, per_row = M / S;
+    std::vector<int> ranks(pairs);
+    for (int i = 0; i < pairs; i++) ranks[i] = inputs[1 + 2 * i].shape(1);
+    const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
+    const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
+                      group_, dtype};
+    const int32_t* plan = inputs[4 + 2 * pairs].data<int32_t>();
+    const float* entry_scales = inputs[5 + 2 * pairs].data<float>();
+    dispatch_rows(stream(), inputs, 1 + 2 * pairs, outputs[0],
+                  [=, quant = g_quant.load(), residuals = g_residuals.load(),
+                   low_rank = current_low_rank()](auto& operands, float* op) {
+      const float* xp = operands[0].get();
+      const int32_t* offsets = plan;
+      const int32_t* adapter = plan + S + 1;
+      // One unit per row and entry of its set: the row's activations for that adapter, at
+      // `h` in `activations`. A row's units are [first[m], first[m + 1]).
+      struct Unit {
+        int m, i;
+        float scale;
+        size_t h;
+      };
+      std::vector<Unit> units;
+      std::vector<int> first(M + 1);
+      size_t floats = 0;
+      int widest = 0;
+      for (int m = 0; m < M; m++) {
+        const int s = m / per_row;
+        first[m] = static_cast<int>(units.size());
+        for (int e = offsets[s]; e < offsets[s + 1]; e++) {
+          const int i = adapter[e];
+          units.push_back({m, i, entry_scales[e], floats});
+          floats += ranks[i];
+          widest = std::max(widest, ranks[i]);
+        }
+      }
+      first[M] = static_cast<int>(units.size());
+      std::vector<float> activations(floats);
+      std::vector<const float*> a(pairs), b(pairs);
+      for (int i = 0; i < pairs; i++)
+        a[i] = operands[1 + 2 * i].get(), b[i] = operands[2 + 2 * i].get();
+      parallel_rows(static_cast<int>(units.size()), 4, [&](int u0, int u1) {
+        for (int u = u0; u < u1; u++) {
+          const Unit& unit = units[u];
+          low_rank(xp + static_cast<size_t>(unit.m) * K, a[unit.i], K, ranks[unit.i], unit.scale,
+                   activations.data() + unit.h);
+        }
+      }, /*align=*/1);
+      std::vector<int> columns(widest);  // every column of an adapter, in order
+      for (int r = 0; r < widest; r++) columns[r] = r;
+      const int tile_floats = M <= 16 ? 8192 : 32768;
+      parallel_rows(N, 64, [&](int n0, int n1) {
+        thread_local std::vector<float> tile;
+        tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
+        quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
+        for (int m = 0; m < M; m++)
+          for (int u = first[m]; u < first[m + 1]; u++)
+            residuals(activations.data() + units[u].h, b[units[u].i], N, columns.data(),
+                      ranks[units[u].i], op + static_cast<size_t>(m) * N, n0, n1);
+      }, /*align=*/16);  // whole vectors for the residuals: a tail's columns go one at a time
+    });
+  }
+  const char* name() const override { return "QuantMatmulGather"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantMatmulGather&>(other);
+    return bits_ == o.bits_ && group_ == o.group_ && plan_rows_ == o.plan_rows_;
+  }
+
+ private:
+  int bits_;
+  int group_;
+  int plan_rows_;
+};
+
+mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits,
+                              const std::vector<mx::array>& pairs, mx::array plan,
+                              mx::array entry_scales) {
   check_quantized(x, w, scales, biases, group_size, bits);
-  check_float32({a_t, b, mask});
-  const auto K = x.shape(-1), N = w.shape(0), R = a_t.shape(0);
-  const auto M = x.size() / K;
-  if (a_t.ndim() != 2 || b.ndim() != 2 || a_t.shape(1) != K || b.shape(0) != R ||
-      b.shape(1) != N || mask.shape(-1) != R || mask.size() != M * R)
+  if (current_low_rank() == nullptr)
+    throw std::invalid_argument("quant_matmul_gather: no vector kernel for this CPU");
+  const int K = x.shape(-1), N = w.shape(0);
+  const int64_t M = x.size() / K;
+  if (pairs.size() % 2 != 0)
+    throw std::invalid_argument("quant_matmul_gather: pairs is a, b for each adapter");
+  const int count = static_cast<int>(pairs.size() / 2);
+  for (int i = 0; i < count; i++) {
+    const auto& a = pairs[2 * i];
+    const auto& b = pairs[2 * i + 1];
+    if (a.dtype() != mx::float32 || b.dtype() != mx::float32 || a.ndim() != 2 ||
+        b.ndim() != 2 || a.shape(0) != K || a.shape(1) == 0 || b.shape(0) != a.shape(1) ||
+        b.shape(1) != N)
+      throw std::invalid_argument(
+          "quant_matmul_gather: expected float32 pairs a [K, r], b [r, N]");
+  }
+  if (plan.dtype() != mx::int32 || plan.ndim() != 1 || entry_scales.dtype() != mx::float32 ||
+      entry_scales.ndim() != 1)
     throw std::invalid_argument(
-        "quant_matmul_lora: expected x [..., K] (M rows), a_t [R, K], b [R, N], "
-        "mask [..., R] (M rows)");
-  return quant_primitive({x, a_t, b, mask, w, scales, biases}, N, group_size, bits);
+        "quant_matmul_gather: expected an int32 plan [S + 1 + E] and float32 scales [E]");
+  // The plan is read where the kernel runs: checked here, once, on its values.
+  plan.eval(), entry_scales.eval();
+  const int E = static_cast<int>(entry_scales.size());
+  const int S = static_cast<int>(plan.size()) - 1 - E;
+  if (S < 1 || M % S != 0)
+    throw std::invalid_argument(
+        "quant_matmul_gather: the plan's rows must divide x's rows evenly");
+  const int32_t* p = plan.data<int32_t>();
+  bool ok = p[0] == 0 && p[S] == E;
+  for (int s = 0; ok && s < S; s++) ok = p[s] <= p[s + 1];
+  for (int e = 0; ok && e < E; e++) ok = p[S + 1 + e] >= 0 && p[S + 1 + e] < count;
+  if (!ok)
+    throw std::invalid_argument(
+        "quant_matmul_gather: the plan's offsets must rise from 0 to its entries, and each "
+        "entry name one of the pairs");
+  std::vector<mx::array> inputs{x};
+  for (const auto& a : pairs) inputs.push_back(a);
+  inputs.insert(inputs.end(), {w, scales, biases, plan, entry_scales});
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QuantMatmulGather>(s, bits, group_size, S),
+                   std::move(inputs));
 }
 
 // x @ dequantize(w_j).T for several weights of one input at once (a layer's q, k and v, or its
@@ -1106,10 +1239,10 @@ NB_MODULE(_rows_matmul, m) {
   m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
   m.def("quant_matmul", &quant_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a);
-  m.def("quant_matmul_lora", &quant_matmul_lora, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "a_t"_a, "b"_a, "mask"_a);
   m.def("quant_matmul_heads", &quant_matmul_heads, "x"_a, "ws"_a, "scales"_a, "biases"_a,
         "heads"_a, "group_size"_a, "bits"_a);
+  m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, "pairs"_a, "plan"_a, "entry_scales"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
