@@ -156,6 +156,7 @@ def prepare_cpu(
     *,
     weights: CpuWeights,
     float_budget: int | None,
+    cache_bytes: int | None = None,
     vector_jit: bool,
     batch_kernels: bool,
     home: Path,
@@ -165,7 +166,8 @@ def prepare_cpu(
     """Without a GPU: quantized weights kept packed for the native kernels, else float32 weights
     when they fit (`weights`, `float_budget`); MLX's fused CPU kernels built for this CPU and the
     attention that uses them (`vector_jit`); the native kernels (`batch_kernels`) on `threads`
-    threads (default: every core this process may run on). Logs which weights and kernels serve
+    threads (default: every core this process may run on); at most `cache_bytes` of freed
+    buffers kept by MLX for reuse (None: MLX's own limit). Logs which weights and kernels serve
     and why."""
     from hotlora.models.cpu.attention import install_cpu_attention
     from hotlora.models.cpu.vector_jit import enable_vector_jit
@@ -188,6 +190,11 @@ def prepare_cpu(
     log.info("serving %s weights: %s", served, choice.reason)
     if has_gpu():
         return CpuSetup(choice.float32, choice.reason, None, None)
+    if cache_bytes is not None:
+        # MLX keeps every freed buffer for reuse up to its memory limit: the batch KV cache's
+        # old copies each time it grows or loses rows, held resident long after. The buffers a
+        # step allocates and frees again are far smaller than this.
+        mx.set_cache_limit(cache_bytes)
     if vector_jit:
         jit = enable_vector_jit(home)
         if jit.enabled:

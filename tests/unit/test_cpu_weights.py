@@ -151,3 +151,32 @@ def test_a_float32_model_directory_takes_the_batched_decode_kernels(tmp_path: Pa
     assert f"batched decode kernels: {setup.batch_kernels}" in [
         r.getMessage() for r in caplog.records
     ]
+
+
+def test_freed_buffers_beyond_the_cache_bound_go_back_to_the_system(tmp_path: Path):
+    """MLX otherwise keeps every freed buffer up to its memory limit: the batch KV cache's old
+    copies stayed resident."""
+    from hotlora.config.settings import Settings
+
+    if weights.has_gpu():
+        pytest.skip("the bound applies without a GPU")
+    bound = Settings().cpu_cache_bytes
+    model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
+    before = mx.set_cache_limit(1 << 40)  # as large as MLX's own default, whatever it was
+    try:
+        prepare_cpu(
+            model,
+            weights="auto",
+            float_budget=None,
+            cache_bytes=bound,
+            vector_jit=False,
+            batch_kernels=False,
+            home=tmp_path,
+        )
+        mx.clear_cache()
+        large = mx.zeros((bound,), dtype=mx.float32)  # four times the bound's bytes
+        mx.eval(large)
+        del large
+        assert mx.get_cache_memory() <= bound
+    finally:
+        mx.set_cache_limit(before)
