@@ -119,6 +119,12 @@ class Settings(BaseSettings):
     cpu_float_budget_bytes: int | None = Field(
         default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."
     )
+    cpu_cache_bytes: int = Field(
+        default=32 << 20,
+        ge=0,
+        description="On a machine without a GPU: memory MLX keeps in freed buffers for reuse; "
+        "beyond it they go back to the system (MLX keeps up to its memory limit otherwise).",
+    )
     cpu_vector_jit: bool = Field(
         default=True,
         description="On an x86-64 CPU with AVX2 and FMA and no GPU: MLX builds its fused CPU "

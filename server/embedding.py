@@ -14,7 +14,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from hotlora.adapters import AdapterSet, activate
 from hotlora.config.errors import InvalidRequest
@@ -24,6 +23,7 @@ from hotlora.server.api.token_requests import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
+from hotlora.server.engine.kv_caches import new_caches
 from hotlora.server.http.request_errors import ContextOverflow
 from hotlora.server.serving import InferenceService
 
@@ -107,7 +107,7 @@ class _Pooled:
 
     def add(self, tokens: list[int]) -> None:
         if self.cache is None:
-            self.cache = make_prompt_cache(self.model)
+            self.cache = new_caches(self.model)
         with activate(self.adapters):
             hidden = self.body(mx.array([tokens]), cache=self.cache)  # [1, tokens, hidden]
         summed = hidden[0].astype(mx.float32).sum(axis=0)  # [hidden]

@@ -156,6 +156,7 @@ class Runtime:
             loaded.model,
             weights=self.settings.cpu_weights,
             float_budget=self.settings.cpu_float_budget_bytes,
+            cache_bytes=self.settings.cpu_cache_bytes,
             vector_jit=self.settings.cpu_vector_jit,
             batch_kernels=self.settings.cpu_batch_matmul,
             home=self.settings.home,

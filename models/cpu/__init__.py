@@ -10,6 +10,7 @@ load), `layers` (the model's layers on those kernels) and `features` (what the C
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 from collections.abc import Callable
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
 # this package first, and must find the extension module not imported yet.
 
 log = logging.getLogger("hotlora")
+
+# glibc's mallopt parameter, and the threshold it starts from: buffers of at least this many
+# bytes are mapped of their own.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 128 << 10
 
 # Wraps the float32 conversion: given why the weights convert, the context it runs in (the
 # server reports its progress and times it as a start-up phase).
@@ -160,6 +166,7 @@ def prepare_cpu(
     *,
     weights: CpuWeights,
     float_budget: int | None,
+    cache_bytes: int | None = None,
     vector_jit: bool,
     batch_kernels: bool,
     home: Path,
@@ -169,8 +176,9 @@ def prepare_cpu(
     """Without a GPU: quantized weights kept packed for the native kernels, else float32 weights
     when they fit (`weights`, `float_budget`); MLX's fused CPU kernels built for this CPU and the
     attention that uses them (`vector_jit`); the native kernels (`batch_kernels`) on `threads`
-    threads (default: every core this process may run on). Logs which weights and kernels serve
-    and why."""
+    threads (default: every core this process may run on); at most `cache_bytes` of freed
+    buffers kept by MLX for reuse, the rest given back to the system (None: MLX's and malloc's
+    own ways). Logs which weights and kernels serve and why."""
     from hotlora.models.cpu.attention import install_cpu_attention
     from hotlora.models.cpu.vector_jit import enable_vector_jit
     from hotlora.models.cpu.weights import all_float32, choose_cpu_weights, has_gpu, to_float32
@@ -192,6 +200,12 @@ def prepare_cpu(
     log.info("serving %s weights: %s", served, choice.reason)
     if has_gpu():
         return CpuSetup(choice.float32, choice.reason, None, None)
+    if cache_bytes is not None:
+        # MLX keeps every freed buffer for reuse up to its memory limit: the batch KV cache's
+        # old copies each time it grows or loses rows, held resident long after. The buffers a
+        # step allocates and frees again are far smaller than this.
+        mx.set_cache_limit(cache_bytes)
+        _map_large_buffers()
     if vector_jit:
         jit = enable_vector_jit(home)
         if jit.enabled:
@@ -220,3 +234,15 @@ def prepare_cpu(
 
 def _quietly(reason: str) -> AbstractContextManager[object]:
     return contextlib.nullcontext()
+
+
+def _map_large_buffers() -> None:
+    """Keep glibc's malloc mapping every buffer of 128 KiB or more of its own, so that freeing
+    one gives it back to the system. Unset, glibc raises that threshold to the size of each
+    mapped buffer freed (up to 32 MiB), and from then on the KV caches' buffers come from its
+    heap, whose freed space stays resident. Elsewhere than glibc, nothing changes."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)

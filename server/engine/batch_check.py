@@ -15,7 +15,9 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from hotlora.server.engine.kv_caches import new_caches, stepped
 
 # Three rows, each of another length: a batch that is not the KV head count of common models
 # and pads every row but the longest. Small ids exist in every vocabulary.
@@ -50,7 +52,7 @@ def check_batching(model: nn.Module) -> str | None:
 def _alone(model: nn.Module, prompt: tuple[int, ...]) -> tuple[mx.array, list[Any]]:
     """The row alone: its last token's logits [1, vocab], and a single-row cache holding
     `prompt[:-1]`, as the scheduler prefills a group."""
-    cache = make_prompt_cache(model)
+    cache = new_caches(model)
     if can_trim_prompt_cache(cache):
         # The whole prompt in one call gives the logits; stepping back one token leaves the
         # cache the batched step starts from.
@@ -66,7 +68,7 @@ def _alone(model: nn.Module, prompt: tuple[int, ...]) -> tuple[mx.array, list[An
 def _decode(model: nn.Module, caches: list[list[Any]], tokens: list[int]) -> mx.array:
     """One decode step of the rows whose caches are given, merged as the scheduler merges a
     prefilled group into the batch (each layer's cache type merges its own kind)."""
-    merged = [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
+    merged = stepped([layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)])
     logits = model(mx.array([[t] for t in tokens]), cache=merged)[:, -1, :]  # [rows, vocab]
     logits = logits.astype(mx.float32)
     mx.eval(logits)

@@ -13,12 +13,13 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache
 
 from hotlora.adapters import BASE_ONLY, AdapterSet
 from hotlora.config.errors import HotloraError
 from hotlora.models.loader import LoadedModel
 from hotlora.server.engine.grammar import Grammar, Grammars
+from hotlora.server.engine.kv_caches import new_caches
 from hotlora.server.engine.sampling import SamplingParams
 from hotlora.server.engine.tokens import TokenPiece, TokenPieces
 
@@ -190,7 +191,7 @@ def _special_ids(tokenizer: Any) -> frozenset[int]:
 
 def _kv_bytes_per_token(model: nn.Module) -> int:
     """The KV cache bytes one token takes across every layer, measured on a one-token call."""
-    cache = make_prompt_cache(model)
+    cache = new_caches(model)
     model(mx.array([[0]]), cache=cache)
     total = 0
     for layer in cache:

@@ -26,12 +26,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    BatchKVCache,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from hotlora.adapters import RowAdapterCache, activate
 from hotlora.config.log_text import printable
@@ -43,6 +38,7 @@ from hotlora.server.engine.generate import (
     SampledToken,
     prompt_cache_key,
 )
+from hotlora.server.engine.kv_caches import KV_STEP, new_caches, stepped
 from hotlora.server.engine.next_tokens import (
     choose,
     constrained,
@@ -125,7 +121,7 @@ class Scheduler:
         if not rows:
             return 0
         longest = max(len(r.job.prompt) + r.job.params.max_tokens for r in rows)
-        return len(rows) * (longest + BatchKVCache.step) * self.kv_bytes_per_token
+        return len(rows) * (longest + KV_STEP) * self.kv_bytes_per_token
 
     def _admit(self) -> None:
         while self.waiting:
@@ -232,7 +228,7 @@ class Scheduler:
         layers = len(cast(list[Any], groups[0].cache))
         # Each layer's cache type merges its own kind (KVCache into BatchKVCache, ...).
         per_layer = [[cast(list[Any], g.cache)[i] for g in groups] for i in range(layers)]
-        cache = [caches[0].merge(caches) for caches in per_layer]
+        cache = stepped([caches[0].merge(caches) for caches in per_layer])
         for c in cache:
             c.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
         tokens = mx.array([c + [0] * (longest - len(c)) for _, c, _ in work])  # [G, longest]
@@ -242,7 +238,7 @@ class Scheduler:
             c.finalize()
         mx.eval([c.state for c in cache])
         for i, group in enumerate(groups):
-            group.cache = [c.extract(i) for c in cache]
+            group.cache = stepped([c.extract(i) for c in cache])
             self._prompt_logprobs(group, work[i][2], logits[i, : lengths[i]])
 
     def _prompt_logprobs(self, group: Group, at: int, logits: mx.array) -> None:
@@ -275,8 +271,8 @@ class Scheduler:
             else:
                 cache, rest = None, prompt
         if cache is None:
-            cache, rest = make_prompt_cache(self.engine.model), prompt
-        group.cache = cache
+            cache, rest = new_caches(self.engine.model), prompt
+        group.cache = stepped(cache)  # a fetched cache grows as a new one does
         group.pending = list(rest[:-1])
         for row in group.rows:
             row.cached = len(prompt) - len(rest)
@@ -291,7 +287,7 @@ class Scheduler:
             reported = (None, *group.prompt_logprobs)
             for row in rows:
                 row.prompt_logprobs = reported
-        joined = [c.merge([c] * len(rows)) for c in caches]
+        joined = stepped([c.merge([c] * len(rows)) for c in caches])
         if self._cache is None:
             self._cache = joined
         else:

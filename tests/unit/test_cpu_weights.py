@@ -151,3 +151,71 @@ def test_a_float32_model_directory_takes_the_batched_decode_kernels(tmp_path: Pa
     assert f"batched decode kernels: {setup.batch_kernels}" in [
         r.getMessage() for r in caplog.records
     ]
+
+
+def test_freed_buffers_beyond_the_cache_bound_go_back_to_the_system(tmp_path: Path):
+    """MLX otherwise keeps every freed buffer up to its memory limit: the batch KV cache's old
+    copies stayed resident."""
+    from hotlora.config.settings import Settings
+
+    if weights.has_gpu():
+        pytest.skip("the bound applies without a GPU")
+    bound = Settings().cpu_cache_bytes
+    model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
+    before = mx.set_cache_limit(1 << 40)  # as large as MLX's own default, whatever it was
+    try:
+        prepare_cpu(
+            model,
+            weights="auto",
+            float_budget=None,
+            cache_bytes=bound,
+            vector_jit=False,
+            batch_kernels=False,
+            home=tmp_path,
+        )
+        mx.clear_cache()
+        large = mx.zeros((bound,), dtype=mx.float32)  # four times the bound's bytes
+        mx.eval(large)
+        del large
+        assert mx.get_cache_memory() <= bound
+    finally:
+        mx.set_cache_limit(before)
+
+
+def _resident_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def test_freed_large_buffers_leave_the_resident_set_between_live_small_ones(tmp_path: Path):
+    """glibc raises its mmap threshold as mapped buffers are freed; the KV caches' buffers then
+    came from its heap, between small live ones, and stayed resident once freed."""
+    if weights.has_gpu() or not Path("/proc/self/status").is_file():
+        pytest.skip("the resident set is read from /proc, without a GPU")
+    model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
+    before = mx.set_cache_limit(0)
+    try:
+        prepare_cpu(
+            model,
+            weights="auto",
+            float_budget=None,
+            cache_bytes=0,  # what MLX frees goes straight to malloc
+            vector_jit=False,
+            batch_kernels=False,
+            home=tmp_path,
+        )
+        first = mx.zeros((4 << 20,), dtype=mx.float32)  # 16 MiB, mapped; freed, it sets the bar
+        mx.eval(first)
+        del first
+        start = _resident_mb()
+        large, small = [], []
+        for _ in range(32):
+            large.append(mx.full((1 << 20,), 1.0))  # [4 MiB] each, 128 MiB in all
+            small.append(mx.full((16 << 10,), 1.0))  # [64 KiB], from the heap between them
+            mx.eval(large[-1], small[-1])
+        del large
+        assert _resident_mb() - start < 32
+    finally:
+        mx.set_cache_limit(before)

@@ -23,6 +23,7 @@ from hotlora.server.engine import (
     SamplingParams,
     Scheduler,
 )
+from hotlora.server.engine.kv_caches import KV_STEP
 from hotlora.server.engine.next_tokens import finite_rows
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
@@ -266,7 +267,7 @@ def test_n_choices_share_one_prefill(setup, monkeypatch):
 
 def test_the_kv_budget_holds_new_rows_back_until_memory_frees(setup):
     engine, _ = setup
-    one_row = (len(PROMPTS[0]) + 6 + 256) * engine.kv_bytes_per_token
+    one_row = (len(PROMPTS[0]) + 6 + KV_STEP) * engine.kv_bytes_per_token
     scheduler = Scheduler(engine, max_batch=8, kv_cache_bytes=one_row)
     sinks = [Recorder() for _ in range(3)]
     for sink in sinks:
@@ -277,6 +278,28 @@ def test_the_kv_budget_holds_new_rows_back_until_memory_frees(setup):
         assert scheduler.kv_reserved() <= one_row
         assert sum(s.starts for s in sinks) <= 1 + sum(s.finished() is not None for s in sinks)
     assert [s.finished().finish_reason for s in sinks] == ["length"] * 3
+
+
+def test_kv_caches_hold_at_most_one_step_of_positions_beyond_their_rows(setup):
+    """mlx-lm grows a cache 256 positions at a time, the batch's rows all at once: short
+    answers would hold several times the positions they use."""
+    engine, _ = setup
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=16)
+    long_prompt = list(range(50, 90))  # prefilled in chunks, a single-row cache between them
+    prompts = [*PROMPTS[:3], long_prompt]
+    sinks = [Recorder() for _ in prompts]
+    for prompt, sink in zip(prompts, sinks, strict=True):
+        scheduler.add([job(prompt, max_tokens=10)], sink)
+    held = []  # positions each cache has room for, after every step
+    while not scheduler.idle:
+        scheduler.step()
+        prefilling = [c for group in scheduler.prefilling for c in group.cache or []]
+        for cache in [*prefilling, *(scheduler._cache or [])]:
+            if cache.keys is not None:
+                held.append(cache.keys.shape[2])
+    for sink, prompt in zip(sinks, prompts, strict=True):
+        assert sink.finished() == Finished("length", len(prompt), 10, 0)
+    assert held and max(held) <= len(long_prompt) + 10 + KV_STEP
 
 
 def test_max_batch_bounds_the_rows_decoding_together(setup):
