@@ -23,13 +23,20 @@ inline float quant_param(const void* p, size_t i, int dtype) {
 
 // The 32 values of a chunk of one weight row (16 bytes at 4 bits, 32 at 8) as floats in
 // registers, `32 / kLanes` vectors: scale * value + bias, rounded as MLX's dequantize rounds it
-// in float32 (a product, then a sum).
+// in float32 (a product, then a sum). At 4 bits, where the ISA can (Isa::kTable4), the sixteen
+// possible values of the group are computed once, each rounded so, and the codes pick from
+// them: the same bits for fewer instructions a value.
 constexpr int kChunkVectors = 32 / Isa::kLanes;
 
-inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
-                         typename Isa::V bias, typename Isa::V (&out)[kChunkVectors]) {
+template <int Bits, class I = Isa>
+inline void dequantize32(const uint8_t* bytes, typename I::V scale, typename I::V bias,
+                         typename I::V (&out)[kChunkVectors]) {
+  if constexpr (Bits == 4 && I::kTable4) {
+    I::lookup4(bytes, I::add(I::mul(I::codes16(), scale), bias), out);
+    return;
+  }
   __m128i halves[2];
-  if (bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
+  if constexpr (Bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
     const __m128i low = _mm_set1_epi8(0x0f);
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
     const __m128i lo = _mm_and_si128(packed, low);
@@ -44,7 +51,7 @@ inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
   for (int h = 0; h < 2; h++)
     for (int i = 0; i < per_half; i++) {
       const __m128i part = i == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
-      out[h * per_half + i] = Isa::add(Isa::mul(Isa::from_bytes(part), scale), bias);
+      out[h * per_half + i] = I::add(I::mul(I::from_bytes(part), scale), bias);
     }
 }
 
@@ -53,6 +60,7 @@ inline const uint8_t* row_bytes(const Quantized& q, int n) {
 }
 
 // Rows [n0, n0 + T) of the weights as floats: out [T, K].
+template <int Bits>
 inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
   const int K = q.K, groups = K / q.group;
   for (int t = 0; t < T; t++) {
@@ -64,7 +72,7 @@ inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
       const typename Isa::V bias = Isa::set1(quant_param(q.biases, at, q.dtype));
       for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
         typename Isa::V w[kChunkVectors];
-        dequantize32(bytes + k * q.bits / 8, q.bits, scale, bias, w);
+        dequantize32<Bits>(bytes + k * Bits / 8, scale, bias, w);
         for (int i = 0; i < kChunkVectors; i++) Isa::store(row + k + i * Isa::kLanes, w[i]);
       }
     }
@@ -75,7 +83,7 @@ inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
 // registers and multiplied at once: for the few rows of a decode step, where a tile in memory
 // would be written and read back for a row or two. Each accumulator takes the products in the
 // order `block` takes them from a tile, so the bits are the tile's.
-template <int P, int R>
+template <int Bits, int P, int R>
 inline void fused_block(const Quantized& q, const float* x, int n, float* out, int ldo) {
   const int K = q.K, groups = K / q.group;
   typename Isa::V acc[R][P];
@@ -93,7 +101,7 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
     for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
       typename Isa::V w[R][kChunkVectors];
       for (int r = 0; r < R; r++)
-        dequantize32(rows[r] + k * q.bits / 8, q.bits, scale[r], bias[r], w[r]);
+        dequantize32<Bits>(rows[r] + k * Bits / 8, scale[r], bias[r], w[r]);
       for (int i = 0; i < kChunkVectors; i++)
         for (int m = 0; m < P; m++) {
           const float* xm = x + static_cast<size_t>(m) * K;
@@ -108,12 +116,18 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
 
 // out[:, n0:n1] for the P (at most 8) rows of x, weight rows R at a time: as many as keep the
 // accumulators in registers.
-template <int P>
-void fused_rows(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
+template <int Bits, int P>
+void fused_rows_bits(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
   constexpr int R = P <= 4 ? Isa::kFusedR : Isa::kFusedR / 2;
   int n = n0;
-  for (; n + R <= n1; n += R) fused_block<P, R>(q, x, n, out + n, N);
-  for (; n < n1; n++) fused_block<P, 1>(q, x, n, out + n, N);
+  for (; n + R <= n1; n += R) fused_block<Bits, P, R>(q, x, n, out + n, N);
+  for (; n < n1; n++) fused_block<Bits, P, 1>(q, x, n, out + n, N);
+}
+
+template <int P>
+void fused_rows(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
+  if (q.bits == 4) return fused_rows_bits<4, P>(q, x, out, N, n0, n1);
+  fused_rows_bits<8, P>(q, x, out, N, n0, n1);
 }
 
 // out[m, r] = x[m, :] . tile[r, :] for m < P, r < R: `block`'s sums, reduced sixteen at a
@@ -195,7 +209,10 @@ void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, i
   const int T = std::max(R, tile_floats / K / R * R);
   for (int n = n0; n < n1; n += T) {
     const int rows = std::min(T, n1 - n);
-    dequantize_rows(q, n, rows, tile);
+    if (q.bits == 4)
+      dequantize_rows<4>(q, n, rows, tile);
+    else
+      dequantize_rows<8>(q, n, rows, tile);
     tile_rows<Isa::kTileP, Isa::kTileR>(x, tile, K, rows, out + n, M, N);
   }
 }
