@@ -48,7 +48,7 @@ def normal(shape: tuple[int, ...], seed: int) -> mx.array:
 SHAPES = [(2, 64, 96), (8, 576, 1536), (16, 576, 192), (3, 1536, 576), (11, 100, 37), (5, 7, 9)]
 
 
-@pytest.fixture(params=["avx512", "avx2"])
+@pytest.fixture(params=["avx512vbmi", "avx512", "avx2"])
 def isa(request):
     """Each kernel this CPU runs; the widest one again afterwards."""
     widest = native.isa()

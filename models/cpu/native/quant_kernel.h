@@ -33,17 +33,19 @@ inline float quant_param(const void* p, size_t i, int dtype) {
 // registers, `32 / kLanes` vectors: scale * value + bias, rounded as MLX's dequantize rounds it
 // in float32 (a product, then a sum). With float16 scales (`Exact`) the product is exact in
 // float32 (11 significant bits times 8 at most), so one fused multiply-add, which rounds only
-// the sum, gives the same bits in one operation instead of two.
+// the sum, gives the same bits in one operation instead of two. At 4 bits, where the ISA can
+// (Isa::kTable4), the sixteen possible values of the group are computed once, each rounded so,
+// and the codes pick from them: the same bits for fewer instructions a value.
 constexpr int kChunkVectors = 32 / Isa::kLanes;
 
 inline bool exact_products(const Quantized& q) { return q.dtype == 1; }
 
 #if defined(__aarch64__)
-template <bool Exact>
-inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
-                         typename Isa::V bias, typename Isa::V (&out)[kChunkVectors]) {
+template <int Bits, bool Exact>
+inline void dequantize32(const uint8_t* bytes, typename Isa::V scale, typename Isa::V bias,
+                         typename Isa::V (&out)[kChunkVectors]) {
   uint8x16_t halves[2];
-  if (bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
+  if constexpr (Bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
     const uint8x16_t packed = vld1q_u8(bytes);
     const uint8x16_t lo = vandq_u8(packed, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(packed, 4);
     halves[0] = vzip1q_u8(lo, hi);
@@ -65,11 +67,16 @@ inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
   }
 }
 #else
-template <bool Exact>
-inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
-                         typename Isa::V bias, typename Isa::V (&out)[kChunkVectors]) {
+
+template <int Bits, bool Exact, class I = Isa>
+inline void dequantize32(const uint8_t* bytes, typename I::V scale, typename I::V bias,
+                         typename I::V (&out)[kChunkVectors]) {
+  if constexpr (Bits == 4 && I::kTable4) {
+    I::lookup4(bytes, I::add(I::mul(I::codes16(), scale), bias), out);
+    return;
+  }
   __m128i halves[2];
-  if (bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
+  if constexpr (Bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
     const __m128i low = _mm_set1_epi8(0x0f);
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
     const __m128i lo = _mm_and_si128(packed, low);
@@ -84,11 +91,11 @@ inline void dequantize32(const uint8_t* bytes, int bits, typename Isa::V scale,
   for (int h = 0; h < 2; h++)
     for (int i = 0; i < per_half; i++) {
       const __m128i part = i == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
-      const typename Isa::V values = Isa::from_bytes(part);
+      const typename I::V values = I::from_bytes(part);
       if constexpr (Exact)
-        out[h * per_half + i] = Isa::fma(values, scale, bias);
+        out[h * per_half + i] = I::fma(values, scale, bias);
       else
-        out[h * per_half + i] = Isa::add(Isa::mul(values, scale), bias);
+        out[h * per_half + i] = I::add(I::mul(values, scale), bias);
     }
 }
 #endif
@@ -98,8 +105,8 @@ inline const uint8_t* row_bytes(const Quantized& q, int n) {
 }
 
 // Rows [n0, n0 + T) of the weights as floats: out [T, K].
-template <bool Exact>
-inline void dequantize_rows_of(const Quantized& q, int n0, int T, float* out) {
+template <int Bits, bool Exact>
+inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
   const int K = q.K, groups = K / q.group;
   for (int t = 0; t < T; t++) {
     const uint8_t* bytes = row_bytes(q, n0 + t);
@@ -110,25 +117,26 @@ inline void dequantize_rows_of(const Quantized& q, int n0, int T, float* out) {
       const typename Isa::V bias = Isa::set1(quant_param(q.biases, at, q.dtype));
       for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
         typename Isa::V w[kChunkVectors];
-        dequantize32<Exact>(bytes + k * q.bits / 8, q.bits, scale, bias, w);
+        dequantize32<Bits, Exact>(bytes + k * Bits / 8, scale, bias, w);
         for (int i = 0; i < kChunkVectors; i++) Isa::store(row + k + i * Isa::kLanes, w[i]);
       }
     }
   }
 }
 
-inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
-  if (exact_products(q))
-    dequantize_rows_of<true>(q, n0, T, out);
-  else
-    dequantize_rows_of<false>(q, n0, T, out);
+inline void dequantize_tile(const Quantized& q, int n0, int T, float* out) {
+  const bool exact = exact_products(q);
+  if (q.bits == 4 && exact) return dequantize_rows<4, true>(q, n0, T, out);
+  if (q.bits == 4) return dequantize_rows<4, false>(q, n0, T, out);
+  if (exact) return dequantize_rows<8, true>(q, n0, T, out);
+  dequantize_rows<8, false>(q, n0, T, out);
 }
 
 // out[m, r] = x[m, :] . dequantize(w[n + r, :]) for m < P, r < R, the weights dequantized in
 // registers and multiplied at once: for the few rows of a decode step, where a tile in memory
 // would be written and read back for a row or two. Each accumulator takes the products in the
 // order `block` takes them from a tile, so the bits are the tile's.
-template <int P, int R, bool Exact>
+template <int Bits, bool Exact, int P, int R>
 inline void fused_block(const Quantized& q, const float* x, int n, float* out, int ldo) {
   const int K = q.K, groups = K / q.group;
   typename Isa::V acc[R][P];
@@ -146,7 +154,7 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
     for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
       typename Isa::V w[R][kChunkVectors];
       for (int r = 0; r < R; r++)
-        dequantize32<Exact>(rows[r] + k * q.bits / 8, q.bits, scale[r], bias[r], w[r]);
+        dequantize32<Bits, Exact>(rows[r] + k * Bits / 8, scale[r], bias[r], w[r]);
       for (int i = 0; i < kChunkVectors; i++)
         for (int m = 0; m < P; m++) {
           const float* xm = x + static_cast<size_t>(m) * K;
@@ -161,20 +169,21 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
 
 // out[:, n0:n1] for the P (at most 8) rows of x, weight rows R at a time: as many as keep the
 // accumulators in registers.
-template <int P, bool Exact>
-void fused_rows_of(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
+template <int Bits, bool Exact, int P>
+void fused_rows_bits(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
   constexpr int R = P <= 4 ? Isa::kFusedR : Isa::kFusedR / 2;
   int n = n0;
-  for (; n + R <= n1; n += R) fused_block<P, R, Exact>(q, x, n, out + n, N);
-  for (; n < n1; n++) fused_block<P, 1, Exact>(q, x, n, out + n, N);
+  for (; n + R <= n1; n += R) fused_block<Bits, Exact, P, R>(q, x, n, out + n, N);
+  for (; n < n1; n++) fused_block<Bits, Exact, P, 1>(q, x, n, out + n, N);
 }
 
 template <int P>
 void fused_rows(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
-  if (exact_products(q))
-    fused_rows_of<P, true>(q, x, out, N, n0, n1);
-  else
-    fused_rows_of<P, false>(q, x, out, N, n0, n1);
+  const bool exact = exact_products(q);
+  if (q.bits == 4 && exact) return fused_rows_bits<4, true, P>(q, x, out, N, n0, n1);
+  if (q.bits == 4) return fused_rows_bits<4, false, P>(q, x, out, N, n0, n1);
+  if (exact) return fused_rows_bits<8, true, P>(q, x, out, N, n0, n1);
+  fused_rows_bits<8, false, P>(q, x, out, N, n0, n1);
 }
 
 // out[m, r] = x[m, :] . tile[r, :] for m < P, r < R: `block`'s sums, reduced sixteen at a
@@ -256,7 +265,7 @@ void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, i
   const int T = std::max(R, tile_floats / K / R * R);
   for (int n = n0; n < n1; n += T) {
     const int rows = std::min(T, n1 - n);
-    dequantize_rows(q, n, rows, tile);
+    dequantize_tile(q, n, rows, tile);
     tile_rows<Isa::kTileP, Isa::kTileR>(x, tile, K, rows, out + n, M, N);
   }
 }

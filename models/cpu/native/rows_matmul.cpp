@@ -114,6 +114,7 @@ struct Isa {  // 32 vector registers: up to 24 accumulators, the weight rows and
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V from_bytes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+  static constexpr bool kTable4 = false;  // codes converted; avx512vbmi picks them instead
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
   // out[i] = sum(v[i]) for i < 16, the same bits: sum's tree of additions (lanes 8 apart,
@@ -145,6 +146,36 @@ struct Isa {  // 32 vector registers: up to 24 accumulators, the weight rows and
 #pragma GCC pop_options
 
 #pragma GCC push_options
+#pragma GCC target("avx512f,avx512vbmi,f16c")
+namespace avx512vbmi {
+struct Isa : avx512::Isa {  // AVX-512's, with 4-bit codes picked by VBMI's byte shifts
+  // 4-bit values as picks from a vector of the sixteen (quant_kernel.h's dequantize32).
+  static constexpr bool kTable4 = true;
+  static V codes16() {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  // out[h][j] = table[value 16h + j] for the 32 values of 16 bytes (value 2i in byte i's low
+  // half, 2i+1 in its high half): lane j takes bits [4j, 4j + 8) of the 8 bytes of its half
+  // (vpmultishiftqb), and the permute reads only a lane's low four bits.
+  static void lookup4(const uint8_t* bytes, V table, V (&out)[2]) {
+    const __m512i at = _mm512_setr_epi64(0x0000000400000000, 0x0000000c00000008,
+                                         0x0000001400000010, 0x0000001c00000018,
+                                         0x0000002400000020, 0x0000002c00000028,
+                                         0x0000003400000030, 0x0000003c00000038);
+    for (int h = 0; h < 2; h++) {
+      uint64_t eight;
+      std::memcpy(&eight, bytes + 8 * h, sizeof eight);
+      const __m512i codes = _mm512_multishift_epi64_epi8(at, _mm512_set1_epi64(eight));
+      out[h] = _mm512_permutexvar_ps(codes, table);
+    }
+  }
+};
+#include "rows_kernel.h"
+#include "quant_kernel.h"
+}  // namespace avx512vbmi
+#pragma GCC pop_options
+
+#pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 struct Isa {  // 16 vector registers: 8 accumulators
@@ -164,6 +195,7 @@ struct Isa {  // 16 vector registers: 8 accumulators
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V from_bytes(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+  static constexpr bool kTable4 = false;  // a permute picks from eight lanes, not sixteen
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static float sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -232,6 +264,13 @@ struct Kernel {
 };
 const Kernel kKernels[] = {
 #if defined(__x86_64__)
+    {"avx512vbmi",
+     [] {
+       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vbmi") &&
+              __builtin_cpu_supports("f16c");
+     },
+     avx512vbmi::rows_matmul_range, avx512vbmi::attend, avx512vbmi::softmax_rows,
+     avx512vbmi::quant_matmul_range, avx512vbmi::add_residuals},
     {"avx512",
      [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); },
      avx512::rows_matmul_range, avx512::attend, avx512::softmax_rows,
@@ -634,6 +673,7 @@ const struct {
   LowRank low_rank;
 } kLowRank[] = {
 #if defined(__x86_64__)
+    {"avx512vbmi", avx512::low_rank_row},  // its low-rank products are AVX-512's
     {"avx512", avx512::low_rank_row},
     {"avx2", avx2::low_rank_row},
 #elif defined(__aarch64__)
