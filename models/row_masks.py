@@ -17,6 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma2
 
+from hotlora.models.module_classes import swap_classes
+
 
 class _Gemma2RowMasks(gemma2.Attention):
     """gemma2's attention with a per-row mask laid out as its grouped scores."""
@@ -33,10 +35,4 @@ _ROW_MASKS: dict[type[nn.Module], type[nn.Module]] = {gemma2.Attention: _Gemma2R
 def install_row_masks(model: nn.Module) -> int:
     """Give the model's attention modules that need it the per-row mask layout of their scores;
     returns how many modules changed (0 for architectures that broadcast the mask themselves)."""
-    changed = 0
-    for _, module in model.named_modules():
-        fixed = _ROW_MASKS.get(type(module))
-        if fixed is not None:
-            module.__class__ = fixed
-            changed += 1
-    return changed
+    return sum(swap_classes(model, _ROW_MASKS).values())

@@ -28,6 +28,7 @@ from mlx_lm.models import llama
 from hotlora.models.cpu import extension
 from hotlora.models.cpu.attention import merged_rows_attention
 from hotlora.models.cpu.layers import RowsQuantizedLinear
+from hotlora.models.module_classes import swap_classes
 
 
 def _bare(projection: nn.Module) -> RowsQuantizedLinear | None:
@@ -121,10 +122,4 @@ _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 def install_fused(model: nn.Module) -> int:
     """Give the model's llama attention and MLP layers their fused class, in place; returns how
     many layers changed. Their projections and weights are untouched."""
-    changed = 0
-    for _, module in model.named_modules():
-        fused = _FUSED_CLASSES.get(type(module))
-        if fused is not None:
-            module.__class__ = fused
-            changed += 1
-    return changed
+    return sum(swap_classes(model, _FUSED_CLASSES).values())

@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma, gemma2, gemma3_text
 
 from hotlora.models.cpu import extension
+from hotlora.models.module_classes import swap_classes
 
 
 def serves_rows(x: mx.array, linear: nn.Module | None = None) -> bool:
@@ -297,11 +298,4 @@ def swap_layers(model: nn.Module, all_rows: bool = False) -> Counter[type[nn.Mod
     """Give the model's layers their Rows class, in place; returns how many of each. The
     layers take the kernels once `extension.load` has succeeded. `all_rows`: the classes of a
     model whose quantized weights the kernels serve, every call of every layer."""
-    classes = _ALL_ROWS_CLASSES if all_rows else _ROWS_CLASSES
-    swapped: Counter[type[nn.Module]] = Counter()
-    for _, module in model.named_modules():
-        rows_class = classes.get(type(module))
-        if rows_class is not None:
-            module.__class__ = rows_class
-            swapped[rows_class] += 1
-    return swapped
+    return swap_classes(model, _ALL_ROWS_CLASSES if all_rows else _ROWS_CLASSES)
