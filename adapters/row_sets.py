@@ -121,7 +121,8 @@ class GatheredRows:
     """
 
     def __init__(self, rows: Sequence[AdapterSet]):
-        self._rows = tuple(rows)
+        # The rows' entries, not their sets: `lone_rows` keeps this beside a set it holds weakly.
+        self._rows = tuple(adapters.entries for adapters in rows)
         self._slots: dict[str, _Gather | None] = {}
         self._plans: dict[tuple[tuple[tuple[int, float], ...], ...], tuple[mx.array, mx.array]] = {}
 
@@ -145,9 +146,9 @@ class GatheredRows:
         index: dict[MountedAdapter, int] = {}  # in order of first use
         pairs: list[mx.array] = []
         rows: list[tuple[tuple[int, float], ...]] = []
-        for adapters in self._rows:
+        for row in self._rows:
             entries: list[tuple[int, float]] = []
-            for entry in adapters.entries:
+            for entry in row:
                 pair = entry.mounted.adapter.weights.get(path)
                 if pair is None or entry.weight == 0.0:
                     continue  # adds nothing here

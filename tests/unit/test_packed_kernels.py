@@ -4,6 +4,8 @@ adapter sets and in any chunking of its prompt; mlx-lm's float32 results within 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +15,7 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate
+from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate, row_sets
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.projections import find_targets, replace_module
 from hotlora.models.cpu import extension, install_packed_kernels, prepare_cpu
@@ -596,3 +598,17 @@ def test_a_mixed_batch_copies_no_adapter(many):
     kept = mx.get_active_memory() - before
     assert all(side_by_side.columns == 0 for side_by_side in cache.kept)
     assert kept < smallest, (kept, smallest)
+
+
+def test_a_set_used_alone_is_not_kept_alive_by_its_plan(many):
+    """`lone_rows` keeps a set's plan only while the set lives: once nothing holds the set, its
+    entry goes, and with it the last hold on the mounted adapters' arrays it named."""
+    model, manager = many
+    adapters = adapter_set(manager, "c+d")
+    alone(model, adapters, PROMPTS[0], [9], [5])
+    assert adapters in row_sets._LONE
+    held = weakref.ref(adapters)
+    del adapters
+    gc.collect()
+    assert held() is None
+    assert len(row_sets._LONE) == 0
