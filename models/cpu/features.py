@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def x86_64_linux() -> bool:
-    """Whether this is an x86-64 machine running Linux, the only one the CPU kernels serve."""
+    """Whether this is an x86-64 machine running Linux: MLX's JIT flags apply there, and the
+    CPU kernels serve it (arm64 Linux too)."""
     return sys.platform == "linux" and platform.machine() == "x86_64"
 
 

@@ -146,8 +146,9 @@ QuantWeights quantized(int N, int K, int bits, int group, int dtype) {
   return out;
 }
 
-// x [M, K] @ dequantize(w).T, then each row's residual over the columns it keeps, as the
-// extension's QuantMatmul calls the kernels: weight rows in two ranges, tiles by the row count.
+// x [M, K] @ dequantize(w).T, then each row's residual over the columns listed for it: the
+// quantized product and add_residuals as the extension's primitives call them, weight rows in two
+// ranges, tiles by the row count.
 std::vector<float> quant_product(const Kernel& kernel, const Quantized& q, const float* x,
                                  const float* h, const float* b, const std::vector<int>& columns,
                                  const std::vector<int>& counts, int M, int N, int R) {

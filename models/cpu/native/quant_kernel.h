@@ -270,10 +270,10 @@ void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, i
   }
 }
 
-// out[n0:n1] of one row of x += its low-rank residual, b [R, N]: for the columns r its mask
-// keeps, in order, h[r] * b[r, n] added one at a time (a fused multiply-add each). Each output
-// is its own sequence of operations: its bits depend neither on the vector width nor on the
-// columns the mask drops (other rows' adapters).
+// out[n0:n1] of one row of x += one adapter's low-rank residual, b [R, N]: for the columns r
+// listed (QuantMatmulGather lists all of an adapter's, in order), h[r] * b[r, n] added one at a
+// time (a fused multiply-add each). Each output is its own sequence of operations: its bits
+// depend neither on the vector width nor on columns not listed.
 void add_residuals(const float* h, const float* b, int N, const int* columns, int count,
                    float* out, int n0, int n1) {
   int n = n0;

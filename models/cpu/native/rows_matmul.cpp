@@ -5,8 +5,9 @@
 // multiplied by every row of x while it is there. Each output is one dot product summed in a
 // fixed order, so a row's result does not depend on the other rows of the batch.
 //
-// x: [..., K] float32 (M rows), w: [N, K] float32 (a Linear's weight), out: [..., N]. AVX-512,
-// or AVX2 with FMA, chosen at run time on x86-64; NEON on AArch64. Each gives its own fixed bits.
+// x: [..., K] float32 (M rows), w: [N, K] float32 (a Linear's weight), out: [..., N]. AVX-512
+// (with VBMI's byte shuffles for 4-bit codes where the CPU has them), or AVX2 with FMA, chosen at
+// run time on x86-64; NEON on AArch64. Each gives its own fixed bits.
 //
 // With LoRA (rows_matmul_lora): out = x @ w.T + ((x @ a_t.T) * mask) @ b_t.T, each row with its
 // own scales in `mask` [..., R] (M rows), in the same pass: the low-rank columns extend every
@@ -1303,6 +1304,7 @@ NB_MODULE(_rows_matmul, m) {
         return true;
       },
       "name"_a,
-      "Use the avx512, avx2 or neon kernel for later products; False if the CPU lacks it.");
+      "Use the avx512vbmi, avx512, avx2 or neon kernel for later products; False if the CPU "
+      "lacks it.");
 }
 #endif  // ROWS_KERNELS_ONLY
