@@ -364,18 +364,7 @@ def test_a_rows_decode_is_the_same_bits_alone_and_beside_other_sets(packed):
     steps = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
     for specs in (["a+b", "b", ""], ["b", "a+b", "a"], ["", "", "b@-0.5+a"]):
         sets = [adapter_set(manager, spec) for spec in specs]
-        longest = max(map(len, PROMPTS))
-        pads = [longest - len(p) for p in PROMPTS]
-        cache = [BatchKVCache(pads) for _ in model.layers]
-        prompts = mx.array([[0] * pad + p for pad, p in zip(pads, PROMPTS, strict=True)])
-        batch = RowAdapterCache().for_rows(sets)
-        with activate(batch):
-            model(prompts, cache=cache)
-            together = [
-                model(mx.array(column)[:, None], cache=cache)[:, 0]
-                for column in zip(*steps, strict=True)
-            ]
-        mx.eval(together)
+        together, _ = decode_together(model, sets, steps)
         for row, (spec, adapters) in enumerate(zip(specs, sets, strict=True)):
             own = alone(model, adapters, PROMPTS[row], [len(PROMPTS[row])], steps[row])[1:]
             for step, logits in enumerate(own):
