@@ -255,6 +255,24 @@ void check_attention(const Kernel& kernel, int G, int D, int S, int shown) {
 
 }  // namespace
 
+// One row's activations of one adapter, x [K] @ a [K, r] times a scale, against the scalar
+// sums in the kernel's order: four chains over k, (c0 + c1) + (c2 + c3), then the scale. The
+// same bits, for ranks that fill whole vectors, part of one, or both.
+void check_low_rank(const Kernel& kernel, int K, int r) {
+  const auto x = normal(K), a = normal(static_cast<size_t>(K) * r);
+  const float scale = 0.75f;
+  std::vector<float> h(r);
+  kernel.low_rank(x.data(), a.data(), K, r, scale, h.data());
+  for (int j = 0; j < r; j++) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k = 0; k < K; k++)
+      c[k % 4] = std::fma(x[k], a[static_cast<size_t>(k) * r + j], c[k % 4]);
+    const float want = ((c[0] + c[1]) + (c[2] + c[3])) * scale;
+    if (std::memcmp(&h[j], &want, sizeof(float)) != 0)
+      fail(kernel.isa, "low-rank activations", 1, K, r, 0, j, h[j], want);
+  }
+}
+
 int main() {
   int isas = 0;
   for (const auto& kernel : kKernels) {
@@ -273,13 +291,16 @@ int main() {
         for (int group : {32, 64, 128})
           for (int dtype : {0, 1, 2})
             for (int R : {0, 6}) check_quant(kernel, M, 384, 37, bits, group, dtype, R), checks++;
+    // An adapter's ranks below, at and past each ISA's vector (4, 8 or 16 lanes).
+    for (int K : {7, 100, 576})
+      for (int r = 1; r <= 40; r++) check_low_rank(kernel, K, r), checks++;
     // Query heads a KV head serves (up to 4 at once, then the rest), head sizes off the vectors.
     for (int G : {1, 3, 7})
       for (int D : {64, 7})
         for (int S : {1, 13, 300})
           for (int shown : {2, 1, 0}) check_attention(kernel, G, D, S, shown), checks++;
-    std::printf("%s: %d products and attentions right, each row's product the same bits alone "
-                "and in its batch\n",
+    std::printf("%s: %d products, low-rank activations and attentions right, each row's "
+                "product the same bits alone and in its batch\n",
                 kernel.isa, checks);
     isas++;
   }

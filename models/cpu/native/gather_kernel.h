@@ -5,9 +5,9 @@
 // h[j] = scale * (x . a[:, j]) for j < r, one row x [K] against an adapter's A as mounted,
 // a [K, r] row-major (mlx-lm's lora_a): the rank runs along the vector lanes, so A is read
 // once, row by row. Each sum is four chains of fused multiply-adds over k = u, u + 4, ...
-// (u < 4), added as (c0 + c1) + (c2 + c3), then scaled: a fixed order over K. The lanes and the
-// scalar tail do the same operations, so h depends neither on the vector width nor on the
-// other rows or adapters of the call.
+// (u < 4), added as (c0 + c1) + (c2 + c3), then scaled: a fixed order over K. Every lane, those of
+// the last, partly filled vector too, does the same operations, so h depends neither on the
+// vector width nor on the other rows or adapters of the call.
 inline void low_rank_row(const float* x, const float* a, int K, int r, float scale, float* h) {
   using V = typename Isa::V;
   int j = 0;
@@ -24,11 +24,20 @@ inline void low_rank_row(const float* x, const float* a, int K, int r, float sca
     const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
     Isa::store(h + j, Isa::mul(sum, Isa::set1(scale)));
   }
-  for (; j < r; j++) {
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int k = 0; k < K; k++)
-      c[k % 4] = std::fma(x[k], a[static_cast<size_t>(k) * r + j], c[k % 4]);
-    const float sum = (c[0] + c[1]) + (c[2] + c[3]);
-    h[j] = sum * scale;
+  if (j < r) {  // the last r - j columns: the same operations, on the first lanes of a vector
+    const int n = r - j;
+    V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
+    int k = 0;
+    for (; k + 4 <= K; k += 4)
+      for (int u = 0; u < 4; u++)
+        c[u] = Isa::fma(Isa::set1(x[k + u]),
+                        Isa::load_first(a + static_cast<size_t>(k + u) * r + j, n), c[u]);
+    for (; k < K; k++)
+      c[k % 4] = Isa::fma(Isa::set1(x[k]),
+                          Isa::load_first(a + static_cast<size_t>(k) * r + j, n), c[k % 4]);
+    const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
+    float lanes[Isa::kLanes];
+    Isa::store(lanes, Isa::mul(sum, Isa::set1(scale)));
+    std::memcpy(h + j, lanes, sizeof(float) * n);
   }
 }

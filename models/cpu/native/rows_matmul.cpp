@@ -93,6 +93,7 @@ struct Quantized {
 using QuantRange = void (*)(const Quantized&, const float*, float*, int, int, int, int, float*,
                             int);
 using Residuals = void (*)(const float*, const float*, int, const int*, int, float*, int, int);
+using LowRank = void (*)(const float*, const float*, int, int, float, float*);
 
 #if defined(__x86_64__)
 #pragma GCC push_options
@@ -262,6 +263,7 @@ struct Kernel {
   Softmax softmax;
   QuantRange quant;
   Residuals residuals;
+  LowRank low_rank;  // a row's activations of one adapter (gather_kernel.h)
 };
 const Kernel kKernels[] = {
 #if defined(__x86_64__)
@@ -271,21 +273,22 @@ const Kernel kKernels[] = {
               __builtin_cpu_supports("f16c");
      },
      avx512vbmi::rows_matmul_range, avx512vbmi::attend, avx512vbmi::softmax_rows,
-     avx512vbmi::quant_matmul_range, avx512vbmi::add_residuals},
+     avx512vbmi::quant_matmul_range, avx512vbmi::add_residuals,
+     avx512::low_rank_row},  // its low-rank products are AVX-512's
     {"avx512",
      [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); },
      avx512::rows_matmul_range, avx512::attend, avx512::softmax_rows,
-     avx512::quant_matmul_range, avx512::add_residuals},
+     avx512::quant_matmul_range, avx512::add_residuals, avx512::low_rank_row},
     {"avx2",
      [] {
        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
               __builtin_cpu_supports("f16c");
      },
      avx2::rows_matmul_range, avx2::attend, avx2::softmax_rows, avx2::quant_matmul_range,
-     avx2::add_residuals},
+     avx2::add_residuals, avx2::low_rank_row},
 #elif defined(__aarch64__)
     {"neon", [] { return true; }, neon::rows_matmul_range, neon::attend, neon::softmax_rows,
-     neon::quant_matmul_range, neon::add_residuals},
+     neon::quant_matmul_range, neon::add_residuals, neon::low_rank_row},
 #endif
 };
 
@@ -667,24 +670,10 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 // (low_rank_row), then adds (h * scale) @ b for each of them in order, column by column
 // (add_residuals): the operations on a row's outputs are fixed by its own set alone, so its
 // bits are the same alone and beside any other rows and adapters, and no pair is copied.
-using LowRank = void (*)(const float*, const float*, int, int, float, float*);
-
-const struct {
-  const char* isa;
-  LowRank low_rank;
-} kLowRank[] = {
-#if defined(__x86_64__)
-    {"avx512vbmi", avx512::low_rank_row},  // its low-rank products are AVX-512's
-    {"avx512", avx512::low_rank_row},
-    {"avx2", avx2::low_rank_row},
-#elif defined(__aarch64__)
-    {"neon", neon::low_rank_row},
-#endif
-};
 
 // The low-rank kernel of the ISA the other kernels use now.
 LowRank current_low_rank() {
-  for (const auto& kernel : kLowRank)
+  for (const auto& kernel : kKernels)
     if (std::strcmp(kernel.isa, g_isa) == 0) return kernel.low_rank;
   return nullptr;
 }
@@ -1272,6 +1261,37 @@ mx::array rope_rows(const mx::array& x, const mx::array& offset, int dims, bool 
 }  // namespace
 
 #ifndef ROWS_KERNELS_ONLY
+// Whether every value of each array is finite (neither NaN nor infinite): float32, float16 or
+// bfloat16 arrays, evaluated and row-contiguous; a value is not finite when its exponent's bits
+// are all set. One call for all of an adapter's tensors, with the GIL held throughout: a load
+// that runs beside the decoding threads does not queue for the GIL again after each tensor.
+template <typename Bits>
+bool finite_bits(const Bits* p, size_t n, Bits exponent) {
+  Bits seen = 0;  // a lane's exponent bits where every one of them was set: none, if finite
+  for (size_t i = 0; i < n; i++) seen |= static_cast<Bits>(~p[i] & exponent) == 0 ? 1 : 0;
+  return seen == 0;
+}
+
+std::vector<bool> all_finite(const std::vector<mx::array>& arrays) {
+  std::vector<bool> out;
+  out.reserve(arrays.size());
+  for (auto a : arrays) {
+    a.eval();
+    if (!a.flags().row_contiguous)
+      throw std::invalid_argument("all_finite: the arrays must be row-contiguous");
+    const size_t n = a.size();
+    if (a.dtype() == mx::float32)
+      out.push_back(finite_bits<uint32_t>(a.data<uint32_t>(), n, 0x7f800000u));
+    else if (a.dtype() == mx::float16)
+      out.push_back(finite_bits<uint16_t>(a.data<uint16_t>(), n, 0x7c00u));
+    else if (a.dtype() == mx::bfloat16)
+      out.push_back(finite_bits<uint16_t>(a.data<uint16_t>(), n, 0x7f80u));
+    else
+      throw std::invalid_argument("all_finite: float32, float16 or bfloat16 arrays only");
+  }
+  return out;
+}
+
 NB_MODULE(_rows_matmul, m) {
   m.doc() =
       "The projections and attention of a batched decode step's few rows, and the norms and "
@@ -1284,6 +1304,7 @@ NB_MODULE(_rows_matmul, m) {
         "heads"_a, "group_size"_a, "bits"_a);
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "pairs"_a, "plan"_a, "entry_scales"_a);
+  m.def("all_finite", &all_finite, "arrays"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
