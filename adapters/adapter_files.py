@@ -21,7 +21,7 @@ from hotlora.adapters.projections import TargetDims
 
 WEIGHT_FILES = ("adapters.safetensors", "adapter_model.safetensors")  # mlx-lm, PEFT
 MAX_ADAPTER_BYTES = 2 << 30  # the default cap on an adapter's weight file; servers set their own
-_CHUNK = 1 << 20
+_CHUNK = 16 << 20  # each read and hash update lets go of the GIL: a few large ones
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ import numpy as np
 
 from hotlora.adapters.adapter_errors import InvalidAdapter
 from hotlora.adapters.projections import TARGET_PROJECTIONS, TargetDims, canonical_path, float_dtype
+from hotlora.models.cpu import extension
 
 # `<module>.lora_a` (mlx-lm) or `<module>.lora_A.weight` (PEFT); either spelling, either suffix.
 _TENSOR_NAME = re.compile(r"^(?P<module>.+)\.(?P<half>lora_[aAbB])(?:\.weight)?$")
@@ -119,10 +120,15 @@ def _check_finite(tensors: list[tuple[str, mx.array, mx.array]]) -> None:
 def _all_finite(arrays: list[mx.array]) -> list[bool]:
     """Whether each evaluated array holds finite values only.
 
-    NumPy reads MLX's buffers without a copy in one pass; a graph of one reduction per tensor
-    costs more in per-operation overhead than the pass itself. bfloat16, which NumPy lacks,
-    is checked by MLX, all such tensors in one evaluation.
+    The native kernels' extension, where it is loaded, checks them all in one call that keeps
+    the GIL: a load runs beside the decoding threads, and each time it lets go of the GIL it may
+    wait a switch interval to have it back. Else NumPy reads MLX's buffers without a copy, one
+    pass a tensor (a graph of one reduction per tensor costs more in per-operation overhead
+    than the pass itself); bfloat16, which NumPy lacks, is checked by MLX, all such tensors in
+    one evaluation.
     """
+    if extension.native is not None:
+        return cast(list[bool], extension.native.all_finite(arrays))
     found: dict[int, bool] = {}
     in_mlx: list[int] = []
     for index, array in enumerate(arrays):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import importlib
 import json
 import os
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from hotlora.adapters import (
 )
 from hotlora.adapters.adapter_config import read_adapter_config
 from hotlora.adapters.adapter_files import revision
+from hotlora.models.cpu import extension
 
 from tests.support.adapter_builders import (
     adapter_set,
@@ -421,7 +423,46 @@ def test_a_file_that_grows_past_the_cap_while_hashed_is_refused(tmp_path: Path):
         revision(config, directory / "adapters.safetensors", max_bytes=size - 1)
 
 
-def test_values_past_the_half_precision_range_are_refused(tmp_path: Path):
+@pytest.fixture(params=["native", "numpy"])
+def finiteness_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which check of the values a mount takes: the native extension's, one call for every
+    tensor (where it is loaded, as on a CPU server), or NumPy's and MLX's, a tensor at a time."""
+    if request.param == "native":
+        if (why := extension.unavailable()) is not None:
+            pytest.skip(f"native kernels: {why}")
+        native = importlib.import_module("hotlora.models.cpu._rows_matmul")
+        monkeypatch.setattr(extension, "native", native)
+    else:
+        monkeypatch.setattr(extension, "native", None)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize("at", ["first", "last"])
+def test_a_value_not_finite_anywhere_is_refused_naming_its_tensor(
+    tmp_path: Path, finiteness_check: str, dtype: mx.Dtype, value: float, at: str
+):
+    """Whatever the dtype, and wherever the value sits in the tensor, only that tensor is named;
+    the same tensors, finite, mount."""
+    _, manager = make_manager(tmp_path)
+    pairs = {
+        path: (a.astype(dtype), b.astype(dtype))
+        for path, (a, b) in random_pairs(tiny_model(), seed=5).items()
+    }
+    write_mlx_adapter(tmp_path / "good", pairs)
+    a, b = pairs[Q]
+    poisoned_a = mx.array(a)
+    poisoned_a[(0, 0) if at == "first" else (-1, -1)] = value
+    write_mlx_adapter(tmp_path / "bad", {**pairs, Q: (poisoned_a, b)})
+    with pytest.raises(InvalidAdapter) as caught:
+        manager.mount("sft", "bad")
+    assert str(caught.value) == f"NaN or infinite values in the tensor {Q}.lora_a"
+    assert manager.list() == []
+    assert manager.mount("sft", "good").mounted_layers == len(pairs)
+
+
+def test_values_past_the_half_precision_range_are_refused(tmp_path: Path, finiteness_check: str):
     """float32 values the float16 activations cannot hold would turn into inf once mounted."""
     model = tiny_model()
     model.set_dtype(mx.float16)
@@ -437,7 +478,7 @@ def test_values_past_the_half_precision_range_are_refused(tmp_path: Path):
     make_manager(tmp_path)[1].mount("sft", "bad")  # float32 activations hold it
 
 
-def test_bfloat16_weights_are_checked_as_the_others(tmp_path: Path):
+def test_bfloat16_weights_are_checked_as_the_others(tmp_path: Path, finiteness_check: str):
     """bfloat16, which NumPy cannot read, takes the same checks: a NaN is refused naming the
     tensor, finite values mount."""
     _, manager = make_manager(tmp_path)
