@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from hotlora.adapters.residency import Residency
 
 
+LOAD_PRECEDENCE_S = 0.1  # the longest a step waits for loads in flight before it runs
+
+
 class SingleFlight:
     """One load per adapter id at a time: the first caller loads, the others wait for it and get
     its result, or its exception."""
@@ -37,6 +40,7 @@ class SingleFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loads: dict[str, Future[None]] = {}
+        self._idle = threading.Condition(self._lock)  # notified when the last load ends
 
     def run(self, key: str, load: Callable[[], None]) -> None:
         """Run `load` unless a load of `key` is under way; then wait for that one instead."""
@@ -58,6 +62,13 @@ class SingleFlight:
         finally:
             with self._lock:
                 del self._loads[key]
+                if not self._loads:
+                    self._idle.notify_all()
+
+    def wait_idle(self, most: float) -> bool:
+        """Block while any load is under way, `most` seconds at most; whether none is."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._loads, timeout=most)
 
 
 class FirstUseMounts:
@@ -126,6 +137,17 @@ class FirstUseMounts:
             if waiting:
                 with self._lock:
                     self._wait(waiting, -1)
+
+    def yield_to_loads(self, most: float = LOAD_PRECEDENCE_S) -> None:
+        """Block while adapters are being mounted on first use, `most` seconds at most.
+
+        The generation worker calls this before each step. A load is mostly CPU work (~30 ms
+        for a 20 MB adapter on one core), and the requests waiting on it cannot start until it
+        ends: with the decoding threads beside it on a few cores, it took several times as
+        long. So a load goes first, and a step waits for it; a long one (a large file, a slow
+        disk) lets a step run every `most` seconds.
+        """
+        self._loads.wait_idle(most)
 
     def try_select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease | None:
         """`select` without loading: None when an adapter must be mounted first (then call

@@ -199,6 +199,7 @@ class Runtime:
             prefill_chunk=self.settings.prefill_chunk,
             prefill_context_unit=self.settings.prefill_context_unit,
             kv_cache_bytes=self.settings.kv_cache_bytes,
+            before_step=self.adapters.yield_to_loads,
         )
         self.inference = InferenceService(
             self.worker,

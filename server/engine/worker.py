@@ -161,8 +161,12 @@ class GenerationWorker:
         prefill_chunk: int = 192,
         prefill_context_unit: int = 1024,
         kv_cache_bytes: int = 2 << 30,
+        before_step: Callable[[], None] | None = None,
     ):
         self.engine = engine
+        # Run before each step: the adapter manager's `yield_to_loads`, so that a request's
+        # adapter loads without the decoding threads beside it.
+        self.before_step = before_step
         self.max_queue = max_queue
         self.max_unsent = max_unsent
         self.scheduler = Scheduler(
@@ -302,6 +306,8 @@ class GenerationWorker:
                     except Exception as exc:  # noqa: BLE001 - this request fails, others go on
                         log.exception("could not admit a request")
                         ticket.fail_all(exc)
+                if self.before_step is not None and not scheduler.idle:
+                    self.before_step()
                 try:
                     scheduler.step()
                 except Exception as exc:  # noqa: BLE001 - what ran fails, the worker serves on

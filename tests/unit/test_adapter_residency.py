@@ -361,3 +361,26 @@ def test_an_evicted_hand_mount_whose_files_changed_is_not_served(tmp_path):
         select(manager, "sft")
     assert changed.value.code == "adapter_changed" and changed.value.param == "adapter"
     assert resident(manager) == {"dpo"}
+
+
+def test_a_step_waits_for_a_load_in_flight_a_bounded_time(root, slow_reads):
+    """`yield_to_loads`, which the generation worker calls before each step: it returns at once
+    when nothing loads, when the load ends while one runs, and after `most` seconds when the
+    load takes longer, so that a long load lets steps run."""
+    manager = manager_on(root, Heard())
+    began = time.perf_counter()
+    manager.yield_to_loads(most=5.0)
+    assert time.perf_counter() - began < 0.1  # nothing loads
+
+    loading = threading.Thread(target=lambda: select(manager, "a"))
+    loading.start()
+    while not slow_reads:  # the load has begun: its read is held open 0.3 s
+        time.sleep(0.005)
+    began = time.perf_counter()
+    manager.yield_to_loads(most=0.05)
+    waited = time.perf_counter() - began
+    assert 0.04 <= waited < 0.25 and resident(manager) == set()  # bounded; still loading
+    manager.yield_to_loads(most=5.0)
+    assert resident(manager) == {"a"}  # returned when the load ended, not after 5 s
+    assert time.perf_counter() - began < 2.0
+    loading.join(timeout=10)

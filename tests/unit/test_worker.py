@@ -150,3 +150,30 @@ def test_a_reader_that_takes_nothing_ends_its_request_at_the_bound(engine: Engin
     assert len(queued) == 1 and isinstance(queued[0], ClientNotReading)
     assert queued[0].code == "client_not_reading"
     assert cancelled
+
+
+def test_each_step_first_runs_the_before_step_hook(engine: Engine):
+    """The hook the adapter manager's `yield_to_loads` is given to: called before every step,
+    each time with the step still to run, never while the worker has nothing to do."""
+    calls: list[int] = []
+
+    async def scenario() -> list[tuple[int, object]]:
+        worker: GenerationWorker
+
+        def before_step() -> None:
+            calls.append(worker.scheduler.admitted)
+
+        worker = GenerationWorker(engine, before_step=before_step)
+        worker.start()
+        try:
+            await asyncio.sleep(0.2)  # idle: no step, no call
+            assert calls == []
+            return [item async for item in worker.events(worker.submit([job(3)]))]
+        finally:
+            await worker.stop()
+
+    events = asyncio.run(scenario())
+    finished = [e for _, e in events if isinstance(e, Finished)]
+    assert finished and finished[0].completion_tokens == 3
+    # A call before the prefill step and one before each decode step.
+    assert len(calls) >= 3
