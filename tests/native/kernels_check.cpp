@@ -255,14 +255,39 @@ void check_attention(const Kernel& kernel, int G, int D, int S, int shown) {
 
 }  // namespace
 
+// A float16 near v (its bits; truncated, normal or zero) and the float it holds exactly: the
+// kernels read float16 adapters as these floats.
+uint16_t to_half(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  const int exponent = std::min(static_cast<int>((bits >> 23) & 0xff) - 127 + 15, 30);
+  if (exponent <= 0) return sign;
+  return static_cast<uint16_t>(sign | exponent << 10 | ((bits >> 13) & 0x3ff));
+}
+
+float from_half(uint16_t half) {
+  const uint32_t exponent = (half >> 10) & 0x1f;
+  const uint32_t bits = (static_cast<uint32_t>(half & 0x8000) << 16) |
+                        (exponent == 0 ? 0 : (exponent - 15 + 127) << 23 | (half & 0x3ffu) << 13);
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 // One row's activations of one adapter, x [K] @ a [K, r] times a scale, against the scalar
 // sums in the kernel's order: four chains over k, (c0 + c1) + (c2 + c3), then the scale. The
-// same bits, for ranks that fill whole vectors, part of one, or both.
+// same bits, for ranks that fill whole vectors, part of one, or both; from float16 adapters, the
+// same bits as from the float32 values they hold.
 void check_low_rank(const Kernel& kernel, int K, int r) {
-  const auto x = normal(K), a = normal(static_cast<size_t>(K) * r);
+  const auto x = normal(K), values = normal(static_cast<size_t>(K) * r);
+  std::vector<uint16_t> halves(values.size());
+  std::vector<float> a(values.size());
+  for (size_t i = 0; i < values.size(); i++) halves[i] = to_half(values[i]), a[i] = from_half(halves[i]);
   const float scale = 0.75f;
-  std::vector<float> h(r);
+  std::vector<float> h(r), from_halves(r);
   kernel.low_rank(x.data(), a.data(), K, r, scale, h.data());
+  kernel.low_rank_half(x.data(), halves.data(), K, r, scale, from_halves.data());
   for (int j = 0; j < r; j++) {
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int k = 0; k < K; k++)
@@ -270,6 +295,27 @@ void check_low_rank(const Kernel& kernel, int K, int r) {
     const float want = ((c[0] + c[1]) + (c[2] + c[3])) * scale;
     if (std::memcmp(&h[j], &want, sizeof(float)) != 0)
       fail(kernel.isa, "low-rank activations", 1, K, r, 0, j, h[j], want);
+    if (std::memcmp(&from_halves[j], &want, sizeof(float)) != 0)
+      fail(kernel.isa, "low-rank activations of float16", 1, K, r, 0, j, from_halves[j], want);
+  }
+  // The residual h @ b [r, N] added to a row: from float16 b, the bits of its float values.
+  const int N = 37;
+  const auto b_values = normal(static_cast<size_t>(r) * N), start = normal(N);
+  std::vector<uint16_t> b_halves(b_values.size());
+  std::vector<float> b(b_values.size());
+  for (size_t i = 0; i < b.size(); i++) b_halves[i] = to_half(b_values[i]), b[i] = from_half(b_halves[i]);
+  std::vector<int> columns(r);
+  for (int j = 0; j < r; j++) columns[j] = j;
+  auto out = start, out_halves = start;
+  kernel.residuals(h.data(), b.data(), N, columns.data(), r, out.data(), 0, N);
+  kernel.residuals_half(h.data(), b_halves.data(), N, columns.data(), r, out_halves.data(), 0, N);
+  for (int n = 0; n < N; n++) {
+    float want = start[n];
+    for (int j = 0; j < r; j++) want = std::fma(h[j], b[static_cast<size_t>(j) * N + n], want);
+    if (std::memcmp(&out[n], &want, sizeof(float)) != 0)
+      fail(kernel.isa, "residuals", 1, r, N, 0, n, out[n], want);
+    if (std::memcmp(&out_halves[n], &want, sizeof(float)) != 0)
+      fail(kernel.isa, "residuals of float16", 1, r, N, 0, n, out_halves[n], want);
   }
 }
 

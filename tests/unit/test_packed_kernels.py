@@ -198,6 +198,31 @@ def test_a_gathered_rows_result_is_the_same_bits_alone_as_in_any_batch(isa: str)
         assert mx.array_equal(chunked[:, t], whole[:4, 0]).item(), t
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_float16_adapters_give_the_bits_of_the_float32_values_they_hold(isa: str, rows: int):
+    """`--adapter-dtype float16` keeps pairs in float16: the kernel converts each value exactly,
+    so a row's result is the bits of the same kernel on float32 pairs of those values, alone or
+    among other rows, a decode step's or a prompt's."""
+    packed, scales, biases, _ = quantized(300, 576, 4, 32, mx.float16, seed=10)
+    halves = [pair.astype(mx.float16) for pair in gather_operands(576, 300, RANKS, seed=11)]
+    singles = [pair.astype(mx.float32) for pair in halves]
+    x = mx.random.normal((rows, 1, 576), key=mx.random.key(12))
+    entries = plan(row_entries(rows))
+    got = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, halves, *entries)
+    want = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, singles, *entries)
+    assert mx.array_equal(got, want).item()
+
+
+def test_pairs_of_two_dtypes_are_refused():
+    packed, scales, biases, _ = quantized(16, 64, 4, 32, mx.float16, seed=9)
+    pairs = gather_operands(64, 16, (4, 4), seed=1)
+    pairs[2:] = [pair.astype(mx.float16) for pair in pairs[2:]]
+    with pytest.raises(ValueError, match="all float32 or all float16"):
+        native.quant_matmul_gather(
+            mx.ones((2, 64)), packed, scales, biases, 32, 4, pairs, *plan([[(0, 1.0)], [(1, 1.0)]])
+        )
+
+
 @pytest.mark.parametrize(
     ("rows", "plan_values", "message"),
     [
@@ -487,16 +512,23 @@ MANY = {"c": 4, "d": 8, "e": 16, "f": 24, "g": 64, "h": 3}
 MANY_SPECS = ["c", "d+e", "f", "g@0.5+c", "h", "e@-1+h+d", "", "g", "c+d+e+f+g+h", "f@2"]
 
 
-@pytest.fixture
-def many(tmp_path: Path):
-    """(model, manager): the tiny quantized llama served packed, with the six adapters."""
+@pytest.fixture(params=["float32", "float16"])
+def many(tmp_path: Path, request: pytest.FixtureRequest):
+    """(model, manager): the tiny quantized llama served packed, with the six adapters, kept in
+    float32 and (`--adapter-dtype float16`) in float16."""
     model = tiny_model(quantize=True)
     assert install_packed_kernels(model, threads=2).enabled
-    manager = AdapterManager(model, base_id=BASE_ID, adapter_root=tmp_path, max_rank=64)
+    dtype = mx.float16 if request.param == "float16" else mx.float32
+    manager = AdapterManager(
+        model, base_id=BASE_ID, adapter_root=tmp_path, max_rank=64, adapter_dtype=dtype
+    )
     for seed, (adapter_id, rank) in enumerate(MANY.items(), start=3):
         pairs = random_pairs(tiny_model(), rank=rank, seed=seed)
         write_mlx_adapter(tmp_path / adapter_id, pairs, rank=rank)
         manager.mount(adapter_id, adapter_id)
+        assert manager.get(adapter_id).ram_bytes == sum(
+            a.size * dtype.size + b.size * dtype.size for a, b in pairs.values()
+        )
     return model, manager
 
 

@@ -3,12 +3,21 @@
 // that ISA's target. No include guard: each inclusion is another ISA.
 
 // h[j] = scale * (x . a[:, j]) for j < r, one row x [K] against an adapter's A as mounted,
-// a [K, r] row-major (mlx-lm's lora_a): the rank runs along the vector lanes, so A is read
+// a [K, r] row-major (mlx-lm's lora_a), float32 or float16 (quant_kernel.h's load_floats): the rank runs along the vector lanes, so A is read
 // once, row by row. Each sum is four chains of fused multiply-adds over k = u, u + 4, ...
 // (u < 4), added as (c0 + c1) + (c2 + c3), then scaled: a fixed order over K. Every lane, those of
 // the last, partly filled vector too, does the same operations, so h depends neither on the
 // vector width nor on the other rows or adapters of the call.
-inline void low_rank_row(const float* x, const float* a, int K, int r, float scale, float* h) {
+// The first n < kLanes values from p as floats, then zeros.
+inline typename Isa::V load_first_floats(const float* p, int n) { return Isa::load_first(p, n); }
+inline typename Isa::V load_first_floats(const uint16_t* p, int n) {
+  uint16_t lanes[Isa::kLanes] = {};
+  std::memcpy(lanes, p, sizeof(uint16_t) * n);
+  return Isa::load_half(lanes);
+}
+
+template <typename T>
+void low_rank_row(const float* x, const T* a, int K, int r, float scale, float* h) {
   using V = typename Isa::V;
   int j = 0;
   for (; j + Isa::kLanes <= r; j += Isa::kLanes) {
@@ -16,10 +25,10 @@ inline void low_rank_row(const float* x, const float* a, int K, int r, float sca
     int k = 0;
     for (; k + 4 <= K; k += 4)
       for (int u = 0; u < 4; u++)
-        c[u] = Isa::fma(Isa::set1(x[k + u]), Isa::load(a + static_cast<size_t>(k + u) * r + j),
+        c[u] = Isa::fma(Isa::set1(x[k + u]), load_floats(a + static_cast<size_t>(k + u) * r + j),
                         c[u]);
     for (; k < K; k++)
-      c[k % 4] = Isa::fma(Isa::set1(x[k]), Isa::load(a + static_cast<size_t>(k) * r + j),
+      c[k % 4] = Isa::fma(Isa::set1(x[k]), load_floats(a + static_cast<size_t>(k) * r + j),
                           c[k % 4]);
     const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
     Isa::store(h + j, Isa::mul(sum, Isa::set1(scale)));
@@ -31,10 +40,10 @@ inline void low_rank_row(const float* x, const float* a, int K, int r, float sca
     for (; k + 4 <= K; k += 4)
       for (int u = 0; u < 4; u++)
         c[u] = Isa::fma(Isa::set1(x[k + u]),
-                        Isa::load_first(a + static_cast<size_t>(k + u) * r + j, n), c[u]);
+                        load_first_floats(a + static_cast<size_t>(k + u) * r + j, n), c[u]);
     for (; k < K; k++)
       c[k % 4] = Isa::fma(Isa::set1(x[k]),
-                          Isa::load_first(a + static_cast<size_t>(k) * r + j, n), c[k % 4]);
+                          load_first_floats(a + static_cast<size_t>(k) * r + j, n), c[k % 4]);
     const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
     float lanes[Isa::kLanes];
     Isa::store(lanes, Isa::mul(sum, Isa::set1(scale)));

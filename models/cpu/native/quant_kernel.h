@@ -29,6 +29,10 @@ inline float quant_param(const void* p, size_t i, int dtype) {
   return value;
 }
 
+// A float32 as it is, a float16's bits as the float it holds.
+inline float to_float(float value) { return value; }
+inline float to_float(uint16_t half) { return quant_param(&half, 0, 1); }
+
 // The 32 values of a chunk of one weight row (16 bytes at 4 bits, 32 at 8) as floats in
 // registers, `32 / kLanes` vectors: scale * value + bias, rounded as MLX's dequantize rounds it
 // in float32 (a product, then a sum). With float16 scales (`Exact`) the product is exact in
@@ -270,25 +274,32 @@ void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, i
   }
 }
 
-// out[n0:n1] of one row of x += one adapter's low-rank residual, b [R, N]: for the columns r
-// listed (QuantMatmulGather lists all of an adapter's, in order), h[r] * b[r, n] added one at a
-// time (a fused multiply-add each). Each output is its own sequence of operations: its bits
-// depend neither on the vector width nor on columns not listed.
-void add_residuals(const float* h, const float* b, int N, const int* columns, int count,
-                   float* out, int n0, int n1) {
+// b's values as floats, `Isa::kLanes` of them from p: float32 as they are, float16 converted (an
+// exact conversion: the sums that follow are those of the float32 values).
+inline typename Isa::V load_floats(const float* p) { return Isa::load(p); }
+inline typename Isa::V load_floats(const uint16_t* p) { return Isa::load_half(p); }
+
+// out[n0:n1] of one row of x += one adapter's low-rank residual, b [R, N] (float32, or float16
+// as `--adapter-dtype float16` keeps adapters): for the columns r listed (QuantMatmulGather lists
+// all of an adapter's, in order), h[r] * b[r, n] added one at a time (a fused multiply-add each).
+// Each output is its own sequence of operations: its bits depend neither on the vector width nor
+// on columns not listed.
+template <typename T>
+void add_residuals(const float* h, const T* b, int N, const int* columns, int count, float* out,
+                   int n0, int n1) {
   int n = n0;
   for (; n + Isa::kLanes <= n1; n += Isa::kLanes) {
     typename Isa::V acc = Isa::load(out + n);
     for (int i = 0; i < count; i++) {
       const int r = columns[i];
-      acc = Isa::fma(Isa::set1(h[r]), Isa::load(b + static_cast<size_t>(r) * N + n), acc);
+      acc = Isa::fma(Isa::set1(h[r]), load_floats(b + static_cast<size_t>(r) * N + n), acc);
     }
     Isa::store(out + n, acc);
   }
   for (; n < n1; n++) {
     float acc = out[n];
     for (int i = 0; i < count; i++)
-      acc = std::fma(h[columns[i]], b[static_cast<size_t>(columns[i]) * N + n], acc);
+      acc = std::fma(h[columns[i]], to_float(b[static_cast<size_t>(columns[i]) * N + n]), acc);
     out[n] = acc;
   }
 }

@@ -92,8 +92,11 @@ struct Quantized {
 
 using QuantRange = void (*)(const Quantized&, const float*, float*, int, int, int, int, float*,
                             int);
-using Residuals = void (*)(const float*, const float*, int, const int*, int, float*, int, int);
-using LowRank = void (*)(const float*, const float*, int, int, float, float*);
+// The gathered LoRA's kernels, for float32 adapters and for float16 ones (T: uint16_t).
+template <typename T>
+using Residuals = void (*)(const float*, const T*, int, const int*, int, float*, int, int);
+template <typename T>
+using LowRank = void (*)(const float*, const T*, int, int, float, float*);
 
 #if defined(__x86_64__)
 #pragma GCC push_options
@@ -110,6 +113,9 @@ struct Isa {  // 32 vector registers: up to 24 accumulators, the weight rows and
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load_first(const float* p, int n) {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  static V load_half(const uint16_t* p) {  // 16 float16 values, converted exactly
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V set1(float a) { return _mm512_set1_ps(a); }
@@ -192,6 +198,9 @@ struct Isa {  // 16 vector registers: 8 accumulators
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
   }
+  static V load_half(const uint16_t* p) {  // 8 float16 values, converted exactly
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V set1(float a) { return _mm256_set1_ps(a); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -232,6 +241,9 @@ struct Isa {  // 32 vector registers, as AVX-512 has: its register blocks, of 4 
     std::memcpy(lanes, p, sizeof(float) * n);
     return vld1q_f32(lanes);
   }
+  static V load_half(const uint16_t* p) {  // 4 float16 values, converted exactly
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+  }
   static V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
   static V set1(float a) { return vdupq_n_f32(a); }
   static V mul(V a, V b) { return vmulq_f32(a, b); }
@@ -262,8 +274,10 @@ struct Kernel {
   Attend attend;
   Softmax softmax;
   QuantRange quant;
-  Residuals residuals;
-  LowRank low_rank;  // a row's activations of one adapter (gather_kernel.h)
+  Residuals<float> residuals;
+  LowRank<float> low_rank;  // a row's activations of one adapter (gather_kernel.h)
+  Residuals<uint16_t> residuals_half;
+  LowRank<uint16_t> low_rank_half;
 };
 const Kernel kKernels[] = {
 #if defined(__x86_64__)
@@ -273,22 +287,26 @@ const Kernel kKernels[] = {
               __builtin_cpu_supports("f16c");
      },
      avx512vbmi::rows_matmul_range, avx512vbmi::attend, avx512vbmi::softmax_rows,
-     avx512vbmi::quant_matmul_range, avx512vbmi::add_residuals,
-     avx512::low_rank_row},  // its low-rank products are AVX-512's
+     avx512vbmi::quant_matmul_range, avx512vbmi::add_residuals<float>,
+     avx512::low_rank_row<float>, avx512vbmi::add_residuals<uint16_t>,
+     avx512::low_rank_row<uint16_t>},  // its low-rank products are AVX-512's
     {"avx512",
      [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); },
      avx512::rows_matmul_range, avx512::attend, avx512::softmax_rows,
-     avx512::quant_matmul_range, avx512::add_residuals, avx512::low_rank_row},
+     avx512::quant_matmul_range, avx512::add_residuals<float>, avx512::low_rank_row<float>,
+     avx512::add_residuals<uint16_t>, avx512::low_rank_row<uint16_t>},
     {"avx2",
      [] {
        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
               __builtin_cpu_supports("f16c");
      },
      avx2::rows_matmul_range, avx2::attend, avx2::softmax_rows, avx2::quant_matmul_range,
-     avx2::add_residuals, avx2::low_rank_row},
+     avx2::add_residuals<float>, avx2::low_rank_row<float>, avx2::add_residuals<uint16_t>,
+     avx2::low_rank_row<uint16_t>},
 #elif defined(__aarch64__)
     {"neon", [] { return true; }, neon::rows_matmul_range, neon::attend, neon::softmax_rows,
-     neon::quant_matmul_range, neon::add_residuals, neon::low_rank_row},
+     neon::quant_matmul_range, neon::add_residuals<float>, neon::low_rank_row<float>,
+     neon::add_residuals<uint16_t>, neon::low_rank_row<uint16_t>},
 #endif
 };
 
@@ -306,7 +324,7 @@ std::atomic<Range> g_kernel{kWidest ? kWidest->range : nullptr};
 std::atomic<Attend> g_attend{kWidest ? kWidest->attend : nullptr};
 std::atomic<Softmax> g_softmax{kWidest ? kWidest->softmax : nullptr};
 std::atomic<QuantRange> g_quant{kWidest ? kWidest->quant : nullptr};
-std::atomic<Residuals> g_residuals{kWidest ? kWidest->residuals : nullptr};
+std::atomic<const Kernel*> g_gather{kWidest};  // the gathered LoRA's kernels
 
 // A spin-wait's hint to the core that this thread only waits.
 inline void spin_pause() {
@@ -671,13 +689,6 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 // (add_residuals): the operations on a row's outputs are fixed by its own set alone, so its
 // bits are the same alone and beside any other rows and adapters, and no pair is copied.
 
-// The low-rank kernel of the ISA the other kernels use now.
-LowRank current_low_rank() {
-  for (const auto& kernel : kKernels)
-    if (std::strcmp(kernel.isa, g_isa) == 0) return kernel.low_rank;
-  return nullptr;
-}
-
 class QuantMatmulGather : public CpuPrimitive {
  public:
   QuantMatmulGather(mx::Stream stream, int bits, int group, int plan_rows)
@@ -705,9 +716,17 @@ class QuantMatmulGather : public CpuPrimitive {
                       group_, dtype};
     const int32_t* plan = inputs[4 + 2 * pairs].data<int32_t>();
     const float* entry_scales = inputs[5 + 2 * pairs].data<float>();
-    dispatch_rows(stream(), inputs, 1 + 2 * pairs, outputs[0],
-                  [=, quant = g_quant.load(), residuals = g_residuals.load(),
-                   low_rank = current_low_rank()](auto& operands, float* op) {
+    // float16 pairs are read where they are (mounted row-major); float32 ones as RowMajor
+    // operands, packed first in the rare case they are views.
+    const bool half = pairs > 0 && inputs[1].dtype() == mx::float16;
+    std::vector<const uint16_t*> halves;
+    for (int i = 0; half && i < 2 * pairs; i++) {
+      if (!inputs[1 + i].flags().row_contiguous)
+        throw std::invalid_argument("quant_matmul_gather: float16 pairs must be row-contiguous");
+      halves.push_back(inputs[1 + i].data<uint16_t>());
+    }
+    dispatch_rows(stream(), inputs, half ? 1 : 1 + 2 * pairs, outputs[0],
+                  [=, quant = g_quant.load(), gather = g_gather.load()](auto& operands, float* op) {
       const float* xp = operands[0].get();
       const int32_t* offsets = plan;
       const int32_t* adapter = plan + S + 1;
@@ -734,28 +753,47 @@ class QuantMatmulGather : public CpuPrimitive {
       }
       first[M] = static_cast<int>(units.size());
       std::vector<float> activations(floats);
-      std::vector<const float*> a(pairs), b(pairs);
-      for (int i = 0; i < pairs; i++)
-        a[i] = operands[1 + 2 * i].get(), b[i] = operands[2 + 2 * i].get();
-      parallel_rows(static_cast<int>(units.size()), 4, [&](int u0, int u1) {
-        for (int u = u0; u < u1; u++) {
-          const Unit& unit = units[u];
-          low_rank(xp + static_cast<size_t>(unit.m) * K, a[unit.i], K, ranks[unit.i], unit.scale,
-                   activations.data() + unit.h);
-        }
-      }, /*align=*/1);
       std::vector<int> columns(widest);  // every column of an adapter, in order
       for (int r = 0; r < widest; r++) columns[r] = r;
       const int tile_floats = M <= 16 ? 8192 : 32768;
-      parallel_rows(N, 64, [&](int n0, int n1) {
-        thread_local std::vector<float> tile;
-        tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
-        quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
-        for (int m = 0; m < M; m++)
-          for (int u = first[m]; u < first[m + 1]; u++)
-            residuals(activations.data() + units[u].h, b[units[u].i], N, columns.data(),
-                      ranks[units[u].i], op + static_cast<size_t>(m) * N, n0, n1);
-      }, /*align=*/16);  // whole vectors for the residuals: a tail's columns go one at a time
+      // pair[2i], pair[2i + 1]: adapter i's a and b, of T (float, or uint16_t for float16).
+      const auto apply = [&](const auto& pair, auto low_rank, auto residuals) {
+        parallel_rows(static_cast<int>(units.size()), 4, [&](int u0, int u1) {
+          for (int u = u0; u < u1; u++) {
+            const Unit& unit = units[u];
+            low_rank(xp + static_cast<size_t>(unit.m) * K, pair[2 * unit.i], K, ranks[unit.i],
+                     unit.scale, activations.data() + unit.h);
+          }
+        }, /*align=*/1);
+        parallel_rows(N, 64, [&](int n0, int n1) {
+          thread_local std::vector<float> tile;
+          tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
+          quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
+        });
+        // Then each row's residuals, in spans of at least 512 columns: b's rows are read in runs
+        // of 2 KiB or more, which the memory streams, not in a tile's few cache lines each.
+        const int spans = std::max(1, N / 512);
+        const auto bound = [&](int part) {  // multiples of 16: whole vectors but the last
+          const int at = static_cast<int>(static_cast<int64_t>(N) * part / spans);
+          return part == spans ? N : at - at % 16;
+        };
+        parallel_rows(M * spans, 1, [&](int c0, int c1) {
+          for (int c = c0; c < c1; c++) {
+            const int m = c / spans, n0 = bound(c % spans), n1 = bound(c % spans + 1);
+            for (int u = first[m]; u < first[m + 1]; u++)
+              residuals(activations.data() + units[u].h, pair[2 * units[u].i + 1], N,
+                        columns.data(), ranks[units[u].i], op + static_cast<size_t>(m) * N, n0,
+                        n1);
+          }
+        }, /*align=*/1);
+      };
+      if (half) {
+        apply(halves, gather->low_rank_half, gather->residuals_half);
+      } else {
+        std::vector<const float*> pair(2 * pairs);
+        for (int i = 0; i < 2 * pairs; i++) pair[i] = operands[1 + i].get();
+        apply(pair, gather->low_rank, gather->residuals);
+      }
     });
   }
   const char* name() const override { return "QuantMatmulGather"; }
@@ -775,21 +813,22 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
                               const std::vector<mx::array>& pairs, mx::array plan,
                               mx::array entry_scales) {
   check_quantized(x, w, scales, biases, group_size, bits);
-  if (current_low_rank() == nullptr)
+  if (g_gather.load() == nullptr)
     throw std::invalid_argument("quant_matmul_gather: no vector kernel for this CPU");
   const int K = x.shape(-1), N = w.shape(0);
   const int64_t M = x.size() / K;
   if (pairs.size() % 2 != 0)
     throw std::invalid_argument("quant_matmul_gather: pairs is a, b for each adapter");
   const int count = static_cast<int>(pairs.size() / 2);
+  const auto dtype = count > 0 ? pairs[0].dtype() : mx::float32;
   for (int i = 0; i < count; i++) {
     const auto& a = pairs[2 * i];
     const auto& b = pairs[2 * i + 1];
-    if (a.dtype() != mx::float32 || b.dtype() != mx::float32 || a.ndim() != 2 ||
-        b.ndim() != 2 || a.shape(0) != K || a.shape(1) == 0 || b.shape(0) != a.shape(1) ||
-        b.shape(1) != N)
+    if ((dtype != mx::float32 && dtype != mx::float16) || a.dtype() != dtype ||
+        b.dtype() != dtype || a.ndim() != 2 || b.ndim() != 2 || a.shape(0) != K ||
+        a.shape(1) == 0 || b.shape(0) != a.shape(1) || b.shape(1) != N)
       throw std::invalid_argument(
-          "quant_matmul_gather: expected float32 pairs a [K, r], b [r, N]");
+          "quant_matmul_gather: expected pairs a [K, r], b [r, N], all float32 or all float16");
   }
   if (plan.dtype() != mx::int32 || plan.ndim() != 1 || entry_scales.dtype() != mx::float32 ||
       entry_scales.ndim() != 1)
@@ -1320,7 +1359,7 @@ NB_MODULE(_rows_matmul, m) {
         const Kernel* kernel = name.empty() ? nullptr : find_kernel(name);
         if (kernel == nullptr) return false;
         g_kernel = kernel->range, g_attend = kernel->attend, g_softmax = kernel->softmax;
-        g_quant = kernel->quant, g_residuals = kernel->residuals;
+        g_quant = kernel->quant, g_gather = kernel;
         g_isa = kernel->isa;
         return true;
       },
