@@ -87,6 +87,10 @@ class AdapterManager(FirstUseMounts):
     are evicted past it, and mounted again when a request names them. With `auto_mount`, a
     request naming a directory under the adapter root that is not mounted mounts it (its id is
     the directory's name). Concurrent first requests for one adapter share one load.
+
+    Adapters are kept in `adapter_dtype` where the model computes in float32; float16 halves
+    what each adapter holds and what a step reads of it. Where the activations are float16 or
+    bfloat16, adapters are kept in that dtype.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class AdapterManager(FirstUseMounts):
         listeners: Iterable[MountListener] = (),
         budget: Budget | None = None,
         auto_mount: bool = False,
+        adapter_dtype: mx.Dtype = mx.float32,
     ):
         self.base_id = base_id
         self.adapter_root = Path(adapter_root).expanduser().resolve()
@@ -111,7 +116,9 @@ class AdapterManager(FirstUseMounts):
         if not slots:
             log.warning("%s has no q/k/v/o/gate/up/down projections", type(model).__name__)
         dtypes = probe_input_dtypes(model)
-        self._targets = {path: _target(slot, dtypes.get(path)) for path, slot in slots.items()}
+        self._targets = {
+            path: _target(slot, dtypes.get(path), adapter_dtype) for path, slot in slots.items()
+        }
         self._lock = threading.Lock()
         # Mounts and unmounts one at a time: each is recorded in the journal (the mount record,
         # the Ray cluster's registry), which may refuse it, before the table here changes.
@@ -433,7 +440,9 @@ class AdapterManager(FirstUseMounts):
         )
 
 
-def _target(slot: LoRASlot, input_dtype: mx.Dtype | None) -> TargetDims:
+def _target(slot: LoRASlot, input_dtype: mx.Dtype | None, adapter_dtype: mx.Dtype) -> TargetDims:
+    """The slot's shape, and what adapters are kept in there: the activations' dtype where it
+    is a half one, else `adapter_dtype` (float32, or float16 to halve their bytes)."""
     dims = linear_dims(slot.base)
-    dtype = input_dtype if input_dtype is not None and input_dtype in _HALF else mx.float32
-    return TargetDims(dims.in_dims, dims.out_dims, dtype)
+    half = input_dtype is not None and input_dtype in _HALF
+    return TargetDims(dims.in_dims, dims.out_dims, input_dtype if half else adapter_dtype)

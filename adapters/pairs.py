@@ -113,7 +113,7 @@ def _check_finite(tensors: list[tuple[str, mx.array, mx.array]]) -> None:
         if not ok:
             raise InvalidAdapter(
                 f"the tensor {name} has values beyond the range of {_dtype_name(mounted.dtype)}, "
-                "the dtype this base model's activations use"
+                "the dtype this server keeps adapters in (its activations', or --adapter-dtype)"
             )
 
 

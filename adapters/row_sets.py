@@ -106,6 +106,8 @@ class SideBySide:
         return a_cat, b_cat, tuple(layout)
 
 
+_GATHERED = (mx.float32, mx.float16)  # the pairs' dtypes the gathered kernel reads
+
 # One slot's operands of the gathered kernel: each adapter's pair as mounted, once ([in, r],
 # [r, out], flat), the plan (int32 [S + 1 + E]) and its entries' scales (float32 [E]).
 _Gather = tuple[list[mx.array], mx.array, mx.array]
@@ -129,7 +131,7 @@ class GatheredRows:
     def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array | None:
         """`base(x)` plus each row's residuals through the packed kernel (x [S, L, in], S the
         rows, or any shape for one row); None where that kernel does not serve (other weights,
-        inputs or adapters than float32)."""
+        inputs than float32, adapters other than float32 or float16 or of both)."""
         if not (serves_every_row(base) and serves_rows(x, base)):
             return None
         if path not in self._slots:
@@ -146,13 +148,15 @@ class GatheredRows:
         index: dict[MountedAdapter, int] = {}  # in order of first use
         pairs: list[mx.array] = []
         rows: list[tuple[tuple[int, float], ...]] = []
+        dtype: mx.Dtype | None = None  # the pairs', one for all: float32 or float16
         for row in self._rows:
             entries: list[tuple[int, float]] = []
             for entry in row:
                 pair = entry.mounted.adapter.weights.get(path)
                 if pair is None or entry.weight == 0.0:
                     continue  # adds nothing here
-                if pair[0].dtype != mx.float32 or pair[1].dtype != mx.float32:
+                dtype = dtype or pair[0].dtype
+                if dtype not in _GATHERED or pair[0].dtype != dtype or pair[1].dtype != dtype:
                     return None
                 if entry.mounted not in index:
                     index[entry.mounted] = len(index)

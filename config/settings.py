@@ -222,6 +222,14 @@ class Settings(BaseSettings):
         "mounted, whose directory of that name is under the adapter root, mounts it (requests "
         "that ask at once share one load). Off: only admin mounts are served.",
     )
+    adapter_dtype: Literal["float32", "float16"] = Field(
+        default="float32",
+        description="What adapters are kept in where the model computes in float32 (the CPU): "
+        "float16 halves their memory and what a decode step reads of them, the step's cost "
+        "with many distinct adapters; their values are rounded to float16 when mounted (values "
+        "past its range are refused). Where activations are float16 or bfloat16, adapters are "
+        "kept in that dtype.",
+    )
     max_mounted_adapters: int | None = Field(
         default=None,
         ge=1,

@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import mlx.core as mx
+
 from hotlora.adapters import AdapterManager, Budget, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
@@ -177,6 +179,7 @@ class Runtime:
             listeners=[self.metrics.adapter_changed],
             budget=Budget(self.settings.max_mounted_adapters, self.settings.adapter_memory_bytes),
             auto_mount=self.settings.auto_mount,
+            adapter_dtype=mx.float16 if self.settings.adapter_dtype == "float16" else mx.float32,
         )
         if self.mount_store is not None:
             with self._phase("adapter restore"):

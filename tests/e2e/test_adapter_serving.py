@@ -199,6 +199,60 @@ def test_stack_logits_equal_one_concatenated_adapter(
         assert mx.abs(got - in_process.logits(single)).max().item() > 1.0
 
 
+@pytest.fixture(scope="module")
+def packed(
+    model_dir: Path, trained_adapters: TrainedAdapters, hotlora_home: Path
+) -> dict[str, InProcess]:
+    """The model as a CPU server serves it (packed 4-bit weights, native kernels), with the
+    adapters kept in float32 (the default) and in float16 (`--adapter-dtype float16`): one
+    model, an adapter manager for each."""
+    from hotlora.adapters import AdapterManager
+    from hotlora.config.settings import Settings
+    from hotlora.models.cpu import prepare_cpu
+    from hotlora.models.loader import load_model_dir
+
+    loaded = load_model_dir(model_dir)
+    settings = Settings(home=hotlora_home)
+    prepare_cpu(
+        loaded.model,
+        weights=settings.cpu_weights,
+        float_budget=settings.cpu_float_budget_bytes,
+        vector_jit=settings.cpu_vector_jit,
+        batch_kernels=settings.cpu_batch_matmul,
+        home=settings.home,
+    )
+    prompt = mx.array([loaded.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)])
+    kept = {}
+    for name, dtype in (("float32", mx.float32), ("float16", mx.float16)):
+        manager = AdapterManager(
+            loaded.model,
+            base_id=model_dir.name,
+            adapter_root=trained_adapters.root,
+            max_rank=64,
+            adapter_dtype=dtype,
+        )
+        for adapter, path in trained_adapters.paths.items():
+            manager.mount(adapter, path)
+        kept[name] = InProcess(loaded.model, manager, prompt)
+    return kept
+
+
+@pytest.mark.parametrize("name", ["pirate", "fortytwo"])
+def test_float16_adapters_stay_within_the_tolerance_of_float32_ones(
+    packed: dict[str, InProcess], trained_adapters: TrainedAdapters, name: str
+):
+    """Rounded to float16 when mounted, an adapter holds half the memory and its logits stay
+    within 1e-4 of the largest logit of the same adapter kept in float32 (the packed path's
+    own agreement with mlx-lm's float32 reference is tested on its own)."""
+    stored = mx.load(str(trained_adapters[name] / "adapters.safetensors")).values()
+    assert packed["float16"].manager.get(name).ram_bytes * 2 == sum(a.nbytes for a in stored)
+    assert packed["float32"].manager.get(name).ram_bytes == sum(a.nbytes for a in stored)
+    single, half = packed["float32"].logits(name), packed["float16"].logits(name)
+    assert not mx.array_equal(single, half).item()  # really rounded
+    assert_close(half, single)
+    assert mx.abs(single - packed["float32"].logits("")).max().item() > 1.0
+
+
 # Behaviour over HTTP.
 
 
@@ -325,3 +379,25 @@ def test_mount_unmount_churn_keeps_memory_flat(api: Api, trained_adapters: Train
     assert api.adapters() == {}
     assert [card.id for card in api.client.models.list().data] == [api.base_id]
     assert api.text() == api.base_first
+
+
+def test_a_server_keeping_adapters_in_float16_answers_as_trained(
+    api: Api, model_dir: Path, trained_adapters: TrainedAdapters
+):
+    """`--adapter-dtype float16`: each adapter holds half the memory, and answers as trained,
+    alone and beside the other adapter in one batch."""
+    spec = hotlora_spec(
+        "--model", str(model_dir), "--adapter-dtype", "float16",
+        *trained_adapters.serve_args("pirate", "fortytwo"),
+    )  # fmt: skip
+    with ServerProcess(spec) as server:
+        half = Api(server, model_dir.name)
+        try:
+            cards = half.adapters()
+            assert cards["pirate"]["ram_bytes"] * 2 == api.adapters()["pirate"]["ram_bytes"]
+            assert half.text("pirate") == PIRATE and half.text("fortytwo") == FORTYTWO
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(half.text, ["pirate", "fortytwo"] * 2))
+            assert answers == [PIRATE, FORTYTWO] * 2
+        finally:
+            half.http.close()

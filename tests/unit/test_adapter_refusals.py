@@ -462,17 +462,26 @@ def test_a_value_not_finite_anywhere_is_refused_naming_its_tensor(
     assert manager.mount("sft", "good").mounted_layers == len(pairs)
 
 
-def test_values_past_the_half_precision_range_are_refused(tmp_path: Path, finiteness_check: str):
-    """float32 values the float16 activations cannot hold would turn into inf once mounted."""
+@pytest.mark.parametrize("kept_in", ["float16 activations", "--adapter-dtype float16"])
+def test_values_past_the_half_precision_range_are_refused(
+    tmp_path: Path, finiteness_check: str, kept_in: str
+):
+    """float32 values that float16 cannot hold would turn into inf once mounted in float16:
+    where the activations are float16, or where the server keeps adapters in float16."""
     model = tiny_model()
-    model.set_dtype(mx.float16)
-    manager = AdapterManager(model, base_id="tiny", adapter_root=tmp_path, max_rank=8)
+    if kept_in == "float16 activations":
+        model.set_dtype(mx.float16)
+        manager = AdapterManager(model, base_id="tiny", adapter_root=tmp_path, max_rank=8)
+    else:
+        manager = AdapterManager(
+            model, base_id="tiny", adapter_root=tmp_path, max_rank=8, adapter_dtype=mx.float16
+        )
     poisoned(tmp_path, "b", 1e6)
     with pytest.raises(InvalidAdapter) as caught:
         manager.mount("sft", "bad")
     assert str(caught.value) == (
-        f"the tensor {Q}.lora_b has values beyond the range of float16, the dtype this base "
-        "model's activations use"
+        f"the tensor {Q}.lora_b has values beyond the range of float16, the dtype this server "
+        "keeps adapters in (its activations', or --adapter-dtype)"
     )
     assert manager.list() == []
     make_manager(tmp_path)[1].mount("sft", "bad")  # float32 activations hold it
