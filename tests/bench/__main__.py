@@ -18,7 +18,8 @@ the embedded model and a ~0.8B random llama, 1 to 16 streams, prefill, peak RSS,
                           [--max-tokens 128] [--clients 8] [--concurrency-tokens 96]
                           [--concurrency-rounds 5] [--prefill-tokens 8000] [--prefill-rounds 1]
                           [--cpu-models embedded,1b] [--cpu-streams 1,8,16] [--cpu-tokens 96]
-                          [--cpu-prefill-tokens 1250] [--cpu-adapters 16] [--cpu-rounds 1]
+                          [--cpu-prefill-tokens 1250] [--cpu-adapters 16]
+                          [--cpu-adapter-dtype float32|float16] [--cpu-rounds 1]
                           [--cpu-cache DIR] [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
@@ -270,6 +271,7 @@ def section_cpu(args: argparse.Namespace, model_dir: Path) -> SectionResult:
         tokens=args.cpu_tokens,
         prefill_tokens=args.cpu_prefill_tokens,
         adapters=args.cpu_adapters,
+        adapter_dtype=args.cpu_adapter_dtype,
         rounds=args.cpu_rounds,
         cache=args.cpu_cache,
     )
@@ -380,6 +382,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=16,
         help="Rows with an adapter each on hotlora in section cpu; 0 leaves them out.",
+    )
+    p.add_argument(
+        "--cpu-adapter-dtype",
+        choices=["float32", "float16"],
+        default="float32",
+        help="hotlora's --adapter-dtype for those rows in section cpu.",
     )
     p.add_argument("--cpu-rounds", type=int, default=1, help="Rounds per server in section cpu.")
     p.add_argument(

@@ -14,9 +14,10 @@ first token and decode tokens/s per stream, and the aggregate (all tokens / wall
 `--cpu-prefill-tokens` (1,250) token prompt's prefill tokens/s (`/v1/completions`, one new
 token); the server's peak RSS (its VmHWM, or the polled RSS of it and its children when larger).
 Then on hotlora alone: `--cpu-adapters` (16) random rank-16 adapters on every projection are
-mounted, and that many rows, each with an adapter of its own, run beside a base-only run of as
-many rows on the same server, alternating per round; their ratio is the median of the per-round
-ratios. `LLAMA_SERVER` names llama.cpp's server, else one is built once (tests/bench/llama_cpp.py).
+mounted (kept in `--cpu-adapter-dtype`, float32 by default), and that many rows, each with an
+adapter of its own, run beside a base-only run of as many rows on the same server, alternating
+per round; their ratio is the median of the per-round ratios. `LLAMA_SERVER` names llama.cpp's
+server, else one is built once (tests/bench/llama_cpp.py).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Options:
     tokens: int = 96
     prefill_tokens: int = 1250
     adapters: int = 16
+    adapter_dtype: str = "float32"  # hotlora's --adapter-dtype
     rounds: int = 1
     cache: Path = Path(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir()) / "hotlora-bench"
 
@@ -305,7 +307,8 @@ def comparison(runs: dict[str, SystemRun], options: Options) -> list[str]:
         adapters = statistics.median(a.aggregate for a, _ in hot.adapter_rounds)
         base = statistics.median(b.aggregate for _, b in hot.adapter_rounds)
         notes.append(
-            f"hotlora, {rows} rows with {rows} distinct rank-16 adapters: {adapters:.1f} tok/s "
+            f"hotlora, {rows} rows with {rows} distinct rank-16 adapters "
+            f"(--adapter-dtype {options.adapter_dtype}): {adapters:.1f} tok/s "
             f"aggregate, {ratio:.2f}x its base-only {rows} rows beside them ({base:.1f} tok/s); "
             f"peak RSS with them mounted {hot.adapters_rss_mb:.0f} MB"
         )
@@ -380,6 +383,8 @@ def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
             str(max(most, options.adapters)),
             "--adapter-root",
             str(adapter_root),
+            "--adapter-dtype",
+            options.adapter_dtype,
         ]
         slot_context = options.prefill_tokens + options.tokens + 256
         specs: list[tuple[ServerSpec, list[str]]] = [
