@@ -110,7 +110,7 @@ _GATHERED = (mx.float32, mx.float16)  # the pairs' dtypes the gathered kernel re
 
 # One slot's operands of the gathered kernel: each adapter's pair as mounted, once ([in, r],
 # [r, out], flat), the plan (int32 [S + 1 + E]) and its entries' scales (float32 [E]).
-_Gather = tuple[list[mx.array], mx.array, mx.array]
+Gather = tuple[list[mx.array], mx.array, mx.array]
 
 
 class GatheredRows:
@@ -125,26 +125,32 @@ class GatheredRows:
     def __init__(self, rows: Sequence[AdapterSet]):
         # The rows' entries, not their sets: `lone_rows` keeps this beside a set it holds weakly.
         self._rows = tuple(adapters.entries for adapters in rows)
-        self._slots: dict[str, _Gather | None] = {}
+        self._slots: dict[str, Gather | None] = {}
         self._plans: dict[tuple[tuple[tuple[int, float], ...], ...], tuple[mx.array, mx.array]] = {}
 
     def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array | None:
         """`base(x)` plus each row's residuals through the packed kernel (x [S, L, in], S the
         rows, or any shape for one row); None where that kernel does not serve (other weights,
         inputs than float32, adapters other than float32 or float16 or of both)."""
-        if not (serves_every_row(base) and serves_rows(x, base)):
+        operands = self.operands(path, x, base)
+        if operands is None:
             return None
-        if path not in self._slots:
-            self._slots[path] = self._slot(path)
-        slot = self._slots[path]
-        if slot is None:
-            return None
-        pairs, plan, scales = slot
+        pairs, plan, scales = operands
         if not pairs:
             return base(x)
         return lora_gather(x, base, pairs, plan, scales)
 
-    def _slot(self, path: str) -> _Gather | None:
+    def operands(self, path: str, x: mx.array, base: nn.Module) -> Gather | None:
+        """The gathered kernel's operands at `path` for this call: each adapter's pair once (none
+        when no row's adapters have weights there), the plan and its scales; None where that
+        kernel does not serve (see `project`)."""
+        if not (serves_every_row(base) and serves_rows(x, base)):
+            return None
+        if path not in self._slots:
+            self._slots[path] = self._slot(path)
+        return self._slots[path]
+
+    def _slot(self, path: str) -> Gather | None:
         index: dict[MountedAdapter, int] = {}  # in order of first use
         pairs: list[mx.array] = []
         rows: list[tuple[tuple[int, float], ...]] = []

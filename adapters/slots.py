@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet
 from hotlora.adapters.projections import find_targets, replace_module
-from hotlora.adapters.row_sets import RowAdapters, lone_rows
+from hotlora.adapters.row_sets import Gather, RowAdapters, lone_rows
 from hotlora.models.cpu.layers import serves_every_row
 
 
@@ -62,6 +62,24 @@ class LoRASlot(nn.Module):
         """The base projection when no adapter applies to calls made now (in this context), so
         that a layer may compute it together with its neighbours; None while a set is active."""
         return self.base if _ACTIVE.get() is None else None
+
+    def gathered(self, x: mx.array) -> tuple[nn.Module, Gather | None] | None:
+        """What a layer needs to compute this call of the projection together with its
+        neighbours' (its base product among theirs), then add the residuals: the base
+        projection and the gathered kernel's operands (None: no adapter applies); None when the
+        residuals of the set active now do not take that kernel here."""
+        active = _ACTIVE.get()
+        if active is None:
+            return self.base, None
+        if isinstance(active, RowAdapters):
+            operands = active.gathered.operands(self.path, x, self.base)
+        elif isinstance(active, AdapterSet) and serves_every_row(self.base):
+            operands = lone_rows(active).operands(self.path, x, self.base)
+        else:
+            return None
+        if operands is None:
+            return None
+        return self.base, operands if operands[0] else None
 
 
 @contextmanager

@@ -10,10 +10,13 @@ product is the packed kernel's, on the same rows, so the results are the same bi
 separate layers' (in any batch and any chunking, as those are).
 
 A layer takes the fused path when its projections are packed (`RowsQuantizedLinear`) with one
-quantization and no bias, and no adapter applies to the call: while an adapter set is active
-(one for the batch, or one per row) each projection is called on its own, through its LoRA slot,
-which adds its residual. Only mlx-lm's llama module (llama, mistral and the models it builds)
-takes these classes; the other families keep their own attention and MLP on the packed layers.
+quantization and no bias. While an adapter set is active (one for the batch, or one per row),
+the base products stay fused and each projection's residuals are added to its output by the
+gathered kernel (`gather_residuals`), to the bits its LoRA slot's own call gives; where that
+kernel does not serve (other adapter dtypes; a prompt's q, k and v, whose heads-major outputs
+do not hold the tokens in rows' order), each projection is called on its own, through its slot.
+Only mlx-lm's llama module (llama, mistral and the models it builds) takes these classes; the
+other families keep their own attention and MLP on the packed layers.
 """
 
 from __future__ import annotations
@@ -30,48 +33,63 @@ from hotlora.models.cpu.attention import merged_rows_attention
 from hotlora.models.cpu.layers import RowsQuantizedLinear
 from hotlora.models.module_classes import swap_classes
 
+# A projection's part of a fused call: its packed layer, and the gathered kernel's operands of
+# the residuals its adapters add (adapters' pairs, plan, scales), None where none apply.
+_Part = tuple[RowsQuantizedLinear, tuple[list[mx.array], mx.array, mx.array] | None]
 
-def _bare(projection: nn.Module) -> RowsQuantizedLinear | None:
-    """The packed layer that computes this projection's call alone, if one does: the layer
-    itself, or the base of a LoRA slot no adapter applies to (its `bare_projection`)."""
-    layer: object = projection
-    if not isinstance(layer, RowsQuantizedLinear):
-        bare = getattr(projection, "bare_projection", None)
-        layer = bare() if callable(bare) else None
+
+def _part(projection: nn.Module, x: mx.array) -> _Part | None:
+    """How a fused call computes this projection: the packed layer itself, or the base of its
+    LoRA slot with the residuals of the adapters active now (`gathered`); None when it cannot."""
+    if isinstance(projection, RowsQuantizedLinear):
+        return (projection, None) if "bias" not in projection else None
+    gathered = getattr(projection, "gathered", None)
+    found = gathered(x) if callable(gathered) else None
+    if found is None:
+        return None
+    layer, operands = found
     if isinstance(layer, RowsQuantizedLinear) and "bias" not in layer:
-        return layer
+        return layer, operands
     return None
 
 
 def fused_products(
     x: mx.array, projections: Sequence[nn.Module], heads: list[int]
 ) -> list[mx.array] | None:
-    """`projection(x)` for each of `projections` as one primitive, or None when the fused path
-    does not take them (see the module's docstring). x [B, L, K] float32; output j is
-    [B, heads[j], L, out_j / heads[j]] (the attention's layout), or [B, L, out_j] for 0."""
+    """`projection(x)` for each of `projections`, their base products as one primitive, or None
+    when the fused path does not take them (see the module's docstring). x [B, L, K] float32;
+    output j is [B, heads[j], L, out_j / heads[j]] (the attention's layout), or [B, L, out_j]
+    for 0. A projection whose adapters apply adds their residuals after (`gather_residuals`,
+    the same bits as its LoRA slot's own call), where its output is rows of x in order: in the
+    attention's layout, at one token a row."""
     native = extension.native
     if native is None or x.ndim != 3 or x.dtype != mx.float32 or x.size == 0:
         return None
-    layers = [_bare(p) for p in projections]
-    first = layers[0]
-    if first is None or any(
-        layer is None
-        or layer.bits != first.bits
-        or layer.group_size != first.group_size
-        or layer.scales.dtype != first.scales.dtype
-        for layer in layers
-    ):
+    parts = [_part(p, x) for p in projections]
+    if any(part is None for part in parts):
         return None
-    packed = [layer for layer in layers if layer is not None]
-    return native.quant_matmul_heads(
+    found = [part for part in parts if part is not None]
+    first = found[0][0]
+    for (layer, operands), heads_j in zip(found, heads, strict=True):
+        if layer.bits != first.bits or layer.group_size != first.group_size:
+            return None
+        if layer.scales.dtype != first.scales.dtype:
+            return None
+        if operands is not None and heads_j and x.shape[1] != 1:
+            return None  # heads-major, tokens not in rows' order
+    outputs = native.quant_matmul_heads(
         x,
-        [layer.weight for layer in packed],
-        [layer.scales for layer in packed],
-        [layer.biases for layer in packed],
+        [layer.weight for layer, _ in found],
+        [layer.scales for layer, _ in found],
+        [layer.biases for layer, _ in found],
         heads,
         first.group_size,
         first.bits,
     )
+    return [
+        y if operands is None else native.gather_residuals(y, x, *operands)
+        for y, (_, operands) in zip(outputs, found, strict=True)
+    ]
 
 
 class FusedAttention(llama.Attention):

@@ -9,6 +9,7 @@ aggregate tokens/s of both, adapters mounted on first use against the base (rati
 loads' latency (p50/p95, from the server's `hotlora_adapter_load_seconds` histogram), the
 evictions, and the server's peak RSS. First, `--cold-loads` (20) mounts of one rank-16 adapter
 on every projection (19 MB on the embedded model) in this process: their latency p50/p95.
+The servers keep adapters in `--adapter-dtype` (float32, as a server does by default).
 
 Then whether what is mounted costs anything when it is not used: two servers, one with
 `--mounted` (200) adapters mounted (rank `--mounted-rank`, 8) and one with none, take turns
@@ -17,7 +18,8 @@ median gap between a stream's tokens) and aggregate tokens/s.
 
     python -m tests.bench.adapters_at_scale [--adapters 1000] [--hot 100] [--cap 32]
         [--clients 8] [--seconds 60] [--rounds 2] [--max-tokens 32] [--mounted 200]
-        [--mounted-rank 8] [--cold-loads 20] [--root DIR] [--model DIR]
+        [--mounted-rank 8] [--cold-loads 20] [--adapter-dtype float32|float16] [--root DIR]
+        [--model DIR]
 
 A measurement, not a test: it exits 0 whatever the figures.
 """
@@ -80,7 +82,9 @@ def write_adapters(model_dir: Path, root: Path, names: list[str], ranks: list[in
     return written
 
 
-def cold_loads(model_dir: Path, root: Path, loads: int, rank: int = 16) -> dict[str, float]:
+def cold_loads(
+    model_dir: Path, root: Path, loads: int, rank: int = 16, dtype: str = "float32"
+) -> dict[str, float]:
     """Mount and unmount one rank-`rank` adapter on every projection `loads` times in this
     process, through the adapter manager on the model prepared as a server with the default
     settings prepares it (the adapters' dtype follows its activations): each mount's latency,
@@ -104,7 +108,9 @@ def cold_loads(model_dir: Path, root: Path, loads: int, rank: int = 16) -> dict[
         batch_kernels=settings.cpu_batch_matmul,
         home=settings.home,
     )
-    manager = AdapterManager(model, base_id="base", adapter_root=root, max_rank=rank)
+    manager = AdapterManager(
+        model, base_id="base", adapter_root=root, max_rank=rank, adapter_dtype=getattr(mx, dtype)
+    )
     seconds = []
     for _ in range(loads):
         began = time.perf_counter()
@@ -252,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         "--cold-loads", type=int, default=20, help="in-process rank-16 mounts timed (0: skip)"
     )
     parser.add_argument("--root", type=Path, default=None, help="adapter root (kept)")
+    parser.add_argument(
+        "--adapter-dtype",
+        choices=["float32", "float16"],
+        default="float32",
+        help="the servers' --adapter-dtype",
+    )
     add_model_args(parser)
     args = parser.parse_args(argv)
     model_dir = resolve_model(args)
@@ -276,11 +288,17 @@ def main(argv: list[str] | None = None) -> int:
         "clients": args.clients,
         "seconds": args.seconds,
         "max_tokens": args.max_tokens,
+        "adapter_dtype": args.adapter_dtype,
     }
     if args.cold_loads:
-        report["cold_load_rank16"] = cold_loads(model_dir, root, args.cold_loads)
+        report["cold_load_rank16"] = cold_loads(
+            model_dir, root, args.cold_loads, dtype=args.adapter_dtype
+        )
 
-    serve = ["--model", str(model_dir), "--adapter-root", str(root), "--max-batch", "16"]
+    serve = [
+        *("--model", str(model_dir), "--adapter-root", str(root), "--max-batch", "16"),
+        *("--adapter-dtype", args.adapter_dtype),
+    ]
     lazy = ServerProcess(
         hotlora_spec(*serve, "--auto-mount", "--max-mounted-adapters", str(args.cap))
     )

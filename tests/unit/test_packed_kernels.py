@@ -409,8 +409,10 @@ def step_products(model: nn.Module, tmp_path: Path, rows: int) -> dict[str, int]
     text = dot.read_text()
     return {
         name: text.count(f'label ="{name}"') + text.count(f'label="{name}"')
-        for name in ("QuantMatmul", "QuantMatmulHeads", "Transpose")
-    }
+        for name in (
+            "QuantMatmul", "QuantMatmulHeads", "QuantMatmulGather", "GatherResiduals", "Transpose"
+        )
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -422,6 +424,27 @@ def test_a_decode_steps_layer_takes_two_fused_products_and_two_alone(packed, tmp
     assert step_products(model, tmp_path, rows) == {
         "QuantMatmul": 2 * layers + 1,  # o_proj and down_proj, then the tied output layer
         "QuantMatmulHeads": 2 * layers,
+        "QuantMatmulGather": 0,
+        "GatherResiduals": 0,
+        "Transpose": 0,
+    }
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_under_adapters_the_base_products_stay_fused(packed, tmp_path, rows):
+    """A decode step whose rows each have their own adapters: q, k and v still one product,
+    gate and up another, each of the five then adding its rows' residuals; o and down take the
+    gathered kernel alone."""
+    model, manager = packed
+    layers = len(model.layers)
+    sets = [adapter_set(manager, spec) for spec in ("a", "b", "a+b")[:rows]]
+    with activate(RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]):
+        counted = step_products(model, tmp_path, rows)
+    assert counted == {
+        "QuantMatmul": 1,  # the tied output layer
+        "QuantMatmulHeads": 2 * layers,
+        "QuantMatmulGather": 2 * layers,  # o_proj and down_proj
+        "GatherResiduals": 5 * layers,
         "Transpose": 0,
     }
 
@@ -429,7 +452,8 @@ def test_a_decode_steps_layer_takes_two_fused_products_and_two_alone(packed, tmp
 def test_fused_layers_give_the_separate_layers_bits_and_yield_to_adapters(packed):
     """Prefill and decode steps alone and batched, on the base and under an adapter set: the
     fused model's logits are those of the same layers under mlx-lm's own classes, to the bit
-    (under a set, each projection takes its slot, which adds the set's residual)."""
+    (under a set, the fused base products and their residuals added after against each
+    projection's slot adding its residual to its own product)."""
     model, manager = packed
     assert {FusedAttention, FusedMLP} <= {type(m) for _, m in model.named_modules()}
 

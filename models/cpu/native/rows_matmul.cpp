@@ -689,33 +689,50 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 // (add_residuals): the operations on a row's outputs are fixed by its own set alone, so its
 // bits are the same alone and beside any other rows and adapters, and no pair is copied.
 
+//
+// GatherResiduals is the same residuals added to a base output computed elsewhere (y, one of
+// quant_matmul_heads' outputs): the same operations on each output, so the same bits.
 class QuantMatmulGather : public CpuPrimitive {
  public:
+  // bits 0: add to y (GatherResiduals) rather than compute the base product.
   QuantMatmulGather(mx::Stream stream, int bits, int group, int plan_rows)
       : CpuPrimitive(stream), bits_(bits), group_(group), plan_rows_(plan_rows) {}
 
   // inputs: x [..., K] (M rows, M / plan_rows a row of the plan), then a_i [K, r_i] and
-  // b_i [r_i, N] for each adapter i, then w, scales, biases as QuantMatmul's, then the plan:
-  // int32 [S + 1 + E], S + 1 offsets into its E entries (row s's are [offsets[s],
-  // offsets[s + 1])), then each entry's adapter i; and float32 [E], each entry's scale.
+  // b_i [r_i, N] for each adapter i, then w, scales, biases as QuantMatmul's (or y, M rows of
+  // N, alone), then the plan: int32 [S + 1 + E], S + 1 offsets into its E entries (row s's are
+  // [offsets[s], offsets[s + 1])), then each entry's adapter i; and float32 [E], each entry's
+  // scale.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
-    const int pairs = (static_cast<int>(inputs.size()) - 6) / 2;
-    const auto& w = inputs[1 + 2 * pairs];
-    const auto& scales = inputs[2 + 2 * pairs];
-    const auto& biases = inputs[3 + 2 * pairs];
-    for (const auto* a : {&w, &scales, &biases})
-      if (!a->flags().row_contiguous)
+    const bool add = bits_ == 0;
+    const int pairs = (static_cast<int>(inputs.size()) - (add ? 4 : 6)) / 2;
+    const auto& w = inputs[1 + 2 * pairs];  // y when adding
+    const int tail = 2 + 2 * pairs + (add ? 0 : 2);  // the plan's index
+    if (add ? !w.flags().row_contiguous : false)
+      throw std::invalid_argument("gather_residuals: y must be row-contiguous");
+    for (int i = 0; !add && i < 3; i++)
+      if (!inputs[1 + 2 * pairs + i].flags().row_contiguous)
         throw std::invalid_argument("quant_matmul_gather: the weights must be row-contiguous");
-    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K);
+    const int N = add ? static_cast<int>(w.size() / M) : w.shape(0);
     const int S = plan_rows_, per_row = M / S;
     std::vector<int> ranks(pairs);
     for (int i = 0; i < pairs; i++) ranks[i] = inputs[1 + 2 * i].shape(1);
-    const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
-    const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
-                      group_, dtype};
-    const int32_t* plan = inputs[4 + 2 * pairs].data<int32_t>();
-    const float* entry_scales = inputs[5 + 2 * pairs].data<float>();
+    Quantized q;
+    const float* y = nullptr;
+    if (add) {
+      y = w.data<float>();
+    } else {
+      const auto& scales = inputs[2 + 2 * pairs];
+      const auto& biases = inputs[3 + 2 * pairs];
+      const int dtype =
+          scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
+      q = Quantized{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
+                    group_, dtype};
+    }
+    const int32_t* plan = inputs[tail].data<int32_t>();
+    const float* entry_scales = inputs[tail + 1].data<float>();
     // float16 pairs are read where they are (mounted row-major); float32 ones as RowMajor
     // operands, packed first in the rare case they are views.
     const bool half = pairs > 0 && inputs[1].dtype() == mx::float16;
@@ -765,11 +782,15 @@ class QuantMatmulGather : public CpuPrimitive {
                      unit.scale, activations.data() + unit.h);
           }
         }, /*align=*/1);
-        parallel_rows(N, 64, [&](int n0, int n1) {
-          thread_local std::vector<float> tile;
-          tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
-          quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
-        });
+        if (add) {
+          std::memcpy(op, y, sizeof(float) * static_cast<size_t>(M) * N);
+        } else {
+          parallel_rows(N, 64, [&](int n0, int n1) {
+            thread_local std::vector<float> tile;
+            tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
+            quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
+          });
+        }
         // Then each row's residuals, in spans of at least 512 columns: b's rows are read in runs
         // of 2 KiB or more, which the memory streams, not in a tile's few cache lines each.
         const int spans = std::max(1, N / 512);
@@ -796,7 +817,7 @@ class QuantMatmulGather : public CpuPrimitive {
       }
     });
   }
-  const char* name() const override { return "QuantMatmulGather"; }
+  const char* name() const override { return bits_ == 0 ? "GatherResiduals" : "QuantMatmulGather"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulGather&>(other);
     return bits_ == o.bits_ && group_ == o.group_ && plan_rows_ == o.plan_rows_;
@@ -808,17 +829,16 @@ class QuantMatmulGather : public CpuPrimitive {
   int plan_rows_;
 };
 
-mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
-                              const mx::array& biases, int group_size, int bits,
-                              const std::vector<mx::array>& pairs, mx::array plan,
-                              mx::array entry_scales) {
-  check_quantized(x, w, scales, biases, group_size, bits);
+// Checks the pairs (a [K, r], b [r, N], all float32 or all float16) and the plan against x's M
+// rows; returns the plan's rows S.
+int check_gather(const char* name, const mx::array& x, int N,
+                 const std::vector<mx::array>& pairs, mx::array& plan, mx::array& entry_scales) {
   if (g_gather.load() == nullptr)
-    throw std::invalid_argument("quant_matmul_gather: no vector kernel for this CPU");
-  const int K = x.shape(-1), N = w.shape(0);
+    throw std::invalid_argument(std::string(name) + ": no vector kernel for this CPU");
+  const int K = x.shape(-1);
   const int64_t M = x.size() / K;
   if (pairs.size() % 2 != 0)
-    throw std::invalid_argument("quant_matmul_gather: pairs is a, b for each adapter");
+    throw std::invalid_argument(std::string(name) + ": pairs is a, b for each adapter");
   const int count = static_cast<int>(pairs.size() / 2);
   const auto dtype = count > 0 ? pairs[0].dtype() : mx::float32;
   for (int i = 0; i < count; i++) {
@@ -827,28 +847,39 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
     if ((dtype != mx::float32 && dtype != mx::float16) || a.dtype() != dtype ||
         b.dtype() != dtype || a.ndim() != 2 || b.ndim() != 2 || a.shape(0) != K ||
         a.shape(1) == 0 || b.shape(0) != a.shape(1) || b.shape(1) != N)
-      throw std::invalid_argument(
-          "quant_matmul_gather: expected pairs a [K, r], b [r, N], all float32 or all float16");
+      throw std::invalid_argument(std::string(name) +
+                                  ": expected pairs a [K, r], b [r, N], all float32 or all "
+                                  "float16");
   }
   if (plan.dtype() != mx::int32 || plan.ndim() != 1 || entry_scales.dtype() != mx::float32 ||
       entry_scales.ndim() != 1)
-    throw std::invalid_argument(
-        "quant_matmul_gather: expected an int32 plan [S + 1 + E] and float32 scales [E]");
+    throw std::invalid_argument(std::string(name) +
+                                ": expected an int32 plan [S + 1 + E] and float32 scales [E]");
   // The plan is read where the kernel runs: checked here, once, on its values.
   plan.eval(), entry_scales.eval();
   const int E = static_cast<int>(entry_scales.size());
   const int S = static_cast<int>(plan.size()) - 1 - E;
   if (S < 1 || M % S != 0)
-    throw std::invalid_argument(
-        "quant_matmul_gather: the plan's rows must divide x's rows evenly");
+    throw std::invalid_argument(std::string(name) +
+                                ": the plan's rows must divide x's rows evenly");
   const int32_t* p = plan.data<int32_t>();
   bool ok = p[0] == 0 && p[S] == E;
   for (int s = 0; ok && s < S; s++) ok = p[s] <= p[s + 1];
   for (int e = 0; ok && e < E; e++) ok = p[S + 1 + e] >= 0 && p[S + 1 + e] < count;
   if (!ok)
-    throw std::invalid_argument(
-        "quant_matmul_gather: the plan's offsets must rise from 0 to its entries, and each "
-        "entry name one of the pairs");
+    throw std::invalid_argument(std::string(name) +
+                                ": the plan's offsets must rise from 0 to its entries, and each "
+                                "entry name one of the pairs");
+  return S;
+}
+
+mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits,
+                              const std::vector<mx::array>& pairs, mx::array plan,
+                              mx::array entry_scales) {
+  check_quantized(x, w, scales, biases, group_size, bits);
+  const int N = w.shape(0);
+  const int S = check_gather("quant_matmul_gather", x, N, pairs, plan, entry_scales);
   std::vector<mx::array> inputs{x};
   for (const auto& a : pairs) inputs.push_back(a);
   inputs.insert(inputs.end(), {w, scales, biases, plan, entry_scales});
@@ -857,6 +888,25 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32,
                    std::make_shared<QuantMatmulGather>(s, bits, group_size, S),
+                   std::move(inputs));
+}
+
+// y + each row's own adapters' residuals, y a base output of x's M rows, N values a row in
+// row-major order ([..., N], or quant_matmul_heads' [B, heads, 1, head_dim] at one token a
+// row): what quant_matmul_gather adds to its own product, to the same bits.
+mx::array gather_residuals(const mx::array& y, const mx::array& x,
+                           const std::vector<mx::array>& pairs, mx::array plan,
+                           mx::array entry_scales) {
+  if (x.dtype() != mx::float32 || y.dtype() != mx::float32 || x.ndim() < 1 ||
+      x.shape(-1) == 0 || y.size() % (x.size() / x.shape(-1)) != 0)
+    throw std::invalid_argument("gather_residuals: float32 y of x's rows expected");
+  const int N = static_cast<int>(y.size() / (x.size() / x.shape(-1)));
+  const int S = check_gather("gather_residuals", x, N, pairs, plan, entry_scales);
+  std::vector<mx::array> inputs{x};
+  for (const auto& a : pairs) inputs.push_back(a);
+  inputs.insert(inputs.end(), {mx::contiguous(y), plan, entry_scales});
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(y.shape(), mx::float32, std::make_shared<QuantMatmulGather>(s, 0, 0, S),
                    std::move(inputs));
 }
 
@@ -1344,6 +1394,8 @@ NB_MODULE(_rows_matmul, m) {
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "pairs"_a, "plan"_a, "entry_scales"_a);
   m.def("all_finite", &all_finite, "arrays"_a);
+  m.def("gather_residuals", &gather_residuals, "y"_a, "x"_a, "pairs"_a, "plan"_a,
+        "entry_scales"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
