@@ -16,6 +16,14 @@ inline typename Isa::V load_first_floats(const uint16_t* p, int n) {
   return Isa::load_half(lanes);
 }
 
+// The n < kLanes values at a + offset as the first lanes: a whole vector's load where it stays
+// inside the array (size values), the lanes past n holding what follows, never stored; else the
+// n values alone. The first lanes' operations are the same either way.
+template <typename T>
+inline typename Isa::V load_tail(const T* a, size_t offset, size_t size, int n) {
+  return offset + Isa::kLanes <= size ? load_floats(a + offset) : load_first_floats(a + offset, n);
+}
+
 template <typename T>
 void low_rank_row(const float* x, const T* a, int K, int r, float scale, float* h) {
   using V = typename Isa::V;
@@ -35,15 +43,16 @@ void low_rank_row(const float* x, const T* a, int K, int r, float scale, float* 
   }
   if (j < r) {  // the last r - j columns: the same operations, on the first lanes of a vector
     const int n = r - j;
+    const size_t size = static_cast<size_t>(K) * r;
     V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
     int k = 0;
     for (; k + 4 <= K; k += 4)
       for (int u = 0; u < 4; u++)
         c[u] = Isa::fma(Isa::set1(x[k + u]),
-                        load_first_floats(a + static_cast<size_t>(k + u) * r + j, n), c[u]);
+                        load_tail(a, static_cast<size_t>(k + u) * r + j, size, n), c[u]);
     for (; k < K; k++)
-      c[k % 4] = Isa::fma(Isa::set1(x[k]),
-                          load_first_floats(a + static_cast<size_t>(k) * r + j, n), c[k % 4]);
+      c[k % 4] = Isa::fma(Isa::set1(x[k]), load_tail(a, static_cast<size_t>(k) * r + j, size, n),
+                          c[k % 4]);
     const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
     float lanes[Isa::kLanes];
     Isa::store(lanes, Isa::mul(sum, Isa::set1(scale)));

@@ -897,9 +897,12 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
 mx::array gather_residuals(const mx::array& y, const mx::array& x,
                            const std::vector<mx::array>& pairs, mx::array plan,
                            mx::array entry_scales) {
-  if (x.dtype() != mx::float32 || y.dtype() != mx::float32 || x.ndim() < 1 ||
-      x.shape(-1) == 0 || y.size() % (x.size() / x.shape(-1)) != 0)
-    throw std::invalid_argument("gather_residuals: float32 y of x's rows expected");
+  if (x.dtype() != mx::float32 || y.dtype() != mx::float32 || x.ndim() < 2 || y.ndim() < 2 ||
+      x.shape(-1) == 0 || x.size() == 0 || y.shape(0) != x.shape(0) ||
+      y.size() % (x.size() / x.shape(-1)) != 0)
+    throw std::invalid_argument(
+        "gather_residuals: float32 x [B, ..., K] and y [B, ...] holding N values for each of "
+        "x's rows expected");
   const int N = static_cast<int>(y.size() / (x.size() / x.shape(-1)));
   const int S = check_gather("gather_residuals", x, N, pairs, plan, entry_scales);
   std::vector<mx::array> inputs{x};
