@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 
 LOAD_PRECEDENCE_S = 0.1  # the longest a step waits for loads in flight before it runs
+LOAD_PRECEDENCE_FOR_S = 1.0  # loads older than this no longer hold steps back
 
 
 class SingleFlight:
@@ -40,7 +42,8 @@ class SingleFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loads: dict[str, Future[None]] = {}
-        self._idle = threading.Condition(self._lock)  # notified when the last load ends
+        self._started: dict[str, float] = {}  # each load's start, time.monotonic()
+        self._idle = threading.Condition(self._lock)  # notified when a load ends
 
     def run(self, key: str, load: Callable[[], None]) -> None:
         """Run `load` unless a load of `key` is under way; then wait for that one instead."""
@@ -49,6 +52,7 @@ class SingleFlight:
             leader = future is None
             if future is None:
                 future = self._loads[key] = Future()
+                self._started[key] = time.monotonic()
         if not leader:
             future.result()
             return
@@ -61,14 +65,19 @@ class SingleFlight:
             future.set_result(None)
         finally:
             with self._lock:
-                del self._loads[key]
-                if not self._loads:
-                    self._idle.notify_all()
+                del self._loads[key], self._started[key]
+                self._idle.notify_all()
 
-    def wait_idle(self, most: float) -> bool:
-        """Block while any load is under way, `most` seconds at most; whether none is."""
+    def wait_idle(self, most: float, younger: float = LOAD_PRECEDENCE_FOR_S) -> bool:
+        """Block while a load that began less than `younger` seconds ago is under way, `most`
+        seconds at most; whether none is."""
+
+        def idle() -> bool:
+            now = time.monotonic()
+            return all(now - began >= younger for began in self._started.values())
+
         with self._lock:
-            return self._idle.wait_for(lambda: not self._loads, timeout=most)
+            return self._idle.wait_for(idle, timeout=most)
 
 
 class FirstUseMounts:
@@ -144,8 +153,8 @@ class FirstUseMounts:
         The generation worker calls this before each step. A load is mostly CPU work (~30 ms
         for a 20 MB adapter on one core), and the requests waiting on it cannot start until it
         ends: with the decoding threads beside it on a few cores, it took several times as
-        long. So a load goes first, and a step waits for it; a long one (a large file, a slow
-        disk) lets a step run every `most` seconds.
+        long. So a load goes first, and a step waits for it, `most` seconds at most; a load
+        under way for a second or more (a large file, a slow disk) holds no step back.
         """
         self._loads.wait_idle(most)
 

@@ -19,6 +19,7 @@ _TENSOR_NAME = re.compile(r"^(?P<module>.+)\.(?P<half>lora_[aAbB])(?:\.weight)?$
 _SHOWN = 3  # how many offending modules or tensors an error message names
 _PROJECTIONS = " ".join(sorted(TARGET_PROJECTIONS))
 _NUMPY_FLOATS = (mx.float16, mx.float32, mx.float64)  # the float dtypes NumPy reads as they are
+_NATIVE_FLOATS = (mx.float32, mx.float16, mx.bfloat16)  # what the extension's all_finite reads
 # Modules an adapter may carry weights for that no LoRA slot stands in for, by a part of the name.
 _NOT_TARGETS = (
     (("experts", "switch_mlp", "block_sparse_moe"), "MoE expert weights take no LoRA here"),
@@ -127,7 +128,7 @@ def _all_finite(arrays: list[mx.array]) -> list[bool]:
     than the pass itself); bfloat16, which NumPy lacks, is checked by MLX, all such tensors in
     one evaluation.
     """
-    if extension.native is not None:
+    if extension.native is not None and all(array.dtype in _NATIVE_FLOATS for array in arrays):
         return cast(list[bool], extension.native.all_finite(arrays))
     found: dict[int, bool] = {}
     in_mlx: list[int] = []

@@ -58,11 +58,6 @@ class LoRASlot(nn.Module):
                 return y
         return active.apply(self.path, x, self.base(x))
 
-    def bare_projection(self) -> nn.Module | None:
-        """The base projection when no adapter applies to calls made now (in this context), so
-        that a layer may compute it together with its neighbours; None while a set is active."""
-        return self.base if _ACTIVE.get() is None else None
-
     def gathered(self, x: mx.array) -> tuple[nn.Module, Gather | None] | None:
         """What a layer needs to compute this call of the projection together with its
         neighbours' (its base product among theirs), then add the residuals: the base

@@ -224,11 +224,11 @@ class Settings(BaseSettings):
     )
     adapter_dtype: Literal["float32", "float16"] = Field(
         default="float32",
-        description="What adapters are kept in where the model computes in float32 (the CPU): "
-        "float16 halves their memory and what a decode step reads of them, the step's cost "
-        "with many distinct adapters; their values are rounded to float16 when mounted (values "
-        "past its range are refused). Where activations are float16 or bfloat16, adapters are "
-        "kept in that dtype.",
+        description="What adapters are kept in where the packed 4-bit kernels serve (the CPU's "
+        "default for a quantized model): float16 halves their memory and what a decode step "
+        "reads of them, the step's cost with many distinct adapters; their values are rounded "
+        "to float16 when mounted (values past its range are refused). Elsewhere adapters are "
+        "kept in float32, or in the activations' dtype where that is float16 or bfloat16.",
     )
     max_mounted_adapters: int | None = Field(
         default=None,

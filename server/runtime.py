@@ -154,7 +154,7 @@ class Runtime:
     def _build(self, loaded: LoadedModel, path: Path) -> None:
         # Without a GPU: float32 weights when they fit, MLX's JIT flags, the native kernels;
         # the log says which and why.
-        prepare_cpu(
+        setup = prepare_cpu(
             loaded.model,
             weights=self.settings.cpu_weights,
             float_budget=self.settings.cpu_float_budget_bytes,
@@ -179,7 +179,7 @@ class Runtime:
             listeners=[self.metrics.adapter_changed],
             budget=Budget(self.settings.max_mounted_adapters, self.settings.adapter_memory_bytes),
             auto_mount=self.settings.auto_mount,
-            adapter_dtype=mx.float16 if self.settings.adapter_dtype == "float16" else mx.float32,
+            adapter_dtype=self._adapter_dtype(setup.packed),
         )
         if self.mount_store is not None:
             with self._phase("adapter restore"):
@@ -213,6 +213,20 @@ class Runtime:
         )
         self.tokenizing = TokenizingService(self.inference)
         self.embeddings = EmbeddingService(self.inference)
+
+    def _adapter_dtype(self, packed: bool) -> mx.Dtype:
+        """What adapters are kept in where the activations are float32: float16 where asked
+        and the packed kernels serve (they read it as exactly as float32); elsewhere float32,
+        said in the log (MLX's own layers would convert it back at every call)."""
+        if self.settings.adapter_dtype != "float16":
+            return mx.float32
+        if packed:
+            return mx.float16
+        log.warning(
+            "--adapter-dtype float16 applies to packed 4-bit weights on the CPU: adapters are "
+            "kept in float32 here"
+        )
+        return mx.float32
 
     def _max_batch(self, loaded: LoadedModel) -> int:
         """`max_batch`, or 1 when the model as served (its CPU kernels installed) fails the

@@ -307,7 +307,10 @@ class GenerationWorker:
                         log.exception("could not admit a request")
                         ticket.fail_all(exc)
                 if self.before_step is not None and not scheduler.idle:
-                    self.before_step()
+                    try:
+                        self.before_step()
+                    except Exception:  # noqa: BLE001 - a step must not wait on it
+                        log.exception("the hook before a step failed")
                 try:
                     scheduler.step()
                 except Exception as exc:  # noqa: BLE001 - what ran fails, the worker serves on
