@@ -124,3 +124,24 @@ def test_an_adapter_larger_than_the_memory_budget_is_refused(make_client, root: 
     assert lazily.status_code == 400 and "could not be loaded" in lazily.json()["error"]["message"]
     assert resident(client) == []
     assert client.get("/v1/adapter_root").json()["resident_bytes"] == 0
+
+
+def mounted_bytes(client: TestClient, adapter_id: str) -> int:
+    response = client.post("/v1/adapters", json={"id": adapter_id, "path": adapter_id})
+    assert response.status_code == 201, response.text
+    return int(response.json()["ram_bytes"])
+
+
+def test_adapters_kept_in_float16_hold_half_the_memory_where_packed_kernels_serve(
+    make_client, root: Path, caplog: pytest.LogCaptureFixture
+):
+    single = mounted_bytes(make_client(adapter_root=root), "a")
+    half = make_client(adapter_root=root, adapter_dtype="float16")
+    assert mounted_bytes(half, "a") * 2 == single
+    answer = chat(half, adapter="a")
+    assert answer.status_code == 200, answer.text
+    # On float32 weights the setting is logged and left aside: MLX's layers read float32.
+    caplog.clear()
+    unpacked = make_client(adapter_root=root, adapter_dtype="float16", cpu_weights="float32")
+    assert mounted_bytes(unpacked, "a") == single
+    assert "--adapter-dtype float16 applies to packed 4-bit weights" in caplog.text

@@ -24,6 +24,7 @@ from hotlora.adapters import (
     parse_adapter_spec,
 )
 from hotlora.adapters import manager as manager_module
+from hotlora.adapters.first_use import SingleFlight
 from hotlora.config.errors import ModelNotFound
 
 from tests.support.adapter_builders import (
@@ -384,3 +385,24 @@ def test_a_step_waits_for_a_load_in_flight_a_bounded_time(root, slow_reads):
     assert resident(manager) == {"a"}  # returned when the load ended, not after 5 s
     assert time.perf_counter() - began < 2.0
     loading.join(timeout=10)
+
+
+def test_a_load_under_way_for_long_holds_no_step_back():
+    """Only loads begun less than `younger` seconds ago hold a step back: a load that takes long
+    (a large file, a slow disk) lets steps run at their own pace after its first moments."""
+    flight = SingleFlight()
+    release = threading.Event()
+    loading = threading.Thread(target=lambda: flight.run("big", lambda: release.wait(10)))
+    loading.start()
+    try:
+        time.sleep(0.05)
+        began = time.perf_counter()
+        assert not flight.wait_idle(most=0.1, younger=5.0)  # young: waited the whole 0.1 s
+        assert time.perf_counter() - began >= 0.09
+        began = time.perf_counter()
+        assert flight.wait_idle(most=5.0, younger=0.01)  # old: no wait
+        assert time.perf_counter() - began < 0.05
+    finally:
+        release.set()
+        loading.join(timeout=10)
+    assert flight.wait_idle(most=5.0)  # none under way

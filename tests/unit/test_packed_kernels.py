@@ -223,6 +223,17 @@ def test_pairs_of_two_dtypes_are_refused():
         )
 
 
+def test_gather_residuals_refuses_an_output_of_other_rows():
+    pairs = gather_operands(64, 16, (4,), seed=1)
+    entries = plan([[(0, 1.0)], [(0, 1.0)]])
+    with pytest.raises(ValueError, match="N values for each of x's rows"):
+        native.gather_residuals(mx.ones((3, 1, 16)), mx.ones((2, 1, 64)), pairs, *entries)
+    with pytest.raises(ValueError, match="N values for each of x's rows"):
+        native.gather_residuals(mx.ones((2, 1, 16)), mx.ones((0, 1, 64)), pairs, *entries)
+    added = native.gather_residuals(mx.ones((2, 1, 16)), mx.ones((2, 1, 64)), pairs, *entries)
+    assert added.shape == (2, 1, 16)
+
+
 @pytest.mark.parametrize(
     ("rows", "plan_values", "message"),
     [
@@ -340,15 +351,19 @@ PROMPTS = [[5, 17, 3, 99, 42, 7, 60, 61, 9], [8, 8, 31], [100, 2, 77, 4, 5, 6]]
 SPECS = ["", "a", "b", "a+b", "b@-0.5+a"]
 
 
-@pytest.fixture
-def packed(tmp_path: Path):
-    """(model, manager): the tiny quantized llama with the kernels installed, `a` and `b`."""
+@pytest.fixture(params=["float32", "float16"])
+def packed(tmp_path: Path, request: pytest.FixtureRequest):
+    """(model, manager): the tiny quantized llama with the kernels installed, `a` and `b`, kept
+    in float32 and (`--adapter-dtype float16`) in float16."""
     model = tiny_model(quantize=True)
     state = install_packed_kernels(model, threads=2)
     assert state.enabled, state.reason
     kinds = {type(m) for _, m in model.named_modules()}
     assert {RowsQuantizedLinear, RowsQuantizedEmbedding} <= kinds
-    manager = AdapterManager(model, base_id=BASE_ID, adapter_root=tmp_path, max_rank=64)
+    dtype = mx.float16 if request.param == "float16" else mx.float32
+    manager = AdapterManager(
+        model, base_id=BASE_ID, adapter_root=tmp_path, max_rank=64, adapter_dtype=dtype
+    )
     for seed, adapter_id in enumerate(("a", "b"), start=1):
         write_mlx_adapter(tmp_path / adapter_id, random_pairs(tiny_model(), seed=seed))
         manager.mount(adapter_id, adapter_id)
