@@ -709,7 +709,7 @@ class QuantMatmulGather : public CpuPrimitive {
     const int pairs = (static_cast<int>(inputs.size()) - (add ? 4 : 6)) / 2;
     const auto& w = inputs[1 + 2 * pairs];  // y when adding
     const int tail = 2 + 2 * pairs + (add ? 0 : 2);  // the plan's index
-    if (add ? !w.flags().row_contiguous : false)
+    if (add && !w.flags().row_contiguous)
       throw std::invalid_argument("gather_residuals: y must be row-contiguous");
     for (int i = 0; !add && i < 3; i++)
       if (!inputs[1 + 2 * pairs + i].flags().row_contiguous)
