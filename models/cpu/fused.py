@@ -11,10 +11,9 @@ separate layers' (in any batch and any chunking, as those are).
 
 A layer takes the fused path when its projections are packed (`RowsQuantizedLinear`) with one
 quantization and no bias. While an adapter set is active (one for the batch, or one per row),
-the base products stay fused and each projection's residuals are added to its output by the
-gathered kernel (`gather_residuals`), to the bits its LoRA slot's own call gives; where that
-kernel does not serve (other adapter dtypes; a prompt's q, k and v, whose heads-major outputs
-do not hold the tokens in rows' order), each projection is called on its own, through its slot.
+the same primitive adds each projection's residuals to its product, every projection's in one
+pass (the gathered kernel's, to the bits its LoRA slot's own call gives); where that kernel does
+not serve (adapters in other dtypes), each projection is called on its own, through its slot.
 Only mlx-lm's llama module (llama, mistral and the models it builds) takes these classes; the
 other families keep their own attention and MLP on the packed layers.
 """
@@ -56,12 +55,11 @@ def _part(projection: nn.Module, x: mx.array) -> _Part | None:
 def fused_products(
     x: mx.array, projections: Sequence[nn.Module], heads: list[int]
 ) -> list[mx.array] | None:
-    """`projection(x)` for each of `projections`, their base products as one primitive, or None
-    when the fused path does not take them (see the module's docstring). x [B, L, K] float32;
-    output j is [B, heads[j], L, out_j / heads[j]] (the attention's layout), or [B, L, out_j]
-    for 0. A projection whose adapters apply adds their residuals after (`gather_residuals`,
-    the same bits as its LoRA slot's own call), where its output is rows of x in order: in the
-    attention's layout, at one token a row."""
+    """`projection(x)` for each of `projections` as one primitive, or None when the fused path
+    does not take them (see the module's docstring). x [B, L, K] float32; output j is
+    [B, heads[j], L, out_j / heads[j]] (the attention's layout), or [B, L, out_j] for 0. A
+    projection whose adapters apply gets their residuals in the same call, the same bits as its
+    LoRA slot's own call."""
     native = extension.native
     if native is None or x.ndim != 3 or x.dtype != mx.float32 or x.size == 0:
         return None
@@ -70,14 +68,13 @@ def fused_products(
         return None
     found = [part for part in parts if part is not None]
     first = found[0][0]
-    for (layer, operands), heads_j in zip(found, heads, strict=True):
+    for layer, _ in found:
         if layer.bits != first.bits or layer.group_size != first.group_size:
             return None
         if layer.scales.dtype != first.scales.dtype:
             return None
-        if operands is not None and heads_j and x.shape[1] != 1:
-            return None  # heads-major, tokens not in rows' order
-    outputs = native.quant_matmul_heads(
+    gathers = [operands for _, operands in found]
+    return native.quant_matmul_heads(
         x,
         [layer.weight for layer, _ in found],
         [layer.scales for layer, _ in found],
@@ -85,11 +82,8 @@ def fused_products(
         heads,
         first.group_size,
         first.bits,
+        gathers if any(operands is not None for operands in gathers) else [],
     )
-    return [
-        y if operands is None else native.gather_residuals(y, x, *operands)
-        for y, (_, operands) in zip(outputs, found, strict=True)
-    ]
 
 
 class FusedAttention(llama.Attention):

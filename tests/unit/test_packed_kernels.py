@@ -223,15 +223,59 @@ def test_pairs_of_two_dtypes_are_refused():
         )
 
 
-def test_gather_residuals_refuses_an_output_of_other_rows():
-    pairs = gather_operands(64, 16, (4,), seed=1)
-    entries = plan([[(0, 1.0)], [(0, 1.0)]])
-    with pytest.raises(ValueError, match="N values for each of x's rows"):
-        native.gather_residuals(mx.ones((3, 1, 16)), mx.ones((2, 1, 64)), pairs, *entries)
-    with pytest.raises(ValueError, match="N values for each of x's rows"):
-        native.gather_residuals(mx.ones((2, 1, 16)), mx.ones((0, 1, 64)), pairs, *entries)
-    added = native.gather_residuals(mx.ones((2, 1, 16)), mx.ones((2, 1, 64)), pairs, *entries)
-    assert added.shape == (2, 1, 16)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (16, 1), (2, 5), (1, 33)])
+def test_products_together_add_each_rows_residuals_to_the_gathered_kernels_bits(
+    isa: str, dtype: mx.Dtype, rows: int, length: int
+):
+    """q, k and v (and a product without heads) as one primitive under adapters: each output
+    with residuals is quant_matmul_gather's to the bit, in the attention's layout, a prompt's
+    tokens included; one without is quant_matmul's."""
+    layers = [quantized(n, 128, 4, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
+    heads = [4, 2, 2, 0]
+    x = mx.random.normal((rows, length, 128), key=mx.random.key(rows + length))
+    entries = plan(row_entries(rows))
+    gathers = [
+        ([p.astype(dtype) for p in gather_operands(128, n, RANKS, seed=n)], *entries)
+        for n in (64, 32, 32)
+    ] + [None]
+    together = native.quant_matmul_heads(
+        x,
+        [w for w, *_ in layers],
+        [s for _, s, *_ in layers],
+        [b for *_, b, _ in layers],
+        heads,
+        32,
+        4,
+        gathers,
+    )
+    for (w, s, b, _), h, gather, got in zip(layers, heads, gathers, together, strict=True):
+        if gather is None:
+            alone = native.quant_matmul(x, w, s, b, 32, 4)  # [B, L, N]
+        else:
+            alone = native.quant_matmul_gather(x, w, s, b, 32, 4, *gather)
+        if h:
+            alone = alone.reshape(rows, length, h, -1).transpose(0, 2, 1, 3)
+        assert mx.array_equal(got, alone).item(), h
+    assert not mx.array_equal(together[0], native.quant_matmul_heads(
+        x, [layers[0][0]], [layers[0][1]], [layers[0][2]], [4], 32, 4
+    )[0]).item()  # fmt: skip
+
+
+def test_products_together_refuse_gathers_that_do_not_fit():
+    (w, s, b, _), pairs = (
+        quantized(16, 64, 4, 32, mx.float16, seed=9),
+        gather_operands(64, 16, (4,), seed=1),
+    )
+    x = mx.ones((2, 1, 64))
+    with pytest.raises(ValueError, match="as many weights, scales, biases, heads and gathers"):
+        native.quant_matmul_heads(x, [w, w], [s, s], [b, b], [0, 0], 32, 4, [None])
+    with pytest.raises(ValueError, match="rows must divide"):
+        three = plan([[(0, 1.0)]] * 3)
+        native.quant_matmul_heads(x, [w], [s], [b], [0], 32, 4, [(pairs, *three)])
+    with pytest.raises(ValueError, match="expected pairs a"):
+        wide = gather_operands(64, 32, (4,), seed=1)  # b [4, 32]: another product's
+        native.quant_matmul_heads(x, [w], [s], [b], [0], 32, 4, [(wide, *plan([[(0, 1.0)]] * 2))])
 
 
 @pytest.mark.parametrize(
@@ -425,7 +469,7 @@ def step_products(model: nn.Module, tmp_path: Path, rows: int) -> dict[str, int]
     return {
         name: text.count(f'label ="{name}"') + text.count(f'label="{name}"')
         for name in (
-            "QuantMatmul", "QuantMatmulHeads", "QuantMatmulGather", "GatherResiduals", "Transpose"
+            "QuantMatmul", "QuantMatmulHeads", "QuantMatmulGather", "Transpose"
         )
     }  # fmt: skip
 
@@ -440,7 +484,6 @@ def test_a_decode_steps_layer_takes_two_fused_products_and_two_alone(packed, tmp
         "QuantMatmul": 2 * layers + 1,  # o_proj and down_proj, then the tied output layer
         "QuantMatmulHeads": 2 * layers,
         "QuantMatmulGather": 0,
-        "GatherResiduals": 0,
         "Transpose": 0,
     }
 
@@ -448,7 +491,7 @@ def test_a_decode_steps_layer_takes_two_fused_products_and_two_alone(packed, tmp
 @pytest.mark.parametrize("rows", [1, 3])
 def test_under_adapters_the_base_products_stay_fused(packed, tmp_path, rows):
     """A decode step whose rows each have their own adapters: q, k and v still one product,
-    gate and up another, each of the five then adding its rows' residuals; o and down take the
+    gate and up another, each adding its rows' residuals in the same call; o and down take the
     gathered kernel alone."""
     model, manager = packed
     layers = len(model.layers)
@@ -459,7 +502,6 @@ def test_under_adapters_the_base_products_stay_fused(packed, tmp_path, rows):
         "QuantMatmul": 1,  # the tied output layer
         "QuantMatmulHeads": 2 * layers,
         "QuantMatmulGather": 2 * layers,  # o_proj and down_proj
-        "GatherResiduals": 5 * layers,
         "Transpose": 0,
     }
 
@@ -467,8 +509,8 @@ def test_under_adapters_the_base_products_stay_fused(packed, tmp_path, rows):
 def test_fused_layers_give_the_separate_layers_bits_and_yield_to_adapters(packed):
     """Prefill and decode steps alone and batched, on the base and under an adapter set: the
     fused model's logits are those of the same layers under mlx-lm's own classes, to the bit
-    (under a set, the fused base products and their residuals added after against each
-    projection's slot adding its residual to its own product)."""
+    (under a set, the fused products with their residuals against each projection's slot
+    adding its residual to its own product, a prompt's chunks included)."""
     model, manager = packed
     assert {FusedAttention, FusedMLP} <= {type(m) for _, m in model.named_modules()}
 

@@ -28,7 +28,9 @@
 #endif
 #ifndef ROWS_KERNELS_ONLY
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 #endif
 
@@ -43,9 +45,11 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -685,139 +689,204 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 // The gathered form of QuantMatmul's LoRA (Punica's BGMV): each adapter's pair comes in once,
 // as mounted (a [K, r], b [r, N]), and an int32 plan says which of them each row applies, in its
 // set's order, at which scale. A row computes only its own adapters' activations
-// (low_rank_row), then adds (h * scale) @ b for each of them in order, column by column
-// (add_residuals): the operations on a row's outputs are fixed by its own set alone, so its
-// bits are the same alone and beside any other rows and adapters, and no pair is copied.
+// (low_rank_row), then, after its base product, adds (h * scale) @ b for each of them in order,
+// column by column (add_residuals): the operations on a row's outputs are fixed by its own set
+// alone, so its bits are the same alone and beside any other rows and adapters, and no pair is
+// copied. RowResiduals does this for one product (QuantMatmulGather) or for several products of
+// the same rows (QuantMatmulHeads' q, k and v, or gate and up), one pass of the pool's threads
+// for all of their activations and one for all of their residuals.
+class RowResiduals {
+ public:
+  // One product's operands: adapter i's a [K, r_i] and b [r_i, N] at pairs[2i] and
+  // pairs[2i + 1] (float, or uint16_t where `half`: float16, as `--adapter-dtype float16` keeps
+  // adapters), the plan (S + 1 offsets into its entries, then each entry's adapter) and each
+  // entry's scale; `out` [M, N] row-major, the base product that the residuals are added to.
+  struct Product {
+    std::vector<const void*> pairs;
+    std::vector<int> ranks;
+    bool half;
+    const int32_t* plan;
+    const float* scales;
+    int S, N;
+    float* out;
+  };
 
-//
-// GatherResiduals is the same residuals added to a base output computed elsewhere (y, one of
-// quant_matmul_heads' outputs): the same operations on each output, so the same bits.
+  // x [M, K] row-major, the rows of every product added.
+  RowResiduals(const Kernel* kernel, const float* x, int M, int K)
+      : kernel_(kernel), x_(x), M_(M), K_(K) {}
+
+  // One unit per row and entry of its set (row m of the plan's row m / (M / S)).
+  void add(Product product) {
+    const int j = static_cast<int>(products_.size());
+    const int per_row = M_ / product.S;
+    const int32_t* offsets = product.plan;
+    const int32_t* adapter = product.plan + product.S + 1;
+    for (int m = 0; m < M_; m++) {
+      first_.push_back(static_cast<int>(units_.size()));
+      const int s = m / per_row;
+      for (int e = offsets[s]; e < offsets[s + 1]; e++) {
+        const int i = adapter[e];
+        units_.push_back({j, m, i, product.scales[e], floats_});
+        floats_ += product.ranks[i];
+        widest_ = std::max(widest_, product.ranks[i]);
+      }
+    }
+    spans_.push_back(std::max(1, product.N / 512));
+    items_.push_back(items_.back() + M_ * spans_.back());
+    products_.push_back(std::move(product));
+  }
+
+  // Every unit's activations, h = scale * (x[m] @ a), one pass.
+  void activations() {
+    h_.resize(floats_);
+    parallel_rows(static_cast<int>(units_.size()), 4, [&](int u0, int u1) {
+      for (int u = u0; u < u1; u++) {
+        const Unit& unit = units_[u];
+        const Product& p = products_[unit.j];
+        const float* x = x_ + static_cast<size_t>(unit.m) * K_;
+        const void* a = p.pairs[2 * unit.i];
+        if (p.half)
+          kernel_->low_rank_half(x, static_cast<const uint16_t*>(a), K_, p.ranks[unit.i],
+                                 unit.scale, h_.data() + unit.h);
+        else
+          kernel_->low_rank(x, static_cast<const float*>(a), K_, p.ranks[unit.i], unit.scale,
+                            h_.data() + unit.h);
+      }
+    }, /*align=*/1);
+  }
+
+  // Then each row's residuals on each product's base output, one pass, a row at a time in spans
+  // of at least 512 columns: b's rows are read in runs of 2 KiB or more, which the memory
+  // streams, not in a tile's few cache lines each.
+  void residuals() {
+    std::vector<int> columns(widest_);  // every column of an adapter, in order
+    for (int r = 0; r < widest_; r++) columns[r] = r;
+    parallel_rows(items_.back(), 1, [&](int c0, int c1) {
+      int j = 0;
+      for (int c = c0; c < c1; c++) {
+        while (c >= items_[j + 1]) j++;
+        const Product& p = products_[j];
+        const int spans = spans_[j], m = (c - items_[j]) / spans, part = (c - items_[j]) % spans;
+        const int n0 = bound(p.N, spans, part), n1 = bound(p.N, spans, part + 1);
+        float* out = p.out + static_cast<size_t>(m) * p.N;
+        const size_t row = static_cast<size_t>(j) * M_ + m;
+        const int end = row + 1 < first_.size() ? first_[row + 1] : static_cast<int>(units_.size());
+        for (int u = first_[row]; u < end; u++) {
+          const Unit& unit = units_[u];
+          const void* b = p.pairs[2 * unit.i + 1];
+          if (p.half)
+            kernel_->residuals_half(h_.data() + unit.h, static_cast<const uint16_t*>(b), p.N,
+                                    columns.data(), p.ranks[unit.i], out, n0, n1);
+          else
+            kernel_->residuals(h_.data() + unit.h, static_cast<const float*>(b), p.N,
+                               columns.data(), p.ranks[unit.i], out, n0, n1);
+        }
+      }
+    }, /*align=*/1);
+  }
+
+ private:
+  struct Unit {
+    int j, m, i;  // product, row, adapter
+    float scale;
+    size_t h;  // its activations' offset
+  };
+
+  // A span's bounds: multiples of 16 (whole vectors), but the last.
+  static int bound(int N, int spans, int part) {
+    const int at = static_cast<int>(static_cast<int64_t>(N) * part / spans);
+    return part == spans ? N : at - at % 16;
+  }
+
+  const Kernel* kernel_;
+  const float* x_;
+  int M_, K_;
+  std::vector<Product> products_;
+  std::vector<Unit> units_;
+  std::vector<int> first_;  // product j's row m's units start at first_[j * M + m]
+  std::vector<int> spans_;  // each product's spans a row
+  std::vector<int> items_{0};  // product j's (row, span) items are [items_[j], items_[j + 1])
+  size_t floats_ = 0;
+  int widest_ = 0;
+  std::vector<float> h_;
+};
+
+// The pairs of one gathered product, inputs[at, at + 2 * count): float16 ones as pointers to
+// their own buffers (row-contiguous, as mounted), float32 ones as RowMajor operands (packed
+// first in the rare case they are views), `pointers` filling in once the operands are read.
+struct GatheredPairs {
+  std::vector<int> ranks;
+  bool half = false;
+  std::vector<const void*> halves;
+  std::vector<RowMajor> floats;
+
+  GatheredPairs(const std::vector<mx::array>& inputs, int at, int count, const char* name) {
+    half = count > 0 && inputs[at].dtype() == mx::float16;
+    for (int i = 0; i < 2 * count; i++) {
+      const auto& a = inputs[at + i];
+      if (i % 2 == 0) ranks.push_back(a.shape(1));
+      if (!half) {
+        floats.emplace_back(a);
+      } else if (a.flags().row_contiguous) {
+        halves.push_back(a.data<uint16_t>());
+      } else {
+        throw std::invalid_argument(std::string(name) + ": float16 pairs must be row-contiguous");
+      }
+    }
+  }
+
+  std::vector<const void*> pointers() {
+    if (half) return halves;
+    std::vector<const void*> out;
+    for (auto& a : floats) out.push_back(a.get());
+    return out;
+  }
+};
+
 class QuantMatmulGather : public CpuPrimitive {
  public:
-  // bits 0: add to y (GatherResiduals) rather than compute the base product.
   QuantMatmulGather(mx::Stream stream, int bits, int group, int plan_rows)
       : CpuPrimitive(stream), bits_(bits), group_(group), plan_rows_(plan_rows) {}
 
   // inputs: x [..., K] (M rows, M / plan_rows a row of the plan), then a_i [K, r_i] and
-  // b_i [r_i, N] for each adapter i, then w, scales, biases as QuantMatmul's (or y, M rows of
-  // N, alone), then the plan: int32 [S + 1 + E], S + 1 offsets into its E entries (row s's are
-  // [offsets[s], offsets[s + 1])), then each entry's adapter i; and float32 [E], each entry's
-  // scale.
+  // b_i [r_i, N] for each adapter i, then w, scales, biases as QuantMatmul's, then the plan:
+  // int32 [S + 1 + E], S + 1 offsets into its E entries (row s's are [offsets[s],
+  // offsets[s + 1])), then each entry's adapter i; and float32 [E], each entry's scale.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
-    const bool add = bits_ == 0;
-    const int pairs = (static_cast<int>(inputs.size()) - (add ? 4 : 6)) / 2;
-    const auto& w = inputs[1 + 2 * pairs];  // y when adding
-    const int tail = 2 + 2 * pairs + (add ? 0 : 2);  // the plan's index
-    if (add && !w.flags().row_contiguous)
-      throw std::invalid_argument("gather_residuals: y must be row-contiguous");
-    for (int i = 0; !add && i < 3; i++)
-      if (!inputs[1 + 2 * pairs + i].flags().row_contiguous)
+    const int pairs = (static_cast<int>(inputs.size()) - 6) / 2;
+    const auto& w = inputs[1 + 2 * pairs];
+    const auto& scales = inputs[2 + 2 * pairs];
+    const auto& biases = inputs[3 + 2 * pairs];
+    for (const auto* a : {&w, &scales, &biases})
+      if (!a->flags().row_contiguous)
         throw std::invalid_argument("quant_matmul_gather: the weights must be row-contiguous");
-    const int K = x.shape(-1), M = static_cast<int>(x.size() / K);
-    const int N = add ? static_cast<int>(w.size() / M) : w.shape(0);
-    const int S = plan_rows_, per_row = M / S;
-    std::vector<int> ranks(pairs);
-    for (int i = 0; i < pairs; i++) ranks[i] = inputs[1 + 2 * i].shape(1);
-    Quantized q;
-    const float* y = nullptr;
-    if (add) {
-      y = w.data<float>();
-    } else {
-      const auto& scales = inputs[2 + 2 * pairs];
-      const auto& biases = inputs[3 + 2 * pairs];
-      const int dtype =
-          scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
-      q = Quantized{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
-                    group_, dtype};
-    }
-    const int32_t* plan = inputs[tail].data<int32_t>();
-    const float* entry_scales = inputs[tail + 1].data<float>();
-    // float16 pairs are read where they are (mounted row-major); float32 ones as RowMajor
-    // operands, packed first in the rare case they are views.
-    const bool half = pairs > 0 && inputs[1].dtype() == mx::float16;
-    std::vector<const uint16_t*> halves;
-    for (int i = 0; half && i < 2 * pairs; i++) {
-      if (!inputs[1 + i].flags().row_contiguous)
-        throw std::invalid_argument("quant_matmul_gather: float16 pairs must be row-contiguous");
-      halves.push_back(inputs[1 + i].data<uint16_t>());
-    }
-    dispatch_rows(stream(), inputs, half ? 1 : 1 + 2 * pairs, outputs[0],
-                  [=, quant = g_quant.load(), gather = g_gather.load()](auto& operands, float* op) {
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
+    const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
+    const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
+                      group_, dtype};
+    const int32_t* plan = inputs[4 + 2 * pairs].data<int32_t>();
+    const float* entry_scales = inputs[5 + 2 * pairs].data<float>();
+    GatheredPairs gathered(inputs, 1, pairs, "quant_matmul_gather");
+    const int S = plan_rows_;
+    dispatch_rows(stream(), inputs, 1, outputs[0],
+                  [=, quant = g_quant.load(), gather = g_gather.load()](auto& operands,
+                                                                       float* op) mutable {
       const float* xp = operands[0].get();
-      const int32_t* offsets = plan;
-      const int32_t* adapter = plan + S + 1;
-      // One unit per row and entry of its set: the row's activations for that adapter, at
-      // `h` in `activations`. A row's units are [first[m], first[m + 1]).
-      struct Unit {
-        int m, i;
-        float scale;
-        size_t h;
-      };
-      std::vector<Unit> units;
-      std::vector<int> first(M + 1);
-      size_t floats = 0;
-      int widest = 0;
-      for (int m = 0; m < M; m++) {
-        const int s = m / per_row;
-        first[m] = static_cast<int>(units.size());
-        for (int e = offsets[s]; e < offsets[s + 1]; e++) {
-          const int i = adapter[e];
-          units.push_back({m, i, entry_scales[e], floats});
-          floats += ranks[i];
-          widest = std::max(widest, ranks[i]);
-        }
-      }
-      first[M] = static_cast<int>(units.size());
-      std::vector<float> activations(floats);
-      std::vector<int> columns(widest);  // every column of an adapter, in order
-      for (int r = 0; r < widest; r++) columns[r] = r;
+      RowResiduals residuals(gather, xp, M, K);
+      residuals.add({gathered.pointers(), gathered.ranks, gathered.half, plan, entry_scales,
+                     S, N, op});
+      residuals.activations();
       const int tile_floats = M <= 16 ? 8192 : 32768;
-      // pair[2i], pair[2i + 1]: adapter i's a and b, of T (float, or uint16_t for float16).
-      const auto apply = [&](const auto& pair, auto low_rank, auto residuals) {
-        parallel_rows(static_cast<int>(units.size()), 4, [&](int u0, int u1) {
-          for (int u = u0; u < u1; u++) {
-            const Unit& unit = units[u];
-            low_rank(xp + static_cast<size_t>(unit.m) * K, pair[2 * unit.i], K, ranks[unit.i],
-                     unit.scale, activations.data() + unit.h);
-          }
-        }, /*align=*/1);
-        if (add) {
-          std::memcpy(op, y, sizeof(float) * static_cast<size_t>(M) * N);
-        } else {
-          parallel_rows(N, 64, [&](int n0, int n1) {
-            thread_local std::vector<float> tile;
-            tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
-            quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
-          });
-        }
-        // Then each row's residuals, in spans of at least 512 columns: b's rows are read in runs
-        // of 2 KiB or more, which the memory streams, not in a tile's few cache lines each.
-        const int spans = std::max(1, N / 512);
-        const auto bound = [&](int part) {  // multiples of 16: whole vectors but the last
-          const int at = static_cast<int>(static_cast<int64_t>(N) * part / spans);
-          return part == spans ? N : at - at % 16;
-        };
-        parallel_rows(M * spans, 1, [&](int c0, int c1) {
-          for (int c = c0; c < c1; c++) {
-            const int m = c / spans, n0 = bound(c % spans), n1 = bound(c % spans + 1);
-            for (int u = first[m]; u < first[m + 1]; u++)
-              residuals(activations.data() + units[u].h, pair[2 * units[u].i + 1], N,
-                        columns.data(), ranks[units[u].i], op + static_cast<size_t>(m) * N, n0,
-                        n1);
-          }
-        }, /*align=*/1);
-      };
-      if (half) {
-        apply(halves, gather->low_rank_half, gather->residuals_half);
-      } else {
-        std::vector<const float*> pair(2 * pairs);
-        for (int i = 0; i < 2 * pairs; i++) pair[i] = operands[1 + i].get();
-        apply(pair, gather->low_rank, gather->residuals);
-      }
+      parallel_rows(N, 64, [&](int n0, int n1) {
+        thread_local std::vector<float> tile;
+        tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
+        quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
+      });
+      residuals.residuals();
     });
   }
-  const char* name() const override { return bits_ == 0 ? "GatherResiduals" : "QuantMatmulGather"; }
+  const char* name() const override { return "QuantMatmulGather"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulGather&>(other);
     return bits_ == o.bits_ && group_ == o.group_ && plan_rows_ == o.plan_rows_;
@@ -891,51 +960,45 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
                    std::move(inputs));
 }
 
-// y + each row's own adapters' residuals, y a base output of x's M rows, N values a row in
-// row-major order ([..., N], or quant_matmul_heads' [B, heads, 1, head_dim] at one token a
-// row): what quant_matmul_gather adds to its own product, to the same bits.
-mx::array gather_residuals(const mx::array& y, const mx::array& x,
-                           const std::vector<mx::array>& pairs, mx::array plan,
-                           mx::array entry_scales) {
-  if (x.dtype() != mx::float32 || y.dtype() != mx::float32 || x.ndim() < 2 || y.ndim() < 2 ||
-      x.shape(-1) == 0 || x.size() == 0 || y.shape(0) != x.shape(0) ||
-      y.size() % (x.size() / x.shape(-1)) != 0)
-    throw std::invalid_argument(
-        "gather_residuals: float32 x [B, ..., K] and y [B, ...] holding N values for each of "
-        "x's rows expected");
-  const int N = static_cast<int>(y.size() / (x.size() / x.shape(-1)));
-  const int S = check_gather("gather_residuals", x, N, pairs, plan, entry_scales);
-  std::vector<mx::array> inputs{x};
-  for (const auto& a : pairs) inputs.push_back(a);
-  inputs.insert(inputs.end(), {mx::contiguous(y), plan, entry_scales});
-  const auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(y.shape(), mx::float32, std::make_shared<QuantMatmulGather>(s, 0, 0, S),
-                   std::move(inputs));
-}
 
 // x @ dequantize(w_j).T for several weights of one input at once (a layer's q, k and v, or its
 // gate and up): one primitive and one pass of the pool's threads where separate products take
 // one each. Each output is computed by quant_matmul's kernel on the same rows, so its bits are
-// quant_matmul's. x [B, L, K]; output j is [B, heads_j, L, N_j / heads_j] (the attention's
-// layout, with the reshape and transpose that would make it done here), or [B, L, N_j] where
-// heads_j is 0. At L = 1 the two layouts are the same bytes; otherwise the products go to a
-// scratch buffer first.
+// quant_matmul's; an output whose adapters apply adds each row's own residuals as
+// quant_matmul_gather does (RowResiduals, all the outputs' in one pass), to its bits. x [B, L, K];
+// output j is [B, heads_j, L, N_j / heads_j] (the attention's layout, with the reshape and
+// transpose that would make it done here), or [B, L, N_j] where heads_j is 0. At L = 1 the two
+// layouts are the same bytes; otherwise the products (and residuals) go to a scratch buffer in
+// rows' order first.
 class QuantMatmulHeads : public CpuPrimitive {
  public:
-  QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads)
-      : CpuPrimitive(stream), bits_(bits), group_(group), heads_(std::move(heads)) {}
+  // pairs[j]: how many adapters output j's gathered residuals read (-1: none), plan_rows[j]
+  // its plan's rows.
+  QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads,
+                   std::vector<int> pairs, std::vector<int> plan_rows)
+      : CpuPrimitive(stream), bits_(bits), group_(group), heads_(std::move(heads)),
+        pairs_(std::move(pairs)), plan_rows_(std::move(plan_rows)) {}
 
-  // inputs: x, then w, scales, biases for each output.
+  // inputs: x, then for each output w, scales, biases, and where its residuals are gathered,
+  // a_i, b_i of each of its adapters, its plan and its entries' scales (as quant_matmul_gather's).
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
     const int count = static_cast<int>(outputs.size());
     std::vector<Quantized> weights;
     std::vector<int> widths, offsets{0};
+    struct Gathered {
+      int j;
+      GatheredPairs pairs;
+      const int32_t* plan;
+      const float* scales;
+    };
+    std::vector<Gathered> gathered;
+    int at = 1;
     for (int j = 0; j < count; j++) {
-      const auto& w = inputs[1 + 3 * j];
-      const auto& scales = inputs[2 + 3 * j];
-      const auto& biases = inputs[3 + 3 * j];
+      const auto& w = inputs[at];
+      const auto& scales = inputs[at + 1];
+      const auto& biases = inputs[at + 2];
       for (const auto* a : {&w, &scales, &biases})
         if (!a->flags().row_contiguous)
           throw std::invalid_argument("quant_matmul_heads: the weights must be row-contiguous");
@@ -944,6 +1007,13 @@ class QuantMatmulHeads : public CpuPrimitive {
                                   bits_, group_, dtype});
       widths.push_back(w.shape(0));
       offsets.push_back(offsets.back() + w.shape(0));
+      at += 3;
+      if (pairs_[j] < 0) continue;
+      const int p = pairs_[j];
+      gathered.push_back({j, GatheredPairs(inputs, at, p, "quant_matmul_heads"),
+                          inputs[at + 2 * p].data<int32_t>(),
+                          inputs[at + 2 * p + 1].data<float>()});
+      at += 2 * p + 2;
     }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& input : inputs) encoder.set_input_array(input);
@@ -953,8 +1023,9 @@ class QuantMatmulHeads : public CpuPrimitive {
       encoder.set_output_array(out);
       outs.push_back(out.data<float>());
     }
-    encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, heads = heads_, M, L,
-                      quant = g_quant.load()]() mutable {
+    encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, gathered,
+                      heads = heads_, plan_rows = plan_rows_, M, L, K, quant = g_quant.load(),
+                      gather = g_gather.load()]() mutable {
       const float* xp = source.get();
       const int count = static_cast<int>(weights.size());
       // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
@@ -965,6 +1036,11 @@ class QuantMatmulHeads : public CpuPrimitive {
           scratch[j].resize(static_cast<size_t>(M) * widths[j]);
           products[j] = scratch[j].data();
         }
+      RowResiduals residuals(gather, xp, M, K);
+      for (auto& g : gathered)
+        residuals.add({g.pairs.pointers(), g.pairs.ranks, g.pairs.half, g.plan, g.scales,
+                       plan_rows[g.j], widths[g.j], products[g.j]});
+      if (!gathered.empty()) residuals.activations();
       const int tile_floats = M <= 16 ? 8192 : 32768;
       parallel_rows(offsets.back(), 64, [&](int n0, int n1) {
         thread_local std::vector<float> tile;
@@ -976,6 +1052,7 @@ class QuantMatmulHeads : public CpuPrimitive {
           quant(weights[j], xp, products[j], M, widths[j], a, b, tile.data(), tile_floats);
         }
       });
+      if (!gathered.empty()) residuals.residuals();
       for (int j = 0; j < count; j++) {
         if (scratch[j].empty()) continue;
         const int H = heads[j], N = widths[j], D = N / H, B = M / L;
@@ -990,30 +1067,42 @@ class QuantMatmulHeads : public CpuPrimitive {
   const char* name() const override { return "QuantMatmulHeads"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulHeads&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_;
+    return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_ && pairs_ == o.pairs_ &&
+           plan_rows_ == o.plan_rows_;
   }
 
  private:
   int bits_;
   int group_;
   std::vector<int> heads_;
+  std::vector<int> pairs_;
+  std::vector<int> plan_rows_;
 };
 
+// One output's gathered residuals for quant_matmul_heads: its adapters' pairs, plan and scales
+// (quant_matmul_gather's), or none.
+using Gather = std::optional<std::tuple<std::vector<mx::array>, mx::array, mx::array>>;
+
 // `quant_matmul` of x [B, L, K] by each of `ws` (w, scales, biases triplets, one quantization)
-// as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L, N_j] for heads 0.
+// as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L, N_j] for heads 0,
+// plus each row's own adapters' residuals where gathers[j] holds them (gathers: empty, or one
+// for each output).
 std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
                                           const std::vector<mx::array>& scales,
                                           const std::vector<mx::array>& biases,
                                           const std::vector<int>& heads, int group_size,
-                                          int bits) {
+                                          int bits, std::vector<Gather> gathers) {
   if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
-      heads.size() != ws.size())
+      heads.size() != ws.size() || (!gathers.empty() && gathers.size() != ws.size()))
     throw std::invalid_argument(
-        "quant_matmul_heads: expected as many weights, scales, biases and heads, at least one");
+        "quant_matmul_heads: expected as many weights, scales, biases, heads and gathers (or "
+        "none), at least one");
   if (x.ndim() != 3)
     throw std::invalid_argument("quant_matmul_heads: expected x [B, L, K]");
+  gathers.resize(ws.size());
   std::vector<mx::array> inputs{x};
   std::vector<mx::Shape> shapes;
+  std::vector<int> pairs, plan_rows;
   const int B = x.shape(0), L = x.shape(1);
   for (size_t j = 0; j < ws.size(); j++) {
     check_quantized(x, ws[j], scales[j], biases[j], group_size, bits);
@@ -1022,11 +1111,22 @@ std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<
       throw std::invalid_argument("quant_matmul_heads: heads must divide the weight's rows");
     shapes.push_back(H > 0 ? mx::Shape{B, H, L, N / H} : mx::Shape{B, L, N});
     inputs.insert(inputs.end(), {ws[j], scales[j], biases[j]});
+    if (!gathers[j]) {
+      pairs.push_back(-1), plan_rows.push_back(0);
+      continue;
+    }
+    auto& [adapters, plan, entry_scales] = *gathers[j];
+    plan_rows.push_back(check_gather("quant_matmul_heads", x, N, adapters, plan, entry_scales));
+    pairs.push_back(static_cast<int>(adapters.size() / 2));
+    inputs.insert(inputs.end(), adapters.begin(), adapters.end());
+    inputs.insert(inputs.end(), {plan, entry_scales});
   }
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays(
       std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
-      std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads), std::move(inputs));
+      std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads, std::move(pairs),
+                                         std::move(plan_rows)),
+      std::move(inputs));
 }
 
 // RMSNorm and RoPE, each one primitive: MLX's CPU backend composes them from ten to thirty small
@@ -1393,12 +1493,10 @@ NB_MODULE(_rows_matmul, m) {
   m.def("quant_matmul", &quant_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a);
   m.def("quant_matmul_heads", &quant_matmul_heads, "x"_a, "ws"_a, "scales"_a, "biases"_a,
-        "heads"_a, "group_size"_a, "bits"_a);
+        "heads"_a, "group_size"_a, "bits"_a, "gathers"_a = std::vector<Gather>{});
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "pairs"_a, "plan"_a, "entry_scales"_a);
   m.def("all_finite", &all_finite, "arrays"_a);
-  m.def("gather_residuals", &gather_residuals, "y"_a, "x"_a, "pairs"_a, "plan"_a,
-        "entry_scales"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
