@@ -5,11 +5,12 @@ projection of every layer, seeded: a rerun reuses them). One hotlora server serv
 `--auto-mount --max-mounted-adapters` (32): `--clients` (8) streaming clients for `--seconds`
 (60) each send request after request, each naming one of `--hot` (100) of the adapters drawn
 Zipf-like (s=1.1), and, in turns with that, the same clients on the base model alone. Reported:
-aggregate tokens/s of both, adapters mounted on first use against the base (ratio), the cold
-loads' latency (p50/p95, from the server's `hotlora_adapter_load_seconds` histogram), the
-evictions, and the server's peak RSS. First, `--cold-loads` (20) mounts of one rank-16 adapter
-on every projection (19 MB on the embedded model) in this process: their latency p50/p95.
-The servers keep adapters in `--adapter-dtype` (float32, as a server does by default).
+aggregate tokens/s of both, adapters mounted on first use against the base (ratio), the share
+of prompt tokens each found in the prompt cache, the cold loads' latency (p50/p95, from the
+server's `hotlora_adapter_load_seconds` histogram), the evictions, and the server's peak RSS.
+First, `--cold-loads` (20) mounts of one rank-16 adapter on every projection (19 MB on the
+embedded model) in this process: their latency p50/p95. The servers keep adapters in
+`--adapter-dtype` (float32, as a server does by default).
 
 Then whether what is mounted costs anything when it is not used: two servers, one with
 `--mounted` (200) adapters mounted (rank `--mounted-rank`, 8) and one with none, take turns
@@ -136,6 +137,7 @@ class Traffic:
     seconds: float
     samples: list[Sample] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    cached: float = 0.0  # the share of prompt tokens the prompt cache held
 
     @property
     def tok_s(self) -> float:
@@ -201,6 +203,15 @@ def metrics(server: ServerProcess) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def prefix_cache(samples: dict[str, float]) -> tuple[float, float]:
+    """Prompt tokens found in the prompt cache, and looked up there, so far."""
+
+    def total(name: str) -> float:
+        return sum(value for key, value in samples.items() if key.startswith(name + "{"))
+
+    return total("vllm:prefix_cache_hits_total"), total("vllm:prefix_cache_queries_total")
 
 
 def load_quantiles(samples: dict[str, float], quantiles: tuple[float, ...]) -> list[float]:
@@ -308,13 +319,18 @@ def main(argv: list[str] | None = None) -> int:
             order = ["base", "adapters"] if round_ % 2 == 0 else ["adapters", "base"]
             for kind in order:
                 pick = zipf(hot) if kind == "adapters" else (lambda _draw: None)
+                before = prefix_cache(metrics(lazy))
                 traffic = run_clients(
                     lazy, args.clients, args.seconds, args.max_tokens, pick, round_
                 )
+                after = prefix_cache(metrics(lazy))
+                hits, queries = (a - b for a, b in zip(after, before, strict=True))
+                traffic.cached = hits / queries if queries else 0.0
                 runs[kind].append(traffic)
                 print(
                     f"round {round_} {kind}: {traffic.tok_s:.1f} tok/s, "
-                    f"{len(traffic.samples)} requests, {len(traffic.errors)} errors",
+                    f"{len(traffic.samples)} requests, {len(traffic.errors)} errors, "
+                    f"{traffic.cached:.0%} of prompt tokens from the prompt cache",
                     file=sys.stderr,
                 )
         samples = metrics(lazy)
@@ -325,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
             "base_tok_s": round(base_tok_s, 1),
             "adapters_tok_s": round(adapters_tok_s, 1),
             "ratio": round(adapters_tok_s / base_tok_s, 3),
+            "prompt_tokens_cached": {
+                kind: round(statistics.median(t.cached for t in traffics), 3)
+                for kind, traffics in runs.items()
+            },
             "requests": sum(len(t.samples) for t in runs["adapters"]),
             "errors": sum(len(t.errors) for ts in runs.values() for t in ts),
             "loads": samples.get("hotlora_adapter_loads_total", 0.0),
