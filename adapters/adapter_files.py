@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -42,6 +43,12 @@ class LoadedAdapter:
     @property
     def ram_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    @cached_property
+    def dtype(self) -> mx.Dtype | None:
+        """The one dtype of all its arrays; None where they mix dtypes (or there are none)."""
+        dtypes = {array.dtype for pair in self.weights.values() for array in pair}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def resolve_under_root(path: str | Path, root: Path) -> Path:

@@ -111,6 +111,8 @@ _GATHERED = (mx.float32, mx.float16)  # the pairs' dtypes the gathered kernel re
 # One slot's operands of the gathered kernel: each adapter's pair as mounted, once ([in, r],
 # [r, out], flat), the plan (int32 [S + 1 + E]) and its entries' scales (float32 [E]).
 Gather = tuple[list[mx.array], mx.array, mx.array]
+# Each row's entries at a slot: (index into the slot's adapters, scale), in the set's order.
+PlanRows = tuple[tuple[tuple[int, float], ...], ...]
 
 
 class GatheredRows:
@@ -126,7 +128,22 @@ class GatheredRows:
         # The rows' entries, not their sets: `lone_rows` keeps this beside a set it holds weakly.
         self._rows = tuple(adapters.entries for adapters in rows)
         self._slots: dict[str, Gather | None] = {}
-        self._plans: dict[tuple[tuple[tuple[int, float], ...], ...], tuple[mx.array, mx.array]] = {}
+        self._plans: dict[PlanRows, tuple[mx.array, mx.array]] = {}
+        # The adapters the rows' entries apply (weight not 0), each once in order of first use,
+        # and the rows' entries as indices into them: every slot's plan where each of those
+        # adapters has weights (most slots, often all), found without walking the rows again.
+        used: dict[MountedAdapter, int] = {}
+        self._everywhere: PlanRows = tuple(
+            tuple(
+                (used.setdefault(entry.mounted, len(used)), entry.scale)
+                for entry in row
+                if entry.weight != 0.0
+            )
+            for row in self._rows
+        )
+        self._used = tuple(used)
+        dtypes = {mounted.adapter.dtype for mounted in self._used}
+        self._dtype = dtypes.pop() if len(dtypes) == 1 else None  # theirs, where one for all
 
     def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array | None:
         """`base(x)` plus each row's residuals through the packed kernel (x [S, L, in], S the
@@ -151,37 +168,49 @@ class GatheredRows:
         return self._slots[path]
 
     def _slot(self, path: str) -> Gather | None:
+        found = [mounted.adapter.weights.get(path) for mounted in self._used]
+        if all(pair is not None for pair in found):  # the composition's own plan
+            present = [pair for pair in found if pair is not None]
+            return self._gather(present, self._everywhere, checked=self._dtype in _GATHERED)
         index: dict[MountedAdapter, int] = {}  # in order of first use
-        pairs: list[mx.array] = []
+        pairs: list[tuple[mx.array, mx.array]] = []
         rows: list[tuple[tuple[int, float], ...]] = []
-        dtype: mx.Dtype | None = None  # the pairs', one for all: float32 or float16
         for row in self._rows:
             entries: list[tuple[int, float]] = []
             for entry in row:
                 pair = entry.mounted.adapter.weights.get(path)
                 if pair is None or entry.weight == 0.0:
                     continue  # adds nothing here
-                dtype = dtype or pair[0].dtype
-                if dtype not in _GATHERED or pair[0].dtype != dtype or pair[1].dtype != dtype:
-                    return None
                 if entry.mounted not in index:
                     index[entry.mounted] = len(index)
-                    pairs.extend(pair)
+                    pairs.append(pair)
                 entries.append((index[entry.mounted], entry.scale))
             rows.append(tuple(entries))
-        key = tuple(rows)
-        planned = self._plans.get(key)
+        return self._gather(pairs, tuple(rows))
+
+    def _gather(
+        self, pairs: list[tuple[mx.array, mx.array]], rows: PlanRows, *, checked: bool = False
+    ) -> Gather | None:
+        """The kernel's operands: the pairs, flat, and the plan of the rows' entries (index,
+        scale), which slots share; None unless the pairs are all float32 or all float16
+        (`checked`: known to be, from their adapters' own dtype)."""
+        if not checked:
+            dtype = pairs[0][0].dtype if pairs else mx.float32
+            mixed = any(a.dtype != dtype or b.dtype != dtype for a, b in pairs)
+            if mixed or dtype not in _GATHERED:
+                return None
+        planned = self._plans.get(rows)
         if planned is None:
             offsets = [0]
             for own in rows:
                 offsets.append(offsets[-1] + len(own))
             indices = [i for own in rows for i, _ in own]
             scales = [scale for own in rows for _, scale in own]
-            planned = self._plans[key] = (
+            planned = self._plans[rows] = (
                 mx.array(offsets + indices, dtype=mx.int32),  # [S + 1 + E]
                 mx.array(scales, dtype=mx.float32),  # [E]
             )
-        return pairs, *planned
+        return [array for pair in pairs for array in pair], *planned
 
 
 # What a slot does for one batch: nothing (no adapter has weights there), or its side-by-side
