@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -223,6 +224,27 @@ def test_pairs_of_two_dtypes_are_refused():
         )
 
 
+HEADS = [4, 2, 2, 0]  # q, k and v of an attention, then a product without heads
+
+
+def together(
+    x: mx.array, bits: int, gathers: list[Any] | None = None
+) -> tuple[list[Any], list[mx.array]]:
+    """Four quantized products of x [B, L, 128] (64, 32, 32 and 96 outputs, HEADS) as one
+    primitive, with each output's gathered residuals where `gathers` holds them: their layers
+    (w, scales, biases, the exact weights) and their outputs."""
+    layers = [quantized(n, 128, bits, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
+    weights = [[layer[i] for layer in layers] for i in range(3)]
+    return layers, native.quant_matmul_heads(x, *weights, HEADS, 32, bits, gathers or [])
+
+
+def heads_layout(y: mx.array, heads: int) -> mx.array:
+    """[B, L, N] as [B, heads, L, N / heads] (the attention's layout), or as it is for 0."""
+    if not heads:
+        return y
+    return y.reshape(y.shape[0], y.shape[1], heads, -1).transpose(0, 2, 1, 3)
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (16, 1), (2, 5), (1, 33)])
 def test_products_together_add_each_rows_residuals_to_the_gathered_kernels_bits(
@@ -231,35 +253,21 @@ def test_products_together_add_each_rows_residuals_to_the_gathered_kernels_bits(
     """q, k and v (and a product without heads) as one primitive under adapters: each output
     with residuals is quant_matmul_gather's to the bit, in the attention's layout, a prompt's
     tokens included; one without is quant_matmul's."""
-    layers = [quantized(n, 128, 4, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
-    heads = [4, 2, 2, 0]
     x = mx.random.normal((rows, length, 128), key=mx.random.key(rows + length))
     entries = plan(row_entries(rows))
     gathers = [
         ([p.astype(dtype) for p in gather_operands(128, n, RANKS, seed=n)], *entries)
         for n in (64, 32, 32)
     ] + [None]
-    together = native.quant_matmul_heads(
-        x,
-        [w for w, *_ in layers],
-        [s for _, s, *_ in layers],
-        [b for *_, b, _ in layers],
-        heads,
-        32,
-        4,
-        gathers,
-    )
-    for (w, s, b, _), h, gather, got in zip(layers, heads, gathers, together, strict=True):
+    layers, outputs = together(x, 4, gathers)
+    _, plain = together(x, 4)
+    for (w, s, b, _), h, gather, got in zip(layers, HEADS, gathers, outputs, strict=True):
         if gather is None:
             alone = native.quant_matmul(x, w, s, b, 32, 4)  # [B, L, N]
         else:
             alone = native.quant_matmul_gather(x, w, s, b, 32, 4, *gather)
-        if h:
-            alone = alone.reshape(rows, length, h, -1).transpose(0, 2, 1, 3)
-        assert mx.array_equal(got, alone).item(), h
-    assert not mx.array_equal(together[0], native.quant_matmul_heads(
-        x, [layers[0][0]], [layers[0][1]], [layers[0][2]], [4], 32, 4
-    )[0]).item()  # fmt: skip
+        assert mx.array_equal(got, heads_layout(alone, h)).item(), h
+    assert not mx.array_equal(outputs[0], plain[0]).item()  # the residuals are there
 
 
 def test_products_together_refuse_gathers_that_do_not_fit():
@@ -310,22 +318,10 @@ def test_products_together_are_each_products_bits_in_the_attentions_layout(
 ):
     """q, k, v and a fourth projection without heads as one primitive: each output is
     quant_matmul's to the bit, reshaped to [B, heads, L, D] (or left [B, L, N] for 0 heads)."""
-    layers = [quantized(n, 128, bits, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
-    heads = [4, 2, 2, 0]
     x = mx.random.normal((rows, length, 128), key=mx.random.key(rows * length))
-    together = native.quant_matmul_heads(
-        x,
-        [w for w, *_ in layers],
-        [s for _, s, *_ in layers],
-        [b for *_, b, _ in layers],
-        heads,
-        32,
-        bits,
-    )
-    for (w, s, b, _), h, got in zip(layers, heads, together, strict=True):
-        alone = native.quant_matmul(x, w, s, b, 32, bits)  # [B, L, N]
-        if h:
-            alone = alone.reshape(rows, length, h, -1).transpose(0, 2, 1, 3)
+    layers, outputs = together(x, bits)
+    for (w, s, b, _), h, got in zip(layers, HEADS, outputs, strict=True):
+        alone = heads_layout(native.quant_matmul(x, w, s, b, 32, bits), h)  # [B, L, N] moved
         assert got.shape == alone.shape
         assert mx.array_equal(got, alone).item(), h
 
