@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
 from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate, row_sets
+from hotlora.adapters.adapter_config import AdapterConfig
+from hotlora.adapters.adapter_files import LoadedAdapter
+from hotlora.adapters.adapter_set import AppliedAdapter, MountedAdapter
 from hotlora.adapters.slots import LoRASlot
 from hotlora.models.cpu import extension, install_rows_kernels, layers
 
@@ -292,3 +296,53 @@ def test_a_decode_step_through_the_kernel_copies_each_adapter_once(tmp_path, mon
     gc.collect()
     held = mx.get_active_memory() - before  # what the batch keeps for its next steps
     assert adapter_bytes * 0.9 < held < adapter_bytes * 1.1, (held, adapter_bytes)
+
+
+def _mounted(name: str, paths: tuple[str, ...]) -> MountedAdapter:
+    """An adapter with rank-2 pairs at `paths` alone (scale 2), as mounted."""
+    weights = {
+        path: (mx.full((8, 2), float(i + 1)), mx.full((2, 4), float(i + 1)))
+        for i, path in enumerate(paths)
+    }
+    loaded = LoadedAdapter(
+        path=Path(name),
+        weight_file=Path(name) / "adapters.safetensors",
+        config=AdapterConfig(rank=2, scale=2.0),
+        revision=name * 8,
+        size_bytes=0,
+        weights=weights,
+    )
+    return MountedAdapter(name, loaded, mounted_at=0)
+
+
+def test_a_slot_takes_the_adapters_with_weights_there_in_order_of_first_use():
+    """The gathered plan at a slot where every adapter the rows apply has weights (the batch's
+    own plan, built once) and at one where one of them has none (its rows' entries skip it); an
+    entry at weight 0 adds nothing anywhere."""
+    a, b, c = _mounted("a", ("p", "q")), _mounted("b", ("p",)), _mounted("c", ("p", "q"))
+    rows = [
+        AdapterSet((AppliedAdapter(a),)),
+        AdapterSet((AppliedAdapter(b), AppliedAdapter(a, 0.5))),
+        AdapterSet((AppliedAdapter(c, 0.0), AppliedAdapter(b))),
+        AdapterSet(()),
+    ]
+    gathered = row_sets.GatheredRows(rows)
+
+    def slot(path: str) -> tuple[list[mx.array], list[int], list[float]]:
+        found = gathered._slot(path)
+        assert found is not None
+        pairs, plan, scales = found
+        return pairs, plan.tolist(), scales.tolist()
+
+    pairs, plan, scales = slot("p")  # a first, then b; c's entry at weight 0 left out
+    assert [id(x) for x in pairs] == [
+        id(x) for x in (*a.adapter.weights["p"], *b.adapter.weights["p"])
+    ]
+    assert plan == [0, 1, 3, 4, 4] + [0, 1, 0, 1]
+    assert scales == [2.0, 2.0, 1.0, 2.0]
+    pairs, plan, scales = slot("q")  # b has no weights here: a alone
+    assert [id(x) for x in pairs] == [id(x) for x in a.adapter.weights["q"]]
+    assert plan == [0, 1, 2, 2, 2] + [0, 0]
+    assert scales == [2.0, 1.0]
+    empty = gathered._slot("r")  # no adapter has weights here: no pairs, no entries
+    assert empty is not None and empty[0] == [] and empty[1].tolist() == [0, 0, 0, 0, 0]
