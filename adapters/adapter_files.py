@@ -47,8 +47,8 @@ class LoadedAdapter:
     @cached_property
     def dtype(self) -> mx.Dtype | None:
         """The one dtype of all its arrays; None where they mix dtypes (or there are none)."""
-        dtypes = {array.dtype for pair in self.weights.values() for array in pair}
-        return dtypes.pop() if len(dtypes) == 1 else None
+        dtypes = [array.dtype for pair in self.weights.values() for array in pair]
+        return dtypes[0] if dtypes and all(d == dtypes[0] for d in dtypes) else None
 
 
 def resolve_under_root(path: str | Path, root: Path) -> Path:
