@@ -346,3 +346,6 @@ def test_a_slot_takes_the_adapters_with_weights_there_in_order_of_first_use():
     assert scales == [2.0, 1.0]
     empty = gathered._slot("r")  # no adapter has weights here: no pairs, no entries
     assert empty is not None and empty[0] == [] and empty[1].tolist() == [0, 0, 0, 0, 0]
+    idle = row_sets.GatheredRows([AdapterSet((AppliedAdapter(c, 0.0),)), AdapterSet(())])
+    nothing = idle._slot("p")  # every entry at weight 0: nothing applies
+    assert nothing is not None and nothing[0] == [] and nothing[1].tolist() == [0, 0, 0]
