@@ -142,11 +142,11 @@ class GatheredRows:
             for row in self._rows
         )
         self._used = tuple(used)
-        # Their arrays' dtype, where one for all of them.
+        # Whether their arrays are all of one dtype the kernel reads: then no slot's pairs need
+        # checking one by one.
         dtypes = [mounted.adapter.dtype for mounted in self._used]
-        first = dtypes[0] if dtypes else None
-        same = first is not None and all(d is not None and d == first for d in dtypes)
-        self._dtype = first if same else None
+        one = bool(dtypes) and all(d is not None and d == dtypes[0] for d in dtypes)
+        self._checked = one and dtypes[0] in _GATHERED
 
     def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array | None:
         """`base(x)` plus each row's residuals through the packed kernel (x [S, L, in], S the
@@ -174,8 +174,7 @@ class GatheredRows:
         found = [mounted.adapter.weights.get(path) for mounted in self._used]
         if all(pair is not None for pair in found):  # the composition's own plan
             present = [pair for pair in found if pair is not None]
-            checked = self._dtype is not None and self._dtype in _GATHERED
-            return self._gather(present, self._everywhere, checked=checked)
+            return self._gather(present, self._everywhere, checked=self._checked)
         index: dict[MountedAdapter, int] = {}  # in order of first use
         pairs: list[tuple[mx.array, mx.array]] = []
         rows: list[tuple[tuple[int, float], ...]] = []
