@@ -603,6 +603,31 @@ mx::array rows_matmul_lora(
   return rows_primitive({x, w, a_t, b_t, mask});
 }
 
+// A packed weight's operands as the kernel reads them (w [N, K * bits / 32] uint32, scales and
+// biases [N, K / group]), each row-contiguous, else refused in `name`'s words.
+Quantized packed_weight(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                        int K, int bits, int group, const char* name) {
+  for (const auto* a : {&w, &scales, &biases})
+    if (!a->flags().row_contiguous)
+      throw std::invalid_argument(std::string(name) + ": the weights must be row-contiguous");
+  const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
+  return Quantized{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits, group,
+                   dtype};
+}
+
+// A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
+int tile_floats(int M) { return M <= 16 ? 8192 : 32768; }
+
+// out [M, N] = x [M, K] @ dequantize(q).T, the columns split over the pool's threads.
+void quant_rows(QuantRange quant, const Quantized& q, const float* x, float* out, int M, int N) {
+  const int floats = tile_floats(M);
+  parallel_rows(N, 64, [&](int n0, int n1) {
+    thread_local std::vector<float> tile;
+    tile.resize(std::max<size_t>(floats, 4 * static_cast<size_t>(q.K)));
+    quant(q, x, out, M, N, n0, n1, tile.data(), floats);
+  });
+}
+
 // `x @ dequantize(w, scales, biases).T` for MLX's affine-quantized weights, any number of rows:
 // a request alone, a batched decode step, a prefill chunk. The weights stay packed in memory;
 // each thread dequantizes a tile of weight rows at a time into a buffer that stays in cache and
@@ -617,26 +642,12 @@ class QuantMatmul : public CpuPrimitive {
   // inputs: x [..., K], w [N, K * bits / 32] uint32, scales and biases [N, K / group].
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
-    const auto& w = inputs[1];
-    const auto& scales = inputs[2];
-    const auto& biases = inputs[3];
-    for (const auto* a : {&w, &scales, &biases})
-      if (!a->flags().row_contiguous)
-        throw std::invalid_argument("quant_matmul: the weights must be row-contiguous");
-    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
-    const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
-    const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
-                      group_, dtype};
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = inputs[1].shape(0);
+    const Quantized q =
+        packed_weight(inputs[1], inputs[2], inputs[3], K, bits_, group_, "quant_matmul");
     dispatch_rows(stream(), inputs, 1, outputs[0],
                   [=, quant = g_quant.load()](auto& operands, float* op) {
-      const float* xp = operands[0].get();
-      // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
-      const int tile_floats = M <= 16 ? 8192 : 32768;
-      parallel_rows(N, 64, [&](int n0, int n1) {
-        thread_local std::vector<float> tile;
-        tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
-        quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
-      });
+      quant_rows(quant, q, operands[0].get(), op, M, N);
     });
   }
   const char* name() const override { return "QuantMatmul"; }
@@ -855,16 +866,11 @@ class QuantMatmulGather : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const int pairs = (static_cast<int>(inputs.size()) - 6) / 2;
-    const auto& w = inputs[1 + 2 * pairs];
-    const auto& scales = inputs[2 + 2 * pairs];
-    const auto& biases = inputs[3 + 2 * pairs];
-    for (const auto* a : {&w, &scales, &biases})
-      if (!a->flags().row_contiguous)
-        throw std::invalid_argument("quant_matmul_gather: the weights must be row-contiguous");
-    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = w.shape(0);
-    const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
-    const Quantized q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits_,
-                      group_, dtype};
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K);
+    const int N = inputs[1 + 2 * pairs].shape(0);
+    const Quantized q = packed_weight(inputs[1 + 2 * pairs], inputs[2 + 2 * pairs],
+                                      inputs[3 + 2 * pairs], K, bits_, group_,
+                                      "quant_matmul_gather");
     const int32_t* plan = inputs[4 + 2 * pairs].data<int32_t>();
     const float* entry_scales = inputs[5 + 2 * pairs].data<float>();
     GatheredPairs gathered(inputs, 1, pairs, "quant_matmul_gather");
@@ -877,12 +883,7 @@ class QuantMatmulGather : public CpuPrimitive {
       residuals.add({gathered.pointers(), gathered.ranks, gathered.half, plan, entry_scales,
                      S, N, op});
       residuals.activations();
-      const int tile_floats = M <= 16 ? 8192 : 32768;
-      parallel_rows(N, 64, [&](int n0, int n1) {
-        thread_local std::vector<float> tile;
-        tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(K)));
-        quant(q, xp, op, M, N, n0, n1, tile.data(), tile_floats);
-      });
+      quant_rows(quant, q, xp, op, M, N);
       residuals.residuals();
     });
   }
@@ -960,7 +961,6 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
                    std::move(inputs));
 }
 
-
 // x @ dequantize(w_j).T for several weights of one input at once (a layer's q, k and v, or its
 // gate and up): one primitive and one pass of the pool's threads where separate products take
 // one each. Each output is computed by quant_matmul's kernel on the same rows, so its bits are
@@ -996,17 +996,11 @@ class QuantMatmulHeads : public CpuPrimitive {
     std::vector<Gathered> gathered;
     int at = 1;
     for (int j = 0; j < count; j++) {
-      const auto& w = inputs[at];
-      const auto& scales = inputs[at + 1];
-      const auto& biases = inputs[at + 2];
-      for (const auto* a : {&w, &scales, &biases})
-        if (!a->flags().row_contiguous)
-          throw std::invalid_argument("quant_matmul_heads: the weights must be row-contiguous");
-      const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
-      weights.push_back(Quantized{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K,
-                                  bits_, group_, dtype});
-      widths.push_back(w.shape(0));
-      offsets.push_back(offsets.back() + w.shape(0));
+      const int N = inputs[at].shape(0);
+      weights.push_back(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], K, bits_, group_,
+                                      "quant_matmul_heads"));
+      widths.push_back(N);
+      offsets.push_back(offsets.back() + N);
       at += 3;
       if (pairs_[j] < 0) continue;
       const int p = pairs_[j];
@@ -1041,15 +1035,15 @@ class QuantMatmulHeads : public CpuPrimitive {
         residuals.add({g.pairs.pointers(), g.pairs.ranks, g.pairs.half, g.plan, g.scales,
                        plan_rows[g.j], widths[g.j], products[g.j]});
       if (!gathered.empty()) residuals.activations();
-      const int tile_floats = M <= 16 ? 8192 : 32768;
+      const int floats = tile_floats(M);
       parallel_rows(offsets.back(), 64, [&](int n0, int n1) {
         thread_local std::vector<float> tile;
         for (int j = 0; j < count; j++) {
           const int a = std::max(n0, offsets[j]) - offsets[j];
           const int b = std::min(n1, offsets[j + 1]) - offsets[j];
           if (a >= b) continue;
-          tile.resize(std::max<size_t>(tile_floats, 4 * static_cast<size_t>(weights[j].K)));
-          quant(weights[j], xp, products[j], M, widths[j], a, b, tile.data(), tile_floats);
+          tile.resize(std::max<size_t>(floats, 4 * static_cast<size_t>(weights[j].K)));
+          quant(weights[j], xp, products[j], M, widths[j], a, b, tile.data(), floats);
         }
       });
       if (!gathered.empty()) residuals.residuals();
