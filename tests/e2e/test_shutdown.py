@@ -114,11 +114,12 @@ def drain(
 
 
 def test_sigterm_lets_requests_in_flight_finish(embedded_model_dir: Path):
-    server, running = drain(embedded_model_dir, "60", 24, signal.SIGTERM)
+    # Long enough that both requests are still running while the refusal is checked.
+    server, running = drain(embedded_model_dir, "60", 400, signal.SIGTERM)
     last = json.loads(running.stream_events[-2])
     assert last["choices"][0]["finish_reason"] == "length"
     assert running.plain is not None and running.plain.status_code == 200
-    assert running.plain.json()["usage"]["completion_tokens"] == 24
+    assert running.plain.json()["usage"]["completion_tokens"] == 400
     assert "waiting up to 60s" in server.log(80)
 
 
