@@ -149,6 +149,16 @@ class Traffic:
         gaps = [1000.0 / s.decode_tok_s for s in self.samples if s.decode_tok_s > 0]
         return statistics.median(gaps) if gaps else float("nan")
 
+    @property
+    def ttft_ms(self) -> float:
+        """The median time from sending a request to its first token."""
+        times = [1000.0 * s.ttft_s for s in self.samples]
+        return statistics.median(times) if times else float("nan")
+
+    @property
+    def prompt_tokens(self) -> float:
+        return statistics.mean(s.prompt_tokens for s in self.samples) if self.samples else 0.0
+
 
 def run_clients(
     server: ServerProcess,
@@ -330,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"round {round_} {kind}: {traffic.tok_s:.1f} tok/s, "
                     f"{len(traffic.samples)} requests, {len(traffic.errors)} errors, "
-                    f"{traffic.cached:.0%} of prompt tokens from the prompt cache",
+                    f"{traffic.cached:.0%} of prompt tokens from the prompt cache, "
+                    f"decode step {traffic.step_ms:.0f} ms, first token {traffic.ttft_ms:.0f} ms "
+                    f"(medians), {traffic.prompt_tokens:.0f} prompt tokens a request",
                     file=sys.stderr,
                 )
         samples = metrics(lazy)
