@@ -84,38 +84,68 @@ def match_pairs(
             f"the adapter has tensors for modules the base model does not have ({names}); "
             "it was probably trained for another base model"
         )
-    checked: list[tuple[str, mx.array, mx.array]] = []  # (tensor name, as stored, as mounted)
+    # (tensor name, as stored, in mlx-lm layout, the dtype it is mounted in)
+    checked: list[tuple[str, mx.array, mx.array, mx.Dtype]] = []
     for path, pair in halves.items():
-        a, b = result.pairs[path] = _checked_pair(path, pair, targets[path], rank)
+        a, b = _checked_pair(path, pair, targets[path], rank)
         (_, a_name, a_stored), (_, b_name, b_stored) = pair["lora_a"], pair["lora_b"]
-        checked += [(a_name, a_stored, a), (b_name, b_stored, b)]
-    _check_finite(checked)
+        dtype = targets[path].dtype
+        checked += [(a_name, a_stored, a, dtype), (b_name, b_stored, b, dtype)]
+    mounted = iter(_mounted(checked))
+    for path in halves:
+        result.pairs[path] = (next(mounted), next(mounted))
     return result
 
 
-def _check_finite(tensors: list[tuple[str, mx.array, mx.array]]) -> None:
-    """Refuse NaN or infinite values, as stored or once cast to the mount dtype (float32
-    values past float16's range become inf), naming the tensors.
+def _mounted(tensors: list[tuple[str, mx.array, mx.array, mx.Dtype]]) -> list[mx.array]:
+    """Each tensor as mounted: in mlx-lm layout, row-major, in its mount dtype, evaluated.
 
-    One evaluation for every tensor, which also materialises the mounted arrays; then the
-    checks read the evaluated buffers in place, each tensor once, and a mounted array once more
-    only where the cast changed its dtype.
+    Refuses NaN or infinite values, as stored or once cast to the mount dtype (float32 values
+    past float16's range become inf), naming the tensors. The file's tensors are read in one
+    evaluation and checked in place. Rounding float32 to float16 (`--adapter-dtype float16`)
+    is the native kernels' extension's, where it is loaded: MLX's rounding, to the bit, in one
+    call that keeps the GIL and queues nothing on MLX's stream behind the decoding steps. Any
+    other cast, and a transpose, are MLX's, all in one more evaluation.
     """
-    mx.eval([stored for _, stored, _ in tensors], [mounted for _, _, mounted in tensors])
-    stored_ok = _all_finite([stored for _, stored, _ in tensors])
-    stored_bad = [name for (name, _, _), ok in zip(tensors, stored_ok, strict=True) if not ok]
+    mx.eval([stored for _, stored, _, _ in tensors])
+    stored_ok = _all_finite([stored for _, stored, _, _ in tensors])
+    stored_bad = [name for (name, *_), ok in zip(tensors, stored_ok, strict=True) if not ok]
     if stored_bad:
         names = ", ".join(stored_bad[:_SHOWN])
         more = f" and {len(stored_bad) - _SHOWN} more" if len(stored_bad) > _SHOWN else ""
         noun = "tensor" if len(stored_bad) == 1 else "tensors"
         raise InvalidAdapter(f"NaN or infinite values in the {noun} {names}{more}")
-    cast_ = [(name, mounted) for name, stored, mounted in tensors if mounted.dtype != stored.dtype]
-    for (name, mounted), ok in zip(cast_, _all_finite([m for _, m in cast_]), strict=True):
-        if not ok:
-            raise InvalidAdapter(
-                f"the tensor {name} has values beyond the range of {_dtype_name(mounted.dtype)}, "
-                "the dtype this server keeps adapters in (its activations', or --adapter-dtype)"
-            )
+    # Where each mounted array comes from: the extension's rounding, else MLX's graph.
+    native = {
+        index
+        for index, (_, _, oriented, dtype) in enumerate(tensors)
+        if extension.native is not None and oriented.dtype == mx.float32 and dtype == mx.float16
+    }
+    # A tensor stored in mlx-lm's layout and the mount dtype is mounted as read.
+    out = [
+        oriented
+        if index in native or (oriented is stored and stored.dtype == dtype)
+        else mx.contiguous(oriented.astype(dtype))
+        for index, (_, stored, oriented, dtype) in enumerate(tensors)
+    ]
+    finite: dict[int, bool] = {}  # the cast ones: finite once cast
+    if native:
+        order = sorted(native)
+        halves, flags = extension.native.to_half([tensors[index][2] for index in order])
+        for index, half, ok in zip(order, halves, flags, strict=True):
+            out[index], finite[index] = half, ok
+    mx.eval(out)
+    by_mlx = [i for i, (_, _, t, dtype) in enumerate(tensors) if t.dtype != dtype]
+    by_mlx = [i for i in by_mlx if i not in finite]
+    finite.update(zip(by_mlx, _all_finite([out[i] for i in by_mlx]), strict=True))
+    beyond = [index for index in sorted(finite) if not finite[index]]
+    if beyond:
+        name, dtype = tensors[beyond[0]][0], _dtype_name(out[beyond[0]].dtype)
+        raise InvalidAdapter(
+            f"the tensor {name} has values beyond the range of {dtype}, the dtype this server "
+            "keeps adapters in (its activations', or --adapter-dtype)"
+        )
+    return out
 
 
 def _all_finite(arrays: list[mx.array]) -> list[bool]:
@@ -182,8 +212,7 @@ def _checked_pair(
         raise InvalidAdapter(
             f"{path}: the tensors have rank {a.shape[1]} but adapter_config.json says {rank}"
         )
-    # Row-major, as the packed kernels read a pair in place: a PEFT pair's transpose is a view.
-    return mx.contiguous(a.astype(dims.dtype)), mx.contiguous(b.astype(dims.dtype))
+    return a, b  # a PEFT pair's transpose is a view: `_mounted` lays it out row-major
 
 
 def _why_unusable(name: str, module: str) -> str | None:

@@ -487,6 +487,29 @@ def test_values_past_the_half_precision_range_are_refused(
     make_manager(tmp_path)[1].mount("sft", "bad")  # float32 activations hold it
 
 
+@pytest.mark.parametrize("layout", ["mlx-lm", "peft"])
+def test_a_float16_mount_holds_mlx_s_rounding_of_the_pairs(
+    tmp_path: Path, finiteness_check: str, layout: str
+):
+    """`--adapter-dtype float16`: whichever path rounds the file's float32 values (the native
+    extension's, or MLX's astype), the mounted pairs are MLX's float16 rounding of them, in
+    mlx-lm's layout and row-major, from either file layout."""
+    pairs = random_pairs(tiny_model(), seed=7)
+    write = write_mlx_adapter if layout == "mlx-lm" else write_peft_adapter
+    write(tmp_path / "sft", pairs)
+    manager = AdapterManager(
+        tiny_model(), base_id="tiny", adapter_root=tmp_path, max_rank=8, adapter_dtype=mx.float16
+    )
+    manager.mount("sft", "sft")
+    (entry,) = adapter_set(manager, "sft").entries
+    mounted = entry.mounted.adapter.weights
+    assert mounted.keys() == pairs.keys()
+    for path, (a, b) in pairs.items():
+        for got, want in zip(mounted[path], (a, b), strict=True):
+            assert got.dtype == mx.float16 and got.shape == want.shape
+            assert mx.array_equal(got.view(mx.uint16), want.astype(mx.float16).view(mx.uint16))
+
+
 def test_bfloat16_weights_are_checked_as_the_others(tmp_path: Path, finiteness_check: str):
     """bfloat16, which NumPy cannot read, takes the same checks: a NaN is refused naming the
     tensor, finite values mount."""

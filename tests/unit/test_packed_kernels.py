@@ -214,6 +214,39 @@ def test_float16_adapters_give_the_bits_of_the_float32_values_they_hold(isa: str
     assert mx.array_equal(got, want).item()
 
 
+def half_precision_edges() -> mx.array:
+    """float32 values where rounding to float16 is delicate: every midpoint between neighbouring
+    float16 values (ties round to even), values just either side of them, subnormals, signed
+    zeros, the edge of float16's range and past it."""
+    halves = mx.arange(0, 0x7BFF, 7, dtype=mx.uint16).view(mx.float16).astype(mx.float32)
+    following = (mx.arange(0, 0x7BFF, 7, dtype=mx.uint16) + 1).view(mx.float16)
+    midpoints = (halves + following.astype(mx.float32)) / 2  # exact in float32
+    subnormal = [5.96e-8, 2.98e-8, 2.99e-8, 1e-9, 6.1e-5]
+    past = [65519.0, 65520.0, -65520.0, 1e6, float("inf"), float("-inf")]
+    edges = mx.array([0.0, -0.0, *subnormal, 65504.0, *past])
+    spread = mx.random.normal((4096,), key=mx.random.key(3)) * 10.0 ** mx.random.randint(
+        -9, 6, (4096,), key=mx.random.key(4)
+    ).astype(mx.float32)
+    nudged = [midpoints * (1 + d) for d in (-1e-7, 1e-7)]
+    return mx.concatenate([halves, midpoints, -midpoints, *nudged, edges, spread])
+
+
+def test_to_half_rounds_as_mlx_astype_does():
+    """`to_half` (float16 mounts): the bits of MLX's own astype, for row-major arrays and a
+    transpose alike; each array flagged finite or not once rounded."""
+    values = half_precision_edges()
+    finite = mx.clip(values, -65504.0, 65504.0)  # the largest float16
+    square = mx.random.normal((96, 40), key=mx.random.key(5))
+    arrays = [values, finite, square.T]
+    got, flags = native.to_half(arrays)
+    for array, half in zip(arrays, got, strict=True):
+        assert half.dtype == mx.float16 and half.shape == array.shape
+        assert mx.array_equal(half.view(mx.uint16), array.astype(mx.float16).view(mx.uint16))
+    assert flags == [False, True, True]
+    with pytest.raises(ValueError, match="float32 arrays only"):
+        native.to_half([square.astype(mx.float16)])
+
+
 def test_pairs_of_two_dtypes_are_refused():
     packed, scales, biases, _ = quantized(16, 64, 4, 32, mx.float16, seed=9)
     pairs = gather_operands(64, 16, (4, 4), seed=1)

@@ -1478,6 +1478,48 @@ std::vector<bool> all_finite(const std::vector<mx::array>& arrays) {
   return out;
 }
 
+// Each float32 array rounded to float16 into a new row-major array, with whether every rounded
+// value is finite (values past float16's range become infinite). The rounding is MLX's own
+// (mlx::core::float16_t, the code astype runs on this CPU), so the bits are astype's; one call
+// for all of an adapter's tensors, with the GIL held throughout, and nothing queued on MLX's
+// stream behind the decoding steps. A 2-D array may be strided (a PEFT pair's transpose).
+std::tuple<std::vector<mx::array>, std::vector<bool>> to_half(
+    const std::vector<mx::array>& arrays) {
+  std::vector<mx::array> out;
+  std::vector<bool> finite;
+  out.reserve(arrays.size());
+  finite.reserve(arrays.size());
+  for (auto a : arrays) {
+    a.eval();
+    if (a.dtype() != mx::float32)
+      throw std::invalid_argument("to_half: float32 arrays only");
+    const bool flat = a.flags().row_contiguous;
+    if (!flat && a.ndim() != 2)
+      throw std::invalid_argument("to_half: the arrays must be row-contiguous or 2-D");
+    mx::array half(mx::allocator::malloc(a.size() * sizeof(uint16_t)), a.shape(), mx::float16);
+    uint16_t* h = half.data<uint16_t>();
+    const float* x = a.data<float>();
+    uint16_t seen = 0;  // set where a rounded value's exponent bits are all set
+    auto round = [&](size_t i, float value) {
+      const mx::float16_t rounded(value);
+      h[i] = rounded.bits_;
+      seen |= static_cast<uint16_t>(~rounded.bits_ & 0x7c00u) == 0 ? 1 : 0;
+    };
+    if (flat) {
+      for (size_t i = 0; i < a.size(); i++) round(i, x[i]);
+    } else {
+      const int rows = a.shape(0), cols = a.shape(1);
+      const int64_t s0 = a.strides()[0], s1 = a.strides()[1];
+      for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++)
+          round(static_cast<size_t>(i) * cols + j, x[i * s0 + j * s1]);
+    }
+    out.push_back(std::move(half));
+    finite.push_back(seen == 0);
+  }
+  return {std::move(out), std::move(finite)};
+}
+
 NB_MODULE(_rows_matmul, m) {
   m.doc() =
       "The projections and attention of a batched decode step's few rows, and the norms and "
@@ -1491,6 +1533,7 @@ NB_MODULE(_rows_matmul, m) {
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "pairs"_a, "plan"_a, "entry_scales"_a);
   m.def("all_finite", &all_finite, "arrays"_a);
+  m.def("to_half", &to_half, "arrays"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a);
