@@ -135,8 +135,11 @@ def _mounted(tensors: list[tuple[str, mx.array, mx.array, mx.Dtype]]) -> list[mx
         for index, half, ok in zip(order, halves, flags, strict=True):
             out[index], finite[index] = half, ok
     mx.eval(out)
-    by_mlx = [i for i, (_, _, t, dtype) in enumerate(tensors) if t.dtype != dtype]
-    by_mlx = [i for i in by_mlx if i not in finite]
+    by_mlx = [
+        index
+        for index, (_, _, oriented, dtype) in enumerate(tensors)
+        if oriented.dtype != dtype and index not in native
+    ]
     finite.update(zip(by_mlx, _all_finite([out[i] for i in by_mlx]), strict=True))
     beyond = [index for index in sorted(finite) if not finite[index]]
     if beyond:

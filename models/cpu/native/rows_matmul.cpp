@@ -1499,12 +1499,7 @@ std::tuple<std::vector<mx::array>, std::vector<bool>> to_half(
     mx::array half(mx::allocator::malloc(a.size() * sizeof(uint16_t)), a.shape(), mx::float16);
     uint16_t* h = half.data<uint16_t>();
     const float* x = a.data<float>();
-    uint16_t seen = 0;  // set where a rounded value's exponent bits are all set
-    auto round = [&](size_t i, float value) {
-      const mx::float16_t rounded(value);
-      h[i] = rounded.bits_;
-      seen |= static_cast<uint16_t>(~rounded.bits_ & 0x7c00u) == 0 ? 1 : 0;
-    };
+    auto round = [h](size_t i, float value) { h[i] = mx::float16_t(value).bits_; };
     if (flat) {
       for (size_t i = 0; i < a.size(); i++) round(i, x[i]);
     } else {
@@ -1514,8 +1509,8 @@ std::tuple<std::vector<mx::array>, std::vector<bool>> to_half(
         for (int j = 0; j < cols; j++)
           round(static_cast<size_t>(i) * cols + j, x[i * s0 + j * s1]);
     }
+    finite.push_back(finite_bits<uint16_t>(h, a.size(), 0x7c00u));
     out.push_back(std::move(half));
-    finite.push_back(seen == 0);
   }
   return {std::move(out), std::move(finite)};
 }
