@@ -18,22 +18,27 @@ weights beyond each mounted adapter's own, and holds the batch's adapters alone:
 slot, a few kept per `RowAdapterCache`, dropped as soon as no batch uses them.
 
 Packed quantized weights copy nothing (`GatheredRows`, Punica's gathered form): their kernel
-(`hotlora.models.cpu.layers.lora_gather`) takes each adapter's pair as mounted and, per row, the
-adapters of its set in the set's order with their scales, and computes each row's own low-rank
-products alone. A set alone on every row goes through it too (`lone_rows`), so a row's result is
-the same bits alone and beside any other sets, and adapters cost their own arrays whatever the
-traffic.
+(`hotlora.models.cpu.layers.lora_gather`) takes one plan for the batch, built once: the
+adapters its rows use, each's pairs as mounted (held by the native extension, so a step's graph
+carries none of their arrays), and per row the adapters of its set in the set's order with
+their scales; a call names the plan and its slot's number. Each row computes its own low-rank
+products alone. A set alone on every row goes through it too (`lone_rows`), so a row's result
+is the same bits alone and beside any other sets, and adapters cost their own arrays whatever
+the traffic.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from weakref import WeakKeyDictionary
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from hotlora.adapters.adapter_files import LoadedAdapter
 from hotlora.adapters.adapter_set import AdapterSet, AppliedAdapter, MountedAdapter
+from hotlora.models.cpu import extension
 from hotlora.models.cpu.layers import (
     lora_gather,
     lora_rows,
@@ -108,112 +113,120 @@ class SideBySide:
 
 _GATHERED = (mx.float32, mx.float16)  # the pairs' dtypes the gathered kernel reads
 
-# One slot's operands of the gathered kernel: each adapter's pair as mounted, once ([in, r],
-# [r, out], flat), the plan (int32 [S + 1 + E]) and its entries' scales (float32 [E]).
-Gather = tuple[list[mx.array], mx.array, mx.array]
-# Each row's entries at a slot: (index into the slot's adapters, scale), in the set's order.
-PlanRows = tuple[tuple[tuple[int, float], ...], ...]
+# One slot's operands of the gathered kernel: the batch's plan (its adapters, each once, and
+# each row's entries) and the slot's number, -1 where none of those adapters has weights there.
+Gather = tuple[object, int]
+
+_SLOT_NUMBERS: dict[str, int] = {}  # each slot's path, numbered in order of first use
+_SLOT_LOCK = threading.Lock()
+
+
+def slot_number(path: str) -> int:
+    """The number the gathered kernels know the LoRA slot at `path` by: one per path, for the
+    life of the process (an adapter's pairs and a kernel call name slots by it)."""
+    number = _SLOT_NUMBERS.get(path)
+    if number is None:
+        with _SLOT_LOCK:
+            number = _SLOT_NUMBERS.setdefault(path, len(_SLOT_NUMBERS))
+    return number
+
+
+_PAIRS: WeakKeyDictionary[LoadedAdapter, object] = WeakKeyDictionary()
+
+
+def gathered_pairs(adapter: LoadedAdapter) -> object | None:
+    """The adapter's pairs as the gathered kernels read them, by slot number: its own arrays,
+    held (not copied) for as long as a batch's plan uses them, kept while the adapter lives.
+    None where those kernels do not read them (no extension, or arrays other than all float32
+    or all float16)."""
+    native = extension.native
+    if native is None or adapter.dtype not in _GATHERED:
+        return None
+    pairs = _PAIRS.get(adapter)
+    if pairs is None:
+        numbered = {slot_number(path): pair for path, pair in adapter.weights.items()}
+        by_slot: list[tuple[mx.array, mx.array] | None] = [None] * (max(numbered, default=-1) + 1)
+        for number, pair in numbered.items():
+            by_slot[number] = pair
+        try:
+            pairs = native.adapter_pairs(by_slot)
+        except ValueError:  # a view (mounts are row-major): its row-major copy, held there
+            rows = [
+                None if p is None else (mx.contiguous(p[0]), mx.contiguous(p[1])) for p in by_slot
+            ]
+            pairs = native.adapter_pairs(rows)
+        _PAIRS[adapter] = pairs
+    return pairs
 
 
 class GatheredRows:
     """Each row's own adapters, read where they are mounted: what packed quantized weights apply.
 
-    Per slot, the kernel takes the pairs of the adapters the rows' sets use there, each once,
-    and a plan: for each row, its set's entries in the set's order (an adapter named twice is
-    two entries), each an index into the pairs and the entry's scale. Nothing is copied; a plan
-    is a few integers, and slots whose rows name the same entries share one.
+    The kernels take one plan for the batch, the same at every slot: the adapters the rows'
+    sets use, each once (each's pairs at every slot, `gathered_pairs`), and for each row its
+    set's entries in the set's order (an adapter named twice is two entries), each an index into
+    those adapters and the entry's scale. At a slot, an entry whose adapter has no weights there
+    adds nothing. Nothing is copied, and a step's graph carries no adapter array: a call names
+    the plan and its slot's number.
     """
 
     def __init__(self, rows: Sequence[AdapterSet]):
         # The rows' entries, not their sets: `lone_rows` keeps this beside a set it holds weakly.
         self._rows = tuple(adapters.entries for adapters in rows)
-        self._slots: dict[str, Gather | None] = {}
-        self._plans: dict[PlanRows, tuple[mx.array, mx.array]] = {}
+        self._slots: dict[str, int] = {}
+        self._plan: object | None = None
+        self._planned = False
         # The adapters the rows' entries apply (weight not 0), each once in order of first use,
-        # and the rows' entries as indices into them: every slot's plan where each of those
-        # adapters has weights (most slots, often all), found without walking the rows again.
+        # and each row's entries as indices into them.
         used: dict[MountedAdapter, int] = {}
-        self._everywhere: PlanRows = tuple(
-            tuple(
-                (used.setdefault(entry.mounted, len(used)), entry.scale)
-                for entry in row
-                if entry.weight != 0.0
-            )
-            for row in self._rows
-        )
+        self._offsets = [0]
+        self._entries: list[int] = []
+        self._scales: list[float] = []
+        for row in self._rows:
+            for entry in row:
+                if entry.weight != 0.0:
+                    self._entries.append(used.setdefault(entry.mounted, len(used)))
+                    self._scales.append(entry.scale)
+            self._offsets.append(len(self._entries))
         self._used = tuple(used)
-        # Whether their arrays are all of one dtype the kernel reads: then no slot's pairs need
-        # checking one by one.
-        dtypes = [mounted.adapter.dtype for mounted in self._used]
-        one = bool(dtypes) and all(d is not None and d == dtypes[0] for d in dtypes)
-        self._checked = one and dtypes[0] in _GATHERED
 
     def project(self, path: str, x: mx.array, base: nn.Module) -> mx.array | None:
         """`base(x)` plus each row's residuals through the packed kernel (x [S, L, in], S the
         rows, or any shape for one row); None where that kernel does not serve (other weights,
-        inputs than float32, adapters other than float32 or float16 or of both)."""
+        inputs than float32, adapters other than float32 or float16)."""
         operands = self.operands(path, x, base)
         if operands is None:
             return None
-        pairs, plan, scales = operands
-        if not pairs:
+        plan, slot = operands
+        if slot < 0:
             return base(x)
-        return lora_gather(x, base, pairs, plan, scales)
+        return lora_gather(x, base, plan, slot)
 
     def operands(self, path: str, x: mx.array, base: nn.Module) -> Gather | None:
-        """The gathered kernel's operands at `path` for this call: each adapter's pair once (none
-        when no row's adapters have weights there), the plan and its scales; None where that
-        kernel does not serve (see `project`)."""
+        """The gathered kernel's operands at `path` for this call: the batch's plan and the
+        slot's number (-1 when no row's adapters have weights there); None where that kernel
+        does not serve (see `project`)."""
         if not (serves_every_row(base) and serves_rows(x, base)):
             return None
-        if path not in self._slots:
-            self._slots[path] = self._slot(path)
-        return self._slots[path]
+        plan = self._native_plan()
+        if plan is None:
+            return None
+        slot = self._slots.get(path)
+        if slot is None:
+            present = any(path in mounted.adapter.weights for mounted in self._used)
+            slot = self._slots[path] = slot_number(path) if present else -1
+        return plan, slot
 
-    def _slot(self, path: str) -> Gather | None:
-        found = [mounted.adapter.weights.get(path) for mounted in self._used]
-        if all(pair is not None for pair in found):  # the composition's own plan
-            present = [pair for pair in found if pair is not None]
-            return self._gather(present, self._everywhere, checked=self._checked)
-        index: dict[MountedAdapter, int] = {}  # in order of first use
-        pairs: list[tuple[mx.array, mx.array]] = []
-        rows: list[tuple[tuple[int, float], ...]] = []
-        for row in self._rows:
-            entries: list[tuple[int, float]] = []
-            for entry in row:
-                pair = entry.mounted.adapter.weights.get(path)
-                if pair is None or entry.weight == 0.0:
-                    continue  # adds nothing here
-                if entry.mounted not in index:
-                    index[entry.mounted] = len(index)
-                    pairs.append(pair)
-                entries.append((index[entry.mounted], entry.scale))
-            rows.append(tuple(entries))
-        return self._gather(pairs, tuple(rows))
-
-    def _gather(
-        self, pairs: list[tuple[mx.array, mx.array]], rows: PlanRows, *, checked: bool = False
-    ) -> Gather | None:
-        """The kernel's operands: the pairs, flat, and the plan of the rows' entries (index,
-        scale), which slots share; None unless the pairs are all float32 or all float16
-        (`checked`: known to be, from their adapters' own dtype)."""
-        if not checked:
-            dtype = pairs[0][0].dtype if pairs else mx.float32
-            mixed = any(a.dtype != dtype or b.dtype != dtype for a, b in pairs)
-            if mixed or dtype not in _GATHERED:
-                return None
-        planned = self._plans.get(rows)
-        if planned is None:
-            offsets = [0]
-            for own in rows:
-                offsets.append(offsets[-1] + len(own))
-            indices = [i for own in rows for i, _ in own]
-            scales = [scale for own in rows for _, scale in own]
-            planned = self._plans[rows] = (
-                mx.array(offsets + indices, dtype=mx.int32),  # [S + 1 + E]
-                mx.array(scales, dtype=mx.float32),  # [E]
-            )
-        return [array for pair in pairs for array in pair], *planned
+    def _native_plan(self) -> object | None:
+        """The kernels' plan, built on first use; None unless they read every adapter's pairs."""
+        if not self._planned:
+            self._planned = True
+            pairs = [gathered_pairs(mounted.adapter) for mounted in self._used]
+            if all(p is not None for p in pairs) and extension.native is not None:
+                self._plan = extension.native.row_plan(
+                    pairs, self._offsets, self._entries, self._scales
+                )
+        return self._plan
 
 
 # What a slot does for one batch: nothing (no adapter has weights there), or its side-by-side

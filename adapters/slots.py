@@ -74,7 +74,7 @@ class LoRASlot(nn.Module):
             return None
         if operands is None:
             return None
-        return self.base, operands if operands[0] else None
+        return self.base, operands if operands[1] >= 0 else None
 
 
 @contextmanager

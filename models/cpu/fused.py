@@ -12,8 +12,9 @@ separate layers' (in any batch and any chunking, as those are).
 A layer takes the fused path when its projections are packed (`RowsQuantizedLinear`) with one
 quantization and no bias. While an adapter set is active (one for the batch, or one per row),
 the same primitive adds each projection's residuals to its product, every projection's in one
-pass (the gathered kernel's, to the bits its LoRA slot's own call gives); where that kernel does
-not serve (adapters in other dtypes), each projection is called on its own, through its slot.
+pass (the gathered kernel's, to the bits its LoRA slot's own call gives: the batch's plan and
+each projection's slot number); where that kernel does not serve (adapters in other dtypes than
+float32 and float16), each projection is called on its own, through its slot.
 Only mlx-lm's llama module (llama, mistral and the models it builds) takes these classes; the
 other families keep their own attention and MLP on the packed layers.
 """
@@ -33,8 +34,8 @@ from hotlora.models.cpu.layers import RowsQuantizedLinear
 from hotlora.models.module_classes import swap_classes
 
 # A projection's part of a fused call: its packed layer, and the gathered kernel's operands of
-# the residuals its adapters add (adapters' pairs, plan, scales), None where none apply.
-_Part = tuple[RowsQuantizedLinear, tuple[list[mx.array], mx.array, mx.array] | None]
+# the residuals its adapters add (the batch's plan, the slot's number), None where none apply.
+_Part = tuple[RowsQuantizedLinear, tuple[object, int] | None]
 
 
 def _part(projection: nn.Module, x: mx.array) -> _Part | None:
@@ -73,7 +74,9 @@ def fused_products(
             return None
         if layer.scales.dtype != first.scales.dtype:
             return None
-    gathers = [operands for _, operands in found]
+    plans = {id(operands[0]): operands[0] for _, operands in found if operands is not None}
+    if len(plans) > 1:  # one active batch plans every projection of a call
+        return None
     return native.quant_matmul_heads(
         x,
         [layer.weight for layer, _ in found],
@@ -82,7 +85,8 @@ def fused_products(
         heads,
         first.group_size,
         first.bits,
-        gathers if any(operands is not None for operands in gathers) else [],
+        next(iter(plans.values()), None),
+        [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
     )
 
 

@@ -83,19 +83,13 @@ def lora_rows(
     return extension.native.rows_matmul_lora(x, linear.weight, a_t, b_t, mask)  # [B, 1, out]
 
 
-def lora_gather(
-    x: mx.array,
-    linear: nn.Module,
-    pairs: list[mx.array],
-    plan: mx.array,
-    scales: mx.array,
-) -> mx.array:
-    """`linear(x)` plus each row's own adapters' residuals, for packed quantized weights
-    (`serves_every_row`), any number of tokens a row: x [S, L, in] or [L, in] (S = 1).
-    `pairs`: A [in, r], B [r, out] of each adapter, as mounted, each once; `plan` int32
-    [S + 1 + E]: S + 1 offsets into the E entries (row s's are `[plan[s], plan[s + 1])`), then
-    each entry's index into the adapters; `scales` float32 [E], each entry's. A row computes its
-    own entries only, in order: its bits depend on its own adapters alone."""
+def lora_gather(x: mx.array, linear: nn.Module, plan: object, slot: int) -> mx.array:
+    """`linear(x)` plus each row's own adapters' residuals at one LoRA slot, for packed
+    quantized weights (`serves_every_row`), any number of tokens a row: x [S, L, in] or
+    [L, in] (S = 1). `plan`: the extension's `row_plan` of the batch (its adapters' pairs, each
+    once, and each row's entries, in order, with their scales); `slot`: the slot's number in
+    those pairs. A row computes its own entries only, in order: its bits depend on its own
+    adapters alone."""
     assert extension.native is not None
     y = extension.native.quant_matmul_gather(
         x,
@@ -104,9 +98,8 @@ def lora_gather(
         linear.biases,
         linear.group_size,
         linear.bits,
-        pairs,
         plan,
-        scales,
+        slot,
     )
     return y + linear.bias if "bias" in linear else y
 

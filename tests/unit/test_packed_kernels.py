@@ -5,6 +5,8 @@ adapter sets and in any chunking of its prompt; mlx-lm's float32 results within 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 from typing import Any
@@ -136,14 +138,25 @@ def gather_operands(k: int, n: int, ranks: tuple[int, ...], seed: int) -> list[m
     return pairs
 
 
-def plan(rows: list[list[tuple[int, float]]]) -> tuple[mx.array, mx.array]:
-    """The kernel's plan of each row's entries (adapter index, scale), in order."""
+def plan(rows: list[list[tuple[int, float]]]) -> tuple[list[int], list[int], list[float]]:
+    """The kernel's plan of each row's entries (adapter index, scale), in order: the rows'
+    offsets into the entries, each entry's adapter, each entry's scale."""
     offsets = [0]
     for entries in rows:
         offsets.append(offsets[-1] + len(entries))
     indices = [i for entries in rows for i, _ in entries]
     scales = [scale for entries in rows for _, scale in entries]
-    return mx.array(offsets + indices, dtype=mx.int32), mx.array(scales, dtype=mx.float32)
+    return offsets, indices, scales
+
+
+def row_plan(pairs: list[mx.array], rows: list[list[tuple[int, float]]], slot: int = 0) -> Any:
+    """A batch's plan: adapter i holds pairs[2i], pairs[2i + 1] at `slot` (nothing elsewhere),
+    and row m applies rows[m]'s entries."""
+    adapters = [
+        native.adapter_pairs([None] * slot + [(pairs[i], pairs[i + 1])])
+        for i in range(0, len(pairs), 2)
+    ]
+    return native.row_plan(adapters, *plan(rows))
 
 
 # Ranks below, at and beyond a vector's lanes; a row's entries: none, one, a stack in either
@@ -163,7 +176,7 @@ def test_the_gather_kernel_adds_each_rows_own_adapters(isa: str, rows: int):
     pairs = gather_operands(256, 200, RANKS, seed=rows)
     x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
     entries = row_entries(rows)
-    got = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, pairs, *plan(entries))
+    got = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, row_plan(pairs, entries), 0)
     base = native.quant_matmul(x, packed, scales, biases, 32, 4)
     for m, own in enumerate(entries):
         expected = x[m] @ exact.T
@@ -181,19 +194,21 @@ def test_a_gathered_rows_result_is_the_same_bits_alone_as_in_any_batch(isa: str)
     pairs = gather_operands(576, 300, RANKS, seed=7)
     x = mx.random.normal((16, 1, 576), key=mx.random.key(8))
     entries = row_entries(16)
-    whole = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, pairs, *plan(entries))
+    whole = native.quant_matmul_gather(
+        x, packed, scales, biases, 32, 4, row_plan(pairs, entries), 0
+    )
     for m, own in enumerate(entries):
         used = sorted({i for i, _ in own}, reverse=True)
         mine = [array for i in used for array in pairs[2 * i : 2 * i + 2]]
         renumbered = [[(used.index(i), scale) for i, scale in own]]
         alone = native.quant_matmul_gather(
-            x[m], packed, scales, biases, 32, 4, mine, *plan(renumbered)
+            x[m], packed, scales, biases, 32, 4, row_plan(mine, renumbered), 0
         )
         assert mx.array_equal(alone, whole[m]).item(), m
     # A prompt's tokens a row, 5 each: row s's tokens under row s's entries.
     prompt = mx.concatenate([x[:4]] * 5, axis=1)  # [4, 5, 576]
     chunked = native.quant_matmul_gather(
-        prompt, packed, scales, biases, 32, 4, pairs, *plan(entries[:4])
+        prompt, packed, scales, biases, 32, 4, row_plan(pairs, entries[:4]), 0
     )
     for t in range(5):
         assert mx.array_equal(chunked[:, t], whole[:4, 0]).item(), t
@@ -208,10 +223,23 @@ def test_float16_adapters_give_the_bits_of_the_float32_values_they_hold(isa: str
     halves = [pair.astype(mx.float16) for pair in gather_operands(576, 300, RANKS, seed=11)]
     singles = [pair.astype(mx.float32) for pair in halves]
     x = mx.random.normal((rows, 1, 576), key=mx.random.key(12))
-    entries = plan(row_entries(rows))
-    got = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, halves, *entries)
-    want = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, singles, *entries)
+    entries = row_entries(rows)
+    got = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, row_plan(halves, entries), 0)
+    want = native.quant_matmul_gather(
+        x, packed, scales, biases, 32, 4, row_plan(singles, entries), 0
+    )
     assert mx.array_equal(got, want).item()
+    # Adapters of both dtypes in one batch: each row the bits it gets with its own dtype's.
+    mixed = halves[:4] + singles[4:]  # adapters 0 and 1 in float16, 2 and 3 in float32
+    among = native.quant_matmul_gather(
+        x, packed, scales, biases, 32, 4, row_plan(mixed, entries), 0
+    )
+    for m, own in enumerate(entries):
+        used = {i for i, _ in own}
+        if used and used <= {0, 1}:
+            assert mx.array_equal(among[m], got[m]).item(), m
+        elif used and used <= {2, 3}:
+            assert mx.array_equal(among[m], want[m]).item(), m
 
 
 def half_precision_edges() -> mx.array:
@@ -247,28 +275,96 @@ def test_to_half_rounds_as_mlx_astype_does():
         native.to_half([square.astype(mx.float16)])
 
 
-def test_pairs_of_two_dtypes_are_refused():
-    packed, scales, biases, _ = quantized(16, 64, 4, 32, mx.float16, seed=9)
-    pairs = gather_operands(64, 16, (4, 4), seed=1)
-    pairs[2:] = [pair.astype(mx.float16) for pair in pairs[2:]]
-    with pytest.raises(ValueError, match="all float32 or all float16"):
-        native.quant_matmul_gather(
-            mx.ones((2, 64)), packed, scales, biases, 32, 4, pairs, *plan([[(0, 1.0)], [(1, 1.0)]])
-        )
+def test_a_pair_of_two_dtypes_or_a_view_is_refused():
+    pairs = gather_operands(64, 16, (4,), seed=1)
+    with pytest.raises(ValueError, match="both float32 or both float16, row-major"):
+        native.adapter_pairs([(pairs[0], pairs[1].astype(mx.float16))])
+    with pytest.raises(ValueError, match="both float32 or both float16, row-major"):
+        native.adapter_pairs([(pairs[1].T, pairs[0].T)])  # [16, 4], [4, 64]: views
+
+
+def test_an_entry_adds_nothing_at_a_slot_where_its_adapter_has_no_weights(isa: str):
+    """An adapter's entries count only at the slots it has weights at: elsewhere its rows get
+    the base product, or their other adapters' residuals alone, to the bit."""
+    packed, scales, biases, _ = quantized(200, 256, 4, 32, mx.float16, seed=5)
+    first, second = gather_operands(256, 200, (8,), seed=1), gather_operands(256, 200, (8,), seed=2)
+    x = mx.random.normal((3, 1, 256), key=mx.random.key(3))
+    both = [
+        native.adapter_pairs([(first[0], first[1])]),  # slot 0 alone
+        native.adapter_pairs([None, (second[0], second[1])]),  # slot 1 alone
+    ]
+    rows = [[(0, 1.0)], [(1, 1.0)], [(1, 2.0), (0, 0.5)]]
+    batch = native.row_plan(both, *plan(rows))
+    at_0 = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, batch, 0)
+    at_1 = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, batch, 1)
+    at_2 = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, batch, 2)
+    base = native.quant_matmul(x, packed, scales, biases, 32, 4)
+    only_0 = native.quant_matmul_gather(
+        x, packed, scales, biases, 32, 4, row_plan(first, [[(0, 1.0)], [], [(0, 0.5)]]), 0
+    )
+    only_1 = native.quant_matmul_gather(
+        x, packed, scales, biases, 32, 4, row_plan(second, [[], [(0, 1.0)], [(0, 2.0)]]), 0
+    )
+    assert mx.array_equal(at_0, only_0).item()
+    assert mx.array_equal(at_1, only_1).item()
+    assert mx.array_equal(at_2, base).item()  # neither has weights there
+
+
+# A plan whose last reference is the step's own (the request gone while its step ran): freed
+# where the step ran, while another thread holds the GIL in mx.clear_cache (an eviction's), which
+# waits for that step to end.
+_PLAN_FREED_BESIDE_CLEAR_CACHE = """
+import sys, threading
+import mlx.core as mx
+from hotlora.models.cpu import extension
+native = extension.load(2)
+w, s, b = mx.quantize(mx.random.normal((256, 256)), group_size=32, bits=4)
+x = mx.random.normal((4, 1, 256))
+mx.eval(w, s, b, x)
+stop = False
+def clearing():
+    while not stop:
+        mx.clear_cache()
+thread = threading.Thread(target=clearing)
+thread.start()
+for _ in range(300):
+    a, bb = mx.random.normal((256, 8)), mx.random.normal((8, 256))
+    plan = native.row_plan([native.adapter_pairs([(a, bb)])], [0, 1, 1, 2, 2], [0, 0], [1.0, 0.5])
+    y = native.quant_matmul_gather(x, w, s, b, 32, 4, plan, 0)
+    del plan, a, bb
+    mx.eval(y)
+stop = True
+thread.join()
+print("ok")
+"""
+
+
+def test_a_plan_freed_where_its_step_ran_waits_for_no_python_thread():
+    """The kernels' plans and adapters' pairs are freed in C++ alone wherever their last
+    reference goes: a step that held the last one ends while another thread holds the GIL
+    waiting for it (mx.clear_cache), where a reference that gave Python's object back to
+    Python would wait for the GIL and hang both."""
+    run = subprocess.run(
+        [sys.executable, "-c", _PLAN_FREED_BESIDE_CLEAR_CACHE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
 
 
 HEADS = [4, 2, 2, 0]  # q, k and v of an attention, then a product without heads
 
 
 def together(
-    x: mx.array, bits: int, gathers: list[Any] | None = None
+    x: mx.array, bits: int, batch: Any = None, slots: list[int] | None = None
 ) -> tuple[list[Any], list[mx.array]]:
     """Four quantized products of x [B, L, 128] (64, 32, 32 and 96 outputs, HEADS) as one
-    primitive, with each output's gathered residuals where `gathers` holds them: their layers
-    (w, scales, biases, the exact weights) and their outputs."""
+    primitive, with each output's rows' residuals at its slot of `batch` (-1: none): their
+    layers (w, scales, biases, the exact weights) and their outputs."""
     layers = [quantized(n, 128, bits, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
     weights = [[layer[i] for layer in layers] for i in range(3)]
-    return layers, native.quant_matmul_heads(x, *weights, HEADS, 32, bits, gathers or [])
+    return layers, native.quant_matmul_heads(x, *weights, HEADS, 32, bits, batch, slots or [])
 
 
 def heads_layout(y: mx.array, heads: int) -> mx.array:
@@ -287,61 +383,69 @@ def test_products_together_add_each_rows_residuals_to_the_gathered_kernels_bits(
     with residuals is quant_matmul_gather's to the bit, in the attention's layout, a prompt's
     tokens included; one without is quant_matmul's."""
     x = mx.random.normal((rows, length, 128), key=mx.random.key(rows + length))
-    entries = plan(row_entries(rows))
-    gathers = [
-        ([p.astype(dtype) for p in gather_operands(128, n, RANKS, seed=n)], *entries)
-        for n in (64, 32, 32)
-    ] + [None]
-    layers, outputs = together(x, 4, gathers)
+    # Each adapter's pairs at slots 0, 1 and 2 (q, k and v's widths); none at 3.
+    per_slot = [
+        [p.astype(dtype) for p in gather_operands(128, n, RANKS, seed=n)] for n in (64, 32, 32)
+    ]
+    adapters = [
+        native.adapter_pairs([(pairs[2 * i], pairs[2 * i + 1]) for pairs in per_slot])
+        for i in range(len(RANKS))
+    ]
+    batch = native.row_plan(adapters, *plan(row_entries(rows)))
+    layers, outputs = together(x, 4, batch, [0, 1, 2, -1])
     _, plain = together(x, 4)
-    for (w, s, b, _), h, gather, got in zip(layers, HEADS, gathers, outputs, strict=True):
-        if gather is None:
+    for slot, ((w, s, b, _), h, got) in enumerate(zip(layers, HEADS, outputs, strict=True)):
+        if slot == 3:
             alone = native.quant_matmul(x, w, s, b, 32, 4)  # [B, L, N]
         else:
-            alone = native.quant_matmul_gather(x, w, s, b, 32, 4, *gather)
+            alone = native.quant_matmul_gather(x, w, s, b, 32, 4, batch, slot)
         assert mx.array_equal(got, heads_layout(alone, h)).item(), h
     assert not mx.array_equal(outputs[0], plain[0]).item()  # the residuals are there
 
 
-def test_products_together_refuse_gathers_that_do_not_fit():
+def test_products_together_refuse_plans_that_do_not_fit():
     (w, s, b, _), pairs = (
         quantized(16, 64, 4, 32, mx.float16, seed=9),
         gather_operands(64, 16, (4,), seed=1),
     )
     x = mx.ones((2, 1, 64))
-    with pytest.raises(ValueError, match="as many weights, scales, biases, heads and gathers"):
-        native.quant_matmul_heads(x, [w, w], [s, s], [b, b], [0, 0], 32, 4, [None])
+    two = row_plan(pairs, [[(0, 1.0)]] * 2)
+    with pytest.raises(ValueError, match="as many weights, scales, biases, heads and slots"):
+        native.quant_matmul_heads(x, [w, w], [s, s], [b, b], [0, 0], 32, 4, two, [0])
     with pytest.raises(ValueError, match="rows must divide"):
-        three = plan([[(0, 1.0)]] * 3)
-        native.quant_matmul_heads(x, [w], [s], [b], [0], 32, 4, [(pairs, *three)])
-    with pytest.raises(ValueError, match="expected pairs a"):
+        three = row_plan(pairs, [[(0, 1.0)]] * 3)
+        native.quant_matmul_heads(x, [w], [s], [b], [0], 32, 4, three, [0])
+    with pytest.raises(ValueError, match=r"pair at slot 0 is \[64, r\], \[r, 32\]"):
         wide = gather_operands(64, 32, (4,), seed=1)  # b [4, 32]: another product's
-        native.quant_matmul_heads(x, [w], [s], [b], [0], 32, 4, [(wide, *plan([[(0, 1.0)]] * 2))])
+        native.quant_matmul_heads(
+            x, [w], [s], [b], [0], 32, 4, row_plan(wide, [[(0, 1.0)]] * 2), [0]
+        )
 
 
 @pytest.mark.parametrize(
-    ("rows", "plan_values", "message"),
+    ("offsets", "entries", "scales", "message"),
     [
-        (2, [0, 1, 3, 0, 4, 1], "name one of the pairs"),  # adapter 4 of 2
-        (2, [0, 2, 1, 0, 1, 1], "offsets must rise"),
-        (3, [0, 1, 3, 0, 1, 1], "rows must divide"),  # 2 rows of plan, 3 of x
+        ([0, 1, 2], [0, 4], [1.0, 1.0], "each entry name one of the adapters"),  # 4 of 2
+        ([0, 2, 1], [0, 1], [1.0, 1.0], "offsets must rise"),
+        ([0, 1, 3], [0, 1], [1.0, 1.0], "offsets must rise from 0 to the entries' count"),
+        ([0, 1, 2], [0, 1], [1.0], "with one scale each"),
+        ([0], [], [], "one row at least"),
     ],
 )
-def test_a_wrong_plan_is_refused(rows: int, plan_values: list[int], message: str):
-    packed, scales, biases, _ = quantized(16, 64, 4, 32, mx.float16, seed=9)
+def test_a_wrong_plan_is_refused(
+    offsets: list[int], entries: list[int], scales: list[float], message: str
+):
     pairs = gather_operands(64, 16, (4, 4), seed=1)
+    adapters = [native.adapter_pairs([(pairs[i], pairs[i + 1])]) for i in (0, 2)]
     with pytest.raises(ValueError, match=message):
-        native.quant_matmul_gather(
-            mx.ones((rows, 64)),
-            packed,
-            scales,
-            biases,
-            32,
-            4,
-            pairs,
-            mx.array(plan_values, dtype=mx.int32),
-            mx.ones((3,)),  # three entries
-        )
+        native.row_plan(adapters, offsets, entries, scales)
+
+
+def test_a_plan_of_other_rows_is_refused():
+    packed, scales, biases, _ = quantized(16, 64, 4, 32, mx.float16, seed=9)
+    two = row_plan(gather_operands(64, 16, (4,), seed=1), [[(0, 1.0)], []])
+    with pytest.raises(ValueError, match="rows must divide"):
+        native.quant_matmul_gather(mx.ones((3, 64)), packed, scales, biases, 32, 4, two, 0)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

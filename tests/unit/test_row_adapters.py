@@ -298,12 +298,15 @@ def test_a_decode_step_through_the_kernel_copies_each_adapter_once(tmp_path, mon
     assert adapter_bytes * 0.9 < held < adapter_bytes * 1.1, (held, adapter_bytes)
 
 
-def _mounted(name: str, paths: tuple[str, ...]) -> MountedAdapter:
-    """An adapter with rank-2 pairs at `paths` alone (scale 2), as mounted."""
-    weights = {
-        path: (mx.full((8, 2), float(i + 1)), mx.full((2, 4), float(i + 1)))
-        for i, path in enumerate(paths)
-    }
+def _mounted(name: str, paths: tuple[str, ...], *, views: bool = False) -> MountedAdapter:
+    """An adapter with rank-2 pairs [64, 2], [2, 32] at `paths` alone (scale 2), as mounted;
+    `views`: each array a transposed view, as no mount keeps them."""
+    weights = {}
+    for i, path in enumerate(paths):
+        keys = mx.random.split(mx.random.key(len(name) * 10 + ord(name[0]) + i), 2)
+        a, b = mx.random.normal((64, 2), key=keys[0]), mx.random.normal((2, 32), key=keys[1])
+        weights[path] = (mx.contiguous(a.T).T, mx.contiguous(b.T).T) if views else (a, b)
+    mx.eval(weights)
     loaded = LoadedAdapter(
         path=Path(name),
         weight_file=Path(name) / "adapters.safetensors",
@@ -315,37 +318,57 @@ def _mounted(name: str, paths: tuple[str, ...]) -> MountedAdapter:
     return MountedAdapter(name, loaded, mounted_at=0)
 
 
-def test_a_slot_takes_the_adapters_with_weights_there_in_order_of_first_use():
-    """The gathered plan at a slot where every adapter the rows apply has weights (the batch's
-    own plan, built once) and at one where one of them has none (its rows' entries skip it); an
-    entry at weight 0 adds nothing anywhere."""
-    a, b, c = _mounted("a", ("p", "q")), _mounted("b", ("p",)), _mounted("c", ("p", "q"))
-    rows = [
+@pytest.mark.parametrize("views", [False, True])
+def test_a_slot_adds_each_rows_adapters_with_weights_there_in_order(views: bool):
+    """Through the packed kernel, each row gets its base product plus the residuals of its own
+    set's adapters that have weights at the slot, in the set's order, at their scales: an entry
+    at weight 0 adds nothing anywhere, nor does an adapter where it has no weights; a row with
+    nothing to add gets the base product to the bit, and each row's bits are its bits alone."""
+    if (why := extension.unavailable()) is not None:
+        pytest.skip(f"packed kernels: {why}")
+    assert not isinstance(extension.load(2), str)
+    a, b = _mounted("a", ("p", "q"), views=views), _mounted("b", ("p",), views=views)
+    c = _mounted("c", ("p", "q"), views=views)
+    sets = [
         AdapterSet((AppliedAdapter(a),)),
         AdapterSet((AppliedAdapter(b), AppliedAdapter(a, 0.5))),
         AdapterSet((AppliedAdapter(c, 0.0), AppliedAdapter(b))),
         AdapterSet(()),
     ]
-    gathered = row_sets.GatheredRows(rows)
+    layer = layers.RowsQuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    x = mx.random.normal((4, 1, 64), key=mx.random.key(1))
+    base = layer(x)
+    gathered = row_sets.GatheredRows(sets)
 
-    def slot(path: str) -> tuple[list[mx.array], list[int], list[float]]:
-        found = gathered._slot(path)
-        assert found is not None
-        pairs, plan, scales = found
-        return pairs, plan.tolist(), scales.tolist()
+    def residual(adapter: MountedAdapter, path: str, row: int, scale: float) -> mx.array:
+        first, second = adapter.adapter.weights[path]
+        return scale * ((x[row] @ first) @ second)
 
-    pairs, plan, scales = slot("p")  # a first, then b; c's entry at weight 0 left out
-    assert [id(x) for x in pairs] == [
-        id(x) for x in (*a.adapter.weights["p"], *b.adapter.weights["p"])
-    ]
-    assert plan == [0, 1, 3, 4, 4] + [0, 1, 0, 1]
-    assert scales == [2.0, 2.0, 1.0, 2.0]
-    pairs, plan, scales = slot("q")  # b has no weights here: a alone
-    assert [id(x) for x in pairs] == [id(x) for x in a.adapter.weights["q"]]
-    assert plan == [0, 1, 2, 2, 2] + [0, 0]
-    assert scales == [2.0, 1.0]
-    empty = gathered._slot("r")  # no adapter has weights here: no pairs, no entries
-    assert empty is not None and empty[0] == [] and empty[1].tolist() == [0, 0, 0, 0, 0]
+    want = {
+        "p": [
+            base[0] + residual(a, "p", 0, 2.0),
+            base[1] + residual(b, "p", 1, 2.0) + residual(a, "p", 1, 1.0),
+            base[2] + residual(b, "p", 2, 2.0),
+            base[3],
+        ],
+        "q": [
+            base[0] + residual(a, "q", 0, 2.0),
+            base[1] + residual(a, "q", 1, 1.0),
+            base[2],
+            base[3],
+        ],
+        "r": list(base),  # no adapter has weights here
+    }
+    exact = {"p": {3}, "q": {2, 3}, "r": {0, 1, 2, 3}}  # rows with nothing to add there
+    for path, rows in want.items():
+        got = gathered.project(path, x, layer)
+        assert got is not None
+        for row, expected in enumerate(rows):
+            assert mx.allclose(got[row], expected, rtol=1e-4, atol=1e-4).item(), (path, row)
+            alone = row_sets.GatheredRows([sets[row]]).project(path, x[row : row + 1], layer)
+            assert alone is not None and mx.array_equal(alone[0], got[row]).item(), (path, row)
+        for row in exact[path]:
+            assert mx.array_equal(got[row], base[row]).item(), (path, row)
     idle = row_sets.GatheredRows([AdapterSet((AppliedAdapter(c, 0.0),)), AdapterSet(())])
-    nothing = idle._slot("p")  # every entry at weight 0: nothing applies
-    assert nothing is not None and nothing[0] == [] and nothing[1].tolist() == [0, 0, 0]
+    nothing = idle.project("p", x[:2], layer)  # every entry at weight 0: nothing applies
+    assert nothing is not None and mx.array_equal(nothing, base[:2]).item()

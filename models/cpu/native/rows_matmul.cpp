@@ -14,7 +14,8 @@
 // dot product, so a batch of rows with different adapters costs one primitive per projection.
 //
 // Packed quantized weights (quant_matmul) take LoRA in the gathered form (quant_matmul_gather):
-// each adapter's pair as mounted, once, and a plan of each row's own adapters.
+// a batch's plan (RowPlan: its adapters' pairs as mounted, held, not copied, and each row's own
+// adapters) and the number of the LoRA slot the product is.
 //
 // Built with ROWS_KERNELS_ONLY defined, this file is the vector kernels and their table alone,
 // without MLX or nanobind: what tests/native/kernels_check.cpp checks on each ISA.
@@ -29,6 +30,8 @@
 #ifndef ROWS_KERNELS_ONLY
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -697,55 +700,86 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
   return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits);
 }
 
-// The gathered form of QuantMatmul's LoRA (Punica's BGMV): each adapter's pair comes in once,
-// as mounted (a [K, r], b [r, N]), and an int32 plan says which of them each row applies, in its
-// set's order, at which scale. A row computes only its own adapters' activations
-// (low_rank_row), then, after its base product, adds (h * scale) @ b for each of them in order,
-// column by column (add_residuals): the operations on a row's outputs are fixed by its own set
-// alone, so its bits are the same alone and beside any other rows and adapters, and no pair is
-// copied. RowResiduals does this for one product (QuantMatmulGather) or for several products of
-// the same rows (QuantMatmulHeads' q, k and v, or gate and up), one pass of the pool's threads
-// for all of their activations and one for all of their residuals.
+// One adapter's pairs as mounted, at each LoRA slot of the model that it has weights at: a [K, r]
+// and b [r, N], row-major, float32 or float16 (`--adapter-dtype float16`). The arrays are held
+// here, so a primitive that holds this reads them wherever Python's references have gone; they
+// are not the primitive's inputs (evaluated once, at the mount), so a step's graph carries no
+// array of any adapter. Made and shared from C++ alone (enable_shared_from_this: nanobind hands
+// C++ the object's own shared_ptr, not one whose deleter takes the GIL), so the last reference,
+// dropped where a step ran, frees it there without waiting for Python.
+struct AdapterPairs : std::enable_shared_from_this<AdapterPairs> {
+  struct Pair {
+    const void* a;
+    const void* b;
+    int K, r, N;
+    bool half;
+  };
+  std::vector<mx::array> arrays;
+  std::vector<std::optional<Pair>> slots;  // by slot number
+
+  const Pair* at(int slot) const {
+    return slot >= 0 && static_cast<size_t>(slot) < slots.size() && slots[slot]
+               ? &*slots[slot]
+               : nullptr;
+  }
+};
+
+// The adapters of one batch's rows and each row's entries, the same at every slot: its S + 1
+// offsets into the E entries (row s's are [offsets[s], offsets[s + 1])), each entry's adapter
+// (an index into `adapters`) and scale, in its set's order. At a slot an entry whose adapter has
+// no weights there adds nothing. Shared from C++ alone, as AdapterPairs.
+struct RowPlan : std::enable_shared_from_this<RowPlan> {
+  RowPlan(std::vector<std::shared_ptr<AdapterPairs>> adapters, std::vector<int32_t> offsets,
+          std::vector<int32_t> entries, std::vector<float> scales)
+      : adapters(std::move(adapters)), offsets(std::move(offsets)), entries(std::move(entries)),
+        scales(std::move(scales)) {}
+
+  std::vector<std::shared_ptr<AdapterPairs>> adapters;
+  std::vector<int32_t> offsets;
+  std::vector<int32_t> entries;
+  std::vector<float> scales;
+
+  int rows() const { return static_cast<int>(offsets.size()) - 1; }
+};
+
+// The gathered form of QuantMatmul's LoRA (Punica's BGMV): each adapter's pair is read where it
+// is mounted, and the plan says which adapters each row applies, in its set's order, at which
+// scale. A row computes only its own adapters' activations (low_rank_row), then, after its base
+// product, adds (h * scale) @ b for each of them in order, column by column (add_residuals): the
+// operations on a row's outputs are fixed by its own set alone, so its bits are the same alone
+// and beside any other rows and adapters, and no pair is copied. RowResiduals does this for one
+// product (QuantMatmulGather) or for several products of the same rows (QuantMatmulHeads' q, k
+// and v, or gate and up), one pass of the pool's threads for all of their activations and one
+// for all of their residuals.
 class RowResiduals {
  public:
-  // One product's operands: adapter i's a [K, r_i] and b [r_i, N] at pairs[2i] and
-  // pairs[2i + 1] (float, or uint16_t where `half`: float16, as `--adapter-dtype float16` keeps
-  // adapters), the plan (S + 1 offsets into its entries, then each entry's adapter) and each
-  // entry's scale; `out` [M, N] row-major, the base product that the residuals are added to.
-  struct Product {
-    std::vector<const void*> pairs;
-    std::vector<int> ranks;
-    bool half;
-    const int32_t* plan;
-    const float* scales;
-    int S, N;
-    float* out;
-  };
-
   // x [M, K] row-major, the rows of every product added.
   RowResiduals(const Kernel* kernel, const float* x, int M, int K)
       : kernel_(kernel), x_(x), M_(M), K_(K) {}
 
-  // One unit per row and entry of its set (row m of the plan's row m / (M / S)).
-  void add(Product product) {
+  // One product's residuals at `slot`, added to `out` [M, N] row-major (its base product): one
+  // unit per row and entry of its set whose adapter has weights at the slot (row m is the plan's
+  // row m / (M / S)).
+  void add(const RowPlan& plan, int slot, int N, float* out) {
     const int j = static_cast<int>(products_.size());
-    const int per_row = M_ / product.S;
-    const int32_t* offsets = product.plan;
-    const int32_t* adapter = product.plan + product.S + 1;
+    const int per_row = M_ / plan.rows();
     for (int m = 0; m < M_; m++) {
       first_.push_back(static_cast<int>(units_.size()));
       const int s = m / per_row;
-      for (int e = offsets[s]; e < offsets[s + 1]; e++) {
-        const int i = adapter[e];
-        units_.push_back({j, m, i, product.scales[e], floats_});
-        floats_ += product.ranks[i];
-        widest_ = std::max(widest_, product.ranks[i]);
+      for (int e = plan.offsets[s]; e < plan.offsets[s + 1]; e++) {
+        const AdapterPairs::Pair* pair = plan.adapters[plan.entries[e]]->at(slot);
+        if (pair == nullptr) continue;  // no weights here: adds nothing
+        units_.push_back({j, m, pair, plan.scales[e], floats_});
+        floats_ += pair->r;
+        widest_ = std::max(widest_, pair->r);
       }
     }
-    spans_.push_back(std::max(1, product.N / 512));
+    spans_.push_back(std::max(1, N / 512));
     items_.push_back(items_.back() + M_ * spans_.back());
-    products_.push_back(std::move(product));
+    products_.push_back({N, out});
   }
+
+  bool empty() const { return units_.empty(); }
 
   // Every unit's activations, h = scale * (x[m] @ a), one pass.
   void activations() {
@@ -753,14 +787,13 @@ class RowResiduals {
     parallel_rows(static_cast<int>(units_.size()), 4, [&](int u0, int u1) {
       for (int u = u0; u < u1; u++) {
         const Unit& unit = units_[u];
-        const Product& p = products_[unit.j];
         const float* x = x_ + static_cast<size_t>(unit.m) * K_;
-        const void* a = p.pairs[2 * unit.i];
+        const AdapterPairs::Pair& p = *unit.pair;
         if (p.half)
-          kernel_->low_rank_half(x, static_cast<const uint16_t*>(a), K_, p.ranks[unit.i],
-                                 unit.scale, h_.data() + unit.h);
+          kernel_->low_rank_half(x, static_cast<const uint16_t*>(p.a), K_, p.r, unit.scale,
+                                 h_.data() + unit.h);
         else
-          kernel_->low_rank(x, static_cast<const float*>(a), K_, p.ranks[unit.i], unit.scale,
+          kernel_->low_rank(x, static_cast<const float*>(p.a), K_, p.r, unit.scale,
                             h_.data() + unit.h);
       }
     }, /*align=*/1);
@@ -784,21 +817,26 @@ class RowResiduals {
         const int end = row + 1 < first_.size() ? first_[row + 1] : static_cast<int>(units_.size());
         for (int u = first_[row]; u < end; u++) {
           const Unit& unit = units_[u];
-          const void* b = p.pairs[2 * unit.i + 1];
-          if (p.half)
-            kernel_->residuals_half(h_.data() + unit.h, static_cast<const uint16_t*>(b), p.N,
-                                    columns.data(), p.ranks[unit.i], out, n0, n1);
+          const AdapterPairs::Pair& pair = *unit.pair;
+          if (pair.half)
+            kernel_->residuals_half(h_.data() + unit.h, static_cast<const uint16_t*>(pair.b), p.N,
+                                    columns.data(), pair.r, out, n0, n1);
           else
-            kernel_->residuals(h_.data() + unit.h, static_cast<const float*>(b), p.N,
-                               columns.data(), p.ranks[unit.i], out, n0, n1);
+            kernel_->residuals(h_.data() + unit.h, static_cast<const float*>(pair.b), p.N,
+                               columns.data(), pair.r, out, n0, n1);
         }
       }
     }, /*align=*/1);
   }
 
  private:
+  struct Product {
+    int N;
+    float* out;
+  };
   struct Unit {
-    int j, m, i;  // product, row, adapter
+    int j, m;  // product, row
+    const AdapterPairs::Pair* pair;
     float scale;
     size_t h;  // its activations' offset
   };
@@ -822,149 +860,130 @@ class RowResiduals {
   std::vector<float> h_;
 };
 
-// The pairs of one gathered product, inputs[at, at + 2 * count): float16 ones as pointers to
-// their own buffers (row-contiguous, as mounted), float32 ones as RowMajor operands (packed
-// first in the rare case they are views), `pointers` filling in once the operands are read.
-struct GatheredPairs {
-  std::vector<int> ranks;
-  bool half = false;
-  std::vector<const void*> halves;
-  std::vector<RowMajor> floats;
-
-  GatheredPairs(const std::vector<mx::array>& inputs, int at, int count, const char* name) {
-    half = count > 0 && inputs[at].dtype() == mx::float16;
-    for (int i = 0; i < 2 * count; i++) {
-      const auto& a = inputs[at + i];
-      if (i % 2 == 0) ranks.push_back(a.shape(1));
-      if (!half) {
-        floats.emplace_back(a);
-      } else if (a.flags().row_contiguous) {
-        halves.push_back(a.data<uint16_t>());
-      } else {
-        throw std::invalid_argument(std::string(name) + ": float16 pairs must be row-contiguous");
-      }
-    }
+// Checks that a plan serves x's M rows (its rows divide them evenly) and that each of its
+// adapters' pairs at `slot` takes x's K inputs to N outputs.
+void check_plan(const char* name, const mx::array& x, int N, const RowPlan& plan, int slot) {
+  if (g_gather.load() == nullptr)
+    throw std::invalid_argument(std::string(name) + ": no vector kernel for this CPU");
+  const int K = x.shape(-1);
+  const int64_t M = x.size() / K;
+  if (M % plan.rows() != 0)
+    throw std::invalid_argument(std::string(name) +
+                                ": the plan's rows must divide x's rows evenly");
+  for (const auto& adapter : plan.adapters) {
+    const AdapterPairs::Pair* pair = adapter->at(slot);
+    if (pair != nullptr && (pair->K != K || pair->N != N))
+      throw std::invalid_argument(std::string(name) + ": an adapter's pair at slot " +
+                                  std::to_string(slot) + " is [" + std::to_string(pair->K) +
+                                  ", r], [r, " + std::to_string(pair->N) + "], not [" +
+                                  std::to_string(K) + ", r], [r, " + std::to_string(N) + "]");
   }
-
-  std::vector<const void*> pointers() {
-    if (half) return halves;
-    std::vector<const void*> out;
-    for (auto& a : floats) out.push_back(a.get());
-    return out;
-  }
-};
+}
 
 class QuantMatmulGather : public CpuPrimitive {
  public:
-  QuantMatmulGather(mx::Stream stream, int bits, int group, int plan_rows)
-      : CpuPrimitive(stream), bits_(bits), group_(group), plan_rows_(plan_rows) {}
+  QuantMatmulGather(mx::Stream stream, int bits, int group, std::shared_ptr<const RowPlan> plan,
+                    int slot)
+      : CpuPrimitive(stream), bits_(bits), group_(group), plan_(std::move(plan)), slot_(slot) {}
 
-  // inputs: x [..., K] (M rows, M / plan_rows a row of the plan), then a_i [K, r_i] and
-  // b_i [r_i, N] for each adapter i, then w, scales, biases as QuantMatmul's, then the plan:
-  // int32 [S + 1 + E], S + 1 offsets into its E entries (row s's are [offsets[s],
-  // offsets[s + 1])), then each entry's adapter i; and float32 [E], each entry's scale.
+  // inputs: x [..., K] (M rows, M / S a row of the plan), then w, scales, biases as
+  // QuantMatmul's; the plan's adapters' pairs at the slot are added.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
-    const int pairs = (static_cast<int>(inputs.size()) - 6) / 2;
-    const int K = x.shape(-1), M = static_cast<int>(x.size() / K);
-    const int N = inputs[1 + 2 * pairs].shape(0);
-    const Quantized q = packed_weight(inputs[1 + 2 * pairs], inputs[2 + 2 * pairs],
-                                      inputs[3 + 2 * pairs], K, bits_, group_,
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = inputs[1].shape(0);
+    const Quantized q = packed_weight(inputs[1], inputs[2], inputs[3], K, bits_, group_,
                                       "quant_matmul_gather");
-    const int32_t* plan = inputs[4 + 2 * pairs].data<int32_t>();
-    const float* entry_scales = inputs[5 + 2 * pairs].data<float>();
-    GatheredPairs gathered(inputs, 1, pairs, "quant_matmul_gather");
-    const int S = plan_rows_;
     dispatch_rows(stream(), inputs, 1, outputs[0],
-                  [=, quant = g_quant.load(), gather = g_gather.load()](auto& operands,
-                                                                       float* op) mutable {
+                  [=, plan = plan_, slot = slot_, quant = g_quant.load(),
+                   gather = g_gather.load()](auto& operands, float* op) {
       const float* xp = operands[0].get();
       RowResiduals residuals(gather, xp, M, K);
-      residuals.add({gathered.pointers(), gathered.ranks, gathered.half, plan, entry_scales,
-                     S, N, op});
-      residuals.activations();
+      residuals.add(*plan, slot, N, op);
+      if (!residuals.empty()) residuals.activations();
       quant_rows(quant, q, xp, op, M, N);
-      residuals.residuals();
+      if (!residuals.empty()) residuals.residuals();
     });
   }
   const char* name() const override { return "QuantMatmulGather"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulGather&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && plan_rows_ == o.plan_rows_;
+    return bits_ == o.bits_ && group_ == o.group_ && plan_ == o.plan_ && slot_ == o.slot_;
   }
 
  private:
   int bits_;
   int group_;
-  int plan_rows_;
+  std::shared_ptr<const RowPlan> plan_;
+  int slot_;
 };
 
-// Checks the pairs (a [K, r], b [r, N], all float32 or all float16) and the plan against x's M
-// rows; returns the plan's rows S.
-int check_gather(const char* name, const mx::array& x, int N,
-                 const std::vector<mx::array>& pairs, mx::array& plan, mx::array& entry_scales) {
-  if (g_gather.load() == nullptr)
-    throw std::invalid_argument(std::string(name) + ": no vector kernel for this CPU");
-  const int K = x.shape(-1);
-  const int64_t M = x.size() / K;
-  if (pairs.size() % 2 != 0)
-    throw std::invalid_argument(std::string(name) + ": pairs is a, b for each adapter");
-  const int count = static_cast<int>(pairs.size() / 2);
-  const auto dtype = count > 0 ? pairs[0].dtype() : mx::float32;
-  for (int i = 0; i < count; i++) {
-    const auto& a = pairs[2 * i];
-    const auto& b = pairs[2 * i + 1];
-    if ((dtype != mx::float32 && dtype != mx::float16) || a.dtype() != dtype ||
-        b.dtype() != dtype || a.ndim() != 2 || b.ndim() != 2 || a.shape(0) != K ||
-        a.shape(1) == 0 || b.shape(0) != a.shape(1) || b.shape(1) != N)
-      throw std::invalid_argument(std::string(name) +
-                                  ": expected pairs a [K, r], b [r, N], all float32 or all "
-                                  "float16");
-  }
-  if (plan.dtype() != mx::int32 || plan.ndim() != 1 || entry_scales.dtype() != mx::float32 ||
-      entry_scales.ndim() != 1)
-    throw std::invalid_argument(std::string(name) +
-                                ": expected an int32 plan [S + 1 + E] and float32 scales [E]");
-  // The plan is read where the kernel runs: checked here, once, on its values.
-  plan.eval(), entry_scales.eval();
-  const int E = static_cast<int>(entry_scales.size());
-  const int S = static_cast<int>(plan.size()) - 1 - E;
-  if (S < 1 || M % S != 0)
-    throw std::invalid_argument(std::string(name) +
-                                ": the plan's rows must divide x's rows evenly");
-  const int32_t* p = plan.data<int32_t>();
-  bool ok = p[0] == 0 && p[S] == E;
-  for (int s = 0; ok && s < S; s++) ok = p[s] <= p[s + 1];
-  for (int e = 0; ok && e < E; e++) ok = p[S + 1 + e] >= 0 && p[S + 1 + e] < count;
-  if (!ok)
-    throw std::invalid_argument(std::string(name) +
-                                ": the plan's offsets must rise from 0 to its entries, and each "
-                                "entry name one of the pairs");
-  return S;
-}
-
+// `quant_matmul(x, w, ...)` plus each row's own adapters' residuals at `slot` (`plan`'s).
 mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits,
-                              const std::vector<mx::array>& pairs, mx::array plan,
-                              mx::array entry_scales) {
+                              std::shared_ptr<RowPlan> plan, int slot) {
   check_quantized(x, w, scales, biases, group_size, bits);
   const int N = w.shape(0);
-  const int S = check_gather("quant_matmul_gather", x, N, pairs, plan, entry_scales);
-  std::vector<mx::array> inputs{x};
-  for (const auto& a : pairs) inputs.push_back(a);
-  inputs.insert(inputs.end(), {w, scales, biases, plan, entry_scales});
+  if (!plan) throw std::invalid_argument("quant_matmul_gather: expected a plan");
+  check_plan("quant_matmul_gather", x, N, *plan, slot);
   mx::Shape shape = x.shape();
   shape.back() = N;
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32,
-                   std::make_shared<QuantMatmulGather>(s, bits, group_size, S),
-                   std::move(inputs));
+                   std::make_shared<QuantMatmulGather>(s, bits, group_size, std::move(plan), slot),
+                   {x, w, scales, biases});
+}
+
+// An adapter's pairs for the gathered kernels: pairs[slot] is (a [K, r], b [r, N]), both float32
+// or both float16, row-major, or None where it has no weights. Each is evaluated here.
+std::shared_ptr<AdapterPairs> adapter_pairs(
+    const std::vector<std::optional<std::pair<mx::array, mx::array>>>& pairs) {
+  auto out = std::make_shared<AdapterPairs>();
+  for (const auto& found : pairs) {
+    if (!found) {
+      out->slots.emplace_back();
+      continue;
+    }
+    auto [a, b] = *found;
+    a.eval(), b.eval();
+    const auto dtype = a.dtype();
+    if ((dtype != mx::float32 && dtype != mx::float16) || b.dtype() != dtype || a.ndim() != 2 ||
+        b.ndim() != 2 || a.shape(1) == 0 || b.shape(0) != a.shape(1) ||
+        !a.flags().row_contiguous || !b.flags().row_contiguous)
+      throw std::invalid_argument(
+          "adapter_pairs: expected pairs a [K, r], b [r, N], both float32 or both float16, "
+          "row-major");
+    out->slots.push_back(AdapterPairs::Pair{a.data<void>(), b.data<void>(), a.shape(0),
+                                            a.shape(1), b.shape(1), dtype == mx::float16});
+    out->arrays.push_back(std::move(a));
+    out->arrays.push_back(std::move(b));
+  }
+  return out;
+}
+
+// A batch's plan: its adapters (each's pairs, once), then the S + 1 offsets into the entries,
+// each entry's adapter (an index into `adapters`) and its scale.
+std::shared_ptr<RowPlan> row_plan(std::vector<std::shared_ptr<AdapterPairs>> adapters,
+                                        std::vector<int32_t> offsets,
+                                        std::vector<int32_t> entries, std::vector<float> scales) {
+  const int count = static_cast<int>(adapters.size());
+  const int E = static_cast<int>(entries.size());
+  bool ok = offsets.size() >= 2 && offsets.front() == 0 && offsets.back() == E &&
+            scales.size() == entries.size();
+  for (size_t s = 0; ok && s + 1 < offsets.size(); s++) ok = offsets[s] <= offsets[s + 1];
+  for (int e = 0; ok && e < E; e++) ok = entries[e] >= 0 && entries[e] < count;
+  for (const auto& adapter : adapters) ok = ok && adapter != nullptr;
+  if (!ok)
+    throw std::invalid_argument(
+        "row_plan: the offsets must rise from 0 to the entries' count, one row at least, each "
+        "entry name one of the adapters, with one scale each");
+  return std::make_shared<RowPlan>(std::move(adapters), std::move(offsets), std::move(entries),
+                                   std::move(scales));
 }
 
 // x @ dequantize(w_j).T for several weights of one input at once (a layer's q, k and v, or its
 // gate and up): one primitive and one pass of the pool's threads where separate products take
 // one each. Each output is computed by quant_matmul's kernel on the same rows, so its bits are
-// quant_matmul's; an output whose adapters apply adds each row's own residuals as
+// quant_matmul's; an output with a slot adds each row's own adapters' residuals there as
 // quant_matmul_gather does (RowResiduals, all the outputs' in one pass), to its bits. x [B, L, K];
 // output j is [B, heads_j, L, N_j / heads_j] (the attention's layout, with the reshape and
 // transpose that would make it done here), or [B, L, N_j] where heads_j is 0. At L = 1 the two
@@ -972,42 +991,27 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
 // rows' order first.
 class QuantMatmulHeads : public CpuPrimitive {
  public:
-  // pairs[j]: how many adapters output j's gathered residuals read (-1: none), plan_rows[j]
-  // its plan's rows.
+  // slots[j]: output j's LoRA slot, whose residuals `plan` adds (-1: none; slots is empty when
+  // no output has one).
   QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads,
-                   std::vector<int> pairs, std::vector<int> plan_rows)
+                   std::shared_ptr<const RowPlan> plan, std::vector<int> slots)
       : CpuPrimitive(stream), bits_(bits), group_(group), heads_(std::move(heads)),
-        pairs_(std::move(pairs)), plan_rows_(std::move(plan_rows)) {}
+        plan_(std::move(plan)), slots_(std::move(slots)) {}
 
-  // inputs: x, then for each output w, scales, biases, and where its residuals are gathered,
-  // a_i, b_i of each of its adapters, its plan and its entries' scales (as quant_matmul_gather's).
+  // inputs: x, then w, scales and biases of each output.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
     const int count = static_cast<int>(outputs.size());
     std::vector<Quantized> weights;
     std::vector<int> widths, offsets{0};
-    struct Gathered {
-      int j;
-      GatheredPairs pairs;
-      const int32_t* plan;
-      const float* scales;
-    };
-    std::vector<Gathered> gathered;
-    int at = 1;
     for (int j = 0; j < count; j++) {
+      const int at = 1 + 3 * j;
       const int N = inputs[at].shape(0);
       weights.push_back(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], K, bits_, group_,
                                       "quant_matmul_heads"));
       widths.push_back(N);
       offsets.push_back(offsets.back() + N);
-      at += 3;
-      if (pairs_[j] < 0) continue;
-      const int p = pairs_[j];
-      gathered.push_back({j, GatheredPairs(inputs, at, p, "quant_matmul_heads"),
-                          inputs[at + 2 * p].data<int32_t>(),
-                          inputs[at + 2 * p + 1].data<float>()});
-      at += 2 * p + 2;
     }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& input : inputs) encoder.set_input_array(input);
@@ -1017,8 +1021,8 @@ class QuantMatmulHeads : public CpuPrimitive {
       encoder.set_output_array(out);
       outs.push_back(out.data<float>());
     }
-    encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, gathered,
-                      heads = heads_, plan_rows = plan_rows_, M, L, K, quant = g_quant.load(),
+    encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, plan = plan_,
+                      slots = slots_, heads = heads_, M, L, K, quant = g_quant.load(),
                       gather = g_gather.load()]() mutable {
       const float* xp = source.get();
       const int count = static_cast<int>(weights.size());
@@ -1031,10 +1035,9 @@ class QuantMatmulHeads : public CpuPrimitive {
           products[j] = scratch[j].data();
         }
       RowResiduals residuals(gather, xp, M, K);
-      for (auto& g : gathered)
-        residuals.add({g.pairs.pointers(), g.pairs.ranks, g.pairs.half, g.plan, g.scales,
-                       plan_rows[g.j], widths[g.j], products[g.j]});
-      if (!gathered.empty()) residuals.activations();
+      for (size_t j = 0; j < slots.size(); j++)
+        if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
+      if (!residuals.empty()) residuals.activations();
       const int floats = tile_floats(M);
       parallel_rows(offsets.back(), 64, [&](int n0, int n1) {
         thread_local std::vector<float> tile;
@@ -1046,7 +1049,7 @@ class QuantMatmulHeads : public CpuPrimitive {
           quant(weights[j], xp, products[j], M, widths[j], a, b, tile.data(), floats);
         }
       });
-      if (!gathered.empty()) residuals.residuals();
+      if (!residuals.empty()) residuals.residuals();
       for (int j = 0; j < count; j++) {
         if (scratch[j].empty()) continue;
         const int H = heads[j], N = widths[j], D = N / H, B = M / L;
@@ -1061,42 +1064,38 @@ class QuantMatmulHeads : public CpuPrimitive {
   const char* name() const override { return "QuantMatmulHeads"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulHeads&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_ && pairs_ == o.pairs_ &&
-           plan_rows_ == o.plan_rows_;
+    return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_ && plan_ == o.plan_ &&
+           slots_ == o.slots_;
   }
 
  private:
   int bits_;
   int group_;
   std::vector<int> heads_;
-  std::vector<int> pairs_;
-  std::vector<int> plan_rows_;
+  std::shared_ptr<const RowPlan> plan_;
+  std::vector<int> slots_;
 };
-
-// One output's gathered residuals for quant_matmul_heads: its adapters' pairs, plan and scales
-// (quant_matmul_gather's), or none.
-using Gather = std::optional<std::tuple<std::vector<mx::array>, mx::array, mx::array>>;
 
 // `quant_matmul` of x [B, L, K] by each of `ws` (w, scales, biases triplets, one quantization)
 // as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L, N_j] for heads 0,
-// plus each row's own adapters' residuals where gathers[j] holds them (gathers: empty, or one
-// for each output).
+// plus each row's own adapters' residuals at slots[j] where `plan` is given and slots[j] >= 0
+// (slots: one for each output, or empty).
 std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
                                           const std::vector<mx::array>& scales,
                                           const std::vector<mx::array>& biases,
                                           const std::vector<int>& heads, int group_size,
-                                          int bits, std::vector<Gather> gathers) {
+                                          int bits, std::shared_ptr<RowPlan> plan,
+                                          std::vector<int> slots) {
   if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
-      heads.size() != ws.size() || (!gathers.empty() && gathers.size() != ws.size()))
+      heads.size() != ws.size() || (!slots.empty() && slots.size() != ws.size()))
     throw std::invalid_argument(
-        "quant_matmul_heads: expected as many weights, scales, biases, heads and gathers (or "
+        "quant_matmul_heads: expected as many weights, scales, biases, heads and slots (or "
         "none), at least one");
   if (x.ndim() != 3)
     throw std::invalid_argument("quant_matmul_heads: expected x [B, L, K]");
-  gathers.resize(ws.size());
+  if (!plan) slots.clear();
   std::vector<mx::array> inputs{x};
   std::vector<mx::Shape> shapes;
-  std::vector<int> pairs, plan_rows;
   const int B = x.shape(0), L = x.shape(1);
   for (size_t j = 0; j < ws.size(); j++) {
     check_quantized(x, ws[j], scales[j], biases[j], group_size, bits);
@@ -1105,21 +1104,13 @@ std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<
       throw std::invalid_argument("quant_matmul_heads: heads must divide the weight's rows");
     shapes.push_back(H > 0 ? mx::Shape{B, H, L, N / H} : mx::Shape{B, L, N});
     inputs.insert(inputs.end(), {ws[j], scales[j], biases[j]});
-    if (!gathers[j]) {
-      pairs.push_back(-1), plan_rows.push_back(0);
-      continue;
-    }
-    auto& [adapters, plan, entry_scales] = *gathers[j];
-    plan_rows.push_back(check_gather("quant_matmul_heads", x, N, adapters, plan, entry_scales));
-    pairs.push_back(static_cast<int>(adapters.size() / 2));
-    inputs.insert(inputs.end(), adapters.begin(), adapters.end());
-    inputs.insert(inputs.end(), {plan, entry_scales});
+    if (!slots.empty() && slots[j] >= 0) check_plan("quant_matmul_heads", x, N, *plan, slots[j]);
   }
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays(
       std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
-      std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads, std::move(pairs),
-                                         std::move(plan_rows)),
+      std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads, std::move(plan),
+                                         std::move(slots)),
       std::move(inputs));
 }
 
@@ -1523,10 +1514,17 @@ NB_MODULE(_rows_matmul, m) {
   m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
   m.def("quant_matmul", &quant_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a);
+  nb::class_<AdapterPairs>(m, "AdapterPairs",
+                           "One adapter's pairs at each LoRA slot, as the gathered kernels read "
+                           "them");
+  nb::class_<RowPlan>(m, "RowPlan", "A batch's adapters and each row's entries");
+  m.def("adapter_pairs", &adapter_pairs, "pairs"_a);
+  m.def("row_plan", &row_plan, "adapters"_a, "offsets"_a, "entries"_a, "scales"_a);
   m.def("quant_matmul_heads", &quant_matmul_heads, "x"_a, "ws"_a, "scales"_a, "biases"_a,
-        "heads"_a, "group_size"_a, "bits"_a, "gathers"_a = std::vector<Gather>{});
+        "heads"_a, "group_size"_a, "bits"_a, "plan"_a.none() = nb::none(),
+        "slots"_a = std::vector<int>{});
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "pairs"_a, "plan"_a, "entry_scales"_a);
+        "group_size"_a, "bits"_a, "plan"_a, "slot"_a);
   m.def("all_finite", &all_finite, "arrays"_a);
   m.def("to_half", &to_half, "arrays"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
