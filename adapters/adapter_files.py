@@ -7,6 +7,10 @@ message that says which file or tensor is wrong, and leaves nothing behind.
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +27,12 @@ from hotlora.adapters.projections import TargetDims
 WEIGHT_FILES = ("adapters.safetensors", "adapter_model.safetensors")  # mlx-lm, PEFT
 MAX_ADAPTER_BYTES = 2 << 30  # the default cap on an adapter's weight file; servers set their own
 _CHUNK = 16 << 20  # each read and hash update lets go of the GIL: a few large ones
+# A file's content hash is reused while the file is the same one, unchanged: same device, inode,
+# size, modification and change times (to the nanosecond). As git does for its index, a hash is
+# only kept for a file whose times were older than its hashing by this much, so that a write
+# within the file system's timestamp granularity of the hashing cannot go unseen.
+_UNCHANGED_AFTER_NS = 2_000_000_000
+_KEPT_REVISIONS = 4096
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,11 +124,18 @@ def _read(
             f"file ({size} bytes)"
         )
     config = read_adapter_config(config_file, max_rank=max_rank, max_bytes=max_bytes)
+    before = os.stat(weight_file)
+    known = _REVISIONS.get(config, weight_file, before)
     # The hash reads the file beside MLX reading and checking its tensors: both let go of the
     # GIL, and a cold load is a request's wait. A refusal does not wait for the hash to end.
+    # A file hashed before and unchanged since (an evicted adapter's, loaded again) is not
+    # hashed again.
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-hash")
     try:
-        hashed = hasher.submit(revision, config, weight_file, max_bytes=max_bytes)
+        began = time.time_ns()
+        hashed = (
+            None if known else hasher.submit(revision, config, weight_file, max_bytes=max_bytes)
+        )
         try:
             tensors = mx.load(str(weight_file))
         except Exception as exc:  # mlx raises RuntimeError/ValueError for unreadable files
@@ -128,7 +145,15 @@ def _read(
         matched = match_pairs(tensors, targets, config.rank)
         del tensors
         mx.eval([array for pair in matched.pairs.values() for array in pair])
-        content = hashed.result()
+        after = os.stat(weight_file)
+        if known and _same_file(before, after):
+            content = known
+        else:
+            content = (
+                hashed.result() if hashed else revision(config, weight_file, max_bytes=max_bytes)
+            )
+            if _same_file(before, after):
+                _REVISIONS.keep(config, weight_file, after, content, began)
     finally:
         hasher.shutdown(wait=False)
     return LoadedAdapter(
@@ -160,6 +185,62 @@ def revision(config: AdapterConfig, weight_file: Path, *, max_bytes: int | None 
                 )
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _same_file(one: os.stat_result, other: os.stat_result) -> bool:
+    return (one.st_dev, one.st_ino, one.st_size, one.st_mtime_ns, one.st_ctime_ns) == (
+        other.st_dev,
+        other.st_ino,
+        other.st_size,
+        other.st_mtime_ns,
+        other.st_ctime_ns,
+    )
+
+
+class _Revisions:
+    """Content hashes of weight files read before, by path and config, with the file's identity
+    and times when hashed; the most recent `_KEPT_REVISIONS`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[tuple[str, str], tuple[os.stat_result, str]] = OrderedDict()
+
+    @staticmethod
+    def _key(config: AdapterConfig, weight_file: Path) -> tuple[str, str]:
+        return str(weight_file.resolve()), f"{config.scale!r};{config.rank};{config.rslora}"
+
+    def get(self, config: AdapterConfig, weight_file: Path, now: os.stat_result) -> str | None:
+        """The file's hash, if it was hashed before and is the same file, unchanged, now."""
+        key = self._key(config, weight_file)
+        with self._lock:
+            found = self._kept.get(key)
+            if found is None or not _same_file(found[0], now):
+                return None
+            self._kept.move_to_end(key)
+            return found[1]
+
+    def keep(
+        self,
+        config: AdapterConfig,
+        weight_file: Path,
+        stat: os.stat_result,
+        content: str,
+        began: int,
+    ) -> None:
+        """Keep the hash of a file that did not change while it was read (`stat`, from before
+        and after), unless its times are too close to `began` (the hashing's start, ns) to tell
+        a later write from it."""
+        if max(stat.st_mtime_ns, stat.st_ctime_ns) + _UNCHANGED_AFTER_NS > began:
+            return
+        key = self._key(config, weight_file)
+        with self._lock:
+            self._kept[key] = (stat, content)
+            self._kept.move_to_end(key)
+            while len(self._kept) > _KEPT_REVISIONS:
+                self._kept.popitem(last=False)
+
+
+_REVISIONS = _Revisions()
 
 
 def _inside(path: Path, root: Path | None) -> Path:

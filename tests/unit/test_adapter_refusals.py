@@ -20,6 +20,7 @@ from hotlora.adapters import (
     AdapterPathRefused,
     InvalidAdapter,
     activate,
+    adapter_files,
 )
 from hotlora.adapters.adapter_config import read_adapter_config
 from hotlora.adapters.adapter_files import revision
@@ -421,6 +422,44 @@ def test_a_file_that_grows_past_the_cap_while_hashed_is_refused(tmp_path: Path):
     assert len(revision(config, directory / "adapters.safetensors", max_bytes=size)) == 64
     with pytest.raises(InvalidAdapter, match="grew past this server's limit"):
         revision(config, directory / "adapters.safetensors", max_bytes=size - 1)
+
+
+def test_a_file_hashed_before_and_unchanged_is_not_hashed_again(tmp_path: Path, monkeypatch):
+    """An evicted adapter loaded again from the same, unchanged file keeps its revision without
+    reading the file a second time for it; the same bytes rewritten, other bytes of the same
+    size, or a file hashed too soon after it was written are hashed again."""
+    _, manager = make_manager(tmp_path)
+    directory = good(tmp_path, "a")
+    weights = directory / "adapters.safetensors"
+    hashed: list[str] = []
+    real = adapter_files.revision
+
+    def counted(*args: object, **kwargs: object) -> str:
+        hashed.append("x")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adapter_files, "revision", counted)
+    # Just written: too close to its times to tell a later write in the same tick, hashed each time.
+    first = manager.mount("a", "a").revision
+    manager.unmount("a")
+    assert manager.mount("a", "a").revision == first and len(hashed) == 2
+    manager.unmount("a")
+    monkeypatch.setattr(adapter_files, "_UNCHANGED_AFTER_NS", 0)  # as if written long before
+    assert manager.mount("a", "a").revision == first and len(hashed) == 3
+    manager.unmount("a")
+    assert manager.mount("a", "a").revision == first and len(hashed) == 3  # not read again
+    manager.unmount("a")
+    data = weights.read_bytes()
+    weights.write_bytes(data)  # the same bytes written again: new times, hashed again
+    assert manager.mount("a", "a").revision == first and len(hashed) == 4
+    manager.unmount("a")
+    stat = weights.stat()
+    other = write_mlx_adapter(tmp_path / "b", random_pairs(tiny_model(), seed=4))
+    changed = (other / "adapters.safetensors").read_bytes()
+    assert len(changed) == len(data) and changed != data
+    weights.write_bytes(changed)  # other bytes, the same size, its times put back
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert manager.mount("a", "a").revision != first and len(hashed) == 5
 
 
 @pytest.fixture(params=["native", "numpy"])
