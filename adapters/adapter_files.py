@@ -117,14 +117,14 @@ def _read(
     weight_file = next((path for path in candidates if path.is_file()), None)
     if weight_file is None:
         raise InvalidAdapter(f"{directory} has neither {' nor '.join(WEIGHT_FILES)}")
-    size = weight_file.stat().st_size
+    before = os.stat(weight_file)  # also what tells the file unchanged since it was hashed
+    size = before.st_size
     if size > max_bytes:
         raise InvalidAdapter(
             f"{weight_file.name} is over this server's limit of {max_bytes} bytes per adapter "
             f"file ({size} bytes)"
         )
     config = read_adapter_config(config_file, max_rank=max_rank, max_bytes=max_bytes)
-    before = os.stat(weight_file)
     known = _REVISIONS.get(config, weight_file, before)
     # The hash reads the file beside MLX reading and checking its tensors: both let go of the
     # GIL, and a cold load is a request's wait. A refusal does not wait for the hash to end.

@@ -422,7 +422,7 @@ _LONE: WeakKeyDictionary[AdapterSet, GatheredRows] = WeakKeyDictionary()
 def lone_rows(adapters: AdapterSet) -> GatheredRows:
     """`adapters` on every row of a call, planned as a batch of sets plans it: what the slots of
     packed quantized weights apply, so that a row's residual is the same bits alone as beside
-    other sets. The plan (a few integers a slot) is kept while the set lives; the adapters'
+    other sets. The plan (one for every slot) is kept while the set lives; the adapters'
     arrays are read where they are mounted."""
     rows = _LONE.get(adapters)
     if rows is None:

@@ -963,8 +963,8 @@ std::shared_ptr<AdapterPairs> adapter_pairs(
 // A batch's plan: its adapters (each's pairs, once), then the S + 1 offsets into the entries,
 // each entry's adapter (an index into `adapters`) and its scale.
 std::shared_ptr<RowPlan> row_plan(std::vector<std::shared_ptr<AdapterPairs>> adapters,
-                                        std::vector<int32_t> offsets,
-                                        std::vector<int32_t> entries, std::vector<float> scales) {
+                                  std::vector<int32_t> offsets, std::vector<int32_t> entries,
+                                  std::vector<float> scales) {
   const int count = static_cast<int>(adapters.size());
   const int E = static_cast<int>(entries.size());
   bool ok = offsets.size() >= 2 && offsets.front() == 0 && offsets.back() == E &&
