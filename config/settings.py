@@ -86,6 +86,15 @@ class Settings(BaseSettings):
     prompt_cache_bytes: int = Field(
         default=1 << 30, ge=0, description="Memory the kept prompt KV caches may hold, in bytes."
     )
+    prompt_heads: int = Field(
+        default=64,
+        ge=0,
+        description="Prompt heads kept for reuse: the opening a prompt shares with recent "
+        "prompts, per base+adapter set, kept when the prompt cache did not have it.",
+    )
+    prompt_heads_bytes: int = Field(
+        default=256 << 20, ge=0, description="Memory the kept prompt heads may hold, in bytes."
+    )
     # Batching.
     max_batch: int = Field(
         default=8, ge=1, description="Sequences decoded together in one batched step."

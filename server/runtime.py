@@ -193,6 +193,8 @@ class Runtime:
             base_id=self.base_id,
             prompt_cache_size=self.settings.prompt_cache_size,
             prompt_cache_bytes=self.settings.prompt_cache_bytes,
+            prompt_heads=self.settings.prompt_heads,
+            prompt_heads_bytes=self.settings.prompt_heads_bytes,
         )
         self.worker = GenerationWorker(
             engine,

@@ -20,6 +20,7 @@ from hotlora.config.errors import HotloraError
 from hotlora.models.loader import LoadedModel
 from hotlora.server.engine.grammar import Grammar, Grammars
 from hotlora.server.engine.kv_caches import new_caches
+from hotlora.server.engine.prompt_heads import PromptHeads
 from hotlora.server.engine.sampling import SamplingParams
 from hotlora.server.engine.tokens import TokenPiece, TokenPieces
 
@@ -92,8 +93,6 @@ class Finished:
 
 
 Event = Delta | Finished
-# One cache per layer (mlx-lm's KVCache, RotatingKVCache, ...), as `make_prompt_cache` builds.
-LayerCaches = list[Any]
 
 
 def prompt_cache_key(base_id: str, adapters: AdapterSet) -> tuple[str, ...]:
@@ -102,7 +101,8 @@ def prompt_cache_key(base_id: str, adapters: AdapterSet) -> tuple[str, ...]:
 
 
 class Engine:
-    """Owns the model, its tokenizer and the prompt cache (kept per base + adapter revisions)."""
+    """Owns the model, its tokenizer, the prompt cache and the prompt heads (both kept per base
+    + adapter revisions)."""
 
     def __init__(
         self,
@@ -111,6 +111,8 @@ class Engine:
         base_id: str,
         prompt_cache_size: int = 8,
         prompt_cache_bytes: int = 1 << 30,
+        prompt_heads: int = 64,
+        prompt_heads_bytes: int = 256 << 20,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -118,6 +120,9 @@ class Engine:
         self.base_id = base_id
         self.pieces = TokenPieces(self.tokenizer)
         self.prompt_cache = LRUPromptCache(max_size=prompt_cache_size, max_bytes=prompt_cache_bytes)
+        # No prompt cache, no heads either: `prompt_cache_size=0` turns prompt caching off.
+        heads = prompt_heads if prompt_cache_size else 0
+        self.prompt_heads = PromptHeads(heads, prompt_heads_bytes)
         self.kv_bytes_per_token = _kv_bytes_per_token(self.model)
         self.special_ids = _special_ids(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.pieces, self.special_ids)

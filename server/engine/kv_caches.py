@@ -14,6 +14,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 KV_STEP = 64
+# One cache per layer (mlx-lm's KVCache, RotatingKVCache, ...), as `make_prompt_cache` builds.
+LayerCaches = list[Any]
 
 
 def new_caches(model: nn.Module) -> list[Any]:

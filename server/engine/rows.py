@@ -11,12 +11,12 @@ from hotlora.server.engine.generate import (
     Event,
     Finished,
     GenerationJob,
-    LayerCaches,
     PromptLogprobs,
     RankedLogprob,
     SampledToken,
 )
 from hotlora.server.engine.grammar import Constraint
+from hotlora.server.engine.kv_caches import LayerCaches
 from hotlora.server.engine.sampling import RowSampler
 from hotlora.server.engine.stops import StopMatcher
 
@@ -52,6 +52,7 @@ class Row:
     tokens: list[int] = field(init=False)
     generated: int = 0
     cached: int = 0  # prompt tokens that came from the prompt cache
+    head: int = 0  # its opening shared with recent prompts, to keep once done (not cached)
     prompt_logprobs: PromptLogprobs | None = None  # set once prefilled, when asked for
 
     def __post_init__(self) -> None:

@@ -33,12 +33,11 @@ from hotlora.config.log_text import printable
 from hotlora.server.engine.generate import (
     Engine,
     GenerationJob,
-    LayerCaches,
     NonFiniteLogits,
     SampledToken,
     prompt_cache_key,
 )
-from hotlora.server.engine.kv_caches import KV_STEP, new_caches, stepped
+from hotlora.server.engine.kv_caches import KV_STEP, LayerCaches, new_caches, stepped
 from hotlora.server.engine.next_tokens import (
     choose,
     constrained,
@@ -255,12 +254,20 @@ class Scheduler:
         """The group's cache: the nearest cached prefix under its adapter set, else empty.
 
         The cache is made to hold `prompt[:-1]`; the last prompt token is the first decode
-        step's input, whose logits give the first generated token.
+        step's input, whose logits give the first generated token. A kept head of the prompt
+        (its opening shared with recent prompts) serves when it is longer than what the prompt
+        cache has; when neither has that opening, the rows keep it once done.
         """
         group.started = True
         prompt = group.prompt
         key = prompt_cache_key(self.engine.base_id, group.adapters)
         cache, rest = self.engine.prompt_cache.fetch_nearest_cache(key, prompt)
+        heads = self.engine.prompt_heads
+        opening = heads.opening(prompt)
+        if opening > len(prompt) - len(rest):
+            head = heads.fetch(key, prompt)
+            if head is not None and head[1] > len(prompt) - len(rest):
+                cache, rest = head[0], prompt[head[1] :]
         if group.rows[0].job.params.prompt_logprobs is not None:
             cache, rest = None, prompt  # every prompt position's logits are wanted
         if cache is not None and not rest:
@@ -276,6 +283,7 @@ class Scheduler:
         group.pending = list(rest[:-1])
         for row in group.rows:
             row.cached = len(prompt) - len(rest)
+            row.head = opening if opening > row.cached else 0
 
     def _join(self, group: Group) -> None:
         """Move a prefilled group's rows into the decode batch."""
@@ -343,15 +351,19 @@ class Scheduler:
         return self.engine.logprob(token, logprobs[i][0], params.top_logprobs)
 
     def _store(self, row: Row, index: int) -> None:
-        """Keep a finished row's cache (prompt + output) for the next turn of its conversation."""
-        if self._cache is None or self.engine.prompt_cache.max_size == 0:
+        """Keep a finished row's cache (prompt + output) for the next turn of its conversation,
+        and the head it did not find cached for the next requests of its adapter set."""
+        keep_all = self.engine.prompt_cache.max_size > 0
+        if self._cache is None or not (keep_all or row.head):
             return
         try:
             cache = [c.extract(index) for c in self._cache]
             mx.eval([c.state for c in cache])  # kept beyond this step: evaluate it now
             offset = cache[0].offset if cache else 0
             key = prompt_cache_key(self.engine.base_id, row.adapters)
-            if 0 < offset <= len(row.tokens):
+            if row.head:
+                self.engine.prompt_heads.keep(key, row.tokens[: row.head], cache)
+            if keep_all and 0 < offset <= len(row.tokens):
                 self.engine.prompt_cache.insert_cache(key, row.tokens[:offset], cache)
         except Exception:  # noqa: BLE001 - the row is done; only the cache for later is lost
             log.warning("could not keep a finished request's prompt cache", exc_info=True)

@@ -143,7 +143,7 @@ class LoadSnapshot:
     kv_usage: float = 0.0  # KV cache the batch reserves over its budget (1: all of it)
     running_adapters: frozenset[str] = frozenset()  # adapter ids of the running requests
     waiting_adapters: frozenset[str] = frozenset()  # adapter ids of rows not admitted yet
-    prompt_cache_entries: int = 0  # prompt KV caches kept for reuse
+    prompt_cache_entries: int = 0  # prompt KV caches kept for reuse, prompt heads included
     prompt_cache_bytes: int = 0  # the memory they hold
     prompt_cache_usage: float = 0.0  # that memory over its budget (1: all of it)
 
@@ -192,17 +192,18 @@ class GenerationWorker:
 
     def load_snapshot(self) -> LoadSnapshot:
         """The batch as the last step left it, the wait list and the prompt cache now."""
-        load, cache = self.scheduler.load, self.engine.prompt_cache
-        cache_bytes = cache.nbytes
+        load, cache, heads = self.scheduler.load, self.engine.prompt_cache, self.engine.prompt_heads
+        cache_bytes = cache.nbytes + heads.nbytes
+        budget = cache.max_bytes + heads.max_bytes
         return LoadSnapshot(
             running=load.running,
             waiting=self.waiting,
             kv_usage=load.kv_reserved / self.scheduler.kv_cache_bytes,
             running_adapters=load.running_adapters,
             waiting_adapters=load.waiting_adapters,
-            prompt_cache_entries=len(cache),
+            prompt_cache_entries=len(cache) + len(heads),
             prompt_cache_bytes=cache_bytes,
-            prompt_cache_usage=cache_bytes / cache.max_bytes if cache.max_bytes else 0.0,
+            prompt_cache_usage=cache_bytes / budget if budget else 0.0,
         )
 
     def start(self) -> None:

@@ -1,0 +1,162 @@
+"""Prompt heads on a tiny model: the opening a prompt shares with recent prompts is kept per
+adapter set when the prompt cache lacks it, serves the next request of that set (the same
+answer as with nothing cached), never another set's, and stays within its bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from hotlora.adapters import AdapterManager, AdapterSet, parse_adapter_spec
+from hotlora.models.loader import load_model_dir
+from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler
+from hotlora.server.engine.prompt_heads import MIN_HEAD, PromptHeads, shared_prefix
+
+from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+from tests.support.scheduling import Recorder, run
+
+OPENING = [4 + (5 * i) % 90 for i in range(20)]  # a system prompt every request starts with
+
+
+def prompt(*tail: int) -> list[int]:
+    return OPENING + list(tail)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path):
+    return load_model_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def manager(loaded, tmp_path_factory: pytest.TempPathFactory) -> AdapterManager:
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, name in enumerate(("a", "b")):
+        write_mlx_adapter(root / name, random_pairs(tiny_model(), seed=30 + seed, rank=4), rank=4)
+    manager = AdapterManager(loaded.model, base_id="tiny", adapter_root=root, max_rank=64)
+    for name in ("a", "b"):
+        manager.mount(name, name)
+    return manager
+
+
+def answer(engine: Engine, tokens: list[int], adapters: AdapterSet | None) -> Recorder:
+    sampling = SamplingParams(max_tokens=6, temperature=0.0)
+    job = (
+        GenerationJob(tokens, sampling)
+        if adapters is None
+        else GenerationJob(tokens, sampling, adapters)
+    )
+    return run(Scheduler(engine, max_batch=1), [[job]])[0]
+
+
+def test_a_request_finds_its_adapter_sets_head_where_the_prompt_cache_kept_another_set(
+    loaded, manager: AdapterManager
+):
+    a, b = (manager.resolve(parse_adapter_spec(name)) for name in ("a", "b"))
+    engine = Engine(loaded, base_id="tiny", prompt_cache_size=1)  # one conversation kept
+    uncached = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+
+    answer(engine, prompt(91, 92), None)  # seen: the opening is now known as shared
+    first_a = answer(engine, prompt(93, 94, 95), a)
+    first_b = answer(engine, prompt(96), b)  # the prompt cache now holds b's conversation only
+    assert first_a.finished().cached_tokens == 0  # nothing of a's was kept yet
+    assert len(engine.prompt_heads) == 2  # a's and b's openings
+
+    again_a = answer(engine, prompt(97, 98), a)
+    assert again_a.finished().cached_tokens == len(OPENING)
+    assert again_a.text() == answer(uncached, prompt(97, 98), a).text()
+    assert first_b.finished().cached_tokens == 0
+    # Nothing new was kept: the head served.
+    assert len(engine.prompt_heads) == 2
+
+
+def test_a_head_serves_only_its_own_adapter_set(loaded, manager: AdapterManager):
+    a, b = (manager.resolve(parse_adapter_spec(name)) for name in ("a", "b"))
+    engine = Engine(loaded, base_id="tiny", prompt_cache_size=1)
+    uncached = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+    answer(engine, prompt(91), None)
+    answer(engine, prompt(92, 93), a)  # a's head kept
+    answer(engine, prompt(94), None)  # the prompt cache now holds a base conversation
+    on_b = answer(engine, prompt(95, 96), b)
+    assert on_b.finished().cached_tokens == 0
+    assert on_b.text() == answer(uncached, prompt(95, 96), b).text()
+    # The adapters matter here: a's KV would have given b another answer.
+    assert answer(uncached, prompt(95, 96), a).text() != on_b.text()
+
+
+def test_no_prompt_cache_keeps_no_heads(loaded, manager: AdapterManager):
+    a = manager.resolve(parse_adapter_spec("a"))
+    engine = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+    for tail in (91, 92, 93):
+        assert answer(engine, prompt(tail), a).finished().cached_tokens == 0
+    assert len(engine.prompt_heads) == 0
+
+
+def test_the_opening_is_the_shortest_shared_with_a_recent_prompt_short_of_the_last_token():
+    heads = PromptHeads(max_size=4, max_bytes=1 << 20)
+    assert heads.opening(prompt(1, 2)) == 0  # nothing seen yet
+    assert heads.opening(prompt(1, 3)) == len(OPENING) + 1
+    assert heads.opening(prompt(7)) == len(OPENING)
+    # The same prompt again shares all of it, the others their system prompt: the shorter.
+    assert heads.opening(prompt(7)) == len(OPENING)
+    assert heads.opening(prompt(7, 8, 9)) == len(OPENING)  # a next turn, as well
+    assert 4 < MIN_HEAD <= 9
+    assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95]) == 0  # 4 shared: too short
+    assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95, 94]) == 9  # all but the last
+    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert shared_prefix([], [1]) == 0
+    assert shared_prefix((1, 2), (1, 2)) == 2
+
+
+def caches(length: int, layers: int = 2, value: float = 1.0) -> list[KVCache]:
+    out = []
+    for _ in range(layers):
+        cache = KVCache()
+        cache.update_and_fetch(
+            mx.full((1, 2, length, 4), value), mx.full((1, 2, length, 4), -value)
+        )
+        out.append(cache)
+    return out
+
+
+def test_heads_keep_their_positions_alone_and_stay_within_count_and_bytes():
+    per_head = 2 * 2 * (2 * 10 * 4) * 4  # layers x (keys, values) x [2, 10, 4] float32
+    heads = PromptHeads(max_size=2, max_bytes=3 * per_head)
+    key_a, key_b, key_c = ("m", "a"), ("m", "b"), ("m", "c")
+    head = list(range(10))
+    heads.keep(key_a, head, caches(30, value=1.0))
+    assert heads.nbytes == per_head  # ten positions copied, not the row's thirty
+    found = heads.fetch(key_a, head + [50, 51])
+    assert found is not None
+    fetched, length = found
+    assert length == 10 and all(c.offset == 10 for c in fetched)
+    assert mx.array_equal(fetched[0].keys, mx.full((1, 2, 10, 4), 1.0)).item()
+    # Writing past the head leaves the kept head as it was.
+    fetched[0].update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+    again = heads.fetch(key_a, head + [50])
+    assert again is not None and again[0][0].offset == 10
+    assert mx.array_equal(again[0][0].keys, mx.full((1, 2, 10, 4), 1.0)).item()
+    assert heads.fetch(key_a, head) is None  # a head is never the whole prompt
+    assert heads.fetch(key_b, head + [50]) is None
+    heads.keep(key_b, head, caches(12))
+    heads.fetch(key_a, head + [1])  # a used last: b is the least recently used
+    heads.keep(key_c, head, caches(12))
+    assert len(heads) == 2 and heads.nbytes == 2 * per_head
+    assert heads.fetch(key_b, head + [1]) is None
+    assert heads.fetch(key_a, head + [1]) is not None
+    # Too big for the budget alone: not kept, nothing dropped for it.
+    small = PromptHeads(max_size=4, max_bytes=per_head - 1)
+    small.keep(key_a, head, caches(12))
+    assert len(small) == 0 and small.nbytes == 0
+
+
+def test_caches_other_than_plain_kv_caches_are_not_cut():
+    heads = PromptHeads(max_size=4, max_bytes=1 << 20)
+    window = RotatingKVCache(max_size=8)
+    window.update_and_fetch(mx.ones((1, 2, 12, 4)), mx.ones((1, 2, 12, 4)))
+    heads.keep(("m",), list(range(10)), [*caches(12, layers=1), window])
+    assert len(heads) == 0
+    heads.keep(("m",), list(range(10)), caches(6))  # shorter than the head
+    assert len(heads) == 0
