@@ -90,7 +90,8 @@ class Settings(BaseSettings):
         default=64,
         ge=0,
         description="Prompt heads kept for reuse: the opening a prompt shares with recent "
-        "prompts, per base+adapter set, kept when the prompt cache did not have it.",
+        "prompts, per base+adapter set, kept when the prompt cache did not have it (none "
+        "when prompt_cache_size is 0).",
     )
     prompt_heads_bytes: int = Field(
         default=256 << 20, ge=0, description="Memory the kept prompt heads may hold, in bytes."

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import KVCache
 from hotlora.server.engine.kv_caches import LayerCaches
 
 MIN_HEAD = 8  # a shorter shared opening is not worth an entry
+MAX_HEAD = 4096  # prompts are compared this far: a longer opening is cut to it
 RECENT = 16  # prompts remembered, whatever their adapters, to find the shared opening
 
 
@@ -59,25 +60,38 @@ class PromptHeads:
         return len(self._heads)
 
     def opening(self, prompt: Sequence[int]) -> int:
-        """The length of the shortest opening of at least `MIN_HEAD` tokens that `prompt`
-        shares with a recent prompt, at most all but its last token (0: none); then remembers
-        `prompt`. The shortest: an earlier turn of the same conversation, or the same question
-        asked again, shares more than the system prompt, which is what other requests share."""
-        tokens = tuple(prompt)
-        shared = [shared_prefix(tokens, seen) for seen in self._recent]
+        """The length of the opening `prompt` shares with recent prompts that would have saved
+        them the most: of the lengths it shares with each (`MIN_HEAD` tokens or more, all but
+        its last token at most), the one times how many recent prompts share that much
+        (the shorter on a tie; 0: none). Then remembers `prompt`.
+
+        The same question asked again, or an earlier turn of the same conversation, shares
+        more with one prompt; a system prompt shares less with many, and those are what a head
+        is for (the prompt cache serves the others). A chat template's preamble before any
+        system prompt shares even less with more prompts, and loses to a system prompt most of
+        them share."""
+        tokens = tuple(prompt[:MAX_HEAD])
+        shared = sorted(
+            (n for n in (shared_prefix(tokens, seen) for seen in self._recent) if n >= MIN_HEAD),
+            reverse=True,
+        )
         self._recent.append(tokens)
-        shortest = min((n for n in shared if n >= MIN_HEAD), default=0)
-        shortest = min(shortest, len(tokens) - 1)
-        return shortest if shortest >= MIN_HEAD and self.max_size > 0 else 0
+        if self.max_size == 0:
+            return 0
+        best, saved = 0, 0
+        for at_least, length in enumerate(shared, start=1):  # `at_least` prompts share `length`
+            length = min(length, len(prompt) - 1)
+            if length >= MIN_HEAD and length * at_least >= saved:
+                best, saved = length, length * at_least
+        return best
 
     def fetch(self, key: tuple[str, ...], prompt: Sequence[int]) -> tuple[LayerCaches, int] | None:
         """Fresh caches holding the longest head kept under `key` that opens `prompt` (all but
         its last token at most), and that head's length; None when none does."""
-        tokens = tuple(prompt)
         best: tuple[tuple[str, ...], tuple[int, ...]] | None = None
         for entry in self._heads:
             found_key, head = entry
-            if found_key != key or len(head) >= len(tokens) or tokens[: len(head)] != head:
+            if found_key != key or len(head) >= len(prompt) or tuple(prompt[: len(head)]) != head:
                 continue
             if best is None or len(head) > len(best[1]):
                 best = entry

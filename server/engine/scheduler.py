@@ -264,10 +264,9 @@ class Scheduler:
         cache, rest = self.engine.prompt_cache.fetch_nearest_cache(key, prompt)
         heads = self.engine.prompt_heads
         opening = heads.opening(prompt)
-        if opening > len(prompt) - len(rest):
-            head = heads.fetch(key, prompt)
-            if head is not None and head[1] > len(prompt) - len(rest):
-                cache, rest = head[0], prompt[head[1] :]
+        head = heads.fetch(key, prompt) if len(heads) else None
+        if head is not None and head[1] > len(prompt) - len(rest):
+            cache, rest = head[0], prompt[head[1] :]
         if group.rows[0].job.params.prompt_logprobs is not None:
             cache, rest = None, prompt  # every prompt position's logits are wanted
         if cache is not None and not rest:

@@ -194,7 +194,7 @@ class GenerationWorker:
         """The batch as the last step left it, the wait list and the prompt cache now."""
         load, cache, heads = self.scheduler.load, self.engine.prompt_cache, self.engine.prompt_heads
         cache_bytes = cache.nbytes + heads.nbytes
-        budget = cache.max_bytes + heads.max_bytes
+        budget = cache.max_bytes + (heads.max_bytes if heads.max_size else 0)
         return LoadSnapshot(
             running=load.running,
             waiting=self.waiting,

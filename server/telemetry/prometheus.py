@@ -402,14 +402,20 @@ class _Gauges(Collector):
         )
         yield lora
         yield _gauge(
-            "hotlora_prompt_cache_entries", "Prompt KV caches kept for reuse.", model, cache_entries
+            "hotlora_prompt_cache_entries",
+            "Prompt KV caches kept for reuse, prompt heads included.",
+            model,
+            cache_entries,
         )
         yield _gauge(
-            "hotlora_prompt_cache_bytes", "Memory the kept prompt caches hold.", model, cache_bytes
+            "hotlora_prompt_cache_bytes",
+            "Memory the kept prompt caches and prompt heads hold.",
+            model,
+            cache_bytes,
         )
         yield _gauge(
             "hotlora_prompt_cache_usage_perc",
-            "Prompt cache bytes over --prompt-cache-bytes (1 is all of it).",
+            "Prompt cache bytes over --prompt-cache-bytes plus --prompt-heads-bytes (1 is all).",
             model,
             cache_usage,
         )

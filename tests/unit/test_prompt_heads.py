@@ -41,14 +41,15 @@ def manager(loaded, tmp_path_factory: pytest.TempPathFactory) -> AdapterManager:
     return manager
 
 
-def answer(engine: Engine, tokens: list[int], adapters: AdapterSet | None) -> Recorder:
+def job(tokens: list[int], adapters: AdapterSet | None) -> GenerationJob:
     sampling = SamplingParams(max_tokens=6, temperature=0.0)
-    job = (
-        GenerationJob(tokens, sampling)
-        if adapters is None
-        else GenerationJob(tokens, sampling, adapters)
-    )
-    return run(Scheduler(engine, max_batch=1), [[job]])[0]
+    if adapters is None:
+        return GenerationJob(tokens, sampling)
+    return GenerationJob(tokens, sampling, adapters)
+
+
+def answer(engine: Engine, tokens: list[int], adapters: AdapterSet | None) -> Recorder:
+    return run(Scheduler(engine, max_batch=1), [[job(tokens, adapters)]])[0]
 
 
 def test_a_request_finds_its_adapter_sets_head_where_the_prompt_cache_kept_another_set(
@@ -86,6 +87,22 @@ def test_a_head_serves_only_its_own_adapter_set(loaded, manager: AdapterManager)
     assert answer(uncached, prompt(95, 96), a).text() != on_b.text()
 
 
+def test_rows_started_from_heads_batch_with_others_and_answer_as_uncached(
+    loaded, manager: AdapterManager
+):
+    a, b = (manager.resolve(parse_adapter_spec(name)) for name in ("a", "b"))
+    engine = Engine(loaded, base_id="tiny", prompt_cache_size=1)
+    uncached = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+    answer(engine, prompt(91), None)
+    answer(engine, prompt(92, 93), a)
+    answer(engine, prompt(94), b)  # a's and b's heads kept
+    jobs = [job(prompt(95, 96), a), job(prompt(97), b), job(prompt(98, 99, 100), None)]
+    together = run(Scheduler(engine, max_batch=3), [[j] for j in jobs])
+    assert [sink.finished().cached_tokens for sink in together[:2]] == [len(OPENING)] * 2
+    for j, sink in zip(jobs, together, strict=True):
+        assert sink.text() == answer(uncached, j.prompt, j.adapters).text()
+
+
 def test_no_prompt_cache_keeps_no_heads(loaded, manager: AdapterManager):
     a = manager.resolve(parse_adapter_spec("a"))
     engine = Engine(loaded, base_id="tiny", prompt_cache_size=0)
@@ -94,14 +111,24 @@ def test_no_prompt_cache_keeps_no_heads(loaded, manager: AdapterManager):
     assert len(engine.prompt_heads) == 0
 
 
-def test_the_opening_is_the_shortest_shared_with_a_recent_prompt_short_of_the_last_token():
+def test_the_opening_is_what_would_have_saved_recent_prompts_the_most():
     heads = PromptHeads(max_size=4, max_bytes=1 << 20)
     assert heads.opening(prompt(1, 2)) == 0  # nothing seen yet
-    assert heads.opening(prompt(1, 3)) == len(OPENING) + 1
+    assert heads.opening(prompt(1, 3)) == len(OPENING) + 1  # all but the last token
     assert heads.opening(prompt(7)) == len(OPENING)
-    # The same prompt again shares all of it, the others their system prompt: the shorter.
+    # The same prompt again shares all of it with one, the system prompt with every other.
     assert heads.opening(prompt(7)) == len(OPENING)
     assert heads.opening(prompt(7, 8, 9)) == len(OPENING)  # a next turn, as well
+    # A template's preamble before two system prompts: the one most recent prompts share wins
+    # over the preamble all of them share, which wins over a system prompt few share.
+    preamble = list(range(60, 70))
+    system_a, system_b = preamble + list(range(70, 85)), preamble + list(range(85, 100))
+    mixed = PromptHeads(max_size=4, max_bytes=1 << 20)
+    for question in (1, 2, 3):
+        mixed.opening([*system_a, question, 0])
+    mixed.opening([*system_b, 4, 0])
+    assert mixed.opening([*system_a, 5, 0]) == len(system_a)
+    assert mixed.opening([*system_b, 6, 0]) == len(preamble)
     assert 4 < MIN_HEAD <= 9
     assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95]) == 0  # 4 shared: too short
     assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95, 94]) == 9  # all but the last
@@ -139,6 +166,7 @@ def test_heads_keep_their_positions_alone_and_stay_within_count_and_bytes():
     assert again is not None and again[0][0].offset == 10
     assert mx.array_equal(again[0][0].keys, mx.full((1, 2, 10, 4), 1.0)).item()
     assert heads.fetch(key_a, head) is None  # a head is never the whole prompt
+    assert heads.fetch(key_a, [0, 1, 2, 3, 4, 5, 6, 7, 8, 99, 50]) is None  # another opening
     assert heads.fetch(key_b, head + [50]) is None
     heads.keep(key_b, head, caches(12))
     heads.fetch(key_a, head + [1])  # a used last: b is the least recently used
@@ -150,6 +178,20 @@ def test_heads_keep_their_positions_alone_and_stay_within_count_and_bytes():
     small = PromptHeads(max_size=4, max_bytes=per_head - 1)
     small.keep(key_a, head, caches(12))
     assert len(small) == 0 and small.nbytes == 0
+
+
+def test_of_two_heads_opening_a_prompt_the_longer_serves():
+    heads = PromptHeads(max_size=4, max_bytes=1 << 20)
+    key, head = ("m", "a"), list(range(10))
+    heads.keep(key, head[:8], caches(12, value=2.0))
+    heads.keep(key, head, caches(12, value=3.0))
+    heads.keep(key, head, caches(12, value=4.0))  # kept already: nothing changes
+    assert len(heads) == 2
+    longer, shorter = heads.fetch(key, head + [50]), heads.fetch(key, head[:8] + [50])
+    assert longer is not None and longer[1] == 10
+    assert mx.array_equal(longer[0][0].keys, mx.full((1, 2, 10, 4), 3.0)).item()
+    assert shorter is not None and shorter[1] == 8
+    assert mx.array_equal(shorter[0][1].values, mx.full((1, 2, 8, 4), -2.0)).item()
 
 
 def test_caches_other_than_plain_kv_caches_are_not_cut():
