@@ -59,7 +59,8 @@ def test_a_request_finds_its_adapter_sets_head_where_the_prompt_cache_kept_anoth
     engine = Engine(loaded, base_id="tiny", prompt_cache_size=1)  # one conversation kept
     uncached = Engine(loaded, base_id="tiny", prompt_cache_size=0)
 
-    answer(engine, prompt(91, 92), None)  # seen: the opening is now known as shared
+    for tail in (90, 91):  # seen twice: the opening is now known as shared
+        answer(engine, prompt(tail, 92), None)
     first_a = answer(engine, prompt(93, 94, 95), a)
     first_b = answer(engine, prompt(96), b)  # the prompt cache now holds b's conversation only
     assert first_a.finished().cached_tokens == 0  # nothing of a's was kept yet
@@ -77,6 +78,7 @@ def test_a_head_serves_only_its_own_adapter_set(loaded, manager: AdapterManager)
     a, b = (manager.resolve(parse_adapter_spec(name)) for name in ("a", "b"))
     engine = Engine(loaded, base_id="tiny", prompt_cache_size=1)
     uncached = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+    answer(engine, prompt(90), None)
     answer(engine, prompt(91), None)
     answer(engine, prompt(92, 93), a)  # a's head kept
     answer(engine, prompt(94), None)  # the prompt cache now holds a base conversation
@@ -93,6 +95,7 @@ def test_rows_started_from_heads_batch_with_others_and_answer_as_uncached(
     a, b = (manager.resolve(parse_adapter_spec(name)) for name in ("a", "b"))
     engine = Engine(loaded, base_id="tiny", prompt_cache_size=1)
     uncached = Engine(loaded, base_id="tiny", prompt_cache_size=0)
+    answer(engine, prompt(90), None)
     answer(engine, prompt(91), None)
     answer(engine, prompt(92, 93), a)
     answer(engine, prompt(94), b)  # a's and b's heads kept
@@ -114,7 +117,8 @@ def test_no_prompt_cache_keeps_no_heads(loaded, manager: AdapterManager):
 def test_the_opening_is_what_would_have_saved_recent_prompts_the_most():
     heads = PromptHeads(max_size=4, max_bytes=1 << 20)
     assert heads.opening(prompt(1, 2)) == 0  # nothing seen yet
-    assert heads.opening(prompt(1, 3)) == len(OPENING) + 1  # all but the last token
+    assert heads.opening(prompt(1, 3)) == 0  # shared with one prompt: the prompt cache's
+    assert heads.opening(prompt(1, 4)) == len(OPENING) + 1
     assert heads.opening(prompt(7)) == len(OPENING)
     # The same prompt again shares all of it with one, the system prompt with every other.
     assert heads.opening(prompt(7)) == len(OPENING)
@@ -131,7 +135,9 @@ def test_the_opening_is_what_would_have_saved_recent_prompts_the_most():
     assert mixed.opening([*system_b, 6, 0]) == len(preamble)
     assert 4 < MIN_HEAD <= 9
     assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95]) == 0  # 4 shared: too short
-    assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95, 94]) == 9  # all but the last
+    assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95, 94]) == 0  # 9, with one prompt
+    assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95, 93]) == 9  # 9, with two
+    assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95]) == 8  # all but the last token
     assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert shared_prefix([], [1]) == 0
     assert shared_prefix((1, 2), (1, 2)) == 2
