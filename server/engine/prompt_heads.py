@@ -63,21 +63,22 @@ class PromptHeads:
         """The length of the opening `prompt` shares with at least two recent prompts that
         would have saved them the most: of the lengths it shares with each (`MIN_HEAD` tokens
         or more, all but its last token at most), the one times how many recent prompts share
-        that much (the shorter on a tie; 0: none). Then remembers `prompt`.
+        that much (the shorter on a tie; 0: none, or no heads are kept). Then remembers
+        `prompt`.
 
         The same question asked again, or an earlier turn of the same conversation, shares
         more with one prompt, and the prompt cache serves it; a system prompt shares less with
         many, and that is what a head is for. A chat template's preamble before any system
         prompt shares even less with more prompts, and loses to a system prompt most of them
         share."""
+        if self.max_size == 0:
+            return 0  # no heads kept: nothing to compare or remember
         tokens = tuple(prompt[:MAX_HEAD])
         shared = sorted(
             (n for n in (shared_prefix(tokens, seen) for seen in self._recent) if n >= MIN_HEAD),
             reverse=True,
         )
         self._recent.append(tokens)
-        if self.max_size == 0:
-            return 0
         best, saved = 0, 0
         for at_least, length in enumerate(shared, start=1):  # `at_least` prompts share `length`
             length = min(length, len(prompt) - 1)
