@@ -283,11 +283,24 @@ inline typename Isa::V load_floats(const uint16_t* p) { return Isa::load_half(p)
 // as `--adapter-dtype float16` keeps adapters): for the columns r listed (QuantMatmulGather lists
 // all of an adapter's, in order), h[r] * b[r, n] added one at a time (a fused multiply-add each).
 // Each output is its own sequence of operations: its bits depend neither on the vector width nor
-// on columns not listed.
+// on columns not listed. Four vectors of outputs at a time, four independent chains of
+// multiply-adds in flight (one chain waits on each multiply-add's latency), then one at a time.
 template <typename T>
 void add_residuals(const float* h, const T* b, int N, const int* columns, int count, float* out,
                    int n0, int n1) {
+  constexpr int kChains = 4;
   int n = n0;
+  for (; n + kChains * Isa::kLanes <= n1; n += kChains * Isa::kLanes) {
+    typename Isa::V acc[kChains];
+    for (int v = 0; v < kChains; v++) acc[v] = Isa::load(out + n + v * Isa::kLanes);
+    for (int i = 0; i < count; i++) {
+      const T* row = b + static_cast<size_t>(columns[i]) * N + n;
+      const typename Isa::V hr = Isa::set1(h[columns[i]]);
+      for (int v = 0; v < kChains; v++)
+        acc[v] = Isa::fma(hr, load_floats(row + v * Isa::kLanes), acc[v]);
+    }
+    for (int v = 0; v < kChains; v++) Isa::store(out + n + v * Isa::kLanes, acc[v]);
+  }
   for (; n + Isa::kLanes <= n1; n += Isa::kLanes) {
     typename Isa::V acc = Isa::load(out + n);
     for (int i = 0; i < count; i++) {
