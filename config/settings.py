@@ -232,13 +232,15 @@ class Settings(BaseSettings):
         "mounted, whose directory of that name is under the adapter root, mounts it (requests "
         "that ask at once share one load). Off: only admin mounts are served.",
     )
-    adapter_dtype: Literal["float32", "float16"] = Field(
-        default="float32",
-        description="What adapters are kept in where the packed 4-bit kernels serve (the CPU's "
-        "default for a quantized model): float16 halves their memory and what a decode step "
-        "reads of them, the step's cost with many distinct adapters; their values are rounded "
-        "to float16 when mounted (values past its range are refused). Elsewhere adapters are "
-        "kept in float32, or in the activations' dtype where that is float16 or bfloat16.",
+    adapter_dtype: Literal["auto", "float32", "float16"] = Field(
+        default="auto",
+        description="What adapters are kept in where the model computes in float32. auto: "
+        "float16 where the packed 4-bit kernels serve (the CPU's default for a quantized "
+        "model), which halves their memory and what a decode step reads of them, the step's "
+        "cost with many distinct adapters; float32 elsewhere. float16 asks for it (said in the "
+        "log where those kernels do not serve), float32 keeps every adapter's values as "
+        "trained. Rounding to float16 happens at the mount; values past its range are refused "
+        "there. Where the activations are float16 or bfloat16, adapters are kept in that dtype.",
     )
     max_mounted_adapters: int | None = Field(
         default=None,

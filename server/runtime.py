@@ -217,13 +217,10 @@ class Runtime:
         self.embeddings = EmbeddingService(self.inference)
 
     def _adapter_dtype(self, packed: bool) -> mx.Dtype:
-        """What adapters are kept in where the activations are float32: float16 where asked
-        and the packed kernels serve (they read it as exactly as float32); elsewhere float32,
-        said in the log (MLX's own layers would convert it back at every call)."""
-        if self.settings.adapter_dtype != "float16":
-            return mx.float32
-        if packed:
-            return mx.float16
+        """`kept_adapter_dtype`, said in the log where float16 was asked and is left aside."""
+        asked = self.settings.adapter_dtype
+        if asked != "float16" or packed:
+            return kept_adapter_dtype(asked, packed)
         log.warning(
             "--adapter-dtype float16 applies to packed 4-bit weights on the CPU: adapters are "
             "kept in float32 here"
@@ -347,3 +344,11 @@ class Runtime:
             raise WorkerStopped("The server is shutting down; retry on another replica.")
         if not self.ready or self.inference is None:
             raise NotReady(f"The model is not ready yet ({self.status}).")
+
+
+def kept_adapter_dtype(asked: str, packed: bool) -> mx.Dtype:
+    """What adapters are kept in where the activations are float32, for `--adapter-dtype
+    asked`: float16 where the packed kernels serve (they read it as exactly as float32) unless
+    float32 is asked; float32 elsewhere (MLX's own layers would convert float16 back at every
+    call)."""
+    return mx.float16 if packed and asked != "float32" else mx.float32

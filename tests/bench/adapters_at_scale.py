@@ -10,7 +10,8 @@ of prompt tokens each found in the prompt cache, the cold loads' latency (p50/p9
 server's `hotlora_adapter_load_seconds` histogram), the evictions, and the server's peak RSS.
 First, `--cold-loads` (20) mounts of one rank-16 adapter on every projection (19 MB on the
 embedded model) in this process: their latency p50/p95. The servers keep adapters in
-`--adapter-dtype` (float32, as a server does by default).
+`--adapter-dtype` (auto, as a server does by default: float16 where the packed 4-bit kernels
+serve, float32 elsewhere).
 
 Then whether what is mounted costs anything when it is not used: two servers, one with
 `--mounted` (200) adapters mounted (rank `--mounted-rank`, 8) and one with none, take turns
@@ -19,7 +20,7 @@ median gap between a stream's tokens) and aggregate tokens/s.
 
     python -m tests.bench.adapters_at_scale [--adapters 1000] [--hot 100] [--cap 32]
         [--clients 8] [--seconds 60] [--rounds 2] [--max-tokens 32] [--mounted 200]
-        [--mounted-rank 8] [--cold-loads 20] [--adapter-dtype float32|float16] [--root DIR]
+        [--mounted-rank 8] [--cold-loads 20] [--adapter-dtype auto|float32|float16] [--root DIR]
         [--model DIR]
 
 A measurement, not a test: it exits 0 whatever the figures.
@@ -84,24 +85,25 @@ def write_adapters(model_dir: Path, root: Path, names: list[str], ranks: list[in
 
 
 def cold_loads(
-    model_dir: Path, root: Path, loads: int, rank: int = 16, dtype: str = "float32"
+    model_dir: Path, root: Path, loads: int, rank: int = 16, dtype: str = "auto"
 ) -> dict[str, float]:
     """Mount and unmount one rank-`rank` adapter on every projection `loads` times in this
     process, through the adapter manager on the model prepared as a server with the default
-    settings prepares it (the adapters' dtype follows its activations): each mount's latency,
-    files read to arrays mounted."""
+    settings prepares it, the adapters kept as a server with `--adapter-dtype dtype` keeps
+    them: each mount's latency, files read to arrays mounted."""
     import mlx.core as mx
 
     from hotlora.adapters import AdapterManager
     from hotlora.config.settings import Settings
     from hotlora.models.cpu import prepare_cpu
     from hotlora.models.loader import load_model_dir
+    from hotlora.server.runtime import kept_adapter_dtype
 
     name = f"cold-r{rank}"
     write_adapters(model_dir, root, [name], [rank])
     model = load_model_dir(model_dir).model
     settings = Settings()
-    prepare_cpu(
+    setup = prepare_cpu(
         model,
         weights=settings.cpu_weights,
         float_budget=settings.cpu_float_budget_bytes,
@@ -109,8 +111,9 @@ def cold_loads(
         batch_kernels=settings.cpu_batch_matmul,
         home=settings.home,
     )
+    kept = kept_adapter_dtype(dtype, setup.packed)
     manager = AdapterManager(
-        model, base_id="base", adapter_root=root, max_rank=rank, adapter_dtype=getattr(mx, dtype)
+        model, base_id="base", adapter_root=root, max_rank=rank, adapter_dtype=kept
     )
     seconds = []
     for _ in range(loads):
@@ -281,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=None, help="adapter root (kept)")
     parser.add_argument(
         "--adapter-dtype",
-        choices=["float32", "float16"],
-        default="float32",
+        choices=["auto", "float32", "float16"],
+        default="auto",
         help="the servers' --adapter-dtype",
     )
     add_model_args(parser)

@@ -204,8 +204,8 @@ def packed(
     model_dir: Path, trained_adapters: TrainedAdapters, hotlora_home: Path
 ) -> dict[str, InProcess]:
     """The model as a CPU server serves it (packed 4-bit weights, native kernels), with the
-    adapters kept in float32 (the default) and in float16 (`--adapter-dtype float16`): one
-    model, an adapter manager for each."""
+    adapters kept in float32 (`--adapter-dtype float32`) and in float16 (the default there):
+    one model, an adapter manager for each."""
     from hotlora.adapters import AdapterManager
     from hotlora.config.settings import Settings
     from hotlora.models.cpu import prepare_cpu
@@ -251,6 +251,25 @@ def test_float16_adapters_stay_within_the_tolerance_of_float32_ones(
     assert not mx.array_equal(single, half).item()  # really rounded
     assert_close(half, single)
     assert mx.abs(single - packed["float32"].logits("")).max().item() > 1.0
+
+
+@pytest.mark.parametrize("name", ["pirate", "fortytwo"])
+def test_float16_adapters_on_packed_weights_agree_with_mlx_lm_within_the_tolerance(
+    packed: dict[str, InProcess], model_dir: Path, trained_adapters: TrainedAdapters, name: str
+):
+    """What a CPU server computes by default, packed kernels and adapters rounded to float16,
+    against the fidelity reference: mlx-lm's float32 run, on the base's weights dequantized
+    exactly, of the adapter as stored (float32). Within the bound, and moved by the rounding
+    alone by no more than that."""
+    from mlx_lm.utils import load
+
+    from tests.support.fidelity import dequantized_reference
+
+    model, _ = load(str(model_dir), adapter_path=str(trained_adapters[name]))
+    expected = dequantized_reference(model)(packed["float16"].tokens)
+    assert_close(packed["float32"].logits(name), expected)
+    assert_close(packed["float16"].logits(name), expected)
+    assert mx.abs(expected - packed["float16"].logits("")).max().item() > 1.0
 
 
 # Behaviour over HTTP.

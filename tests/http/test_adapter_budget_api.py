@@ -135,13 +135,20 @@ def mounted_bytes(client: TestClient, adapter_id: str) -> int:
 def test_adapters_kept_in_float16_hold_half_the_memory_where_packed_kernels_serve(
     make_client, root: Path, caplog: pytest.LogCaptureFixture
 ):
-    single = mounted_bytes(make_client(adapter_root=root), "a")
-    half = make_client(adapter_root=root, adapter_dtype="float16")
-    assert mounted_bytes(half, "a") * 2 == single
-    answer = chat(half, adapter="a")
-    assert answer.status_code == 200, answer.text
-    # On float32 weights the setting is logged and left aside: MLX's layers read float32.
+    """By default (`auto`) the packed kernels' adapters are kept in float16, half the bytes of
+    `--adapter-dtype float32`; on float32 weights `auto` keeps float32 and says nothing, and
+    an explicit `float16` is logged and left aside."""
+    single = mounted_bytes(make_client(adapter_root=root, adapter_dtype="float32"), "a")
+    for asked in ({}, {"adapter_dtype": "float16"}):
+        half = make_client(adapter_root=root, **asked)
+        assert mounted_bytes(half, "a") * 2 == single
+        answer = chat(half, adapter="a")
+        assert answer.status_code == 200, answer.text
     caplog.clear()
+    unpacked = make_client(adapter_root=root, cpu_weights="float32")
+    assert mounted_bytes(unpacked, "a") == single
+    assert "--adapter-dtype" not in caplog.text
+    # On float32 weights float16 is logged and left aside: MLX's layers read float32.
     unpacked = make_client(adapter_root=root, adapter_dtype="float16", cpu_weights="float32")
     assert mounted_bytes(unpacked, "a") == single
     assert "--adapter-dtype float16 applies to packed 4-bit weights" in caplog.text
