@@ -19,7 +19,8 @@ the embedded model and a ~0.8B random llama, 1 to 16 streams, prefill, peak RSS,
                           [--concurrency-rounds 5] [--prefill-tokens 8000] [--prefill-rounds 1]
                           [--cpu-models embedded,1b] [--cpu-streams 1,8,16] [--cpu-tokens 96]
                           [--cpu-prefill-tokens 1250] [--cpu-adapters 16]
-                          [--cpu-adapter-dtype float32|float16] [--cpu-rounds 1]
+                          [--cpu-adapter-dtype auto|float32|float16] [--cpu-rounds 1]
+                          [--cpu-adapter-pairs 4]
                           [--cpu-cache DIR] [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
@@ -273,6 +274,7 @@ def section_cpu(args: argparse.Namespace, model_dir: Path) -> SectionResult:
         adapters=args.cpu_adapters,
         adapter_dtype=args.cpu_adapter_dtype,
         rounds=args.cpu_rounds,
+        adapter_pairs=args.cpu_adapter_pairs,
         cache=args.cpu_cache,
     )
     out = run_cpu(args.home, server_env(args.home), options)
@@ -385,11 +387,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--cpu-adapter-dtype",
-        choices=["float32", "float16"],
-        default="float32",
+        choices=["auto", "float32", "float16"],
+        default="auto",
         help="hotlora's --adapter-dtype for those rows in section cpu.",
     )
     p.add_argument("--cpu-rounds", type=int, default=1, help="Rounds per server in section cpu.")
+    p.add_argument(
+        "--cpu-adapter-pairs",
+        type=int,
+        default=4,
+        help="Timed pairs of adapter rows and base-only rows in section cpu (default: 4).",
+    )
     p.add_argument(
         "--cpu-cache",
         type=Path,
@@ -423,6 +431,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--cpu-streams takes a comma list of stream counts, each at least 1")
     if args.cpu_tokens < 2 or args.cpu_prefill_tokens < 1 or args.cpu_rounds < 1:
         p.error("--cpu-tokens must be at least 2, --cpu-prefill-tokens and --cpu-rounds 1")
+    if args.cpu_adapter_pairs < 1:
+        p.error("--cpu-adapter-pairs must be at least 1")
     if args.cpu_adapters < 0:
         p.error("--cpu-adapters must be 0 or more")
     if args.max_tokens < 2:

@@ -14,10 +14,11 @@ first token and decode tokens/s per stream, and the aggregate (all tokens / wall
 `--cpu-prefill-tokens` (1,250) token prompt's prefill tokens/s (`/v1/completions`, one new
 token); the server's peak RSS (its VmHWM, or the polled RSS of it and its children when larger).
 Then on hotlora alone: `--cpu-adapters` (16) random rank-16 adapters on every projection are
-mounted (kept in `--cpu-adapter-dtype`, float32 by default), and that many rows, each with an
-adapter of its own, run beside a base-only run of as many rows on the same server, alternating
-per round; their ratio is the median of the per-round ratios. `LLAMA_SERVER` names llama.cpp's
-server, else one is built once (tests/bench/llama_cpp.py).
+mounted (kept as `--cpu-adapter-dtype` says, by default the server's own default, auto), and
+that many rows, each with an adapter of its own, run beside a base-only run of as many rows on
+the same server: after two untimed rounds of each, `--cpu-adapter-pairs` (4) timed pairs, in
+alternating order; their ratio is the median of the pairs' ratios. `LLAMA_SERVER` names
+llama.cpp's server, else one is built once (tests/bench/llama_cpp.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from tests.support.server_process import ServerProcess, ServerSpec
 
 CPU_MODELS = ("embedded", "1b")
 WARMUP_TOKENS = 8
+ADAPTER_WARMUPS = 2  # untimed rounds of adapter rows and of base-only rows before the pairs
 WARMUP_PROMPT_TOKENS = 300
 RSS_POLL_S = 0.2
 
@@ -60,8 +62,9 @@ class Options:
     tokens: int = 96
     prefill_tokens: int = 1250
     adapters: int = 16
-    adapter_dtype: str = "float32"  # hotlora's --adapter-dtype
+    adapter_dtype: str = "auto"  # hotlora's --adapter-dtype
     rounds: int = 1
+    adapter_pairs: int = 4  # timed pairs of adapter rows and base-only rows
     cache: Path = Path(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir()) / "hotlora-bench"
 
 
@@ -233,21 +236,35 @@ def measure_adapters(
     options: Options,
     progress: Callable[[str], None],
 ) -> None:
-    """Mount the adapters, then per round a row for each beside as many base-only rows."""
+    """Mount the adapters, then `adapter_pairs` pairs of runs: a row for each adapter, and as
+    many base-only rows.
+
+    Both kinds first run twice, untimed, on prompts shaped as the timed ones (the same
+    opening, then a tag of their own), so that each is timed in its steady state: the prompt
+    cache and the prompt heads hold what earlier rounds left (base-only rows find the chat
+    template's opening cached from their first run on, a row with an adapter of its own only
+    once its set has a head). Pair p runs the adapter rows first when p is even and the
+    base-only rows first when odd, so that a drift of the machine's speed during the pairs
+    weighs on both kinds alike."""
     for adapter_id in adapter_ids:
         admin(client, server, "POST", "/v1/adapters", json={"id": adapter_id, "path": adapter_id})
     rows = len(adapter_ids)
-    mixed = [{**body, "adapter": i} for i in adapter_ids]
-    run_streams(server, "warm-up-adapters", rows, WARMUP_TOKENS, mixed)
-    for round_ in range(options.rounds):
-        pair = (
-            run_streams(server, f"a{round_}", rows, options.tokens, mixed),
-            run_streams(server, f"b{round_}", rows, options.tokens, [body] * rows),
-        )
-        run.adapter_rounds.append(pair)
+    kinds = {"a": [{**body, "adapter": i} for i in adapter_ids], "b": [body] * rows}
+    for warm in range(ADAPTER_WARMUPS):  # the timed prompts' tags: the same openings
+        for kind, extras in kinds.items():
+            run_streams(server, f"{kind}{warm}", rows, WARMUP_TOKENS, extras)
+    for pair in range(options.adapter_pairs):
+        order = "ab" if pair % 2 == 0 else "ba"
+        tag = ADAPTER_WARMUPS + pair
+        got = {
+            kind: run_streams(server, f"{kind}{tag}", rows, options.tokens, kinds[kind])
+            for kind in order
+        }
+        run.adapter_rounds.append((got["a"], got["b"]))
         progress(
-            f"{run.system}, round {round_ + 1}: {rows} rows with {rows} adapters "
-            f"{pair[0].aggregate:.1f} tok/s, base only {pair[1].aggregate:.1f} tok/s"
+            f"{run.system}, pair {pair + 1} ({order}): {rows} rows with {rows} adapters "
+            f"{got['a'].aggregate:.1f} tok/s, base only {got['b'].aggregate:.1f} tok/s, "
+            f"{got['a'].aggregate / got['b'].aggregate:.2f}x"
         )
 
 
@@ -306,10 +323,12 @@ def comparison(runs: dict[str, SystemRun], options: Options) -> list[str]:
         ratio = statistics.median(a.aggregate / b.aggregate for a, b in hot.adapter_rounds)
         adapters = statistics.median(a.aggregate for a, _ in hot.adapter_rounds)
         base = statistics.median(b.aggregate for _, b in hot.adapter_rounds)
+        pairs = ", ".join(f"{a.aggregate / b.aggregate:.2f}" for a, b in hot.adapter_rounds)
         notes.append(
             f"hotlora, {rows} rows with {rows} distinct rank-16 adapters "
             f"(--adapter-dtype {options.adapter_dtype}): {adapters:.1f} tok/s "
-            f"aggregate, {ratio:.2f}x its base-only {rows} rows beside them ({base:.1f} tok/s); "
+            f"aggregate, {ratio:.2f}x its base-only {rows} rows beside them ({base:.1f} tok/s; "
+            f"median of {len(hot.adapter_rounds)} pairs: {pairs}); "
             f"peak RSS with them mounted {hot.adapters_rss_mb:.0f} MB"
         )
     if hot is not None and systems[1] is not None:

@@ -164,9 +164,9 @@ def test_comparison_medians_the_rounds_ratios_the_adapters_and_names_short_rows(
         "2 streams: aggregate tok/s              32.0          95.0          0.34x",
         "1250-token prefill tok/s                 500          1250          0.40x",
         "peak RSS MB                              900           300          3.00x",
-        "hotlora, 2 rows with 2 distinct rank-16 adapters (--adapter-dtype float32): 36.0 tok/s "
-        "aggregate, 0.88x its base-only 2 rows beside them (40.0 tok/s); peak RSS with them "
-        "mounted 1500 MB",
+        "hotlora, 2 rows with 2 distinct rank-16 adapters (--adapter-dtype auto): 36.0 tok/s "
+        "aggregate, 0.88x its base-only 2 rows beside them (40.0 tok/s; median of 2 pairs: "
+        "0.75, 1.00); peak RSS with them mounted 1500 MB",
         "greedy answers to the same prompts: 1/2 identical, common opening 12 characters (median)",
         "llama-server: 2 rows stopped before 96 tokens",
     ]

@@ -1,0 +1,111 @@
+"""What distinct adapters cost a batched decode step, in one process, away from HTTP's noise.
+
+`python -m tests.bench.adapter_steps` loads the embedded model as a CPU server serves it (packed
+4-bit kernels) and mounts `--adapters` (16) random rank-16 adapters on every projection twice,
+through two adapter managers: kept in float32 (`--adapter-dtype float32`) and in float16 (the
+default there). Then, in blocks of `--steps` (100) decode steps of 16 rows after a 64-token
+context, it times step by step, each kind in turn: the base alone; every row with an adapter of
+its own, in float32 and in float16; and one adapter on every row (float32), which runs the same
+kernels over the same rows but reads one adapter's arrays, so that the gap between it and the
+distinct rows is what reading 16 adapters costs. Each block's medians, then their medians, as
+one JSON object; ratios are the base step's time over each kind's.
+
+    python -m tests.bench.adapter_steps [--adapters 16] [--blocks 3] [--steps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from tests.bench.adapter_decode import write_random_adapters
+from tests.bench.step_times import CONTEXT, load
+
+KINDS = ("base", "distinct float32", "distinct float16", "one adapter float32")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", type=int, default=16)
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+
+    from hotlora.adapters import AdapterManager, RowAdapterCache, activate, parse_adapter_spec
+    from hotlora.config.settings import Settings
+    from hotlora.models.embedded import ensure_embedded_model
+
+    rows = args.adapters
+    model_dir = ensure_embedded_model(Settings().home)
+    root = Path(tempfile.gettempdir()) / "hotlora-bench-adapter-steps"
+    names = [f"r16-{i}" for i in range(rows)]
+    missing = {n: 100 + i for i, n in enumerate(names) if not (root / n).is_dir()}
+    if missing:
+        write_random_adapters(model_dir, root, missing)
+    model = load("packed", None)
+    managers = {
+        dtype: AdapterManager(
+            model, base_id="base", adapter_root=root, max_rank=64, adapter_dtype=dtype
+        )
+        for dtype in (mx.float32, mx.float16)
+    }
+    sets = {}
+    for dtype, manager in managers.items():
+        for name in names:
+            manager.mount(name, name)
+        sets[dtype] = [manager.resolve(parse_adapter_spec(name)) for name in names]
+    batches: dict[str, Any] = {
+        "base": None,
+        "distinct float32": RowAdapterCache().for_rows(sets[mx.float32]),
+        "distinct float16": RowAdapterCache().for_rows(sets[mx.float16]),
+        "one adapter float32": sets[mx.float32][0],
+    }
+
+    def call(tokens: mx.array, cache: list[Any], batch: Any) -> mx.array:
+        if batch is None:
+            return model(tokens, cache=cache)
+        with activate(batch):
+            return model(tokens, cache=cache)
+
+    context = mx.arange(CONTEXT * rows).reshape(rows, CONTEXT) % 1000 + 100
+    step = mx.full((rows, 1), 42)
+    blocks: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for block in range(args.blocks):
+        caches = {kind: [BatchKVCache([0] * rows) for _ in model.layers] for kind in KINDS}
+        for kind in KINDS:
+            mx.eval(call(context, caches[kind], batches[kind]))
+        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        for _ in range(args.steps):
+            for kind in KINDS:
+                began = time.perf_counter()
+                mx.eval(call(step, caches[kind], batches[kind]))
+                times[kind].append(time.perf_counter() - began)
+        for kind in KINDS:
+            blocks[kind].append(1000 * statistics.median(times[kind]))
+        print(
+            f"block {block + 1}: "
+            + ", ".join(f"{kind} {blocks[kind][-1]:.1f} ms" for kind in KINDS),
+            file=sys.stderr,
+            flush=True,
+        )
+    step_ms = {kind: round(statistics.median(ms), 2) for kind, ms in blocks.items()}
+    ratios = {
+        kind: round(statistics.median(b / k for b, k in zip(blocks["base"], ms, strict=True)), 3)
+        for kind, ms in blocks.items()
+        if kind != "base"
+    }
+    print(json.dumps({"rows": rows, "step_ms": step_ms, "base_over": ratios}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
