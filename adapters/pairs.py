@@ -102,10 +102,10 @@ def _mounted(tensors: list[tuple[str, mx.array, mx.array, mx.Dtype]]) -> list[mx
 
     Refuses NaN or infinite values, as stored or once cast to the mount dtype (float32 values
     past float16's range become inf), naming the tensors. The file's tensors are read in one
-    evaluation and checked in place. Rounding float32 to float16 (`--adapter-dtype float16`)
-    is the native kernels' extension's, where it is loaded: MLX's rounding, to the bit, in one
-    call that keeps the GIL and queues nothing on MLX's stream behind the decoding steps. Any
-    other cast, and a transpose, are MLX's, all in one more evaluation.
+    evaluation and checked in place. Rounding float32 to float16 (where adapters are kept in
+    float16) is the native kernels' extension's, where it is loaded: MLX's rounding, to the bit,
+    in one call that keeps the GIL and queues nothing on MLX's stream behind the decoding steps.
+    Any other cast, and a transpose, are MLX's, all in one more evaluation.
     """
     mx.eval([stored for _, stored, _, _ in tensors])
     stored_ok = _all_finite([stored for _, stored, _, _ in tensors])
@@ -146,7 +146,8 @@ def _mounted(tensors: list[tuple[str, mx.array, mx.array, mx.Dtype]]) -> list[mx
         name, dtype = tensors[beyond[0]][0], _dtype_name(out[beyond[0]].dtype)
         raise InvalidAdapter(
             f"the tensor {name} has values beyond the range of {dtype}, the dtype this server "
-            "keeps adapters in (its activations', or --adapter-dtype)"
+            "keeps adapters in (its activations', or --adapter-dtype; where the activations are "
+            "float32, --adapter-dtype float32 keeps the values as stored)"
         )
     return out
 

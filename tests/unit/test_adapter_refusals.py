@@ -520,7 +520,8 @@ def test_values_past_the_half_precision_range_are_refused(
         manager.mount("sft", "bad")
     assert str(caught.value) == (
         f"the tensor {Q}.lora_b has values beyond the range of float16, the dtype this server "
-        "keeps adapters in (its activations', or --adapter-dtype)"
+        "keeps adapters in (its activations', or --adapter-dtype; where the activations are "
+        "float32, --adapter-dtype float32 keeps the values as stored)"
     )
     assert manager.list() == []
     make_manager(tmp_path)[1].mount("sft", "bad")  # float32 activations hold it

@@ -280,8 +280,9 @@ inline typename Isa::V load_floats(const float* p) { return Isa::load(p); }
 inline typename Isa::V load_floats(const uint16_t* p) { return Isa::load_half(p); }
 
 // out[n0:n1] of one row of x += one adapter's low-rank residual, b [R, N] (float32, or float16
-// as `--adapter-dtype float16` keeps adapters): for the columns r listed (QuantMatmulGather lists
-// all of an adapter's, in order), h[r] * b[r, n] added one at a time (a fused multiply-add each).
+// as the packed kernels keep adapters by default): for the columns r listed (QuantMatmulGather
+// lists all of an adapter's, in order), h[r] * b[r, n] added one at a time (a fused multiply-add
+// each).
 // Each output is its own sequence of operations: its bits depend neither on the vector width nor
 // on columns not listed. Four vectors of outputs at a time, four independent chains of
 // multiply-adds in flight (one chain waits on each multiply-add's latency), then one at a time.

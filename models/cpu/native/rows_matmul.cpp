@@ -701,10 +701,10 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 }
 
 // One adapter's pairs as mounted, at each LoRA slot of the model that it has weights at: a [K, r]
-// and b [r, N], row-major, float32 or float16 (`--adapter-dtype float16`). The arrays are held
-// here, so a primitive that holds this reads them wherever Python's references have gone; they
-// are not the primitive's inputs (evaluated once, at the mount), so a step's graph carries no
-// array of any adapter. Made and shared from C++ alone (enable_shared_from_this: nanobind hands
+// and b [r, N], row-major, float32 (`--adapter-dtype float32`) or float16 (the default). The
+// arrays are held here, so a primitive that holds this reads them wherever Python's references
+// have gone; they are not the primitive's inputs (evaluated once, at the mount), so a step's
+// graph carries no array of any adapter. Made and shared from C++ alone (enable_shared_from_this: nanobind hands
 // C++ the object's own shared_ptr, not one whose deleter takes the GIL), so the last reference,
 // dropped where a step ran, frees it there without waiting for Python.
 struct AdapterPairs : std::enable_shared_from_this<AdapterPairs> {
