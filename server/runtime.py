@@ -219,13 +219,13 @@ class Runtime:
     def _adapter_dtype(self, packed: bool) -> mx.Dtype:
         """`kept_adapter_dtype`, said in the log where float16 was asked and is left aside."""
         asked = self.settings.adapter_dtype
-        if asked != "float16" or packed:
-            return kept_adapter_dtype(asked, packed)
-        log.warning(
-            "--adapter-dtype float16 applies to packed 4-bit weights on the CPU: adapters are "
-            "kept in float32 here"
-        )
-        return mx.float32
+        kept = kept_adapter_dtype(asked, packed)
+        if asked == "float16" and kept != mx.float16:
+            log.warning(
+                "--adapter-dtype float16 applies to packed 4-bit weights on the CPU: adapters "
+                "are kept in float32 here"
+            )
+        return kept
 
     def _max_batch(self, loaded: LoadedModel) -> int:
         """`max_batch`, or 1 when the model as served (its CPU kernels installed) fails the
