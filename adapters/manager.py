@@ -48,6 +48,7 @@ from hotlora.adapters.root_listing import RootEntry, list_root
 from hotlora.adapters.slots import LoRASlot, install_slots, probe_input_dtypes
 from hotlora.adapters.spec import AdapterRef, adapter_id_problem, format_adapter_spec
 from hotlora.config.log_text import printable
+from hotlora.models.cpu import give_back_freed_memory
 
 if TYPE_CHECKING:
     from hotlora.adapters.mount_journal import MountJournal
@@ -189,12 +190,12 @@ class AdapterManager(FirstUseMounts):
             # memory now, not whenever the error is collected.
             exc.__context__ = None
             exc.with_traceback(None)
-            mx.clear_cache()
+            give_back_freed_memory()
             raise
         if revision is not None and loaded.revision != revision:
             found = loaded.revision
             del loaded  # free the arrays of files that will not be mounted
-            mx.clear_cache()
+            give_back_freed_memory()
             raise AdapterConflict(
                 f"adapter '{adapter_id}' at {directory} changed since it was recorded (revision "
                 f"{revision[:SHORT_REVISION]}, now {found[:SHORT_REVISION]})",
@@ -221,7 +222,7 @@ class AdapterManager(FirstUseMounts):
                         self._residency.check(adapter_id, loaded.ram_bytes, pin=pin)
                     except AdapterError:
                         del loaded
-                        mx.clear_cache()
+                        give_back_freed_memory()
                         raise
             if same and not adopt:
                 return self._pin(current, record=record)
@@ -241,7 +242,7 @@ class AdapterManager(FirstUseMounts):
             self._evict_over_budget(keep=adapter_id)
         if current is not None:
             del current
-            mx.clear_cache()
+            give_back_freed_memory()
         log.info(
             "%s adapter %s from %s (rev %s)",
             kind,
@@ -291,7 +292,7 @@ class AdapterManager(FirstUseMounts):
                 return evicted_info(gone)
             self._tell(MountEvent("evicted" if evicted else "unmounted", adapter_id, info.revision))
         del mounted
-        mx.clear_cache()
+        give_back_freed_memory()
         log.info("unmounted adapter %s", printable(adapter_id))
         return info
 
@@ -382,7 +383,7 @@ class AdapterManager(FirstUseMounts):
             log.info("evicted adapter %s", printable(mounted.id))
         if evicted:
             del evicted, mounted
-            mx.clear_cache()
+            give_back_freed_memory()
 
     def _tell(self, event: MountEvent) -> None:
         """Tell every listener of a change already made; one that fails cannot undo it."""

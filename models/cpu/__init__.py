@@ -17,7 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -236,13 +236,32 @@ def _quietly(reason: str) -> AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+def _glibc(name: str) -> Callable[..., int] | None:
+    """glibc's malloc function `name`, or None elsewhere than glibc."""
+    try:
+        return cast("Callable[..., int]", getattr(ctypes.CDLL(None), name))
+    except (OSError, AttributeError):
+        return None
+
+
 def _map_large_buffers() -> None:
     """Keep glibc's malloc mapping every buffer of 128 KiB or more of its own, so that freeing
     one gives it back to the system. Unset, glibc raises that threshold to the size of each
     mapped buffer freed (up to 32 MiB), and from then on the KV caches' buffers come from its
     heap, whose freed space stays resident. Elsewhere than glibc, nothing changes."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    mallopt = _glibc("mallopt")
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+
+
+def give_back_freed_memory() -> None:
+    """Return what was just freed to the system: MLX's cached buffers, then the free pages of
+    glibc's heaps (`malloc_trim`). An adapter's arrays are hundreds of buffers, nearly all under
+    the 128 KiB that glibc maps of their own, so its heap holds them; once they are freed, their
+    pages stay resident (a trim aside) wherever a buffer allocated later sits above them, and
+    adapters mounted and unmounted over and over would keep the server's memory at its peak.
+    Elsewhere than glibc, MLX's cache alone."""
+    mx.clear_cache()
+    trim = _glibc("malloc_trim")
+    if trim is not None:
+        trim(0)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import platform
+import sys
 import threading
 from pathlib import Path
 
@@ -128,6 +131,35 @@ def test_mount_unmount_many_times_keeps_memory_flat(tmp_path: Path):
     # 200 mounts of 32 KiB each; a leak of even one would exceed the tolerance.
     assert abs(mx.get_active_memory() - start) < info.ram_bytes
     assert mx.array_equal(logits(model), base)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory, from /proc (Linux)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
+    reason="glibc's heap on Linux: the memory an unmount is to give back",
+)
+def test_unmounted_adapters_give_their_memory_back_to_the_system(tmp_path: Path):
+    """An adapter's arrays are buffers of a few KiB each, which glibc's heap holds: once an
+    unmount frees them, the process's resident memory falls by about their bytes, even though
+    buffers allocated after them (here another adapter's, still mounted) stay above them."""
+    _, manager = make_manager(tmp_path, max_rank=128)
+    write_mlx_adapter(tmp_path / "a", random_pairs(tiny_model(), rank=128, seed=1), rank=128)
+    ids = [f"a{i}" for i in range(64)]
+    mounted = sum(manager.mount(i, "a").ram_bytes for i in ids)
+    manager.mount("kept", "a")  # allocated after the others: the heap's top stays in use
+    gc.collect()
+    before = resident_bytes()
+    for i in ids:
+        manager.unmount(i)
+    gc.collect()
+    given_back = before - resident_bytes()
+    assert mounted >= 64 << 20  # 64 mounts of 1 MiB each, in buffers of 16 to 64 KiB
+    assert given_back > mounted // 2, (given_back, mounted)
+    assert [info.id for info in manager.list()] == ["kept"]
 
 
 def test_in_use_counts_requests_on_every_revision_of_an_id(tmp_path: Path):
