@@ -185,3 +185,48 @@ def test_each_step_first_runs_the_before_step_hook(engine: Engine):
     steps = order.count("step")
     assert steps >= 3  # a prefill step, then a decode step a token
     assert order == ["hook", "step"] * steps
+
+
+def test_the_idle_hook_runs_once_each_time_the_work_runs_out(engine: Engine):
+    """The hook the runtime gives `give_back_freed_memory` to: once after the last step of each
+    burst of requests, not before any, not between steps, not again while nothing comes; a hook
+    that raises stops nothing."""
+    order: list[str] = []
+
+    def when_idle() -> None:
+        order.append("idle")
+        if order.count("idle") == 1:
+            raise RuntimeError("a broken hook")
+
+    async def burst(worker: GenerationWorker) -> list[tuple[int, object]]:
+        return [item async for item in worker.events(worker.submit([job(3)]))]
+
+    async def scenario() -> list[list[tuple[int, object]]]:
+        worker = GenerationWorker(engine, when_idle=when_idle)
+        step = worker.scheduler.step
+
+        def counted_step() -> None:
+            order.append("step")
+            step()
+
+        worker.scheduler.step = counted_step  # type: ignore[method-assign]
+        worker.start()
+        try:
+            await asyncio.sleep(0.2)  # idle from the start: nothing was freed
+            assert order == []
+            runs = []
+            for _ in range(2):
+                runs.append(await burst(worker))
+                await asyncio.sleep(0.2)  # out of work: the hook once, then nothing more
+            return runs
+        finally:
+            await worker.stop()
+
+    runs = asyncio.run(scenario())
+    for events in runs:  # the broken hook held nothing back
+        finished = [e for _, e in events if isinstance(e, Finished)]
+        assert finished and finished[0].completion_tokens == 3
+    first = order.index("idle")
+    assert first >= 3 and set(order[:first]) == {"step"}  # prefill, then a step a token
+    assert order.count("idle") == 2 and order[-1] == "idle"
+    assert set(order[first + 1 : -1]) == {"step"}  # the second burst's steps, between the two
