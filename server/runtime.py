@@ -14,7 +14,7 @@ import mlx.core as mx
 from hotlora.adapters import AdapterManager, Budget, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
-from hotlora.models.cpu import give_back_freed_memory, prepare_cpu
+from hotlora.models.cpu import prepare_cpu
 from hotlora.models.embedded import (
     embedded_model_path,
     ensure_embedded_model,
@@ -205,7 +205,6 @@ class Runtime:
             prefill_context_unit=self.settings.prefill_context_unit,
             kv_cache_bytes=self.settings.kv_cache_bytes,
             before_step=self.adapters.yield_to_loads,
-            when_idle=give_back_freed_memory,
         )
         self.inference = InferenceService(
             self.worker,

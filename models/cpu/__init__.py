@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -236,6 +237,7 @@ def _quietly(reason: str) -> AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+@functools.cache
 def _glibc(name: str) -> Callable[..., int] | None:
     """glibc's malloc function `name`, or None elsewhere than glibc."""
     try:

@@ -162,16 +162,11 @@ class GenerationWorker:
         prefill_context_unit: int = 1024,
         kv_cache_bytes: int = 2 << 30,
         before_step: Callable[[], None] | None = None,
-        when_idle: Callable[[], None] | None = None,
     ):
         self.engine = engine
         # Run before each step: the adapter manager's `yield_to_loads`, so that a request's
         # adapter loads without the decoding threads beside it.
         self.before_step = before_step
-        # Run once each time the worker runs out of work: on the CPU, `give_back_freed_memory`,
-        # so that what a burst of requests freed (prompt caches replaced, rows' buffers) leaves
-        # the resident set instead of staying in the heap until the next one.
-        self.when_idle = when_idle
         self.max_queue = max_queue
         self.max_unsent = max_unsent
         self.scheduler = Scheduler(
@@ -289,34 +284,22 @@ class GenerationWorker:
                 ticket.state = _State.RUNNING
                 self._waiting -= 1
 
-    def _nothing_to_do(self) -> bool:
-        """No request, errand or row left, and no stop asked for. Called holding `_lock`."""
-        return not self._stopping and not self._inbox and not self._errands and self.scheduler.idle
-
     def _run(self) -> None:
         scheduler = self.scheduler
-        settled = True  # `when_idle` has run since the last work
         try:
             while True:
                 with self._lock:
-                    if not settled and self._nothing_to_do():
-                        arrived = None  # out of work: when_idle first, outside the lock
-                    else:
-                        while self._nothing_to_do():
-                            self._lock.wait()
-                        if self._stopping:
-                            break
-                        arrived = list(self._inbox)
-                        self._inbox.clear()
-                if arrived is None:
-                    settled = True
-                    if self.when_idle is not None:
-                        try:
-                            self.when_idle()
-                        except Exception:  # noqa: BLE001 - serving goes on without it
-                            log.exception("the hook when the worker runs out of work failed")
-                    continue
-                settled = False
+                    while (
+                        not self._stopping
+                        and not self._inbox
+                        and not self._errands
+                        and scheduler.idle
+                    ):
+                        self._lock.wait()
+                    if self._stopping:
+                        break
+                    arrived = list(self._inbox)
+                    self._inbox.clear()
                 self._run_errands()
                 for ticket in arrived:
                     try:
