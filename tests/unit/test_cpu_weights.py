@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from hotlora.models.cpu.weights import choose_cpu_weights, float32_bytes, to_flo
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler
 
+from tests.bench.soak import rss_mb
 from tests.support.tiny import write_tiny_llama
 
 PROMPT = [5, 17, 3, 99, 42, 7, 60, 61]
@@ -182,13 +184,6 @@ def test_freed_buffers_beyond_the_cache_bound_go_back_to_the_system(tmp_path: Pa
         mx.set_cache_limit(before)
 
 
-def _resident_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def test_freed_large_buffers_leave_the_resident_set_between_live_small_ones(tmp_path: Path):
     """glibc raises its mmap threshold as mapped buffers are freed; the KV caches' buffers then
     came from its heap, between small live ones, and stayed resident once freed."""
@@ -209,13 +204,13 @@ def test_freed_large_buffers_leave_the_resident_set_between_live_small_ones(tmp_
         first = mx.zeros((4 << 20,), dtype=mx.float32)  # 16 MiB, mapped; freed, it sets the bar
         mx.eval(first)
         del first
-        start = _resident_mb()
+        start = rss_mb(os.getpid())
         large, small = [], []
         for _ in range(32):
             large.append(mx.full((1 << 20,), 1.0))  # [4 MiB] each, 128 MiB in all
             small.append(mx.full((16 << 10,), 1.0))  # [64 KiB], from the heap between them
             mx.eval(large[-1], small[-1])
         del large
-        assert _resident_mb() - start < 32
+        assert rss_mb(os.getpid()) - start < 32
     finally:
         mx.set_cache_limit(before)
