@@ -4,14 +4,21 @@ A cache that is full takes a whole step of new positions for every row at once, 
 rows still need. At mlx-lm's 256, a batch of short answers holds up to 255 unused positions a
 row in every layer, often more than the answers themselves; a step of 64 wastes a quarter of
 that, and the copy each growth costs comes once every 64 tokens.
+
+What is kept beyond a request (a finished row's cache, a prompt head) is copied into one buffer
+(`in_one_buffer`): one allocation, large enough that the allocator maps it of its own and
+returns it whole when it is dropped, instead of a buffer a layer (each under malloc's 128 KiB
+for a short conversation) left in its heap among those of the steps around it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 KV_STEP = 64
 # One cache per layer (mlx-lm's KVCache, RotatingKVCache, ...), as `make_prompt_cache` builds.
@@ -31,3 +38,30 @@ def stepped(caches: list[Any]) -> list[Any]:
             cache.step = KV_STEP  # an instance attribute over the class's 256
         stepped(getattr(cache, "caches", []))  # a CacheList's own caches
     return caches
+
+
+def in_one_buffer(arrays: Sequence[mx.array]) -> list[mx.array]:
+    """Copies of `arrays` ([1, ...] each), evaluated: views of one buffer where all have one
+    shape and dtype, else a copy each."""
+    if len({(a.shape, a.dtype) for a in arrays}) == 1 and arrays[0].shape[0] == 1:
+        buffer = mx.concatenate(list(arrays), axis=0)
+        copies = [buffer[i : i + 1] for i in range(len(arrays))]  # views: slices copy nothing
+    else:
+        copies = [mx.contiguous(a) for a in arrays]
+    mx.eval(copies)
+    return copies
+
+
+def kept_caches(caches: LayerCaches) -> LayerCaches:
+    """A finished row's caches as kept for reuse: plain `KVCache`s in one buffer
+    (`in_one_buffer`); other kinds (sliding windows, quantized, ...) as they are, evaluated."""
+    if not caches or not all(type(c) is KVCache and c.keys is not None for c in caches):
+        mx.eval([c.state for c in caches])
+        return caches
+    arrays = in_one_buffer([c.keys for c in caches] + [c.values for c in caches])
+    kept = []
+    for cache, keys, values in zip(caches, arrays, arrays[len(caches) :], strict=False):
+        one = KVCache()
+        one.keys, one.values, one.offset = keys, values, cache.offset
+        kept.append(one)
+    return stepped(kept)

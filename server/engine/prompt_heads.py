@@ -8,6 +8,9 @@ adapter on any layer changes the KV of every layer after it), so each request pr
 shared opening again: the prompt tokens that cost the most beside base-only traffic. A head is
 that opening alone, cut from a finished request's cache when the request did not find it
 cached: a few KV positions for each of many adapter sets.
+
+Heads of one set where one opens the other (a system prompt, and a longer opening a burst of
+its prompts shared) hold their common positions once: the shorter reads the longer's buffer.
 """
 
 from __future__ import annotations
@@ -19,18 +22,33 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from hotlora.server.engine.kv_caches import LayerCaches
+from hotlora.server.engine.kv_caches import LayerCaches, in_one_buffer
 
 MIN_HEAD = 8  # a shorter shared opening is not worth an entry
 MAX_HEAD = 4096  # prompts are compared this far: a longer opening is cut to it
 RECENT = 16  # prompts remembered, whatever their adapters, to find the shared opening
 
 
+@dataclass(eq=False)
+class Buffer:
+    """The memory a head copied its positions into, and how many heads read it."""
+
+    nbytes: int
+    heads: int = 0
+
+
 @dataclass(frozen=True)
 class Head:
     keys: tuple[mx.array, ...]  # per layer [1, kv_heads, n, head_dim]
     values: tuple[mx.array, ...]
-    nbytes: int
+    buffer: Buffer
+
+    def cut(self, n: int) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+        """Its first `n` positions: views, no copy (evaluated)."""
+        keys = tuple(a[:, :, :n, :] for a in self.keys)
+        values = tuple(a[:, :, :n, :] for a in self.values)
+        mx.eval(keys, values)
+        return keys, values
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -47,12 +65,13 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PromptHeads:
     """Heads kept by (prompt cache key, head tokens), least recently used out first, within
-    `max_size` entries and `max_bytes`. Used by the generation thread alone."""
+    `max_size` entries and `max_bytes` (their buffers', each counted once). Used by the
+    generation thread alone."""
 
     def __init__(self, max_size: int, max_bytes: int):
         self.max_size = max_size
         self.max_bytes = max_bytes
-        self.nbytes = 0
+        self.nbytes = 0  # the buffers the kept heads read
         self._heads: OrderedDict[tuple[tuple[str, ...], tuple[int, ...]], Head] = OrderedDict()
         self._recent: deque[tuple[int, ...]] = deque(maxlen=RECENT)
 
@@ -111,21 +130,55 @@ class PromptHeads:
     def keep(self, key: tuple[str, ...], head: Sequence[int], caches: LayerCaches) -> None:
         """Keep the first `len(head)` positions of a single row's `caches` (which hold at least
         that many) under `key`. Caches other than mlx-lm's plain `KVCache` (sliding windows,
-        quantized, ...) are not cut: nothing is kept for them."""
+        quantized, ...) are not cut: nothing is kept for them.
+
+        A head of the same key that `head` opens already holds these positions: the new head
+        reads them there. Else they are copied into a buffer of their own, and the heads of the
+        key that open `head` read them there from then on (their own buffers go once no head
+        reads them)."""
         entry = (key, tuple(head))
         if entry in self._heads or not head or self.max_size == 0:
             return
         if not all(type(c) is KVCache and c.offset >= len(head) for c in caches):
             return
         n = len(head)
-        keys = tuple(mx.contiguous(c.keys[:, :, :n, :]) for c in caches)  # copies: the row's
-        values = tuple(mx.contiguous(c.values[:, :, :n, :]) for c in caches)  # arrays go
-        mx.eval(keys, values)
-        nbytes = sum(a.nbytes for a in keys + values)
-        if nbytes > self.max_bytes:
+        host = next(
+            (
+                kept
+                for (found, tokens), kept in self._heads.items()
+                if found == key and len(tokens) > n and tokens[:n] == entry[1]
+            ),
+            None,
+        )
+        if host is not None:
+            keys, values = host.cut(n)
+            self._add(entry, Head(keys, values, host.buffer))
             return
-        self._heads[entry] = Head(keys, values, nbytes)
-        self.nbytes += nbytes
+        # Copies: the row's arrays go.
+        arrays = in_one_buffer(
+            [c.keys[:, :, :n, :] for c in caches] + [c.values[:, :, :n, :] for c in caches]
+        )
+        buffer = Buffer(sum(a.nbytes for a in arrays))
+        if buffer.nbytes > self.max_bytes:
+            return
+        kept = Head(tuple(arrays[: len(caches)]), tuple(arrays[len(caches) :]), buffer)
+        for (found, tokens), shorter in list(self._heads.items()):
+            if found == key and tokens == entry[1][: len(tokens)]:
+                keys, values = kept.cut(len(tokens))
+                self._release(shorter.buffer)
+                buffer.heads += 1
+                self._heads[(found, tokens)] = Head(keys, values, buffer)  # keeps its place
+        self.nbytes += buffer.nbytes
+        self._add(entry, kept)
+
+    def _add(self, entry: tuple[tuple[str, ...], tuple[int, ...]], head: Head) -> None:
+        head.buffer.heads += 1
+        self._heads[entry] = head
         while len(self._heads) > self.max_size or self.nbytes > self.max_bytes:
             _, dropped = self._heads.popitem(last=False)
-            self.nbytes -= dropped.nbytes
+            self._release(dropped.buffer)
+
+    def _release(self, buffer: Buffer) -> None:
+        buffer.heads -= 1
+        if buffer.heads == 0:
+            self.nbytes -= buffer.nbytes

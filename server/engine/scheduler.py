@@ -37,7 +37,13 @@ from hotlora.server.engine.generate import (
     SampledToken,
     prompt_cache_key,
 )
-from hotlora.server.engine.kv_caches import KV_STEP, LayerCaches, new_caches, stepped
+from hotlora.server.engine.kv_caches import (
+    KV_STEP,
+    LayerCaches,
+    kept_caches,
+    new_caches,
+    stepped,
+)
 from hotlora.server.engine.next_tokens import (
     choose,
     constrained,
@@ -356,8 +362,8 @@ class Scheduler:
         if self._cache is None or not (keep_all or row.head):
             return
         try:
-            cache = [c.extract(index) for c in self._cache]
-            mx.eval([c.state for c in cache])  # kept beyond this step: evaluate it now
+            # Kept beyond this step: one buffer, evaluated now.
+            cache = kept_caches([c.extract(index) for c in self._cache])
             offset = cache[0].offset if cache else 0
             key = prompt_cache_key(self.engine.base_id, row.adapters)
             if row.head:

@@ -190,14 +190,68 @@ def test_of_two_heads_opening_a_prompt_the_longer_serves():
     heads = PromptHeads(max_size=4, max_bytes=1 << 20)
     key, head = ("m", "a"), list(range(10))
     heads.keep(key, head[:8], caches(12, value=2.0))
-    heads.keep(key, head, caches(12, value=3.0))
-    heads.keep(key, head, caches(12, value=4.0))  # kept already: nothing changes
+    heads.keep(key, [*head[:8], 77, 78], caches(12, value=3.0))
+    heads.keep(key, [*head[:8], 77, 78], caches(12, value=4.0))  # kept already: nothing changes
     assert len(heads) == 2
-    longer, shorter = heads.fetch(key, head + [50]), heads.fetch(key, head[:8] + [50])
+    longer = heads.fetch(key, [*head[:8], 77, 78, 50])
+    shorter = heads.fetch(key, [*head[:8], 50])
     assert longer is not None and longer[1] == 10
     assert mx.array_equal(longer[0][0].keys, mx.full((1, 2, 10, 4), 3.0)).item()
     assert shorter is not None and shorter[1] == 8
-    assert mx.array_equal(shorter[0][1].values, mx.full((1, 2, 8, 4), -2.0)).item()
+
+
+PER_POSITION = 2 * 2 * (2 * 4) * 4  # layers x (keys, values) x [2, 4] float32
+
+
+def test_heads_of_one_set_hold_their_common_positions_once():
+    key, head = ("m", "a"), list(range(10))
+    # The longer first: the shorter reads its positions there.
+    heads = PromptHeads(max_size=4, max_bytes=1 << 20)
+    heads.keep(key, head, caches(12, value=3.0))
+    heads.keep(key, head[:8], caches(12, value=2.0))
+    assert len(heads) == 2 and heads.nbytes == 10 * PER_POSITION
+    shorter = heads.fetch(key, [*head[:8], 50])
+    assert shorter is not None and shorter[1] == 8
+    assert mx.array_equal(shorter[0][1].values, mx.full((1, 2, 8, 4), -3.0)).item()
+    # The shorter first: once the longer comes, the shorter reads it and its own buffer goes.
+    heads = PromptHeads(max_size=4, max_bytes=1 << 20)
+    heads.keep(key, head[:8], caches(12, value=2.0))
+    assert heads.nbytes == 8 * PER_POSITION
+    heads.keep(key, head, caches(12, value=3.0))
+    assert len(heads) == 2 and heads.nbytes == 10 * PER_POSITION
+    shorter = heads.fetch(key, [*head[:8], 50])
+    assert shorter is not None
+    assert mx.array_equal(shorter[0][0].keys, mx.full((1, 2, 8, 4), 3.0)).item()
+    # Another set's head of the same tokens holds its own (an adapter changes every position).
+    heads.keep(("m", "b"), head[:8], caches(12, value=4.0))
+    assert heads.nbytes == 18 * PER_POSITION
+    other = heads.fetch(("m", "b"), [*head[:8], 50])
+    assert other is not None
+    assert mx.array_equal(other[0][0].keys, mx.full((1, 2, 8, 4), 4.0)).item()
+    # A head the shorter opens, beside the longer: its own buffer; the longer keeps its own.
+    heads.keep(key, [*head[:8], 77, 78], caches(12, value=5.0))
+    assert len(heads) == 4 and heads.nbytes == 28 * PER_POSITION
+    longer = heads.fetch(key, [*head, 50])
+    assert longer is not None and longer[1] == 10
+    assert mx.array_equal(longer[0][0].keys, mx.full((1, 2, 10, 4), 3.0)).item()
+
+
+def test_a_buffer_counts_until_no_head_reads_it():
+    key, head = ("m", "a"), list(range(10))
+    heads = PromptHeads(max_size=2, max_bytes=1 << 20)
+    heads.keep(key, head, caches(12, value=3.0))
+    heads.keep(key, head[:8], caches(12, value=2.0))  # reads the longer's buffer
+    heads.keep(("m", "b"), head, caches(12, value=4.0))  # two heads at most: the longer goes
+    assert len(heads) == 2
+    found = heads.fetch(key, [*head, 50])
+    assert found is not None and found[1] == 8  # the shorter serves, the longer gone
+    assert mx.array_equal(found[0][0].keys, mx.full((1, 2, 8, 4), 3.0)).item()
+    # The shorter still reads the longer's ten positions: they count until it goes too.
+    assert heads.nbytes == 20 * PER_POSITION
+    heads.keep(("m", "c"), head, caches(12, value=5.0))
+    assert len(heads) == 2 and heads.nbytes == 20 * PER_POSITION
+    heads.keep(("m", "d"), head[:8], caches(12, value=6.0))
+    assert len(heads) == 2 and heads.nbytes == 18 * PER_POSITION
 
 
 def test_caches_other_than_plain_kv_caches_are_not_cut():
