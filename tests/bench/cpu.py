@@ -13,12 +13,14 @@ away (llama.cpp also gets `ignore_eos`) so that every row runs to the end: the m
 first token and decode tokens/s per stream, and the aggregate (all tokens / wall time); a
 `--cpu-prefill-tokens` (1,250) token prompt's prefill tokens/s (`/v1/completions`, one new
 token); the server's peak RSS (its VmHWM, or the polled RSS of it and its children when larger).
-Then on hotlora alone: `--cpu-adapters` (16) random rank-16 adapters on every projection are
-mounted (kept as `--cpu-adapter-dtype` says, by default the server's own default, auto), and
-that many rows, each with an adapter of its own, run beside a base-only run of as many rows on
-the same server: after two untimed rounds of each, `--cpu-adapter-pairs` (4) timed pairs, in
-alternating order; their ratio is the median of the pairs' ratios. `LLAMA_SERVER` names
-llama.cpp's server, else one is built once (tests/bench/llama_cpp.py).
+Then on hotlora alone: two full-length runs of `--cpu-adapters` (16) base-only rows, whose peak
+RSS is the one the adapters' is held to (the same traffic, without them); then that many random
+rank-16 adapters on every projection are mounted (kept as `--cpu-adapter-dtype` says, by
+default the server's own default, auto), and that many rows, each with an adapter of its own,
+run beside a base-only run of as many rows on the same server: after two untimed rounds of
+each, `--cpu-adapter-pairs` (4) timed pairs, in alternating order; their ratio is the median of
+the pairs' ratios; the peak RSS with them against (base-only + their arrays) x 1.1.
+`LLAMA_SERVER` names llama.cpp's server, else one is built once (tests/bench/llama_cpp.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ WARMUP_TOKENS = 8
 ADAPTER_WARMUPS = 2  # untimed rounds of adapter rows and of base-only rows before the pairs
 WARMUP_PROMPT_TOKENS = 300
 RSS_POLL_S = 0.2
+RSS_MARGIN = 1.1  # the adapters' peak RSS at most (base-only + their arrays) times this
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,11 @@ class SystemRun:
     peak_rss_mb: float = 0.0
     adapter_rounds: list[tuple[Streams, Streams]] = field(default_factory=list)  # (adapters, base)
     adapters_rss_mb: float = 0.0
+    # Base-only rows as many as the adapter rows, run to the steady state the adapter rows are
+    # measured in (the prompt cache holding whole conversations of that length): the peak RSS
+    # the adapters' is held to, and what their arrays hold (the server's ram_bytes, summed).
+    steady_rss_mb: float = 0.0
+    adapter_bytes_mb: float = 0.0
 
     def at(self, n: int, attr: str) -> float:
         """The median over rounds of one `Streams` figure at n streams."""
@@ -220,7 +228,7 @@ def measure(
                 )
             run.peak_rss_mb = watch.peak_mb()
             if adapter_ids:
-                measure_adapters(client, server, run, body, adapter_ids, options, progress)
+                measure_adapters(client, server, run, body, adapter_ids, options, progress, watch)
                 run.adapters_rss_mb = watch.peak_mb()
     finally:
         watch.stop.set()
@@ -235,9 +243,12 @@ def measure_adapters(
     adapter_ids: list[str],
     options: Options,
     progress: Callable[[str], None],
+    watch: RssWatch,
 ) -> None:
-    """Mount the adapters, then `adapter_pairs` pairs of runs: a row for each adapter, and as
-    many base-only rows.
+    """`ADAPTER_WARMUPS` runs of as many base-only rows as there are adapters, of full length,
+    whose peak RSS (`steady_rss_mb`) the adapters' is held to: the same traffic as theirs,
+    without them. Then mount the adapters, and `adapter_pairs` pairs of runs: a row for each
+    adapter, and as many base-only rows.
 
     Both kinds first run twice, untimed, on prompts shaped as the timed ones (the same
     opening, then a tag of their own), so that each is timed in its steady state: the prompt
@@ -246,9 +257,14 @@ def measure_adapters(
     once its set has a head). Pair p runs the adapter rows first when p is even and the
     base-only rows first when odd, so that a drift of the machine's speed during the pairs
     weighs on both kinds alike."""
+    rows = len(adapter_ids)
+    for steady in range(ADAPTER_WARMUPS):
+        run_streams(server, f"s{steady}", rows, options.tokens, [body] * rows)
+    run.steady_rss_mb = watch.peak_mb()
     for adapter_id in adapter_ids:
         admin(client, server, "POST", "/v1/adapters", json={"id": adapter_id, "path": adapter_id})
-    rows = len(adapter_ids)
+    listed = client.get(f"{server.url}/v1/adapters", timeout=30).json()["data"]
+    run.adapter_bytes_mb = sum(card["ram_bytes"] for card in listed) / 2**20
     kinds = {"a": [{**body, "adapter": i} for i in adapter_ids], "b": [body] * rows}
     for warm in range(ADAPTER_WARMUPS):  # the timed prompts' tags: the same openings
         for kind, extras in kinds.items():
@@ -331,6 +347,15 @@ def comparison(runs: dict[str, SystemRun], options: Options) -> list[str]:
             f"median of {len(hot.adapter_rounds)} pairs: {pairs}); "
             f"peak RSS with them mounted {hot.adapters_rss_mb:.0f} MB"
         )
+        if hot.steady_rss_mb:
+            bound = (hot.steady_rss_mb + hot.adapter_bytes_mb) * RSS_MARGIN
+            within = "within" if hot.adapters_rss_mb <= bound else "over"
+            notes.append(
+                f"hotlora, peak RSS: {hot.steady_rss_mb:.0f} MB after {ADAPTER_WARMUPS} runs of "
+                f"{rows} base-only rows, {hot.adapters_rss_mb:.0f} MB with the adapters; their "
+                f"arrays {hot.adapter_bytes_mb:.0f} MB; (base-only + arrays) x {RSS_MARGIN} = "
+                f"{bound:.0f} MB: {within}"
+            )
     if hot is not None and systems[1] is not None:
         notes.append(agreement(hot, systems[1]))
     for run in runs.values():

@@ -150,6 +150,8 @@ def test_comparison_medians_the_rounds_ratios_the_adapters_and_names_short_rows(
         peak_rss_mb=900.0,
         adapter_rounds=[(streams(96, 8.0), streams(96, 6.0)), (streams(96, 4.0), streams(96, 4.0))],
         adapters_rss_mb=1500.0,
+        steady_rss_mb=1200.0,
+        adapter_bytes_mb=157.0,
     )
     llama = SystemRun(
         "llama-server",
@@ -167,6 +169,8 @@ def test_comparison_medians_the_rounds_ratios_the_adapters_and_names_short_rows(
         "hotlora, 2 rows with 2 distinct rank-16 adapters (--adapter-dtype auto): 36.0 tok/s "
         "aggregate, 0.88x its base-only 2 rows beside them (40.0 tok/s; median of 2 pairs: "
         "0.75, 1.00); peak RSS with them mounted 1500 MB",
+        "hotlora, peak RSS: 1200 MB after 2 runs of 2 base-only rows, 1500 MB with the adapters; "
+        "their arrays 157 MB; (base-only + arrays) x 1.1 = 1493 MB: over",
         "greedy answers to the same prompts: 1/2 identical, common opening 12 characters (median)",
         "llama-server: 2 rows stopped before 96 tokens",
     ]
