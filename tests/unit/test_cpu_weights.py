@@ -204,13 +204,16 @@ def test_freed_large_buffers_leave_the_resident_set_between_live_small_ones(tmp_
         first = mx.zeros((4 << 20,), dtype=mx.float32)  # 16 MiB, mapped; freed, it sets the bar
         mx.eval(first)
         del first
-        start = rss_mb(os.getpid())
         large, small = [], []
         for _ in range(32):
             large.append(mx.full((1 << 20,), 1.0))  # [4 MiB] each, 128 MiB in all
             small.append(mx.full((16 << 10,), 1.0))  # [64 KiB], from the heap between them
             mx.eval(large[-1], small[-1])
+        held = rss_mb(os.getpid())
         del large
-        assert rss_mb(os.getpid()) - start < 32
+        # What the freeing gives back, not the process's growth since a start: anything else
+        # the process allocates meanwhile (a thread of an earlier test) stays out of it.
+        freed = held - rss_mb(os.getpid())
+        assert freed > 96, f"{freed:.0f} of the 128 MiB freed left the resident set"
     finally:
         mx.set_cache_limit(before)
