@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,6 @@ from hotlora.models.cpu.weights import choose_cpu_weights, float32_bytes, to_flo
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler
 
-from tests.bench.soak import rss_mb
 from tests.support.tiny import write_tiny_llama
 
 PROMPT = [5, 17, 3, 99, 42, 7, 60, 61]
@@ -184,36 +184,49 @@ def test_freed_buffers_beyond_the_cache_bound_go_back_to_the_system(tmp_path: Pa
         mx.set_cache_limit(before)
 
 
+# Run in a process of its own: a heap that an earlier unmount trimmed (malloc_trim) keeps free
+# space whose pages were given back, from which malloc serves large buffers before mapping any,
+# and those pages stay resident once such a buffer is freed, until the next trim.
+FREED_LARGE_BUFFERS = """
+import os, sys
+from pathlib import Path
+import mlx.core as mx
+from hotlora.models.cpu import prepare_cpu
+from hotlora.models.loader import load_model_dir
+from tests.bench.soak import rss_mb
+from tests.support.tiny import write_tiny_llama
+
+home = Path(sys.argv[1])
+model = load_model_dir(write_tiny_llama(home / "tiny")).model
+mx.set_cache_limit(0)  # what MLX frees goes straight to malloc
+prepare_cpu(model, weights="auto", float_budget=None, cache_bytes=0, vector_jit=False,
+            batch_kernels=False, home=home)
+first = mx.zeros((4 << 20,), dtype=mx.float32)  # 16 MiB, mapped; freed, it sets the bar
+mx.eval(first)
+del first
+large, small = [], []
+for _ in range(32):
+    large.append(mx.full((1 << 20,), 1.0))  # [4 MiB] each, 128 MiB in all
+    small.append(mx.full((16 << 10,), 1.0))  # [64 KiB], from the heap between them
+    mx.eval(large[-1], small[-1])
+held = rss_mb(os.getpid())
+del large
+print(held - rss_mb(os.getpid()))
+"""
+
+
 def test_freed_large_buffers_leave_the_resident_set_between_live_small_ones(tmp_path: Path):
     """glibc raises its mmap threshold as mapped buffers are freed; the KV caches' buffers then
     came from its heap, between small live ones, and stayed resident once freed."""
     if weights.has_gpu() or not Path("/proc/self/status").is_file():
         pytest.skip("the resident set is read from /proc, without a GPU")
-    model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
-    before = mx.set_cache_limit(0)
-    try:
-        prepare_cpu(
-            model,
-            weights="auto",
-            float_budget=None,
-            cache_bytes=0,  # what MLX frees goes straight to malloc
-            vector_jit=False,
-            batch_kernels=False,
-            home=tmp_path,
-        )
-        first = mx.zeros((4 << 20,), dtype=mx.float32)  # 16 MiB, mapped; freed, it sets the bar
-        mx.eval(first)
-        del first
-        large, small = [], []
-        for _ in range(32):
-            large.append(mx.full((1 << 20,), 1.0))  # [4 MiB] each, 128 MiB in all
-            small.append(mx.full((16 << 10,), 1.0))  # [64 KiB], from the heap between them
-            mx.eval(large[-1], small[-1])
-        held = rss_mb(os.getpid())
-        del large
-        # What the freeing gives back, not the process's growth since a start: anything else
-        # the process allocates meanwhile (a thread of an earlier test) stays out of it.
-        freed = held - rss_mb(os.getpid())
-        assert freed > 96, f"{freed:.0f} of the 128 MiB freed left the resident set"
-    finally:
-        mx.set_cache_limit(before)
+    probe = subprocess.run(
+        [sys.executable, "-c", FREED_LARGE_BUFFERS, str(tmp_path)],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    freed = float(probe.stdout.split()[-1])
+    assert freed > 96, f"{freed:.0f} of the 128 MiB freed left the resident set"
