@@ -190,12 +190,12 @@ def test_a_record_that_cannot_be_written_refuses_the_change(root, record_path, m
 KILLED_MID_WRITE = """
 import os, signal, sys
 from hotlora.adapters import MountFile
-from hotlora.adapters import mount_journal as registry
+from hotlora.adapters import mount_journal
 
 def killed(src, dst):
     os.kill(os.getpid(), signal.SIGKILL)
 
-registry.os.replace = killed
+mount_journal.os.replace = killed
 MountFile(sys.argv[1]).mounted("b", "/adapters/b", "r2", False)
 """
 
