@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from hotlora.server.api import completion_answers as p
+from hotlora.server.api import completion_answers as answers
 from hotlora.server.api.tool_calls import ToolCallStream
 from hotlora.server.engine import Delta, Finished, SampledToken
 from hotlora.server.engine.generate import PromptLogprobs
@@ -24,7 +24,7 @@ from hotlora.server.serving import (
 DONE = "[DONE]"
 
 
-def _dump_chunk(chunk: p.ChatCompletionChunk | p.CompletionResponse) -> str:
+def _dump_chunk(chunk: answers.ChatCompletionChunk | answers.CompletionResponse) -> str:
     """A stream chunk without null noise, but with `finish_reason` always present as OpenAI's."""
     body = chunk.model_dump(exclude_none=True)
     for choice in body["choices"]:
@@ -33,29 +33,30 @@ def _dump_chunk(chunk: p.ChatCompletionChunk | p.CompletionResponse) -> str:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
-def _finish(reason: str) -> p.FinishReason:
+def _finish(reason: str) -> answers.FinishReason:
     # A cancelled job has no client left to read its reason.
     return "length" if reason == "length" else "stop"
 
 
-def _usage(tally: UsageTally) -> p.Usage:
-    return p.Usage(
+def _usage(tally: UsageTally) -> answers.Usage:
+    return answers.Usage(
         prompt_tokens=tally.prompt_tokens,
         completion_tokens=tally.completion_tokens,
         total_tokens=tally.prompt_tokens + tally.completion_tokens,
-        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=tally.cached_tokens),
+        prompt_tokens_details=answers.PromptTokensDetails(cached_tokens=tally.cached_tokens),
     )
 
 
-def _chat_logprobs(entries: Iterable[SampledToken]) -> p.ChoiceLogprobs:
-    return p.ChoiceLogprobs(
+def _chat_logprobs(entries: Iterable[SampledToken]) -> answers.ChoiceLogprobs:
+    return answers.ChoiceLogprobs(
         content=[
-            p.TokenLogprob(
+            answers.TokenLogprob(
                 token=e.token.text,
                 logprob=e.logprob,
                 bytes=list(e.token.bytes),
                 top_logprobs=[
-                    p.TopLogprob(token=t.text, logprob=v, bytes=list(t.bytes)) for t, v in e.top
+                    answers.TopLogprob(token=t.text, logprob=v, bytes=list(t.bytes))
+                    for t, v in e.top
                 ],
             )
             for e in entries
@@ -63,12 +64,12 @@ def _chat_logprobs(entries: Iterable[SampledToken]) -> p.ChoiceLogprobs:
     )
 
 
-def _text_logprobs(entries: list[SampledToken], start: int = 0) -> p.CompletionLogprobs:
+def _text_logprobs(entries: list[SampledToken], start: int = 0) -> answers.CompletionLogprobs:
     offsets, at = [], start
     for e in entries:
         offsets.append(at)
         at += len(e.token.text)
-    return p.CompletionLogprobs(
+    return answers.CompletionLogprobs(
         tokens=[e.token.text for e in entries],
         token_logprobs=[e.logprob for e in entries],
         top_logprobs=[{t.text: v for t, v in e.top} for e in entries],
@@ -76,14 +77,14 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> p.CompletionL
     )
 
 
-def _prompt_logprobs(reported: PromptLogprobs | None) -> p.PromptLogprobs | None:
+def _prompt_logprobs(reported: PromptLogprobs | None) -> answers.PromptLogprobs | None:
     if reported is None:
         return None
     return [
         None
         if entry is None
         else {
-            e.token_id: p.PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.text)
+            e.token_id: answers.PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.text)
             for e in entry
         }
         for entry in reported
@@ -104,18 +105,20 @@ class _RunningUsage:
         else:
             self._generated[index] = event.completion_tokens
 
-    def now(self) -> p.Usage | None:
+    def now(self) -> answers.Usage | None:
         if not self.on:
             return None
         completion = sum(self._generated.values())
-        return p.Usage(
+        return answers.Usage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
         )
 
 
-def _message(prepared: Prepared, choice: Choice) -> tuple[p.AssistantMessage, p.FinishReason]:
+def _message(
+    prepared: Prepared, choice: Choice
+) -> tuple[answers.AssistantMessage, answers.FinishReason]:
     """The answer as an assistant message: a thinking model's reasoning apart, its tool calls
     read out of the rest, if it may call."""
     finish = _finish(choice.finish_reason)
@@ -124,27 +127,29 @@ def _message(prepared: Prepared, choice: Choice) -> tuple[p.AssistantMessage, p.
         reasoning, text = prepared.reasoning.split(text)
         reasoning = (reasoning or None) if prepared.reasoning.shown else None
     if prepared.tool_calls is None:
-        return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
+        return answers.AssistantMessage(content=text, reasoning_content=reasoning), finish
     text, calls = prepared.tool_calls.split(text)
     if not calls:
-        return p.AssistantMessage(content=text, reasoning_content=reasoning), finish
-    message = p.AssistantMessage(
+        return answers.AssistantMessage(content=text, reasoning_content=reasoning), finish
+    message = answers.AssistantMessage(
         content=text if text.strip() else None, reasoning_content=reasoning, tool_calls=calls
     )
     return message, "tool_calls" if finish == "stop" else finish
 
 
-def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionResponse:
+def chat_response(prepared: Prepared, outcome: Outcome) -> answers.ChatCompletionResponse:
     choices = []
     for c in outcome.choices:
         message, finish = _message(prepared, c)
         logprobs = _chat_logprobs(c.logprobs) if prepared.params.logprobs else None
         choices.append(
-            p.ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
+            answers.ChatChoice(
+                index=c.index, message=message, logprobs=logprobs, finish_reason=finish
+            )
         )
-    return p.ChatCompletionResponse(
-        id=p.completion_id("chatcmpl", prepared.request_id),
-        created=p.now(),
+    return answers.ChatCompletionResponse(
+        id=answers.completion_id("chatcmpl", prepared.request_id),
+        created=answers.now(),
         model=prepared.lease.model,
         choices=choices,
         usage=_usage(outcome.usage),
@@ -152,13 +157,13 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> p.ChatCompletionRespo
     )
 
 
-def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionResponse:
-    return p.CompletionResponse(
-        id=p.completion_id("cmpl", prepared.request_id),
-        created=p.now(),
+def completion_response(prepared: Prepared, outcome: Outcome) -> answers.CompletionResponse:
+    return answers.CompletionResponse(
+        id=answers.completion_id("cmpl", prepared.request_id),
+        created=answers.now(),
         model=prepared.lease.model,
         choices=[
-            p.CompletionChoice(
+            answers.CompletionChoice(
                 index=c.index,
                 text=c.text,
                 logprobs=_text_logprobs(c.logprobs) if prepared.params.logprobs else None,
@@ -174,8 +179,8 @@ def completion_response(prepared: Prepared, outcome: Outcome) -> p.CompletionRes
 def _stream_meta(prefix: str, prepared: Prepared) -> dict[str, Any]:
     """What every chunk of a stream repeats: its id, creation time and model."""
     return {
-        "id": p.completion_id(prefix, prepared.request_id),
-        "created": p.now(),
+        "id": answers.completion_id(prefix, prepared.request_id),
+        "created": answers.now(),
         "model": prepared.lease.model,
     }
 
@@ -191,17 +196,21 @@ async def chat_stream(
     meta = _stream_meta("chatcmpl", prepared)
     running = _RunningUsage(prepared, continuous_usage)
 
-    def chunk(choice: p.ChatChunkChoice) -> str:
-        return _dump_chunk(p.ChatCompletionChunk(**meta, choices=[choice], usage=running.now()))
+    def chunk(choice: answers.ChatChunkChoice) -> str:
+        return _dump_chunk(
+            answers.ChatCompletionChunk(**meta, choices=[choice], usage=running.now())
+        )
 
-    def call_chunks(index: int, calls: list[p.OutputToolCall], first: int) -> Iterable[str]:
+    def call_chunks(index: int, calls: list[answers.OutputToolCall], first: int) -> Iterable[str]:
         for k, call in enumerate(calls, start=first):
-            delta = p.ChatDelta(tool_calls=[p.DeltaToolCall(index=k, **call.model_dump())])
-            yield chunk(p.ChatChunkChoice(index=index, delta=delta))
+            delta = answers.ChatDelta(
+                tool_calls=[answers.DeltaToolCall(index=k, **call.model_dump())]
+            )
+            yield chunk(answers.ChatChunkChoice(index=index, delta=delta))
 
-    def reasoning_chunk(index: int, reasoning: str, logprobs: p.ChoiceLogprobs | None) -> str:
-        delta = p.ChatDelta(reasoning_content=reasoning)
-        return chunk(p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
+    def reasoning_chunk(index: int, reasoning: str, logprobs: answers.ChoiceLogprobs | None) -> str:
+        delta = answers.ChatDelta(reasoning_content=reasoning)
+        return chunk(answers.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
 
     started: set[int] = set()
     tools: dict[int, ToolCallStream] = {}
@@ -217,7 +226,9 @@ async def chat_stream(
             if prepared.reasoning is not None:
                 thinking[index] = prepared.reasoning.stream()
             yield chunk(
-                p.ChatChunkChoice(index=index, delta=p.ChatDelta(role="assistant", content=""))
+                answers.ChatChunkChoice(
+                    index=index, delta=answers.ChatDelta(role="assistant", content="")
+                )
             )
         stream, thoughts = tools.get(index), thinking.get(index)
         if isinstance(event, Delta):
@@ -232,13 +243,13 @@ async def chat_stream(
                 # The tokens' logprobs go with the answer's text when there is some.
                 yield reasoning_chunk(index, reasoning, None if text else logprobs)
             if text or (event.logprobs and not reasoning):
-                delta = p.ChatDelta(content=text)
-                yield chunk(p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
+                delta = answers.ChatDelta(content=text)
+                yield chunk(answers.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
             for line in call_chunks(index, calls, made):
                 yield line
         else:
             tally.add(index, event)
-            finish: p.FinishReason = _finish(event.finish_reason)
+            finish: answers.FinishReason = _finish(event.finish_reason)
             text = ""
             if thoughts is not None:
                 reasoning, text = thoughts.flush()
@@ -250,17 +261,25 @@ async def chat_stream(
                 tail, more = stream.flush()
                 text, calls = shown + tail, calls + more
                 if text:
-                    yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(content=text)))
+                    yield chunk(
+                        answers.ChatChunkChoice(index=index, delta=answers.ChatDelta(content=text))
+                    )
                 for line in call_chunks(index, calls, made):
                     yield line
                 if stream.count and finish == "stop":
                     finish = "tool_calls"
             elif text:
-                yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(content=text)))
-            yield chunk(p.ChatChunkChoice(index=index, delta=p.ChatDelta(), finish_reason=finish))
+                yield chunk(
+                    answers.ChatChunkChoice(index=index, delta=answers.ChatDelta(content=text))
+                )
+            yield chunk(
+                answers.ChatChunkChoice(
+                    index=index, delta=answers.ChatDelta(), finish_reason=finish
+                )
+            )
     if include_usage:
         usage = _usage(tally)
-        yield p.ChatCompletionChunk(**meta, choices=[], usage=usage).model_dump_json()
+        yield answers.ChatCompletionChunk(**meta, choices=[], usage=usage).model_dump_json()
     yield DONE
 
 
@@ -285,17 +304,17 @@ async def completion_stream(
             if prepared.params.logprobs:
                 logprobs = _text_logprobs(list(event.logprobs), offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(event.text)
-            choice = p.CompletionChoice(
+            choice = answers.CompletionChoice(
                 index=index, text=event.text, logprobs=logprobs, finish_reason=None
             )
         else:
             tally.add(index, event)
             finish = _finish(event.finish_reason)
-            choice = p.CompletionChoice(index=index, text="", finish_reason=finish)
-        yield _dump_chunk(p.CompletionResponse(**meta, choices=[choice], usage=running.now()))
+            choice = answers.CompletionChoice(index=index, text="", finish_reason=finish)
+        yield _dump_chunk(answers.CompletionResponse(**meta, choices=[choice], usage=running.now()))
     if include_usage:
         usage = _usage(tally)
-        yield p.CompletionResponse(**meta, choices=[], usage=usage).model_dump_json()
+        yield answers.CompletionResponse(**meta, choices=[], usage=usage).model_dump_json()
     yield DONE
 
 

@@ -12,7 +12,7 @@ from hotlora.server.api.completion_requests import ChatCompletionRequest, Comple
 from hotlora.server.deps import InferenceDep
 from hotlora.server.http.auth import InferenceRoute
 from hotlora.server.http.disconnects import until_disconnect
-from hotlora.server.render import completion_output as responses
+from hotlora.server.render import completion_output
 from hotlora.server.routes import paths
 
 router = APIRouter(tags=["inference"], route_class=InferenceRoute)
@@ -24,12 +24,12 @@ async def chat_completions(
 ) -> ChatCompletionResponse | EventSourceResponse:
     submitted = service.submit(await service.prepare_chat(body))
     if body.stream:
-        stream = responses.chat_stream(
+        stream = completion_output.chat_stream(
             service, submitted, body.include_usage, body.continuous_usage
         )
         return _sse(stream)
     outcome = await until_disconnect(request, service.run(submitted))
-    return responses.chat_response(submitted.prepared, outcome)
+    return completion_output.chat_response(submitted.prepared, outcome)
 
 
 @router.post(paths.COMPLETIONS, response_model=None)
@@ -38,14 +38,14 @@ async def completions(
 ) -> CompletionResponse | EventSourceResponse:
     submitted = service.submit(await service.prepare_completion(body))
     if body.stream:
-        stream = responses.completion_stream(
+        stream = completion_output.completion_stream(
             service, submitted, body.include_usage, body.continuous_usage
         )
         return _sse(stream)
     outcome = await until_disconnect(request, service.run(submitted))
-    return responses.completion_response(submitted.prepared, outcome)
+    return completion_output.completion_response(submitted.prepared, outcome)
 
 
 def _sse(chunks: AsyncIterator[str]) -> EventSourceResponse:
     # sse-starlette cancels the generator when the client goes away, which cancels the job.
-    return EventSourceResponse(responses.with_error_event(chunks), sep="\n", ping=15)
+    return EventSourceResponse(completion_output.with_error_event(chunks), sep="\n", ping=15)
