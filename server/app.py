@@ -25,7 +25,7 @@ from hotlora.server.routes import (
     metrics,
     models,
     responses_api,
-    tokens,
+    tokenize,
 )
 from hotlora.server.routes.page import install_page
 from hotlora.server.runtime import Runtime
@@ -73,7 +73,7 @@ def create_app(
     app.include_router(completions.router)
     app.include_router(responses_api.router)
     app.include_router(embeddings.router)
-    app.include_router(tokens.router)
+    app.include_router(tokenize.router)
     app.include_router(adapters.router)
     install_page(app)
     install_openapi(app)
