@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from hotlora.server.engine.grammar import constrain
-from hotlora.server.engine.rows import Row
+from hotlora.server.engine.sequences import Row
 
 
 def processed(rows: list[Row], logits: mx.array) -> tuple[mx.array, dict[int, Exception]]:

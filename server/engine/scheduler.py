@@ -53,7 +53,7 @@ from hotlora.server.engine.next_tokens import (
     processed,
 )
 from hotlora.server.engine.prefill_cost import PrefillCost
-from hotlora.server.engine.rows import Group, Row, Sink
+from hotlora.server.engine.sequences import Group, Row, Sink
 
 log = logging.getLogger("hotlora")
 

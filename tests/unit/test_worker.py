@@ -19,7 +19,7 @@ from hotlora.server.engine import (
     SamplingParams,
     WorkerStopped,
 )
-from hotlora.server.engine.rows import Row
+from hotlora.server.engine.sequences import Row
 
 
 @pytest.fixture(scope="module")
