@@ -12,8 +12,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from hotlora.config.errors import HotloraError
+from hotlora.models.batch_masks import install_row_masks
 from hotlora.models.dialects import UnsupportedConfig, read_config, text_section
-from hotlora.models.row_masks import install_row_masks
 
 # Names configs use for the longest sequence the position encoding was trained for.
 _CONTEXT_KEYS = (

@@ -20,8 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from hotlora.models.batch_masks import install_row_masks
 from hotlora.models.cpu import extension, install_rows_kernels
-from hotlora.models.row_masks import install_row_masks
 
 from tests.support.families import FAMILIES, LONG
 

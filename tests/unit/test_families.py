@@ -25,10 +25,10 @@ from hotlora.adapters import (
     activate,
 )
 from hotlora.adapters.projections import TARGET_PROJECTIONS
+from hotlora.models.batch_masks import install_row_masks
 from hotlora.models.cpu import extension, install_packed_kernels, install_rows_kernels
 from hotlora.models.cpu.layers import RowsLinear, RowsOffsetRMSNorm, RowsRMSNorm, RowsRoPE
 from hotlora.models.loader import load_model_dir
-from hotlora.models.row_masks import install_row_masks
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler, check_batching
 
 from tests.support.adapter_builders import (
