@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from hotlora.config.sources import ConfigFile, Metavar
+from hotlora.config.sources import ConfigFile, Metavar, Variables
 
 # Pages served from this machine, on any port: a local chat UI works out of the box.
 LOOPBACK_ORIGINS = "http://localhost:*,http://127.0.0.1:*,http://[::1]:*"
@@ -28,10 +28,13 @@ class Settings(BaseSettings):
     TOML file named by `config`, the defaults. A field's name is its file key; `--kebab-name`
     its flag (`cli_shortcuts` adds another name); `HOTLORA_` and its name in capitals its
     variable. Every field has a description: it is the flag's help and the README's text.
+    A renamed setting keeps its old name as the second choice of its `validation_alias`: as
+    key, flag and variable it still works, and logs one warning (`sources.old_names`).
     """
 
     model_config = SettingsConfigDict(
         env_prefix="HOTLORA_",
+        env_prefix_target="all",  # a renamed setting's old variable is HOTLORA_ too
         extra="ignore",
         cli_kebab_case=True,
         cli_implicit_flags=True,
@@ -140,14 +143,16 @@ class Settings(BaseSettings):
         description="On an x86-64 CPU with AVX2 and FMA and no GPU: MLX builds its fused CPU "
         "kernels with them (same results; faster SiLU and attention softmax).",
     )
-    cpu_batch_matmul: bool = Field(
+    cpu_native_kernels: bool = Field(
         default=True,
+        # Its first name, from when it switched one kernel, still sets it (with a warning).
+        validation_alias=AliasChoices("cpu_native_kernels", "cpu_batch_matmul"),
         description="On an x86-64 CPU with AVX-512 or AVX2, or an arm64 one with NEON, and no "
-        "GPU, the native kernels (built by make setup): packed quantized weights on every step; "
-        "with float32 weights "
-        "the projections of batched decode steps (2-16 rows) read each weight once for all "
-        "rows and their attention takes one operation; every step's norms and RoPEs take one "
-        "operation each, to MLX's bits.",
+        "GPU: every native kernel (built by make setup), or none (MLX's own). They serve "
+        "packed quantized weights on every step; with float32 weights the projections of "
+        "batched decode steps (2-16 rows) read each weight once for all rows and their "
+        "attention takes one operation; every step's norms and RoPEs take one operation each, "
+        "to MLX's bits. The old name cpu_batch_matmul still works, with a warning.",
     )
     threads: int | None = Field(
         default=None,
@@ -296,7 +301,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # pydantic-settings puts the flags (a CliSettingsSource) ahead of these.
-        return init_settings, env_settings, ConfigFile(settings_cls)
+        return init_settings, Variables(settings_cls), ConfigFile(settings_cls)
 
     @field_validator("home")
     @classmethod

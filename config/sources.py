@@ -1,13 +1,14 @@
 """Where settings come from (flags, `HOTLORA_*` variables, a TOML file), named for error lines.
 
 pydantic-settings reads every source; this module adds the config file named by a setting,
-the names a setting goes by in each source, and the one line that says which value is bad and
-where it came from.
+the names a setting goes by in each source (a renamed one's old names too, with a warning), and
+the one line that says which value is bad and where it came from.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import ValidationError
+from pydantic import AliasChoices, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 from pydantic_settings import (
@@ -37,6 +38,8 @@ else:
     from tomli import TOMLDecodeError
 
 S = TypeVar("S", bound=BaseSettings)
+
+log = logging.getLogger("hotlora.config")
 
 # The setting that names the config file; the file itself cannot set it.
 CONFIG = "config"
@@ -74,6 +77,55 @@ def metavar(field: FieldInfo) -> str | None:
     return next((m.text for m in field.metadata if isinstance(m, Metavar)), None)
 
 
+def old_names(settings_cls: type[BaseSettings]) -> dict[str, str]:
+    """The old names of renamed settings, each to the setting it names now: the choices of a
+    field's `validation_alias` other than its own name."""
+    renamed: dict[str, str] = {}
+    for name, field in settings_cls.model_fields.items():
+        if isinstance(field.validation_alias, AliasChoices):
+            for choice in field.validation_alias.choices:
+                if isinstance(choice, str) and choice != name:
+                    renamed[choice] = name
+    return renamed
+
+
+def old_flags(settings_cls: type[BaseSettings]) -> dict[str, str]:
+    """`--old-name` to old name, for each renamed setting: `hotlora serve` takes these flags
+    (with a destination of the old name, so `load_settings` can tell) and hides them."""
+    return {f"--{old.replace('_', '-')}": old for old in old_names(settings_cls)}
+
+
+# Renamed settings given under an old name in this process: the warning about each, and the
+# ones already logged. The sources note them; `log_old_names` logs them once logging is set up.
+_old_name_warnings: dict[str, str] = {}
+_logged_old_names: set[str] = set()
+
+
+def _note_old_name(setting: str, used: str, current: str) -> None:
+    _old_name_warnings.setdefault(setting, f"{used} is the old name of {current} (it still works)")
+
+
+def log_old_names() -> None:
+    """Log a WARNING for each renamed setting given under its old name, once per process."""
+    for setting, warning in _old_name_warnings.items():
+        if setting not in _logged_old_names:
+            _logged_old_names.add(setting)
+            log.warning(warning)
+
+
+class Variables(EnvSettingsSource):
+    """The `HOTLORA_*` variables; a renamed setting's old variable works, and is noted for
+    `log_old_names`."""
+
+    def __call__(self) -> dict[str, Any]:
+        present = {name.lower() for name in self.env_vars}
+        for old, setting in old_names(self.settings_cls).items():
+            if env_name(self.settings_cls, old).lower() in present:
+                used, current = (env_name(self.settings_cls, n) for n in (old, setting))
+                _note_old_name(setting, used, current)
+        return super().__call__()
+
+
 class ConfigFile(PydanticBaseSettingsSource):
     """The TOML file named by the `config` setting of a higher source (a flag or the
     environment); its keys are the settings' names, and a key that is none of them is an
@@ -99,10 +151,13 @@ def read_config_file(settings_cls: type[BaseSettings], path: Path) -> dict[str, 
     except OSError as exc:
         raise InvalidSetting(f"{path}: {exc.strerror or exc}") from None
     known = [name for name in settings_cls.model_fields if name != CONFIG]
+    renamed = old_names(settings_cls)
     for key in toml.toml_data:
         if key == CONFIG:
             raise InvalidSetting(f"{path}: {key}: a config file cannot name another")
-        if key not in known:
+        if key in renamed:
+            _note_old_name(renamed[key], f"{path}: {key}", renamed[key])
+        elif key not in known:
             close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise InvalidSetting(f"{path}: {key}: unknown setting{hint}")
@@ -119,6 +174,7 @@ def load_settings(
     flags: Mapping[str, Any] = {}
     try:
         if cli is not None:
+            _note_old_flags(settings_cls, parsed_args)
             cli = cli(parsed_args=parsed_args)
             flags = cli()
         return settings_cls(_cli_settings_source=cli)
@@ -126,6 +182,17 @@ def load_settings(
         raise _unreadable(settings_cls, exc, parsed_args) from None
     except ValidationError as exc:
         raise _invalid(settings_cls, exc, flags) from None
+
+
+def _note_old_flags(settings_cls: type[BaseSettings], parsed_args: Any) -> None:
+    renamed = old_names(settings_cls)
+    for flag, old in old_flags(settings_cls).items():
+        value = getattr(parsed_args, old, None)
+        if value is not None:
+            current = flag_name(settings_cls, renamed[old])
+            if value is False:  # the --no- form of a true-or-false setting
+                flag, current = f"--no-{flag[2:]}", f"--no-{current[2:]}"
+            _note_old_name(renamed[old], flag, current)
 
 
 def _unreadable(
@@ -139,7 +206,7 @@ def _unreadable(
     field = found.group(1) or found.group(3)
     info = settings_cls.model_fields.get(field)
     shape = (info and metavar(info)) or "KEY=VALUE"
-    if found.group(2) == EnvSettingsSource.__name__:
+    if found.group(2) in (EnvSettingsSource.__name__, Variables.__name__):
         name = env_name(settings_cls, field)
         value = next((v for k, v in os.environ.items() if k.upper() == name), "")
         return InvalidSetting(f"{name}: not valid JSON (got {_shown(value)})")

@@ -15,7 +15,13 @@ from typing import Any, NoReturn
 from pydantic_settings import CliSettingsSource
 
 from hotlora.config.settings import Settings
-from hotlora.config.sources import InvalidSetting, load_settings, metavar
+from hotlora.config.sources import (
+    InvalidSetting,
+    load_settings,
+    log_old_names,
+    metavar,
+    old_flags,
+)
 
 
 def package_version() -> str:
@@ -35,12 +41,19 @@ def _serve_parser(sub: Any) -> None:
         "variable, the variable over the file.",
     )
 
+    old = old_flags(Settings)
+
     def add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> Any:
         field = Settings.model_fields.get(kwargs.get("dest", ""))
         shown = field and metavar(field)
         if shown and "metavar" in kwargs:
             kwargs["metavar"] = shown
-        return parser.add_argument(*names, **kwargs)
+        action = parser.add_argument(*[name for name in names if name not in old], **kwargs)
+        for name in [name for name in names if name in old]:
+            # A renamed setting's old flag: out of the help, and under its own destination,
+            # which pydantic-settings reads as the alias it is and load_settings warns of.
+            parser.add_argument(name, **{**kwargs, "dest": old[name], "help": argparse.SUPPRESS})
+        return action
 
     # The flags are Settings' fields, added to this subcommand by pydantic-settings.
     source: CliSettingsSource[Settings] = CliSettingsSource(
@@ -54,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = serve_settings(args)
     except InvalidSetting as exc:
+        log_old_names()  # the line may name a setting the user gave under its old name
         print(f"hotlora serve: {exc}", file=sys.stderr)
         return 2
     began = time.perf_counter()
@@ -63,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     imported = time.perf_counter() - began
     configure_logging(settings)
+    log_old_names()
     logging.getLogger("hotlora").info(
         "start-up: imports took %.2fs",
         imported,

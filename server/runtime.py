@@ -160,7 +160,7 @@ class Runtime:
             float_budget=self.settings.cpu_float_budget_bytes,
             cache_bytes=self.settings.cpu_cache_bytes,
             vector_jit=self.settings.cpu_vector_jit,
-            batch_kernels=self.settings.cpu_batch_matmul,
+            batch_kernels=self.settings.cpu_native_kernels,
             home=self.settings.home,
             converting=self._converting,
             threads=self.settings.threads,

@@ -154,7 +154,7 @@ def packed_unserved(model: nn.Module, batch_kernels: bool) -> str | None:
     if not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
         return "the weights are not quantized"
     if not batch_kernels:
-        return "--no-cpu-batch-matmul"
+        return "--no-cpu-native-kernels"
     if (why := extension.unavailable()) is not None:
         return why
     if importlib.util.find_spec(f"{extension.__package__}.{extension._MODULE}") is None:
@@ -228,7 +228,7 @@ def prepare_cpu(
         rows = install_rows_kernels(model, threads)
         rows_reason = rows.reason if rows.enabled else f"MLX's own (BLAS; {rows.reason})"
     else:
-        rows_reason = "MLX's own (BLAS; --no-cpu-batch-matmul)"
+        rows_reason = "MLX's own (BLAS; --no-cpu-native-kernels)"
     log.info("batched decode kernels: %s", rows_reason)
     return CpuSetup(True, choice.reason, jit_reason, rows_reason)
 

@@ -108,7 +108,7 @@ def cold_loads(
         weights=settings.cpu_weights,
         float_budget=settings.cpu_float_budget_bytes,
         vector_jit=settings.cpu_vector_jit,
-        batch_kernels=settings.cpu_batch_matmul,
+        batch_kernels=settings.cpu_native_kernels,
         home=settings.home,
     )
     kept = kept_adapter_dtype(dtype, setup.packed)

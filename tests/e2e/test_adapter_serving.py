@@ -218,7 +218,7 @@ def packed(
         weights=settings.cpu_weights,
         float_budget=settings.cpu_float_budget_bytes,
         vector_jit=False,  # it would point this process's TMPDIR into the test home
-        batch_kernels=settings.cpu_batch_matmul,
+        batch_kernels=settings.cpu_native_kernels,
         home=settings.home,
     )
     prompt = mx.array([loaded.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)])

@@ -127,7 +127,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
         "served_model_name": "tiny",
         "adapter_root": root,
         "max_batch": 2,
-        "cpu_batch_matmul": False,
+        "cpu_native_kernels": False,
     }
     # The reference app runs in this process and leaves its PATH and TMPDIR alone: it computes
     # with MLX's baseline CPU kernels, the replicas with the vector ones, to the same answers.

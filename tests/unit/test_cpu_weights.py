@@ -120,7 +120,7 @@ def test_prepare_cpu_converts_in_the_callers_context_and_logs_what_it_chose(
         assert setup.vector_jit is setup.batch_kernels is None
         return
     assert "CPU kernels: baseline x86-64 (--no-cpu-vector-jit)" in logged
-    assert "batched decode kernels: MLX's own (BLAS; --no-cpu-batch-matmul)" in logged
+    assert "batched decode kernels: MLX's own (BLAS; --no-cpu-native-kernels)" in logged
 
 
 @pytest.mark.parametrize("setting", ["auto", "packed", "float32", "mlx"])

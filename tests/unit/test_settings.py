@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import types
@@ -14,9 +15,10 @@ import pytest
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic.fields import FieldInfo
 
+from hotlora.config import sources
 from hotlora.config.settings import Settings
 from hotlora.config.settings_table import HEADER, settings_table
-from hotlora.config.sources import CONFIG, env_name, flag_name
+from hotlora.config.sources import CONFIG, env_name, flag_name, log_old_names
 from hotlora.server.cli import build_parser, main, package_version, serve_settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -263,6 +265,112 @@ def test_a_bad_value_is_one_line_naming_the_setting_and_its_source(
         if line.endswith("...")
         else err == expected + "\n"
     )
+
+
+# --- a renamed setting's old name -------------------------------------------------------------
+
+
+@pytest.fixture
+def first_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a fresh process: no old name noted or logged yet."""
+    monkeypatch.setattr(sources, "_old_name_warnings", {})
+    monkeypatch.setattr(sources, "_logged_old_names", set())
+
+
+OLD_NAMES = [
+    # (flags, variables, config file text, the warning)
+    (
+        ["--no-cpu-batch-matmul"],
+        {},
+        None,
+        "--no-cpu-batch-matmul is the old name of --no-cpu-native-kernels",
+    ),
+    (
+        [],
+        {"HOTLORA_CPU_BATCH_MATMUL": "false"},
+        None,
+        "HOTLORA_CPU_BATCH_MATMUL is the old name of HOTLORA_CPU_NATIVE_KERNELS",
+    ),
+    (
+        [],
+        {},
+        "cpu_batch_matmul = false",
+        f"{FILE}: cpu_batch_matmul is the old name of cpu_native_kernels",
+    ),
+    # Given twice under old names, it is still one warning: the first source read.
+    (
+        ["--no-cpu-batch-matmul"],
+        {"HOTLORA_CPU_BATCH_MATMUL": "false"},
+        None,
+        "--no-cpu-batch-matmul is the old name of --no-cpu-native-kernels",
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "variables", "text", "warning"), OLD_NAMES)
+@pytest.mark.usefixtures("first_warnings")
+def test_the_native_kernels_setting_takes_its_old_name_with_one_warning(
+    flags: list[str],
+    variables: dict[str, str],
+    text: str | None,
+    warning: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    if text is not None:
+        flags = [*flags, "--config", str(write_config(tmp_path, text + "\n"))]
+    with caplog.at_level(logging.WARNING, logger="hotlora.config"):
+        for _ in range(2):  # the settings read twice, the warnings logged twice: one line
+            assert serve(*flags).cpu_native_kernels is False
+            log_old_names()
+    expected = warning.replace(FILE, str(tmp_path / "hotlora.toml")) + " (it still works)"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.WARNING, expected)]
+
+
+@pytest.mark.usefixtures("first_warnings")
+def test_the_old_flag_keeps_its_place_among_the_sources_and_the_new_name_warns_of_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    monkeypatch.setenv("HOTLORA_CPU_NATIVE_KERNELS", "false")
+    with caplog.at_level(logging.WARNING, logger="hotlora.config"):
+        assert serve().cpu_native_kernels is False
+        assert serve("--no-cpu-native-kernels").cpu_native_kernels is False
+        log_old_names()
+        assert not caplog.records
+        assert serve("--cpu-batch-matmul").cpu_native_kernels is True  # a flag beats a variable
+        log_old_names()
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "--cpu-batch-matmul is the old name of --cpu-native-kernels (it still works)"
+    )
+
+
+@pytest.mark.usefixtures("first_warnings")
+def test_a_bad_value_under_the_old_name_is_told_with_the_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+):
+    monkeypatch.setenv("HOTLORA_CPU_BATCH_MATMUL", "maybe")
+    with caplog.at_level(logging.WARNING, logger="hotlora.config"):
+        assert main(["serve"]) == 2
+    assert caplog.messages == [
+        "HOTLORA_CPU_BATCH_MATMUL is the old name of HOTLORA_CPU_NATIVE_KERNELS (it still works)"
+    ]
+    assert capsys.readouterr().err == (
+        "hotlora serve: HOTLORA_CPU_NATIVE_KERNELS: must be true or false (got maybe)\n"
+    )
+
+
+def test_the_help_names_the_new_flag_only(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--cpu-native-kernels, --no-cpu-native-kernels" in help_text
+    assert "--cpu-batch-matmul" not in help_text
 
 
 # --- the README and the version ---------------------------------------------------------------
