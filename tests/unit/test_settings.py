@@ -21,7 +21,7 @@ from hotlora.config.settings_table import HEADER, settings_table
 from hotlora.config.sources import CONFIG, env_name, flag_name, log_old_names
 from hotlora.server.cli import build_parser, main, package_version, serve_settings
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SETTINGS_DOC = Path(__file__).resolve().parents[2] / "config" / "SETTINGS.md"
 # String settings whose validators want a particular form.
 VALID_STRINGS = {"log_level": "debug", "allowed_origins": "https://a.example"}
 
@@ -180,7 +180,7 @@ def test_every_setting_is_described_and_in_the_help(capsys: pytest.CaptureFixtur
     assert exit_.value.code == 0
     help_text = capsys.readouterr().out
     for name, field in Settings.model_fields.items():
-        assert field.description, f"{name} has no description (it is the help and the README)"
+        assert field.description, f"{name} has no description (it is the help and the settings doc)"
         assert flag_name(Settings, name) in help_text
 
 
@@ -373,13 +373,13 @@ def test_the_help_names_the_new_flag_only(capsys: pytest.CaptureFixture[str]):
     assert "--cpu-batch-matmul" not in help_text
 
 
-# --- the README and the version ---------------------------------------------------------------
+# --- config/SETTINGS.md and the version ------------------------------------------------------
 
 
-def test_the_readme_table_is_the_generated_one():
-    lines = README.read_text().splitlines()
+def test_the_settings_doc_table_is_the_generated_one():
+    lines = SETTINGS_DOC.read_text().splitlines()
     start = lines.index(HEADER)
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     assert "\n".join(lines[start:end]) == settings_table(), (
         "regenerate it: python -m hotlora.config.settings_table"
     )

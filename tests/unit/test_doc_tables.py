@@ -1,6 +1,7 @@
-"""The README's tables of request fields and routes say what the code does: each field's status
-in the table of vLLM's and llama.cpp's fields is the one `field_support` gives it, every field
-the code knows is documented, and every route the app serves is in the table of endpoints."""
+"""The docs' tables of request fields and routes say what the code does: each field's status in
+server/API.md's table of vLLM's and llama.cpp's fields is the one `field_support` gives it, every
+field the code knows is documented there, and every route the app serves is in the README's
+table of endpoints."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from hotlora.config.settings import Settings
 from hotlora.server.api.field_support import HONOURED, METADATA, REFUSED
 from hotlora.server.app import create_app
 
-README = (Path(__file__).parents[2] / "README.md").read_text()
-TALKING = README.split("## Talking to it")[1].split("## LoRA adapters")[0]
+ROOT = Path(__file__).parents[2]
+API = (ROOT / "server" / "API.md").read_text()
+README = (ROOT / "README.md").read_text()
 
 
-def _table(after: str) -> list[tuple[str, str]]:
+def _table(text: str, after: str) -> list[tuple[str, str]]:
     """(first cell, second cell) of each row of the first table after the heading `after`."""
-    section = TALKING.split(after, 1)[1]
+    section = text.split(after, 1)[1]
     rows: list[tuple[str, str]] = []
     for line in section.splitlines():
         if line.startswith("|"):
@@ -45,7 +47,7 @@ def _documented(name: str, names: set[str]) -> bool:
 
 
 def test_each_fields_status_in_the_table_is_the_codes():
-    rows = _table("### Fields from vLLM and llama.cpp")
+    rows = _table(API, "## Fields from vLLM and llama.cpp")
     assert len(rows) > 20
     in_table: set[str] = set()
     for first, status in rows:
@@ -56,28 +58,28 @@ def test_each_fields_status_in_the_table_is_the_codes():
             if name.endswith("*"):
                 assert any(n.startswith(name[:-1]) for n in REFUSED), name
             elif status.startswith("400"):
-                assert name in REFUSED, f"the README refuses {name!r}; the code does not"
+                assert name in REFUSED, f"server/API.md refuses {name!r}; the code does not"
             else:
                 assert name in HONOURED or name in METADATA, (
-                    f"the README says {name!r} works; the code does not list it"
+                    f"server/API.md says {name!r} works; the code does not list it"
                 )
     missing = [name for name in REFUSED if not _documented(name, in_table)]
-    assert not missing, f"refused fields the README's table leaves out: {missing}"
+    assert not missing, f"refused fields server/API.md's table leaves out: {missing}"
     missing = [name for name in METADATA if name not in in_table]
-    assert not missing, f"accepted fields the README's table leaves out: {missing}"
+    assert not missing, f"accepted fields server/API.md's table leaves out: {missing}"
 
 
-def test_every_field_the_code_honours_is_named_in_the_readme():
-    named = set(re.findall(r"`([a-z_]+)", TALKING))
+def test_every_field_the_code_honours_is_named_in_the_api_doc():
+    named = set(re.findall(r"`([a-z_]+)", API))
     missing = [name for name in HONOURED if name not in named]
-    assert not missing, f"honoured fields the README never names: {missing}"
+    assert not missing, f"honoured fields server/API.md never names: {missing}"
 
 
 def _listed_routes() -> set[tuple[str, str]]:
     """(method, path) of each route the table of endpoints names, path parameters as `{}`;
     `GET /v1/adapters[/{id}]` names both paths."""
     listed = set()
-    for first, _ in _table("### Endpoints"):
+    for first, _ in _table(README, "## Endpoints"):
         for method, path in re.findall(r"`([A-Z]+) (/[^`\s]*)`", first):
             path = re.sub(r"\{\w+\}", "{}", path)
             for spelled in (re.sub(r"\[.*?\]", "", path), path.replace("[", "").replace("]", "")):
