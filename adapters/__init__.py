@@ -5,12 +5,14 @@ A request's `adapter` field is parsed once (`parse_adapter_spec`, into `AdapterR
 with its `model` field by `parse_selection`; `AdapterManager.select` turns the selection into an
 `AdapterLease` holding the request's own `AdapterSet`; `activate` makes that set the one the LoRA
 slots apply while the model runs, or, for a batch, a `RowAdapters` from `RowAdapterCache` that
-applies each row's own set. With a `MountJournal` (the mount record `MountFile`, or the Ray
-cluster's registry) every mount and unmount is recorded before it is made, and a `MountStore`
-mounts the recorded set again when a server starts. Listeners the manager is given hear of every
-mount, on-demand load, unmount and eviction (`MountEvent`), whatever made it. With a `Budget`
-the manager keeps the least recently used adapters within it (`residency`); an adapter it
-evicted, or one under the adapter root with `auto_mount`, is mounted on first use (`first_use`).
+applies each row's own set; each slot adds them through the residual backend of its weights'
+kind (`backends`), chosen once when the slots are installed. With a `MountJournal` (the mount
+record `MountFile`, or the Ray cluster's registry) every mount and unmount is recorded before it
+is made, and a `MountStore` mounts the recorded set again when a server starts. Listeners the
+manager is given hear of every mount, on-demand load, unmount and eviction (`MountEvent`),
+whatever made it. With a `Budget` the manager keeps the least recently used adapters within it
+(`residency`); an adapter it evicted, or one under the adapter root with `auto_mount`, is
+mounted on first use (`first_use`).
 """
 
 from hotlora.adapters.adapter_errors import (
@@ -24,6 +26,7 @@ from hotlora.adapters.adapter_errors import (
 )
 from hotlora.adapters.adapter_info import AdapterInfo, MountEvent, MountListener
 from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet
+from hotlora.adapters.backends import RowAdapterCache, RowAdapters
 from hotlora.adapters.fuse import fuse_adapter
 from hotlora.adapters.manager import AdapterLease, AdapterManager
 from hotlora.adapters.mount_journal import (
@@ -40,7 +43,6 @@ from hotlora.adapters.mount_journal import (
 )
 from hotlora.adapters.residency import Budget
 from hotlora.adapters.root_listing import RootEntry
-from hotlora.adapters.row_sets import RowAdapterCache, RowAdapters
 from hotlora.adapters.slots import activate
 from hotlora.adapters.spec import (
     ADAPTER_ID_SCHEMA,

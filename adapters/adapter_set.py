@@ -60,7 +60,8 @@ class AdapterSet:
     """An immutable adapter set for one request, summed in order; empty serves the base.
 
     `key` identifies the set's exact weights (for prompt-cache keying). `apply` is the one hook
-    the LoRA slots call when every row of a call uses this set; `row_sets` mixes sets per row.
+    the residual backends call when every row of a call uses this set; `backends.per_row` mixes
+    sets per row.
     """
 
     entries: tuple[AppliedAdapter, ...] = ()

@@ -4,11 +4,14 @@ The slots hold no adapter state. Which adapters apply is decided by the `Adapter
 the calling thread (a `ContextVar`, so asyncio tasks are isolated too) at the moment the model
 is called, which is when MLX builds the graph. Two requests with different sets therefore never
 see each other's weights, however their model calls interleave, and mounting or unmounting
-never changes a set that a running request already holds.
+never changes a set that a running request already holds. How a slot adds the residuals is its
+residual backend's job (`backends`), chosen once when the slot is installed.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -18,63 +21,104 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hotlora.adapters.adapter_set import AdapterSet
+from hotlora.adapters.backends import Gather, ResidualBackend, RowAdapters, select_backend
 from hotlora.adapters.projections import find_targets, replace_module
-from hotlora.adapters.row_sets import Gather, RowAdapters, lone_rows
-from hotlora.models.cpu.layers import serves_every_row
+from hotlora.models.cpu.fused import FusedPart
+from hotlora.models.cpu.weights import has_gpu
+
+log = logging.getLogger("hotlora.adapters")
 
 
-class _Residuals(Protocol):
-    def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array: ...
+class _Active(Protocol):
+    """The adapters of the model call under way, as a slot asks them: `project` gives the
+    slot's output for `x`, `gather` the fused kernel's operands (None: not this call)."""
+
+    def project(self, slot: LoRASlot, x: mx.array) -> mx.array: ...
+
+    def gather(self, slot: LoRASlot, x: mx.array) -> Gather | None: ...
 
 
-_ACTIVE: ContextVar[_Residuals | RowAdapters | None] = ContextVar(
-    "hotlora_active_adapters", default=None
-)
+class _OneSet:
+    """One set on every row of the call."""
+
+    __slots__ = ("adapters",)
+
+    def __init__(self, adapters: AdapterSet):
+        self.adapters = adapters
+
+    def project(self, slot: LoRASlot, x: mx.array) -> mx.array:
+        return slot.backend.project_set(slot.path, slot.base, self.adapters, x)
+
+    def gather(self, slot: LoRASlot, x: mx.array) -> Gather | None:
+        return slot.backend.gather_set(slot.path, slot.base, self.adapters, x)
+
+
+class _PerRow:
+    """A set per row of the call."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: RowAdapters):
+        self.rows = rows
+
+    def project(self, slot: LoRASlot, x: mx.array) -> mx.array:
+        return slot.backend.project_rows(slot.path, slot.base, self.rows, x)
+
+    def gather(self, slot: LoRASlot, x: mx.array) -> Gather | None:
+        return slot.backend.gather_rows(slot.path, slot.base, self.rows, x)
+
+
+_ACTIVE: ContextVar[_Active | None] = ContextVar("hotlora_active_adapters", default=None)
 
 
 class LoRASlot(nn.Module):
     """Wraps one base projection; adds the residuals of whatever adapter set is active.
 
     `y = base(x) + sum_i (scale_i * ((x @ A_i) @ B_i)).astype(x.dtype)`, mlx-lm `LoRALinear`'s
-    form. With no active set the base output is returned as is. The base module is kept, not
-    copied, as the child `base`; its weights are never changed.
+    form, computed by the slot's residual `backend`, chosen from the base's kind.
+    With no active set the base output is returned as is. The base module is kept, not copied,
+    as the child `base`; its weights are never changed.
     """
 
-    def __init__(self, base: nn.Module, path: str = ""):
+    def __init__(self, base: nn.Module, path: str = "", *, gpu: bool | None = None):
         super().__init__()
         self.base = base
         self.path = path
+        self._gpu = has_gpu() if gpu is None else gpu
+        self._backend = select_backend(base, gpu=self._gpu)
+        self._chosen_for: type[nn.Module] = type(base)
+
+    @property
+    def backend(self) -> ResidualBackend:
+        """The residual backend of the base's kind, chosen when the slot is made. Start-up
+        may give the base its native class after that (the kernels are installed on a model
+        whose slots exist): the choice is made again then, once, not on every call."""
+        if type(self.base) is not self._chosen_for:
+            self._backend = select_backend(self.base, gpu=self._gpu)
+            self._chosen_for = type(self.base)
+        return self._backend
 
     def __call__(self, x: mx.array) -> mx.array:
         active = _ACTIVE.get()
         if active is None:
             return self.base(x)
-        if isinstance(active, RowAdapters):  # a set per row: the base and residuals at once
-            return active.project(self.path, x, self.base)
-        if isinstance(active, AdapterSet) and serves_every_row(self.base):
-            # Packed weights: a set alone computes as a batch of sets does, to the same bits.
-            y = lone_rows(active).project(self.path, x, self.base)
-            if y is not None:
-                return y
-        return active.apply(self.path, x, self.base(x))
+        return active.project(self, x)
 
-    def gathered(self, x: mx.array) -> tuple[nn.Module, Gather | None] | None:
-        """What a layer needs to compute this call of the projection together with its
-        neighbours' (its base product among theirs), then add the residuals: the base
-        projection and the gathered kernel's operands (None: no adapter applies); None when the
-        residuals of the set active now do not take that kernel here."""
-        active = _ACTIVE.get()
-        if active is None:
-            return self.base, None
-        if isinstance(active, RowAdapters):
-            operands = active.gathered.operands(self.path, x, self.base)
-        elif isinstance(active, AdapterSet) and serves_every_row(self.base):
-            operands = lone_rows(active).operands(self.path, x, self.base)
-        else:
+    def fused_part(self, x: mx.array) -> FusedPart | None:
+        """This call's part of a fused product (`models.cpu.fused.FusedProjection`): the
+        packed base and the gathered kernel's operands of the active adapters' residuals (None:
+        none apply here); None when the slot's backend takes no fused kernel, or not this call.
+        """
+        if not self.backend.fuses:
             return None
+        part: FusedPart | None = self.base.fused_part(x)
+        active = _ACTIVE.get()
+        if part is None or active is None:
+            return part
+        operands = active.gather(self, x)
         if operands is None:
             return None
-        return self.base, operands if operands[1] >= 0 else None
+        return part[0], operands if operands[1] >= 0 else None
 
 
 @contextmanager
@@ -86,8 +130,13 @@ def activate(adapters: AdapterSet | RowAdapters) -> Iterator[None]:
     code: the set current when the model is called is the one the graph is built with.
     An empty set takes the plain base path.
     """
-    empty = isinstance(adapters, AdapterSet) and not adapters.entries
-    token = _ACTIVE.set(None if empty else adapters)
+    # Told apart once per model call here, so that no slot tests the kind on its own call.
+    active: _Active | None
+    if isinstance(adapters, RowAdapters):
+        active = _PerRow(adapters)
+    else:
+        active = _OneSet(adapters) if adapters.entries else None
+    token = _ACTIVE.set(active)
     try:
         yield
     finally:
@@ -95,23 +144,36 @@ def activate(adapters: AdapterSet | RowAdapters) -> Iterator[None]:
 
 
 def install_slots(model: nn.Module) -> dict[str, LoRASlot]:
-    """Wrap every target projection in a `LoRASlot`, once; slots already there are reused."""
+    """Wrap every target projection in a `LoRASlot`, once; slots already there are reused.
+    Each new slot's residual backend is chosen here, from its projection's kind."""
+    gpu = has_gpu()
     slots: dict[str, LoRASlot] = {}
     for path, module in find_targets(model, (nn.Linear, nn.QuantizedLinear, LoRASlot)).items():
         if not isinstance(module, LoRASlot):
-            module = LoRASlot(module, path)
+            module = LoRASlot(module, path, gpu=gpu)
             replace_module(model, path, module)
         slots[path] = module
+    backends = Counter(slot.backend.name for slot in slots.values())
+    if backends:
+        log.info(
+            "LoRA residuals: %s",
+            ", ".join(f"{count} slots {name}" for name, count in sorted(backends.items())),
+        )
     return slots
 
 
 class _DtypeProbe:
+    """Records the activation dtype reaching each slot; adds nothing."""
+
     def __init__(self) -> None:
         self.dtypes: dict[str, mx.Dtype] = {}
 
-    def apply(self, path: str, x: mx.array, y: mx.array) -> mx.array:
-        self.dtypes[path] = x.dtype
-        return y
+    def project(self, slot: LoRASlot, x: mx.array) -> mx.array:
+        self.dtypes[slot.path] = x.dtype
+        return slot.base(x)
+
+    def gather(self, slot: LoRASlot, x: mx.array) -> Gather | None:
+        return None  # each projection on its own, so that every slot is probed
 
 
 def probe_input_dtypes(model: nn.Module) -> dict[str, mx.Dtype]:

@@ -74,10 +74,10 @@ def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKe
     from hotlora.models.cpu import extension
     from hotlora.models.cpu.attention import install_rows_attention
     from hotlora.models.cpu.layers import (
-        RowsLinear,
-        RowsOffsetRMSNorm,
-        RowsRMSNorm,
-        RowsRoPE,
+        NativeLinear,
+        NativeOffsetRMSNorm,
+        NativeRMSNorm,
+        NativeRoPE,
         swap_layers,
     )
 
@@ -87,13 +87,13 @@ def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKe
         return RowsKernels(False, loaded)
     swapped = swap_layers(model)
     attention = install_rows_attention(model)
-    norms = swapped[RowsRMSNorm] + swapped[RowsOffsetRMSNorm]
+    norms = swapped[NativeRMSNorm] + swapped[NativeOffsetRMSNorm]
     return RowsKernels(
         True,
         f"decode steps of {extension.MIN_ROWS}-{extension.max_rows} rows run "
-        f"{swapped[RowsLinear]} projections and {' and '.join(attention) or 'no'} attention "
+        f"{swapped[NativeLinear]} projections and {' and '.join(attention) or 'no'} attention "
         f"through the rows kernels ({loaded.isa()}, {threads} threads); every float32 step runs "
-        f"{norms} norms and {swapped[RowsRoPE]} RoPEs as one operation each; "
+        f"{norms} norms and {swapped[NativeRoPE]} RoPEs as one operation each; "
         f"MLX's own operations: {_left_to_mlx(model, attention)}",
     )
 
@@ -118,7 +118,7 @@ def install_packed_kernels(model: nn.Module, threads: int | None = None) -> Rows
     from hotlora.models.cpu import extension
     from hotlora.models.cpu.attention import install_rows_attention
     from hotlora.models.cpu.fused import install_fused
-    from hotlora.models.cpu.layers import RowsQuantizedEmbedding, RowsQuantizedLinear, swap_layers
+    from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear, swap_layers
     from hotlora.models.cpu.weights import to_packed
 
     threads = threads or default_threads()
@@ -129,7 +129,7 @@ def install_packed_kernels(model: nn.Module, threads: int | None = None) -> Rows
     swapped = swap_layers(model, all_rows=True)
     attention = install_rows_attention(model, all_rows=True)
     fused = install_fused(model)
-    quantized = swapped[RowsQuantizedLinear] + swapped[RowsQuantizedEmbedding]
+    quantized = swapped[PackedLinear] + swapped[PackedEmbedding]
     return RowsKernels(
         True,
         f"every step runs {quantized} quantized layers from their packed weights and "

@@ -9,12 +9,14 @@ without the transpose and reshape back. `FusedMLP` computes gate and up as one p
 product is the packed kernel's, on the same rows, so the results are the same bits as the
 separate layers' (in any batch and any chunking, as those are).
 
-A layer takes the fused path when its projections are packed (`RowsQuantizedLinear`) with one
+A layer takes the fused path when its projections are packed (`PackedLinear`) with one
 quantization and no bias. While an adapter set is active (one for the batch, or one per row),
 the same primitive adds each projection's residuals to its product, every projection's in one
 pass (the gathered kernel's, to the bits its LoRA slot's own call gives: the batch's plan and
 each projection's slot number); where that kernel does not serve (adapters in other dtypes than
-float32 and float16), each projection is called on its own, through its slot.
+float32 and float16), each projection is called on its own, through its slot. What the layer
+asks of a projection is `FusedProjection`, declared here: the LoRA slots implement it, so this
+module knows nothing of adapters.
 Only mlx-lm's llama module (llama, mistral and the models it builds) takes these classes; the
 other families keep their own attention and MLP on the packed layers.
 """
@@ -22,7 +24,7 @@ other families keep their own attention and MLP on the packed layers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,27 +32,26 @@ from mlx_lm.models import llama
 
 from hotlora.models.cpu import extension
 from hotlora.models.cpu.attention import merged_rows_attention
-from hotlora.models.cpu.layers import RowsQuantizedLinear
-from hotlora.models.module_classes import swap_classes
+from hotlora.models.cpu.layers import PackedLinear
 
-# A projection's part of a fused call: its packed layer, and the gathered kernel's operands of
-# the residuals its adapters add (the batch's plan, the slot's number), None where none apply.
-_Part = tuple[RowsQuantizedLinear, tuple[object, int] | None]
+# The gathered kernel's operands of the residuals a projection adds: the batch's plan (its
+# adapters' pairs and each row's entries) and the projection's slot number in those pairs.
+Gather = tuple[object, int]
+
+# A projection's part of a fused call: its packed layer, and the operands of the residuals its
+# adapters add, None where none apply.
+FusedPart = tuple[PackedLinear, Gather | None]
 
 
-def _part(projection: nn.Module, x: mx.array) -> _Part | None:
-    """How a fused call computes this projection: the packed layer itself, or the base of its
-    LoRA slot with the residuals of the adapters active now (`gathered`); None when it cannot."""
-    if isinstance(projection, RowsQuantizedLinear):
-        return (projection, None) if "bias" not in projection else None
-    gathered = getattr(projection, "gathered", None)
-    found = gathered(x) if callable(gathered) else None
-    if found is None:
-        return None
-    layer, operands = found
-    if isinstance(layer, RowsQuantizedLinear) and "bias" not in layer:
-        return layer, operands
-    return None
+@runtime_checkable
+class FusedProjection(Protocol):
+    """What a fused layer asks of each projection it computes together with its neighbours:
+    a packed layer (`PackedLinear`), or whatever wraps one to add residuals to its product."""
+
+    def fused_part(self, x: mx.array) -> FusedPart | None:
+        """This call's packed layer and the residuals' operands; None when the fused kernel
+        cannot compute this call of the projection (a bias, residuals it does not add)."""
+        ...
 
 
 def fused_products(
@@ -64,7 +65,7 @@ def fused_products(
     native = extension.native
     if native is None or x.ndim != 3 or x.dtype != mx.float32 or x.size == 0:
         return None
-    parts = [_part(p, x) for p in projections]
+    parts = [cast(FusedProjection, p).fused_part(x) for p in projections]
     if any(part is None for part in parts):
         return None
     found = [part for part in parts if part is not None]
@@ -134,8 +135,23 @@ _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     llama.MLP: FusedMLP,
 }
 
+# Each fused class's projections, in the order it computes them together.
+_PROJECTIONS = {
+    FusedAttention: ("q_proj", "k_proj", "v_proj"),
+    FusedMLP: ("gate_proj", "up_proj"),
+}
+
 
 def install_fused(model: nn.Module) -> int:
-    """Give the model's llama attention and MLP layers their fused class, in place; returns how
-    many layers changed. Their projections and weights are untouched."""
-    return sum(swap_classes(model, _FUSED_CLASSES).values())
+    """Give the model's llama attention and MLP layers their fused class, in place, where each
+    projection they compute together is a `FusedProjection` (packed, or a LoRA slot on packed
+    weights); returns how many layers changed. Their projections and weights are untouched."""
+    changed = 0
+    for _, module in model.named_modules():
+        fused = _FUSED_CLASSES.get(type(module))
+        if fused is None:
+            continue
+        if all(isinstance(module[name], FusedProjection) for name in _PROJECTIONS[fused]):
+            module.__class__ = fused
+            changed += 1
+    return changed

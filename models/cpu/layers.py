@@ -9,18 +9,18 @@ serves only batched calls of one token per row (`[B, 1, K]` inputs, 2 <= B <= th
 rows): decode steps, and a batched prefill whose chunks are all one token long. A request
 alone, and every longer prefill, keep BLAS and mlx-lm's results to the bit.
 
-The model's RMSNorms and RoPEs take one primitive each (`RowsRMSNorm`, `RowsRoPE`): MLX's CPU
+The model's RMSNorms and RoPEs take one primitive each (`NativeRMSNorm`, `NativeRoPE`): MLX's CPU
 backend composes them from ten to thirty small operations, each of which costs more to schedule
 than to compute at a few rows, and they were most of a decode step's graph. Each computes MLX's
 composition operation for operation, with MLX's own exp, sin and cos, so its results are MLX's
 to the bit: every float32 call takes it, a request decoding alone and prefill included.
 
-Quantized weights (MLX's affine mode, 4 or 8 bits) stay packed: `RowsQuantizedLinear` and
-`RowsQuantizedEmbedding` (the lookup and a tied output layer) send every call, whatever its row
+Quantized weights (MLX's affine mode, 4 or 8 bits) stay packed: `PackedLinear` and
+`PackedEmbedding` (the lookup and a tied output layer) send every call, whatever its row
 count, through the extension's `quant_matmul`, which dequantizes a tile of weight rows at a time
 in cache and gives each output one fixed-order sum. A row's result is then the same bits alone,
 in any batch and in any chunking of its prompt; the float layers of such a model take the float
-kernel on every call (`AllRowsLinear`, `AllRowsEmbedding`) for the same reason.
+kernel on every call (`BatchInvariantLinear`, `BatchInvariantEmbedding`) for the same reason.
 
 `swap_layers` changes the modules' classes in place; their weights are untouched.
 """
@@ -28,6 +28,7 @@ kernel on every call (`AllRowsLinear`, `AllRowsEmbedding`) for the same reason.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,44 +38,51 @@ from hotlora.models.cpu import extension
 from hotlora.models.module_classes import swap_classes
 
 
-def serves_rows(x: mx.array, linear: nn.Module | None = None) -> bool:
-    """Whether the kernel takes x as `linear`'s input: any float32 input for the layers of
-    quantized weights' kernels, else a batched decode step's ([B, 1, in], float32)."""
-    if isinstance(linear, _ALL_ROWS):
-        return extension.native is not None and x.dtype == mx.float32 and x.size > 0
+def decode_step(x: mx.array) -> bool:
+    """Whether the float kernel takes x for a batch-dependent layer: a batched decode step's
+    input ([B, 1, in], float32, the kernels loaded)."""
     return extension.one_token_rows(x, 3)
+
+
+def float32_input(x: mx.array) -> bool:
+    """Whether the kernels take x for a layer they serve on every call: any float32 input."""
+    return extension.native is not None and x.dtype == mx.float32 and x.size > 0
 
 
 def _decode_rows(x: mx.array, weight: mx.array) -> mx.array | None:
     """`x @ weight.T` through the kernel when x is a batched decode step's input, else None."""
-    if weight.dtype != mx.float32 or not serves_rows(x):
+    if weight.dtype != mx.float32 or not decode_step(x):
         return None
     assert extension.native is not None
     return extension.native.rows_matmul(x, weight)  # [B, 1, out]
 
 
-def serves_every_row(linear: nn.Module) -> bool:
-    """Whether the kernels take every call of this projection (packed quantized weights)."""
-    return extension.native is not None and isinstance(linear, RowsQuantizedLinear)
+LoRAKernel = Literal["lora_gather", "lora_rows"]
 
 
-def serves_lora(linear: nn.Module) -> bool:
-    """Whether `lora_rows` takes this projection (float32 weights without a bias), for inputs
-    `serves_rows` takes. Packed quantized weights take `lora_gather` instead."""
+def lora_kernel(linear: nn.Module) -> LoRAKernel | None:
+    """Which native kernel adds LoRA residuals to this projection's product, from its kind:
+    `lora_gather` for packed quantized weights, `lora_rows` for float32 weights without a bias
+    (for the inputs the layer's `takes` accepts); None: MLX's own operations. Asked once, when
+    the LoRA slots are installed: a layer's kind does not change while it serves."""
     if extension.native is None:
-        return False
-    return (
-        type(linear) in (RowsLinear, AllRowsLinear)
+        return None
+    if type(linear) is PackedLinear:
+        return "lora_gather"
+    if (
+        type(linear) in (NativeLinear, BatchInvariantLinear)
         and "bias" not in linear
         and linear.weight.dtype == mx.float32
-    )
+    ):
+        return "lora_rows"
+    return None
 
 
 def lora_rows(
     x: mx.array, linear: nn.Module, a_t: mx.array, b_t: mx.array, mask: mx.array
 ) -> mx.array:
     """`linear(x) + ((x @ a_t.T) * mask) @ b_t.T` for a batched decode step, in one kernel call
-    (`serves_lora` and `serves_rows` say when): x [B, 1, in], a_t [R, in], b_t [out, R],
+    (`lora_kernel` and the layer's `takes` say when): x [B, 1, in], a_t [R, in], b_t [out, R],
     mask [B, R] or [B, 1, R], each row's scale on each low-rank column. Where the base
     projection's weights are read, so are the low-rank pair's: one pass over the weights
     instead of three separate products."""
@@ -85,7 +93,7 @@ def lora_rows(
 
 def lora_gather(x: mx.array, linear: nn.Module, plan: object, slot: int) -> mx.array:
     """`linear(x)` plus each row's own adapters' residuals at one LoRA slot, for packed
-    quantized weights (`serves_every_row`), any number of tokens a row: x [S, L, in] or
+    quantized weights (`lora_kernel`), any number of tokens a row: x [S, L, in] or
     [L, in] (S = 1). `plan`: the extension's `row_plan` of the batch (its adapters' pairs, each
     once, and each row's entries, in order, with their scales); `slot`: the slot's number in
     those pairs. A row computes its own entries only, in order: its bits depend on its own
@@ -104,8 +112,12 @@ def lora_gather(x: mx.array, linear: nn.Module, plan: object, slot: int) -> mx.a
     return y + linear.bias if "bias" in linear else y
 
 
-class RowsLinear(nn.Linear):
+class NativeLinear(nn.Linear):
     """`nn.Linear` whose batched decode steps go through the kernel."""
+
+    def takes(self, x: mx.array) -> bool:
+        """Whether the kernels take x as this layer's input: a batched decode step's."""
+        return decode_step(x)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _decode_rows(x, self.weight)
@@ -114,7 +126,7 @@ class RowsLinear(nn.Linear):
         return y + self.bias if "bias" in self else y
 
 
-class RowsEmbedding(nn.Embedding):
+class NativeEmbedding(nn.Embedding):
     """`nn.Embedding` whose use as the output layer (tied weights) does the same."""
 
     def as_linear(self, x: mx.array) -> mx.array:
@@ -122,23 +134,27 @@ class RowsEmbedding(nn.Embedding):
         return super().as_linear(x) if y is None else y
 
 
-class AllRowsLinear(RowsLinear):
+class BatchInvariantLinear(NativeLinear):
     """`nn.Linear` of a model served by the quantized kernels: every call through the float
     kernel, so that its rows too give the same bits in any batch."""
 
+    def takes(self, x: mx.array) -> bool:
+        """Whether the kernels take x as this layer's input: any float32 input."""
+        return float32_input(x)
+
     def __call__(self, x: mx.array) -> mx.array:
-        if not (serves_rows(x, self) and self.weight.dtype == mx.float32):
+        if not (float32_input(x) and self.weight.dtype == mx.float32):
             return super().__call__(x)
         assert extension.native is not None
         y = extension.native.rows_matmul(x, self.weight)
         return y + self.bias if "bias" in self else y
 
 
-class AllRowsEmbedding(RowsEmbedding):
+class BatchInvariantEmbedding(NativeEmbedding):
     """`nn.Embedding` of such a model, whose use as the output layer does the same."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if not (serves_rows(x, self) and self.weight.dtype == mx.float32):
+        if not (float32_input(x) and self.weight.dtype == mx.float32):
             return super().as_linear(x)
         assert extension.native is not None
         return extension.native.rows_matmul(x, self.weight)
@@ -151,17 +167,26 @@ def _quant_rows(x: mx.array, layer: nn.QuantizedLinear | nn.QuantizedEmbedding) 
     )
 
 
-class RowsQuantizedLinear(nn.QuantizedLinear):
+class PackedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose every float32 call goes through the quantized kernel."""
 
+    def takes(self, x: mx.array) -> bool:
+        """Whether the kernels take x as this layer's input: any float32 input."""
+        return float32_input(x)
+
+    def fused_part(self, x: mx.array) -> tuple[PackedLinear, None] | None:
+        """This layer's part of a fused product (`fused.FusedProjection`): itself, with no
+        residuals to add; None with a bias, which the fused kernel does not add."""
+        return None if "bias" in self else (self, None)
+
     def __call__(self, x: mx.array) -> mx.array:
-        if not serves_rows(x, self):
+        if not float32_input(x):
             return super().__call__(x)
         y = _quant_rows(x, self)
         return y + self.bias if "bias" in self else y
 
 
-class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+class PackedEmbedding(nn.QuantizedEmbedding):
     """`nn.QuantizedEmbedding` whose lookup gives float32 rows (dequantized as MLX does, in
     float32) and whose use as the output layer goes through the quantized kernel."""
 
@@ -174,15 +199,12 @@ class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
         )
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if not serves_rows(x, self):
+        if not float32_input(x):
             return super().as_linear(x)
         return _quant_rows(x, self)
 
 
-_ALL_ROWS = (AllRowsLinear, AllRowsEmbedding, RowsQuantizedLinear, RowsQuantizedEmbedding)
-
-
-class RowsRMSNorm(nn.RMSNorm):
+class NativeRMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` as one primitive, not MLX's ten, on float32: MLX's results to the bit, so
     every call takes it (a request alone and prefill too)."""
 
@@ -193,9 +215,9 @@ class RowsRMSNorm(nn.RMSNorm):
         return super().__call__(x)
 
 
-class RowsOffsetRMSNorm(nn.Module):
+class NativeOffsetRMSNorm(nn.Module):
     """The Gemma families' RMSNorm, whose weight is stored less one (`rms_norm(x, 1 + w)`), as
-    one primitive like `RowsRMSNorm`: the same `1.0 + weight` then the same norm, MLX's bits."""
+    one primitive like `NativeRMSNorm`: the same `1.0 + weight` then the same norm, MLX's bits."""
 
     weight: mx.array
     eps: float
@@ -208,7 +230,7 @@ class RowsOffsetRMSNorm(nn.Module):
         return mx.fast.rms_norm(x, weight, self.eps)
 
 
-class RowsRoPE(nn.RoPE):
+class NativeRoPE(nn.RoPE):
     """`nn.RoPE` as one primitive, not MLX's thirty, on float32 [B, heads, L, D] with one
     position for all rows or one per row: MLX's results to the bit, so every call takes it."""
 
@@ -230,26 +252,26 @@ class RowsRoPE(nn.RoPE):
 
 
 _ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
-    nn.Linear: RowsLinear,
-    nn.Embedding: RowsEmbedding,
-    nn.RMSNorm: RowsRMSNorm,
-    nn.RoPE: RowsRoPE,
-    gemma.RMSNorm: RowsOffsetRMSNorm,
-    gemma2.RMSNorm: RowsOffsetRMSNorm,
-    gemma3_text.RMSNorm: RowsOffsetRMSNorm,
+    nn.Linear: NativeLinear,
+    nn.Embedding: NativeEmbedding,
+    nn.RMSNorm: NativeRMSNorm,
+    nn.RoPE: NativeRoPE,
+    gemma.RMSNorm: NativeOffsetRMSNorm,
+    gemma2.RMSNorm: NativeOffsetRMSNorm,
+    gemma3_text.RMSNorm: NativeOffsetRMSNorm,
 }
 
 
 _ALL_ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
-    nn.Linear: AllRowsLinear,
-    nn.Embedding: AllRowsEmbedding,
-    nn.QuantizedLinear: RowsQuantizedLinear,
-    nn.QuantizedEmbedding: RowsQuantizedEmbedding,
-    nn.RMSNorm: RowsRMSNorm,
-    nn.RoPE: RowsRoPE,
-    gemma.RMSNorm: RowsOffsetRMSNorm,
-    gemma2.RMSNorm: RowsOffsetRMSNorm,
-    gemma3_text.RMSNorm: RowsOffsetRMSNorm,
+    nn.Linear: BatchInvariantLinear,
+    nn.Embedding: BatchInvariantEmbedding,
+    nn.QuantizedLinear: PackedLinear,
+    nn.QuantizedEmbedding: PackedEmbedding,
+    nn.RMSNorm: NativeRMSNorm,
+    nn.RoPE: NativeRoPE,
+    gemma.RMSNorm: NativeOffsetRMSNorm,
+    gemma2.RMSNorm: NativeOffsetRMSNorm,
+    gemma3_text.RMSNorm: NativeOffsetRMSNorm,
 }
 
 
@@ -276,7 +298,7 @@ def quantized_unserved(model: nn.Module) -> str | None:
 
 
 def mlx_layers(model: nn.Module) -> Counter[str]:
-    """The model's layers with weights of their own that no Rows class serves, by class name
+    """The model's layers with weights of their own that no native class serves, by class name
     (an MoE's expert layers, say): they run MLX's own operations."""
     rows_classes = set(_ROWS_CLASSES.values()) | set(_ALL_ROWS_CLASSES.values())
     kept: Counter[str] = Counter()
@@ -288,7 +310,7 @@ def mlx_layers(model: nn.Module) -> Counter[str]:
 
 
 def swap_layers(model: nn.Module, all_rows: bool = False) -> Counter[type[nn.Module]]:
-    """Give the model's layers their Rows class, in place; returns how many of each. The
+    """Give the model's layers their native class, in place; returns how many of each. The
     layers take the kernels once `extension.load` has succeeded. `all_rows`: the classes of a
     model whose quantized weights the kernels serve, every call of every layer."""
     return swap_classes(model, _ALL_ROWS_CLASSES if all_rows else _ROWS_CLASSES)

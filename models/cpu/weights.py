@@ -2,7 +2,7 @@
 float32 copy through BLAS, or the weights as loaded for MLX's own kernels.
 
 MLX's CPU kernels for quantized and half-precision matmuls do not use BLAS: they are slow on
-prompts and gain nothing from batching. The native kernels (`layers.RowsQuantizedLinear`) read
+prompts and gain nothing from batching. The native kernels (`layers.PackedLinear`) read
 the packed weights themselves, a fraction of a float32 copy's bytes, for every row count. So on
 a machine without a GPU, `auto` keeps quantized weights packed when those kernels serve them
 (`packed`); otherwise (half-precision weights, other quantizations, a CPU without AVX2) it

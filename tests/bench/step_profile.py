@@ -92,17 +92,15 @@ def _kernel_graphs(model: nn.Module, rows: int) -> dict[str, Callable[[], list[m
     """For each kind of kernel primitive, a function that builds the step's calls of it alone,
     on inputs of the step's shapes (already evaluated)."""
     from hotlora.models.cpu import extension
-    from hotlora.models.cpu.layers import RowsQuantizedEmbedding, RowsQuantizedLinear, RowsRMSNorm
+    from hotlora.models.cpu.layers import NativeRMSNorm, PackedEmbedding, PackedLinear
 
     native = extension.native
     assert native is not None
     layers = model.layers  # type: ignore[attr-defined]
     quantized = [
-        m
-        for _, m in model.named_modules()
-        if isinstance(m, RowsQuantizedLinear | RowsQuantizedEmbedding)
+        m for _, m in model.named_modules() if isinstance(m, PackedLinear | PackedEmbedding)
     ]
-    norms = [m for _, m in model.named_modules() if isinstance(m, RowsRMSNorm)]
+    norms = [m for _, m in model.named_modules() if isinstance(m, NativeRMSNorm)]
     inputs = {
         id(m): mx.random.normal((rows, 1, m.weight.shape[1] * 32 // m.bits)) for m in quantized
     }
@@ -124,8 +122,8 @@ def _kernel_graphs(model: nn.Module, rows: int) -> dict[str, Callable[[], list[m
             for m in quantized
         ],
         "RowsAttention": lambda: [native.attention_rows(q, k, v, mask, attn.scale) for _ in layers],
-        "RowsRMSNorm": lambda: [native.rms_norm_rows(hidden, n.weight, n.eps) for n in norms],
-        "RowsRoPE": lambda: [
+        "NativeRMSNorm": lambda: [native.rms_norm_rows(hidden, n.weight, n.eps) for n in norms],
+        "NativeRoPE": lambda: [
             native.rope_rows(x, offset, rope.dims, rope.traditional, rope.base, rope.scale)
             for _ in layers
             for x in (q, kv)

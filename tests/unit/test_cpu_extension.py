@@ -16,7 +16,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from hotlora.models.cpu import extension, install_rows_kernels
 from hotlora.models.cpu.attention import cpu_attention, install_cpu_attention
 from hotlora.models.cpu.extension import MAX_ROWS
-from hotlora.models.cpu.layers import RowsEmbedding, RowsLinear, RowsRMSNorm, RowsRoPE
+from hotlora.models.cpu.layers import NativeEmbedding, NativeLinear, NativeRMSNorm, NativeRoPE
 from hotlora.models.loader import load_model_dir
 
 from tests.support.tiny import write_tiny_llama
@@ -326,12 +326,12 @@ def test_installed_it_serves_batched_decode_steps_only(tmp_path: Path):
     assert state.enabled, state.reason
     assert f"({native.isa()}, 2 threads)" in state.reason
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is RowsLinear for m in linears)
-    assert type(model.model.embed_tokens) is RowsEmbedding  # the tied output layer
+    assert linears and all(type(m) is NativeLinear for m in linears)
+    assert type(model.model.embed_tokens) is NativeEmbedding  # the tied output layer
     norms = [m for _, m in model.named_modules() if isinstance(m, nn.RMSNorm)]
     ropes = [m for _, m in model.named_modules() if isinstance(m, nn.RoPE)]
-    assert norms and all(type(m) is RowsRMSNorm for m in norms)
-    assert ropes and all(type(m) is RowsRoPE for m in ropes)
+    assert norms and all(type(m) is NativeRMSNorm for m in norms)
+    assert ropes and all(type(m) is NativeRoPE for m in ropes)
     assert "projections and llama attention through the rows kernels" in state.reason
     assert f"{len(norms)} norms and {len(ropes)} RoPEs as one operation each" in state.reason
     assert isinstance(model, llama.Model) and type(model).__name__ == "Model"
@@ -436,7 +436,7 @@ def test_a_model_without_the_kernels_keeps_mlxs_attention(tmp_path: Path, monkey
 def test_a_quantized_model_keeps_its_layers(tmp_path: Path):
     model = load_model_dir(write_tiny_llama(tmp_path / "tiny", quantize=True)).model
     install_rows_kernels(model, threads=2)
-    assert not any(isinstance(m, RowsLinear | RowsEmbedding) for _, m in model.named_modules())
+    assert not any(isinstance(m, NativeLinear | NativeEmbedding) for _, m in model.named_modules())
 
 
 def test_it_explains_a_missing_build(monkeypatch):

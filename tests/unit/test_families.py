@@ -27,7 +27,7 @@ from hotlora.adapters import (
 from hotlora.adapters.projections import TARGET_PROJECTIONS
 from hotlora.models.batch_masks import install_row_masks
 from hotlora.models.cpu import extension, install_packed_kernels, install_rows_kernels
-from hotlora.models.cpu.layers import RowsLinear, RowsOffsetRMSNorm, RowsRMSNorm, RowsRoPE
+from hotlora.models.cpu.layers import NativeLinear, NativeOffsetRMSNorm, NativeRMSNorm, NativeRoPE
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler, check_batching
 
@@ -272,7 +272,7 @@ def test_a_float32_model_of_the_family_takes_the_native_kernels(name: str, monke
     state = install_rows_kernels(model, threads=2)
     assert state.enabled, state.reason
     assert f"MLX's own operations: {MLX_PARTS.get(name, 'none')}" in state.reason
-    served = (RowsRMSNorm, RowsOffsetRMSNorm, RowsLinear, RowsRoPE)
+    served = (NativeRMSNorm, NativeOffsetRMSNorm, NativeLinear, NativeRoPE)
     norms = [m for _, m in model.named_modules() if "Norm" in type(m).__name__]
     assert norms and all(isinstance(m, served) for m in norms)
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from hotlora.adapters import AdapterManager, parse_adapter_spec, row_sets
+from hotlora.adapters import AdapterManager, parse_adapter_spec
+from hotlora.adapters.backends import side_by_side
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import Engine, GenerationJob, SamplingParams, Scheduler
 
@@ -86,13 +87,13 @@ def serve_once(
     table = CountedTable(manager._mounted)
     monkeypatch.setattr(manager, "_mounted", table)
     built: list[str] = []
-    build = row_sets.SideBySide._build
+    build = side_by_side.SideBySide._build
 
-    def counted_build(self: row_sets.SideBySide, path: str, *layout: bool) -> Any:
+    def counted_build(self: side_by_side.SideBySide, path: str, *layout: bool) -> Any:
         built.append("+".join(sorted(mounted.id for mounted in self.adapters)))
         return build(self, path, *layout)
 
-    monkeypatch.setattr(row_sets.SideBySide, "_build", counted_build)
+    monkeypatch.setattr(side_by_side.SideBySide, "_build", counted_build)
     leases = [manager.select("tiny", parse_adapter_spec(spec)) for spec in SPECS]
     sampling = SamplingParams(max_tokens=6, temperature=0.0)
     jobs = [

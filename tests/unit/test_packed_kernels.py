@@ -18,12 +18,13 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate, row_sets
+from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate
+from hotlora.adapters.backends import gathered
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.projections import find_targets, replace_module
 from hotlora.models.cpu import extension, install_packed_kernels, prepare_cpu
 from hotlora.models.cpu.fused import FusedAttention, FusedMLP, install_fused
-from hotlora.models.cpu.layers import RowsQuantizedEmbedding, RowsQuantizedLinear
+from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear
 
 from tests.support.adapter_builders import (
     BASE_ID,
@@ -518,7 +519,7 @@ def test_a_model_quantized_otherwise_is_served_by_mlx(tmp_path: Path, quantize, 
         home=tmp_path,
     )
     assert not setup.packed and why in setup.weights
-    assert not any(isinstance(m, RowsQuantizedLinear) for _, m in model.named_modules())
+    assert not any(isinstance(m, PackedLinear) for _, m in model.named_modules())
 
 
 # The model: the tiny llama quantized as mlx-lm's converter does (tied embeddings, 4 bits),
@@ -536,7 +537,7 @@ def packed(tmp_path: Path, request: pytest.FixtureRequest):
     state = install_packed_kernels(model, threads=2)
     assert state.enabled, state.reason
     kinds = {type(m) for _, m in model.named_modules()}
-    assert {RowsQuantizedLinear, RowsQuantizedEmbedding} <= kinds
+    assert {PackedLinear, PackedEmbedding} <= kinds
     dtype = mx.float16 if request.param == "float16" else mx.float32
     manager = AdapterManager(
         model, base_id=BASE_ID, adapter_root=tmp_path, max_rank=64, adapter_dtype=dtype
@@ -715,7 +716,7 @@ def test_auto_serves_a_quantized_model_packed_on_the_threads_asked(tmp_path: Pat
     assert f"native kernels: {setup.batch_kernels}" in logged
     # The packed arrays stay as loaded; everything else is float32.
     embedding = model.model.embed_tokens
-    assert isinstance(embedding, RowsQuantizedEmbedding) and embedding.weight.dtype == mx.uint32
+    assert isinstance(embedding, PackedEmbedding) and embedding.weight.dtype == mx.uint32
     assert embedding(mx.array([[3, 4]])).dtype == mx.float32
     assert model.model.norm.weight.dtype == mx.float32
     native.set_threads(2)
@@ -841,9 +842,9 @@ def test_a_set_used_alone_is_not_kept_alive_by_its_plan(many):
     model, manager = many
     adapters = adapter_set(manager, "c+d")
     alone(model, adapters, PROMPTS[0], [9], [5])
-    assert adapters in row_sets._LONE
+    assert adapters in gathered._LONE
     held = weakref.ref(adapters)
     del adapters
     gc.collect()
     assert held() is None
-    assert len(row_sets._LONE) == 0
+    assert len(gathered._LONE) == 0

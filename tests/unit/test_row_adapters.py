@@ -10,10 +10,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate, row_sets
+from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate
 from hotlora.adapters.adapter_config import AdapterConfig
 from hotlora.adapters.adapter_files import LoadedAdapter
 from hotlora.adapters.adapter_set import AppliedAdapter, MountedAdapter
+from hotlora.adapters.backends import side_by_side
+from hotlora.adapters.backends.gathered import GatheredRows
 from hotlora.adapters.slots import LoRASlot
 from hotlora.models.cpu import extension, install_rows_kernels, layers
 
@@ -192,7 +194,7 @@ def test_a_decode_step_through_the_batch_kernel_gets_each_rows_residual(tmp_path
         fused.append(args[1])
         return layers.lora_rows(*args)
 
-    monkeypatch.setattr(row_sets, "lora_rows", counted)
+    monkeypatch.setattr(side_by_side, "lora_rows", counted)
     sets = {spec: adapter_set(manager, spec) for spec in SPECS}
     tokens = mx.array([[7]] * len(SPECS))  # [rows, 1]
     with activate(RowAdapterCache().for_rows([sets[spec] for spec in SPECS])):
@@ -335,10 +337,10 @@ def test_a_slot_adds_each_rows_adapters_with_weights_there_in_order(views: bool)
         AdapterSet((AppliedAdapter(c, 0.0), AppliedAdapter(b))),
         AdapterSet(()),
     ]
-    layer = layers.RowsQuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    layer = layers.PackedLinear(64, 32, bias=False, group_size=32, bits=4)
     x = mx.random.normal((4, 1, 64), key=mx.random.key(1))
     base = layer(x)
-    gathered = row_sets.GatheredRows(sets)
+    gathered = GatheredRows(sets)
 
     def residual(adapter: MountedAdapter, path: str, row: int, scale: float) -> mx.array:
         first, second = adapter.adapter.weights[path]
@@ -365,10 +367,10 @@ def test_a_slot_adds_each_rows_adapters_with_weights_there_in_order(views: bool)
         assert got is not None
         for row, expected in enumerate(rows):
             assert mx.allclose(got[row], expected, rtol=1e-4, atol=1e-4).item(), (path, row)
-            alone = row_sets.GatheredRows([sets[row]]).project(path, x[row : row + 1], layer)
+            alone = GatheredRows([sets[row]]).project(path, x[row : row + 1], layer)
             assert alone is not None and mx.array_equal(alone[0], got[row]).item(), (path, row)
         for row in exact[path]:
             assert mx.array_equal(got[row], base[row]).item(), (path, row)
-    idle = row_sets.GatheredRows([AdapterSet((AppliedAdapter(c, 0.0),)), AdapterSet(())])
+    idle = GatheredRows([AdapterSet((AppliedAdapter(c, 0.0),)), AdapterSet(())])
     nothing = idle.project("p", x[:2], layer)  # every entry at weight 0: nothing applies
     assert nothing is not None and mx.array_equal(nothing, base[:2]).item()
