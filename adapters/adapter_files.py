@@ -20,9 +20,15 @@ from pathlib import Path
 import mlx.core as mx
 
 from hotlora.adapters.adapter_config import CONFIG_FILE, AdapterConfig, read_adapter_config
-from hotlora.adapters.adapter_errors import AdapterPathRefused, InvalidAdapter
+from hotlora.adapters.adapter_errors import (
+    AdapterConflict,
+    AdapterError,
+    AdapterPathRefused,
+    InvalidAdapter,
+)
 from hotlora.adapters.pairs import match_pairs
 from hotlora.adapters.projections import TargetDims
+from hotlora.models.cpu import give_back_freed_memory
 
 WEIGHT_FILES = ("adapters.safetensors", "adapter_model.safetensors")  # mlx-lm, PEFT
 MAX_ADAPTER_BYTES = 2 << 30  # the default cap on an adapter's weight file; servers set their own
@@ -33,6 +39,7 @@ _CHUNK = 16 << 20  # each read and hash update lets go of the GIL: a few large o
 # within the file system's timestamp granularity of the hashing cannot go unseen.
 _UNCHANGED_AFTER_NS = 2_000_000_000
 _KEPT_REVISIONS = 4096
+SHORT_REVISION = 12  # the hex digits of a revision that messages show
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +107,42 @@ def read_adapter(
         shown = _clipped(str(directory))
         message = f"adapter path {shown!r} cannot be read: {exc.strerror or exc}"
         raise InvalidAdapter(message, param="path") from None
+
+
+def read_to_mount(
+    adapter_id: str,
+    directory: Path,
+    targets: Mapping[str, TargetDims],
+    *,
+    revision: str | None,
+    max_rank: int,
+    max_bytes: int,
+    root: Path,
+) -> LoadedAdapter:
+    """`read_adapter` for a mount of `adapter_id`, the arrays of an adapter refused freed at once.
+
+    With `revision`, files that no longer hash to it are refused (`AdapterConflict`, code
+    `adapter_changed`): a recorded mount is made again exactly or not at all.
+    """
+    try:
+        loaded = read_adapter(directory, targets, max_rank=max_rank, max_bytes=max_bytes, root=root)
+    except AdapterError as exc:
+        # The traceback's frames hold the refused file's arrays: drop them and free the
+        # memory now, not whenever the error is collected.
+        exc.__context__ = None
+        exc.with_traceback(None)
+        give_back_freed_memory()
+        raise
+    if revision is not None and loaded.revision != revision:
+        found = loaded.revision
+        del loaded  # free the arrays of files that will not be mounted
+        give_back_freed_memory()
+        raise AdapterConflict(
+            f"adapter '{adapter_id}' at {directory} changed since it was recorded (revision "
+            f"{revision[:SHORT_REVISION]}, now {found[:SHORT_REVISION]})",
+            code="adapter_changed",
+        )
+    return loaded
 
 
 def _read(

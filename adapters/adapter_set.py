@@ -12,9 +12,7 @@ from types import MappingProxyType
 
 import mlx.core as mx
 
-from hotlora.adapters.adapter_files import LoadedAdapter
-
-SHORT_REVISION = 12
+from hotlora.adapters.adapter_files import SHORT_REVISION, LoadedAdapter
 
 # One low-rank term of a slot: A [in, r], B [r, out] and the scale on `(x @ A) @ B`.
 Term = tuple[mx.array, mx.array, float]

@@ -2,9 +2,10 @@
 
 `select` is the one call a request makes: from its `model` and `adapter` fields to a leased,
 request-owned `AdapterSet`, mounting on first use what it may (`auto_mount`, or an adapter
-evicted to keep within the budget; that part is `first_use.FirstUseMounts`). Every change to
-what is mounted, whatever asked for it (the admin API, start-up, a request, the budget, the
-mount record, the Ray cluster's registry), is told to the manager's listeners as a `MountEvent`.
+evicted to keep within the budget: its `first_use.FirstUseMounts` says which, and shares each
+load). What requests hold is counted in `leases.Holders`. Every change to what is mounted,
+whatever asked for it (the admin API, start-up, a request, the budget, the mount record, the
+Ray cluster's registry), is told to the manager's listeners as a `MountEvent`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -26,7 +26,7 @@ from hotlora.adapters.adapter_errors import (
     AdapterNotFound,
     InvalidAdapter,
 )
-from hotlora.adapters.adapter_files import MAX_ADAPTER_BYTES, read_adapter, resolve_under_root
+from hotlora.adapters.adapter_files import MAX_ADAPTER_BYTES, read_to_mount, resolve_under_root
 from hotlora.adapters.adapter_info import (
     AdapterInfo,
     MountEvent,
@@ -36,17 +36,22 @@ from hotlora.adapters.adapter_info import (
 )
 from hotlora.adapters.adapter_set import (
     BASE_ONLY,
-    SHORT_REVISION,
     AdapterSet,
     AppliedAdapter,
     MountedAdapter,
 )
-from hotlora.adapters.first_use import FirstUseMounts, SingleFlight
-from hotlora.adapters.projections import TargetDims, linear_dims
-from hotlora.adapters.residency import Budget, Evicted, Residency
+from hotlora.adapters.first_use import LOAD_PRECEDENCE_S, FirstUseMounts
+from hotlora.adapters.leases import AdapterLease, Holders
+from hotlora.adapters.projections import target_dims
+from hotlora.adapters.residency import Budget, Residency
 from hotlora.adapters.root_listing import RootEntry, list_root
-from hotlora.adapters.slots import LoRASlot, install_slots, probe_input_dtypes
-from hotlora.adapters.spec import AdapterRef, adapter_id_problem, format_adapter_spec
+from hotlora.adapters.slots import install_slots, probe_input_dtypes
+from hotlora.adapters.spec import (
+    AdapterRef,
+    adapter_id_problem,
+    format_adapter_spec,
+    parse_selection,
+)
 from hotlora.config.log_text import printable
 from hotlora.models.cpu import give_back_freed_memory
 
@@ -55,27 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hotlora.adapters")
 
-# Adapter arrays follow half-precision activations (half the memory, no per-call upcast);
-# against float32 activations they stay float32, which is how mlx-lm keeps trained adapters.
-_HALF = (mx.float16, mx.bfloat16)
 
-
-class AdapterLease:
-    """What one request is served with, its adapters counted as in use until `release()`."""
-
-    def __init__(self, model: str, adapters: AdapterSet, release: Callable[[], None]):
-        self.model = model  # what the response's `model` echoes: what was served
-        self.adapters = adapters
-        self._release: Callable[[], None] | None = release
-
-    def release(self) -> None:
-        """Stop counting the adapters as in use; later calls do nothing."""
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-
-class AdapterManager(FirstUseMounts):
+class AdapterManager:
     """Mounts, unmounts and selects LoRA adapters over one base model that never reloads.
 
     Construction wraps the base's target projections in `LoRASlot`s once. After that,
@@ -118,7 +104,8 @@ class AdapterManager(FirstUseMounts):
             log.warning("%s has no q/k/v/o/gate/up/down projections", type(model).__name__)
         dtypes = probe_input_dtypes(model)
         self._targets = {
-            path: _target(slot, dtypes.get(path), adapter_dtype) for path, slot in slots.items()
+            path: target_dims(slot.base, dtypes.get(path), adapter_dtype)
+            for path, slot in slots.items()
         }
         self._lock = threading.Lock()
         # Mounts and unmounts one at a time: each is recorded in the journal (the mount record,
@@ -128,14 +115,67 @@ class AdapterManager(FirstUseMounts):
         self._admin = threading.Lock()
         self._mounted: dict[str, MountedAdapter] = {}
         self._residency = Residency(budget or Budget())
-        self._loads = SingleFlight()
-        # Counted per id, not per revision: a request that started before a `replace` or an
-        # unmount still holds that id's arrays, and admins watching `in_use` must see it.
-        self._in_use: dict[str, int] = {}
-        self._waiting: dict[str, int] = {}  # ids requests wait to be loaded: never evicted
-        self._sets: weakref.WeakValueDictionary[tuple[AppliedAdapter, ...], AdapterSet] = (
-            weakref.WeakValueDictionary()
+        self._first_use = FirstUseMounts(
+            self._mount_on_first_use,
+            self._residency,
+            base_id=base_id,
+            adapter_root=self.adapter_root,
+            auto_mount=auto_mount,
         )
+        self._holders = Holders()
+
+    def select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease:
+        """What a request with these `model` and `adapter` fields is served with, leased.
+
+        `model` may name the base (then `refs` select the adapters), a mounted adapter id, or
+        `"<base-id>:<spec>"`. Raises `ModelNotFound` for any other model, `InvalidRequest` when
+        both fields select adapters or the model's spec is malformed, and `AdapterNotFound`
+        for an id that is neither mounted nor loadable. An adapter evicted by the budget, or
+        (with `auto_mount`) a directory under the root, is mounted first: this call blocks on
+        its files then, and a load that fails raises `InvalidAdapter` naming the problem.
+        Nothing is counted as in use unless this returns.
+        """
+        first_use = self._first_use
+        waiting: tuple[str, ...] = ()  # ids this request is counted as waiting for
+        try:
+            while True:
+                with self._lock:
+                    selectable = first_use.selectable(self._mounted)
+                    named = parse_selection(self.base_id, model, refs, selectable)
+                    missing = tuple(ref.id for ref in named if ref.id not in self._mounted)
+                    if not missing:
+                        lease = self._lease(model, named)
+                        first_use.wait(waiting, -1)
+                        waiting = ()
+                        return lease
+                    for adapter_id in missing:
+                        if not first_use.loadable(adapter_id):
+                            raise AdapterNotFound(adapter_id, self._mounted)
+                    first_use.wait(tuple(i for i in missing if i not in waiting), 1)
+                    waiting = tuple(dict.fromkeys((*waiting, *missing)))
+                first_use.load_all(missing)
+        finally:
+            if waiting:
+                with self._lock:
+                    first_use.wait(waiting, -1)
+
+    def try_select(self, model: str, refs: tuple[AdapterRef, ...] = ()) -> AdapterLease | None:
+        """`select` without loading: None when an adapter must be mounted first (then call
+        `select` where blocking is fine). Raises as `select` does."""
+        with self._lock:
+            selectable = self._first_use.selectable(self._mounted)
+            named = parse_selection(self.base_id, model, refs, selectable)
+            for ref in named:
+                if ref.id not in self._mounted:
+                    if self._first_use.loadable(ref.id):
+                        return None
+                    raise AdapterNotFound(ref.id, self._mounted)
+            return self._lease(model, named)
+
+    def yield_to_loads(self, most: float = LOAD_PRECEDENCE_S) -> None:
+        """Block while adapters are being mounted on first use, `most` seconds at most (the
+        generation worker calls this before each step: `FirstUseMounts.yield_to_loads`)."""
+        self._first_use.yield_to_loads(most)
 
     def mount(
         self,
@@ -177,30 +217,15 @@ class AdapterManager(FirstUseMounts):
             raise InvalidAdapter(problem, param="id")
         directory = resolve_under_root(path, self.adapter_root)
         began = time.perf_counter()
-        try:
-            loaded = read_adapter(
-                directory,
-                self._targets,
-                max_rank=self.max_rank,
-                max_bytes=self.max_bytes,
-                root=self.adapter_root,
-            )
-        except AdapterError as exc:
-            # The traceback's frames hold the refused file's arrays: drop them and free the
-            # memory now, not whenever the error is collected.
-            exc.__context__ = None
-            exc.with_traceback(None)
-            give_back_freed_memory()
-            raise
-        if revision is not None and loaded.revision != revision:
-            found = loaded.revision
-            del loaded  # free the arrays of files that will not be mounted
-            give_back_freed_memory()
-            raise AdapterConflict(
-                f"adapter '{adapter_id}' at {directory} changed since it was recorded (revision "
-                f"{revision[:SHORT_REVISION]}, now {found[:SHORT_REVISION]})",
-                code="adapter_changed",
-            )
+        loaded = read_to_mount(
+            adapter_id,
+            directory,
+            self._targets,
+            revision=revision,
+            max_rank=self.max_rank,
+            max_bytes=self.max_bytes,
+            root=self.adapter_root,
+        )
         with self._admin:
             with self._lock:
                 current = self._mounted.get(adapter_id)
@@ -251,6 +276,19 @@ class AdapterManager(FirstUseMounts):
             info.revision[:12],
         )
         return info
+
+    def _mount_on_first_use(self, adapter_id: str) -> None:
+        """Mount `adapter_id` for the requests that name it, unless it is mounted by now: from
+        where it was evicted, else from its directory under the root."""
+        with self._lock:
+            if adapter_id in self._mounted:
+                return  # a load that ended before this caller asked
+            gone = self._residency.evicted.get(adapter_id)
+        path = gone.path if gone is not None else adapter_id
+        # An adapter mounted by hand comes back as it was mounted, or not at all.
+        revision = gone.revision if gone is not None and not gone.on_demand else None
+        on_demand = gone is None or gone.on_demand
+        self._mount(adapter_id, path, False, revision=revision, record=False, on_demand=on_demand)
 
     def _pin(self, mounted: MountedAdapter | None, *, record: bool) -> AdapterInfo:
         """Pin what is mounted already, recorded first as a mount is. Called holding `_admin`."""
@@ -336,7 +374,7 @@ class AdapterManager(FirstUseMounts):
 
     def _lease(self, model: str, named: tuple[AdapterRef, ...]) -> AdapterLease:
         adapters = self._resolve(named)
-        self._count(adapters, 1)
+        self._holders.add(adapters, 1)
         self._residency.touch(adapters.ids)
         if model != self.base_id:
             label = model
@@ -354,22 +392,12 @@ class AdapterManager(FirstUseMounts):
                 return
 
             def busy(adapter_id: str) -> bool:
-                held = self._in_use.get(adapter_id) or self._waiting.get(adapter_id)
+                held = self._holders.count(adapter_id) or self._first_use.waited_for(adapter_id)
                 return adapter_id == keep or bool(held)
 
             for adapter_id in self._residency.victims(busy):
                 mounted = self._mounted.pop(adapter_id)
-                adapter = mounted.adapter
-                self._residency.evicted[adapter_id] = Evicted(
-                    adapter_id,
-                    str(adapter.path),
-                    adapter.revision,
-                    adapter.ram_bytes,
-                    adapter.size_bytes,
-                    adapter_id in self._residency.on_demand,
-                    int(time.time()),
-                )
-                self._residency.removed(adapter_id)
+                self._residency.evict(adapter_id, mounted.adapter)
                 evicted.append(mounted)
         for mounted in evicted:
             self._tell(
@@ -402,27 +430,11 @@ class AdapterManager(FirstUseMounts):
             if mounted is None:
                 raise AdapterNotFound(ref.id, self._mounted)
             entries.append(AppliedAdapter(mounted, ref.weight))
-        # Requests naming the same mounted adapters at the same weights share one set, so a
-        # stack is fused once, not once per request. Held weakly: a set lives only as long as
-        # a request holds it, and a remounted adapter is a new `MountedAdapter`, so a new set.
-        identity = tuple(entries)
-        adapters = self._sets.get(identity)
-        if adapters is None:
-            adapters = self._sets[identity] = AdapterSet(identity)
-        return adapters
-
-    def _count(self, adapters: AdapterSet, change: int) -> None:
-        for entry in adapters.entries:
-            adapter_id = entry.mounted.id
-            left = self._in_use.get(adapter_id, 0) + change
-            if left:
-                self._in_use[adapter_id] = left
-            else:
-                del self._in_use[adapter_id]
+        return self._holders.shared(tuple(entries))
 
     def _uncount(self, adapters: AdapterSet) -> None:
         with self._lock:
-            self._count(adapters, -1)
+            self._holders.add(adapters, -1)
             over = self._residency.over()
         # What a request let go may now be evicted. Never wait here (the caller may be the
         # event loop): a mount holding `_admin` evicts when it is done.
@@ -435,15 +447,7 @@ class AdapterManager(FirstUseMounts):
     def _info(self, mounted: MountedAdapter) -> AdapterInfo:
         return mounted_info(
             mounted,
-            in_use=self._in_use.get(mounted.id, 0),
+            in_use=self._holders.count(mounted.id),
             pinned=mounted.id in self._residency.pinned,
             on_demand=mounted.id in self._residency.on_demand,
         )
-
-
-def _target(slot: LoRASlot, input_dtype: mx.Dtype | None, adapter_dtype: mx.Dtype) -> TargetDims:
-    """The slot's shape, and what adapters are kept in there: the activations' dtype where it
-    is a half one, else `adapter_dtype` (float32, or float16 to halve their bytes)."""
-    dims = linear_dims(slot.base)
-    half = input_dtype is not None and input_dtype in _HALF
-    return TargetDims(dims.in_dims, dims.out_dims, input_dtype if half else adapter_dtype)

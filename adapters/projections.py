@@ -24,6 +24,10 @@ TARGET_PROJECTIONS = frozenset(
     }
 )
 
+# Adapter arrays follow half-precision activations (half the memory, no per-call upcast);
+# against float32 activations they stay float32, which is how mlx-lm keeps trained adapters.
+_HALF = (mx.float16, mx.bfloat16)
+
 # Attribute chains (not module-tree paths) to a model's decoder layers, most common first.
 # mlx-lm's text models expose `.layers` as a property; multimodal wrappers nest the text model.
 _LAYER_LISTS = (
@@ -73,6 +77,16 @@ def linear_dims(linear: nn.Module) -> TargetDims:
     else:
         in_dims = linear.weight.shape[1]
     return TargetDims(in_dims=in_dims, out_dims=out_dims)
+
+
+def target_dims(
+    linear: nn.Module, input_dtype: mx.Dtype | None, adapter_dtype: mx.Dtype
+) -> TargetDims:
+    """The projection's shape, and what adapters are kept in there: the activations' dtype
+    where it is a half one, else `adapter_dtype` (float32, or float16 to halve their bytes)."""
+    dims = linear_dims(linear)
+    kept = input_dtype if input_dtype is not None and input_dtype in _HALF else adapter_dtype
+    return TargetDims(dims.in_dims, dims.out_dims, kept)
 
 
 def find_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:

@@ -7,11 +7,13 @@ it can be loaded again on next use). It is not thread-safe: the manager calls it
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from hotlora.adapters.adapter_errors import AdapterOverBudget
+from hotlora.adapters.adapter_files import LoadedAdapter
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,19 @@ class Residency:
         self._bytes -= self._used.pop(adapter_id, 0)
         self.pinned.discard(adapter_id)
         self.on_demand.discard(adapter_id)
+
+    def evict(self, adapter_id: str, adapter: LoadedAdapter) -> None:
+        """`adapter_id` is evicted: no longer resident, and mounted again on next use."""
+        self.evicted[adapter_id] = Evicted(
+            adapter_id,
+            str(adapter.path),
+            adapter.revision,
+            adapter.ram_bytes,
+            adapter.size_bytes,
+            adapter_id in self.on_demand,
+            int(time.time()),
+        )
+        self.removed(adapter_id)
 
     def touch(self, adapter_ids: tuple[str, ...]) -> None:
         """These were just used: the last to be evicted."""

@@ -21,9 +21,9 @@ from hotlora.adapters import (
     InvalidAdapter,
     MountEvent,
     activate,
+    adapter_files,
     parse_adapter_spec,
 )
-from hotlora.adapters import manager as manager_module
 from hotlora.adapters.first_use import SingleFlight
 from hotlora.config.errors import ModelNotFound
 
@@ -110,14 +110,14 @@ def alone(root: Path, adapter_id: str) -> mx.array:
 def slow_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Every adapter read, recorded, and held open a moment so concurrent requests overlap."""
     reads: list[Path] = []
-    read = manager_module.read_adapter
+    read = adapter_files.read_adapter
 
     def slow(directory: Path, *args, **kwargs):
         reads.append(directory)
         time.sleep(0.3)
         return read(directory, *args, **kwargs)
 
-    monkeypatch.setattr(manager_module, "read_adapter", slow)
+    monkeypatch.setattr(adapter_files, "read_adapter", slow)
     return reads
 
 
