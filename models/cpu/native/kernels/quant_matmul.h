@@ -1,108 +1,66 @@
-// The quantized kernel of rows_matmul.cpp, written once for every vector ISA: included after
-// rows_kernel.h inside a namespace that defines `Isa`, under that ISA's target.
-// No include guard: each inclusion is another ISA.
+// `x @ dequantize(w).T` for packed quantized weights, written once for every ISA: included
+// inside an ISA's namespace, under its target, after its traits (`Isa`, kernels/isa/*.h) and
+// kernels/matmul.h; each inclusion is another ISA, so no include guard.
 //
 // MLX's affine quantization: weight row n holds K values of `bits` bits packed into uint32
 // words, the lowest bits first; each group of `group` values has a scale and a bias, and value
-// q dequantizes to scale * q + bias. A tile of weight rows is dequantized into a float buffer
-// that stays in cache, then every row of x is multiplied by it in register blocks (BLAS's
-// outer products, many rows of x by a few weight rows): each output is the same fixed-order sum
-// over K, the float kernel's, whatever the number of rows.
+// q dequantizes to scale * q + bias (kernels/quant_types.h lists the widths served). A tile of
+// weight rows is dequantized into a float buffer that stays in cache, then every row of x is
+// multiplied by it in register blocks (BLAS's outer products, many rows of x by a few weight
+// rows): each output is the same fixed-order sum over K, the float kernel's, whatever the number
+// of rows.
 
 // Element i of a scales or biases array of `dtype` (Quantized::dtype), as a float: a half by
-// the F16C instruction (AArch64's own conversion there), a bfloat16 by its bits.
+// the ISA's conversion, a bfloat16 by its bits.
 inline float quant_param(const void* p, size_t i, int dtype) {
   if (dtype == 0) return static_cast<const float*>(p)[i];
   const uint16_t half = static_cast<const uint16_t*>(p)[i];
-#if defined(__aarch64__)
-  if (dtype == 1) {
-    __fp16 value;
-    std::memcpy(&value, &half, sizeof value);
-    return value;
-  }
-#else
-  if (dtype == 1) return _cvtsh_ss(half);
-#endif
+  if (dtype == 1) return Isa::half_to_float(half);
   const uint32_t bits = static_cast<uint32_t>(half) << 16;
   float value;
   std::memcpy(&value, &bits, sizeof value);
   return value;
 }
 
-// A float32 as it is, a float16's bits as the float it holds.
-inline float to_float(float value) { return value; }
-inline float to_float(uint16_t half) { return quant_param(&half, 0, 1); }
-
-// The 32 values of a chunk of one weight row (16 bytes at 4 bits, 32 at 8) as floats in
-// registers, `32 / kLanes` vectors: scale * value + bias, rounded as MLX's dequantize rounds it
-// in float32 (a product, then a sum). With float16 scales (`Exact`) the product is exact in
-// float32 (11 significant bits times 8 at most), so one fused multiply-add, which rounds only
-// the sum, gives the same bits in one operation instead of two. At 4 bits, where the ISA can
-// (Isa::kTable4), the sixteen possible values of the group are computed once, each rounded so,
-// and the codes pick from them: the same bits for fewer instructions a value.
+// The 32 values of a chunk of one weight row (32 * Bits / 8 bytes) as floats in registers,
+// `32 / kLanes` vectors: scale * value + bias, rounded as MLX's dequantize rounds it in float32
+// (a product, then a sum). With float16 scales (`Exact`) the product is exact in float32 (11
+// significant bits times 8 at most), so one fused multiply-add, which rounds only the sum, gives
+// the same bits in one operation instead of two. At 4 bits, where the ISA can (Isa::kTable4),
+// the sixteen possible values of the group are computed once, each rounded so, and the codes
+// pick from them: the same bits for fewer instructions a value.
 constexpr int kChunkVectors = 32 / Isa::kLanes;
 
 inline bool exact_products(const Quantized& q) { return q.dtype == 1; }
-
-#if defined(__aarch64__)
-template <int Bits, bool Exact>
-inline void dequantize32(const uint8_t* bytes, typename Isa::V scale, typename Isa::V bias,
-                         typename Isa::V (&out)[kChunkVectors]) {
-  uint8x16_t halves[2];
-  if constexpr (Bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
-    const uint8x16_t packed = vld1q_u8(bytes);
-    const uint8x16_t lo = vandq_u8(packed, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(packed, 4);
-    halves[0] = vzip1q_u8(lo, hi);
-    halves[1] = vzip2q_u8(lo, hi);
-  } else {  // a value a byte
-    halves[0] = vld1q_u8(bytes);
-    halves[1] = vld1q_u8(bytes + 16);
-  }
-  for (int h = 0; h < 2; h++) {  // 16 bytes, widened to 16 bits, then to 32, 4 at a time
-    const uint16x8_t wide[2] = {vmovl_u8(vget_low_u8(halves[h])), vmovl_high_u8(halves[h])};
-    for (int j = 0; j < 2; j++) {
-      const uint32x4_t words[2] = {vmovl_u16(vget_low_u16(wide[j])), vmovl_high_u16(wide[j])};
-      for (int i = 0; i < 2; i++)
-        if constexpr (Exact)
-          out[h * 4 + j * 2 + i] = Isa::fma(vcvtq_f32_u32(words[i]), scale, bias);
-        else
-          out[h * 4 + j * 2 + i] = Isa::add(Isa::mul(vcvtq_f32_u32(words[i]), scale), bias);
-    }
-  }
-}
-#else
 
 template <int Bits, bool Exact, class I = Isa>
 inline void dequantize32(const uint8_t* bytes, typename I::V scale, typename I::V bias,
                          typename I::V (&out)[kChunkVectors]) {
   if constexpr (Bits == 4 && I::kTable4) {
     I::lookup4(bytes, I::add(I::mul(I::codes16(), scale), bias), out);
-    return;
-  }
-  __m128i halves[2];
-  if constexpr (Bits == 4) {  // value 2i in byte i's low half, 2i+1 in its high half
-    const __m128i low = _mm_set1_epi8(0x0f);
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-    const __m128i lo = _mm_and_si128(packed, low);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-    halves[0] = _mm_unpacklo_epi8(lo, hi);
-    halves[1] = _mm_unpackhi_epi8(lo, hi);
-  } else {  // a value a byte
-    halves[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-    halves[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16));
-  }
-  constexpr int per_half = kChunkVectors / 2;
-  for (int h = 0; h < 2; h++)
-    for (int i = 0; i < per_half; i++) {
-      const __m128i part = i == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
-      const typename I::V values = I::from_bytes(part);
+  } else {
+    typename I::V values[kChunkVectors];
+    I::template codes32<Bits>(bytes, values);
+    for (int i = 0; i < kChunkVectors; i++)
       if constexpr (Exact)
-        out[h * per_half + i] = I::fma(values, scale, bias);
+        out[i] = I::fma(values[i], scale, bias);
       else
-        out[h * per_half + i] = I::add(I::mul(values, scale), bias);
-    }
+        out[i] = I::add(I::mul(values[i], scale), bias);
+  }
 }
-#endif
+
+// f(bits, exact) with q's code width (one of kernels/quant_types.h's) and whether its products
+// are exact, as compile-time constants (std::integral_constant).
+template <typename F>
+inline void with_type(const Quantized& q, F f) {
+  const bool exact = exact_products(q);
+  with_quant_bits(q.bits, [&](auto bits) {
+    if (exact)
+      f(bits, std::true_type{});
+    else
+      f(bits, std::false_type{});
+  });
+}
 
 inline const uint8_t* row_bytes(const Quantized& q, int n) {
   return reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(n) * q.K * q.bits / 8;
@@ -129,11 +87,9 @@ inline void dequantize_rows(const Quantized& q, int n0, int T, float* out) {
 }
 
 inline void dequantize_tile(const Quantized& q, int n0, int T, float* out) {
-  const bool exact = exact_products(q);
-  if (q.bits == 4 && exact) return dequantize_rows<4, true>(q, n0, T, out);
-  if (q.bits == 4) return dequantize_rows<4, false>(q, n0, T, out);
-  if (exact) return dequantize_rows<8, true>(q, n0, T, out);
-  dequantize_rows<8, false>(q, n0, T, out);
+  with_type(q, [&](auto bits, auto exact) {
+    dequantize_rows<decltype(bits)::value, decltype(exact)::value>(q, n0, T, out);
+  });
 }
 
 // out[m, r] = x[m, :] . dequantize(w[n + r, :]) for m < P, r < R, the weights dequantized in
@@ -183,11 +139,9 @@ void fused_rows_bits(const Quantized& q, const float* x, float* out, int N, int 
 
 template <int P>
 void fused_rows(const Quantized& q, const float* x, float* out, int N, int n0, int n1) {
-  const bool exact = exact_products(q);
-  if (q.bits == 4 && exact) return fused_rows_bits<4, true, P>(q, x, out, N, n0, n1);
-  if (q.bits == 4) return fused_rows_bits<4, false, P>(q, x, out, N, n0, n1);
-  if (exact) return fused_rows_bits<8, true, P>(q, x, out, N, n0, n1);
-  fused_rows_bits<8, false, P>(q, x, out, N, n0, n1);
+  with_type(q, [&](auto bits, auto exact) {
+    fused_rows_bits<decltype(bits)::value, decltype(exact)::value, P>(q, x, out, N, n0, n1);
+  });
 }
 
 // out[m, r] = x[m, :] . tile[r, :] for m < P, r < R: `block`'s sums, reduced sixteen at a
@@ -204,8 +158,7 @@ inline void tile_block(const Seg& seg, float* out, int ldo) {
   for (int i0 = 0; i0 < kOutputs; i0 += 16) {
     typename Isa::V v[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; i++)
-      v[i] = i0 + i < kOutputs ? acc[(i0 + i) % R][(i0 + i) / R] : zero;
+    for (int i = 0; i < 16; i++) v[i] = i0 + i < kOutputs ? acc[(i0 + i) % R][(i0 + i) / R] : zero;
     float sums[16];
     Isa::sums16(v, sums);
     for (int i = i0; i < std::min(i0 + 16, kOutputs); i++)
@@ -250,9 +203,10 @@ void tile_rows(const float* x, const float* tile, int K, int T, float* out, int 
   }
 }
 
-// out[:, n0:n1] of x @ dequantize(q).T; out is [M, N]. `tile` holds `tile_floats` floats.
-void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, int N, int n0,
-                        int n1, float* tile, int tile_floats) {
+// out[:, n0:n1] of x @ dequantize(q).T; out is [M, N]. `tile` holds `tile_floats` floats (a
+// `QuantRange`).
+inline void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, int N, int n0,
+                               int n1, float* tile, int tile_floats) {
   switch (M) {  // a decode step's few rows: the weights dequantized in registers
     case 1: return fused_rows<1>(q, x, out, N, n0, n1);
     case 2: return fused_rows<2>(q, x, out, N, n0, n1);
@@ -271,49 +225,5 @@ void quant_matmul_range(const Quantized& q, const float* x, float* out, int M, i
     const int rows = std::min(T, n1 - n);
     dequantize_tile(q, n, rows, tile);
     tile_rows<Isa::kTileP, Isa::kTileR>(x, tile, K, rows, out + n, M, N);
-  }
-}
-
-// b's values as floats, `Isa::kLanes` of them from p: float32 as they are, float16 converted (an
-// exact conversion: the sums that follow are those of the float32 values).
-inline typename Isa::V load_floats(const float* p) { return Isa::load(p); }
-inline typename Isa::V load_floats(const uint16_t* p) { return Isa::load_half(p); }
-
-// out[n0:n1] of one row of x += one adapter's low-rank residual, b [R, N] (float32, or float16
-// as the packed kernels keep adapters by default): for the columns r listed (QuantMatmulGather
-// lists all of an adapter's, in order), h[r] * b[r, n] added one at a time (a fused multiply-add
-// each).
-// Each output is its own sequence of operations: its bits depend neither on the vector width nor
-// on columns not listed. Four vectors of outputs at a time, four independent chains of
-// multiply-adds in flight (one chain waits on each multiply-add's latency), then one at a time.
-template <typename T>
-void add_residuals(const float* h, const T* b, int N, const int* columns, int count, float* out,
-                   int n0, int n1) {
-  constexpr int kChains = 4;
-  int n = n0;
-  for (; n + kChains * Isa::kLanes <= n1; n += kChains * Isa::kLanes) {
-    typename Isa::V acc[kChains];
-    for (int v = 0; v < kChains; v++) acc[v] = Isa::load(out + n + v * Isa::kLanes);
-    for (int i = 0; i < count; i++) {
-      const T* row = b + static_cast<size_t>(columns[i]) * N + n;
-      const typename Isa::V hr = Isa::set1(h[columns[i]]);
-      for (int v = 0; v < kChains; v++)
-        acc[v] = Isa::fma(hr, load_floats(row + v * Isa::kLanes), acc[v]);
-    }
-    for (int v = 0; v < kChains; v++) Isa::store(out + n + v * Isa::kLanes, acc[v]);
-  }
-  for (; n + Isa::kLanes <= n1; n += Isa::kLanes) {
-    typename Isa::V acc = Isa::load(out + n);
-    for (int i = 0; i < count; i++) {
-      const int r = columns[i];
-      acc = Isa::fma(Isa::set1(h[r]), load_floats(b + static_cast<size_t>(r) * N + n), acc);
-    }
-    Isa::store(out + n, acc);
-  }
-  for (; n < n1; n++) {
-    float acc = out[n];
-    for (int i = 0; i < count; i++)
-      acc = std::fma(h[columns[i]], to_float(b[static_cast<size_t>(columns[i]) * N + n]), acc);
-    out[n] = acc;
   }
 }

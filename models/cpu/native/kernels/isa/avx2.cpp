@@ -1,0 +1,42 @@
+// AVX2's kernels: every operation's, written once in kernels/*.h, built for its traits.
+#include "kernels/isa/avx2.h"
+
+#include "kernels/quant_types.h"
+#include "kernels/table.h"
+
+#if defined(__x86_64__)
+HOTLORA_AVX2_TARGET
+namespace hotlora::avx2 {
+#include "kernels/attention.h"
+#include "kernels/lora_gather.h"
+#include "kernels/matmul.h"
+#include "kernels/quant_matmul.h"
+}  // namespace hotlora::avx2
+HOTLORA_TARGET_END
+
+// Outside the target: the table's entry, and the check that runs before any of it.
+namespace hotlora::avx2 {
+
+bool supported() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+const Kernel& kernel() {
+  static const Kernel kKernel{
+      "avx2",
+      supported,
+      rows_matmul_range,
+      attend,
+      softmax_rows,
+      quant_matmul_range,
+      add_residuals<float>,
+      low_rank_row<float>,
+      add_residuals<uint16_t>,
+      low_rank_row<uint16_t>,
+  };
+  return kKernel;
+}
+
+}  // namespace hotlora::avx2
+#endif  // __x86_64__

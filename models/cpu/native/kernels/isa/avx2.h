@@ -1,0 +1,64 @@
+// AVX2's traits (with FMA and F16C): the vector type and operations every kernel is written in,
+// and its register blocking. Its code asks for its own target (HOTLORA_AVX2_TARGET) and runs only
+// where the CPU has it (kernels/table.cpp checks).
+#pragma once
+
+#include "kernels/isa/x86.h"
+#include "kernels/types.h"
+
+#if defined(__x86_64__)
+// AVX2's target, for its traits here and its kernels (avx2.cpp), to HOTLORA_TARGET_END.
+#define HOTLORA_AVX2_TARGET HOTLORA_TARGET_BEGIN("avx2,fma,f16c")
+
+HOTLORA_AVX2_TARGET
+namespace hotlora::avx2 {
+
+struct Isa {  // 16 vector registers: 8 accumulators
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kShortK = 4096, kShortP = 4, kShortR = 2, kLongP = 2, kLongR = 4;
+  static constexpr int kFusedR = 2;
+  static constexpr int kTileP = 4, kTileR = 2;  // a prompt's rows against a dequantized tile
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_first(const float* p, int n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+  }
+  static V load_half(const uint16_t* p) {  // 8 float16 values, converted exactly
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static float half_to_float(uint16_t half) { return _cvtsh_ss(half); }  // exact
+  static void prefetch(const float* p) {
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V from_bytes(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+  // The 32 codes of a chunk of packed weights as floats, in value order.
+  template <int Bits>
+  static void codes32(const uint8_t* bytes, V (&out)[4]) {
+    __m128i halves[2];
+    x86::code_bytes32<Bits>(bytes, halves);
+    for (int h = 0; h < 2; h++) {
+      out[2 * h] = from_bytes(halves[h]);
+      out[2 * h + 1] = from_bytes(_mm_srli_si128(halves[h], 8));
+    }
+  }
+  static constexpr bool kTable4 = false;  // a permute picks from eight lanes, not sixteen
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static void sums16(const V (&v)[16], float* out) {
+    for (int i = 0; i < 16; i++) out[i] = sum(v[i]);  // too few registers to gain by it
+  }
+};
+
+}  // namespace hotlora::avx2
+HOTLORA_TARGET_END
+#endif  // __x86_64__

@@ -1,0 +1,35 @@
+// NEON's kernels: every operation's, written once in kernels/*.h, built for its traits. The
+// baseline of every ARMv8-A CPU: no target to ask for, nothing to check at run time.
+#include "kernels/isa/neon.h"
+
+#include "kernels/quant_types.h"
+#include "kernels/table.h"
+
+#if defined(__aarch64__)
+namespace hotlora::neon {
+
+#include "kernels/attention.h"
+#include "kernels/lora_gather.h"
+#include "kernels/matmul.h"
+#include "kernels/quant_matmul.h"
+
+bool supported() { return true; }
+
+const Kernel& kernel() {
+  static const Kernel kKernel{
+      "neon",
+      supported,
+      rows_matmul_range,
+      attend,
+      softmax_rows,
+      quant_matmul_range,
+      add_residuals<float>,
+      low_rank_row<float>,
+      add_residuals<uint16_t>,
+      low_rank_row<uint16_t>,
+  };
+  return kKernel;
+}
+
+}  // namespace hotlora::neon
+#endif  // __aarch64__

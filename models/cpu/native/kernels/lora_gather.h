@@ -1,0 +1,113 @@
+// The gathered LoRA's kernels (Punica's BGMV, lora_plans.h's RowResiduals), written once for
+// every ISA: included inside an ISA's namespace, under its target, after its traits (`Isa`,
+// kernels/isa/*.h); each inclusion is another ISA, so no include guard. A row's activations of
+// one adapter (low_rank_row), then its residual added to the row's base product (add_residuals),
+// each in a fixed order of its own: a row's bits depend neither on the vector width nor on the
+// other rows and adapters of the call.
+
+// b's values as floats, `Isa::kLanes` of them from p: float32 as they are, float16 converted (an
+// exact conversion: the sums that follow are those of the float32 values).
+inline typename Isa::V load_floats(const float* p) { return Isa::load(p); }
+inline typename Isa::V load_floats(const uint16_t* p) { return Isa::load_half(p); }
+
+// A float32 as it is, a float16's bits as the float it holds.
+inline float to_float(float value) { return value; }
+inline float to_float(uint16_t half) { return Isa::half_to_float(half); }
+
+// out[n0:n1] of one row of x += one adapter's low-rank residual, b [R, N] (float32, or float16
+// as the packed kernels keep adapters by default): for the columns r listed (QuantMatmulGather
+// lists all of an adapter's, in order), h[r] * b[r, n] added one at a time (a fused multiply-add
+// each).
+// Each output is its own sequence of operations: its bits depend neither on the vector width nor
+// on columns not listed. Four vectors of outputs at a time, four independent chains of
+// multiply-adds in flight (one chain waits on each multiply-add's latency), then one at a time.
+template <typename T>
+void add_residuals(const float* h, const T* b, int N, const int* columns, int count, float* out,
+                   int n0, int n1) {
+  constexpr int kChains = 4;
+  int n = n0;
+  for (; n + kChains * Isa::kLanes <= n1; n += kChains * Isa::kLanes) {
+    typename Isa::V acc[kChains];
+    for (int v = 0; v < kChains; v++) acc[v] = Isa::load(out + n + v * Isa::kLanes);
+    for (int i = 0; i < count; i++) {
+      const T* row = b + static_cast<size_t>(columns[i]) * N + n;
+      const typename Isa::V hr = Isa::set1(h[columns[i]]);
+      for (int v = 0; v < kChains; v++)
+        acc[v] = Isa::fma(hr, load_floats(row + v * Isa::kLanes), acc[v]);
+    }
+    for (int v = 0; v < kChains; v++) Isa::store(out + n + v * Isa::kLanes, acc[v]);
+  }
+  for (; n + Isa::kLanes <= n1; n += Isa::kLanes) {
+    typename Isa::V acc = Isa::load(out + n);
+    for (int i = 0; i < count; i++) {
+      const int r = columns[i];
+      acc = Isa::fma(Isa::set1(h[r]), load_floats(b + static_cast<size_t>(r) * N + n), acc);
+    }
+    Isa::store(out + n, acc);
+  }
+  for (; n < n1; n++) {
+    float acc = out[n];
+    for (int i = 0; i < count; i++)
+      acc = std::fma(h[columns[i]], to_float(b[static_cast<size_t>(columns[i]) * N + n]), acc);
+    out[n] = acc;
+  }
+}
+
+// The first n < kLanes values from p as floats, then zeros.
+inline typename Isa::V load_first_floats(const float* p, int n) { return Isa::load_first(p, n); }
+inline typename Isa::V load_first_floats(const uint16_t* p, int n) {
+  uint16_t lanes[Isa::kLanes] = {};
+  std::memcpy(lanes, p, sizeof(uint16_t) * n);
+  return Isa::load_half(lanes);
+}
+
+// The n < kLanes values at a + offset as the first lanes: a whole vector's load where it stays
+// inside the array (size values), the lanes past n holding what follows, never stored; else the
+// n values alone. The first lanes' operations are the same either way.
+template <typename T>
+inline typename Isa::V load_tail(const T* a, size_t offset, size_t size, int n) {
+  return offset + Isa::kLanes <= size ? load_floats(a + offset) : load_first_floats(a + offset, n);
+}
+
+// h[j] = scale * (x . a[:, j]) for j < r, one row x [K] against an adapter's A as mounted,
+// a [K, r] row-major (mlx-lm's lora_a), float32 or float16 (load_floats): the rank runs along
+// the vector lanes, so A is read once, row by row. Each sum is four chains of fused
+// multiply-adds over k = u, u + 4, ... (u < 4), added as (c0 + c1) + (c2 + c3), then scaled: a
+// fixed order over K. Every lane, those of the last, partly filled vector too, does the same
+// operations, so h depends neither on the vector width nor on the other rows or adapters of the
+// call.
+template <typename T>
+void low_rank_row(const float* x, const T* a, int K, int r, float scale, float* h) {
+  using V = typename Isa::V;
+  int j = 0;
+  for (; j + Isa::kLanes <= r; j += Isa::kLanes) {
+    V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
+    int k = 0;
+    for (; k + 4 <= K; k += 4)
+      for (int u = 0; u < 4; u++)
+        c[u] = Isa::fma(Isa::set1(x[k + u]), load_floats(a + static_cast<size_t>(k + u) * r + j),
+                        c[u]);
+    for (; k < K; k++)
+      c[k % 4] =
+          Isa::fma(Isa::set1(x[k]), load_floats(a + static_cast<size_t>(k) * r + j), c[k % 4]);
+    const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
+    Isa::store(h + j, Isa::mul(sum, Isa::set1(scale)));
+  }
+  if (j < r) {  // the last r - j columns: the same operations, on the first lanes of a vector
+    const int n = r - j;
+    const size_t size = static_cast<size_t>(K) * r;
+    V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
+    int k = 0;
+    for (; k + 4 <= K; k += 4)
+      for (int u = 0; u < 4; u++)
+        c[u] = Isa::fma(Isa::set1(x[k + u]),
+                        load_tail(a, static_cast<size_t>(k + u) * r + j, size, n), c[u]);
+    for (; k < K; k++)
+      c[k % 4] = Isa::fma(Isa::set1(x[k]), load_tail(a, static_cast<size_t>(k) * r + j, size, n),
+                          c[k % 4]);
+    const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
+    float lanes[Isa::kLanes];
+    Isa::store(lanes, Isa::mul(sum, Isa::set1(scale)));
+    std::memcpy(h + j, lanes, sizeof(float) * n);
+  }
+}

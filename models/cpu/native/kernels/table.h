@@ -1,0 +1,54 @@
+// The kernels of every ISA as one table, and the choice among them at run time: the widest this
+// CPU runs, unless use_kernel picks another. Every caller reaches the kernels through a Kernel's
+// pointers, never an ISA's namespace.
+#pragma once
+
+#include <span>
+#include <string>
+
+#include "kernels/types.h"
+
+namespace hotlora {
+
+// One ISA's kernels, with what the CPU needs for them.
+struct Kernel {
+  const char* isa;
+  bool (*supported)();  // whether this CPU runs them
+  Range range;
+  Attend attend;
+  Softmax softmax;
+  QuantRange quant;
+  Residuals<float> residuals;
+  LowRank<float> low_rank;  // a row's activations of one adapter (kernels/lora_gather.h)
+  Residuals<uint16_t> residuals_half;
+  LowRank<uint16_t> low_rank_half;
+};
+
+// Each ISA's entry, in kernels/isa/<name>.cpp; on another architecture it is not defined.
+namespace avx512vbmi {
+const Kernel& kernel();
+}
+namespace avx512 {
+const Kernel& kernel();
+}
+namespace avx2 {
+const Kernel& kernel();
+}
+namespace neon {
+const Kernel& kernel();
+}
+
+// This architecture's kernels, widest first, whether this CPU runs them or not.
+std::span<const Kernel* const> kernels();
+
+// The kernel named `isa` (empty: the widest this CPU runs); nullptr if the CPU lacks it.
+const Kernel* find_kernel(const std::string& isa = "");
+
+// The kernel every later product takes: the widest this CPU runs, or the last use_kernel's;
+// nullptr when this CPU runs none.
+const Kernel* active_kernel();
+
+// Makes the kernel named `isa` the active one; false (and nothing changed) if the CPU lacks it.
+bool use_kernel(const std::string& isa);
+
+}  // namespace hotlora

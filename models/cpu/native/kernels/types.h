@@ -1,0 +1,58 @@
+// The kernels' operands and signatures: what every ISA's kernels take and kernels/table.h lists.
+// Nothing here or elsewhere under kernels/ needs MLX or nanobind: tests/native/kernels_check.cpp
+// builds the kernels alone.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace hotlora {
+
+constexpr int kPrefetch = 512;  // floats ahead of the weight rows being read
+
+// One pair of operands of a sum of products: rows of x [M, k] and of w [N, k], row-major.
+struct Seg {
+  const float* x = nullptr;
+  const float* w = nullptr;
+  int k = 0;  // 0: no operands
+  Seg rows(int m, int n) const {
+    return k ? Seg{x + static_cast<size_t>(m) * k, w + static_cast<size_t>(n) * k, k} : *this;
+  }
+};
+
+// Weights [N, K] quantized as MLX's affine mode: the packed words, and a scale and a bias a
+// group of `group` values in their own dtype (kernels/quant_types.h lists the bits and groups).
+struct Quantized {
+  const uint32_t* w = nullptr;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
+  int K = 0, bits = 4, group = 32;
+  int dtype = 0;  // 0: float32, 1: float16, 2: bfloat16
+};
+
+// out[:, n0:n1] of main.x @ main.w.T (+ extra.x @ extra.w.T); out is [M, N] (kernels/matmul.h).
+using Range = void (*)(const Seg& main, const Seg& extra, float* out, int M, int N, int n0, int n1);
+// One query token's attention for the query heads that share a KV head (kernels/attention.h).
+using Attend = void (*)(const float* q, int G, int D, const float* k, int64_t k_step,
+                        const float* v, int64_t v_step, int Dv, const bool* visible,
+                        int64_t visible_step, int S, float* scores, float* out);
+// Each of G rows of S scores replaced by its softmax (kernels/attention.h).
+using Softmax = void (*)(float* scores, int G, int S);
+// out[:, n0:n1] of x @ dequantize(q).T, with `tile_floats` floats of scratch at `tile`
+// (kernels/quant_matmul.h).
+using QuantRange = void (*)(const Quantized& q, const float* x, float* out, int M, int N, int n0,
+                            int n1, float* tile, int tile_floats);
+// The gathered LoRA's kernels, for float32 adapters and for float16 ones (T: uint16_t)
+// (kernels/lora_gather.h).
+template <typename T>
+using Residuals = void (*)(const float* h, const T* b, int N, const int* columns, int count,
+                           float* out, int n0, int n1);
+template <typename T>
+using LowRank = void (*)(const float* x, const T* a, int K, int r, float scale, float* h);
+
+}  // namespace hotlora

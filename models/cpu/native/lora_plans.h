@@ -1,0 +1,136 @@
+// LoRA plans: the adapters' pairs as mounted (AdapterPairs), a batch's adapters and each row's
+// entries (RowPlan), and the gathered residuals that a quantized product adds from them
+// (RowResiduals, on the active Kernel's low_rank and residuals kernels).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "kernels/table.h"
+#include "mlx/array.h"
+
+namespace hotlora {
+
+namespace mx = mlx::core;
+
+// One adapter's pairs as mounted, at each LoRA slot of the model that it has weights at: a [K, r]
+// and b [r, N], row-major, float32 (`--adapter-dtype float32`) or float16 (the default). The
+// arrays are held here, so a primitive that holds this reads them wherever Python's references
+// have gone; they are not the primitive's inputs (evaluated once, at the mount), so a step's
+// graph carries no array of any adapter. Made and shared from C++ alone (enable_shared_from_this:
+// nanobind hands C++ the object's own shared_ptr, not one whose deleter takes the GIL), so the
+// last reference, dropped where a step ran, frees it there without waiting for Python.
+struct AdapterPairs : std::enable_shared_from_this<AdapterPairs> {
+  struct Pair {
+    const void* a;
+    const void* b;
+    int K, r, N;
+    bool half;
+  };
+  std::vector<mx::array> arrays;
+  std::vector<std::optional<Pair>> slots;  // by slot number
+
+  const Pair* at(int slot) const {
+    return slot >= 0 && static_cast<size_t>(slot) < slots.size() && slots[slot] ? &*slots[slot]
+                                                                                : nullptr;
+  }
+};
+
+// The adapters of one batch's rows and each row's entries, the same at every slot: its S + 1
+// offsets into the E entries (row s's are [offsets[s], offsets[s + 1])), each entry's adapter
+// (an index into `adapters`) and scale, in its set's order. At a slot an entry whose adapter has
+// no weights there adds nothing. Shared from C++ alone, as AdapterPairs.
+struct RowPlan : std::enable_shared_from_this<RowPlan> {
+  RowPlan(std::vector<std::shared_ptr<AdapterPairs>> adapters, std::vector<int32_t> offsets,
+          std::vector<int32_t> entries, std::vector<float> scales)
+      : adapters(std::move(adapters)),
+        offsets(std::move(offsets)),
+        entries(std::move(entries)),
+        scales(std::move(scales)) {}
+
+  std::vector<std::shared_ptr<AdapterPairs>> adapters;
+  std::vector<int32_t> offsets;
+  std::vector<int32_t> entries;
+  std::vector<float> scales;
+
+  int rows() const { return static_cast<int>(offsets.size()) - 1; }
+};
+
+// The gathered form of QuantMatmul's LoRA (Punica's BGMV): each adapter's pair is read where it
+// is mounted, and the plan says which adapters each row applies, in its set's order, at which
+// scale. A row computes only its own adapters' activations (low_rank_row), then, after its base
+// product, adds (h * scale) @ b for each of them in order, column by column (add_residuals): the
+// operations on a row's outputs are fixed by its own set alone, so its bits are the same alone
+// and beside any other rows and adapters, and no pair is copied. RowResiduals does this for one
+// product (QuantMatmulGather) or for several products of the same rows (QuantMatmulHeads' q, k
+// and v, or gate and up), one pass of the pool's threads for all of their activations and one
+// for all of their residuals.
+class RowResiduals {
+ public:
+  // x [M, K] row-major, the rows of every product added.
+  RowResiduals(const Kernel* kernel, const float* x, int M, int K)
+      : kernel_(kernel), x_(x), M_(M), K_(K) {}
+
+  // One product's residuals at `slot`, added to `out` [M, N] row-major (its base product): one
+  // unit per row and entry of its set whose adapter has weights at the slot (row m is the plan's
+  // row m / (M / S)).
+  void add(const RowPlan& plan, int slot, int N, float* out);
+
+  bool empty() const { return units_.empty(); }
+
+  // Every unit's activations, h = scale * (x[m] @ a), one pass.
+  void activations();
+
+  // Then each row's residuals on each product's base output, one pass, a row at a time in spans
+  // of at least 512 columns: b's rows are read in runs of 2 KiB or more, which the memory
+  // streams, not in a tile's few cache lines each.
+  void residuals();
+
+ private:
+  struct Product {
+    int N;
+    float* out;
+  };
+  struct Unit {
+    int j, m;  // product, row
+    const AdapterPairs::Pair* pair;
+    float scale;
+    size_t h;  // its activations' offset
+  };
+
+  // A span's bounds: multiples of 16 (whole vectors), but the last.
+  static int bound(int N, int spans, int part);
+
+  const Kernel* kernel_;
+  const float* x_;
+  int M_, K_;
+  std::vector<Product> products_;
+  std::vector<Unit> units_;
+  std::vector<int> first_;     // product j's row m's units start at first_[j * M + m]
+  std::vector<int> spans_;     // each product's spans a row
+  std::vector<int> items_{0};  // product j's (row, span) items are [items_[j], items_[j + 1])
+  size_t floats_ = 0;
+  int widest_ = 0;
+  std::vector<float> h_;
+};
+
+// Checks that a plan serves x's M rows (its rows divide them evenly) and that each of its
+// adapters' pairs at `slot` takes x's K inputs to N outputs.
+void check_plan(const char* name, const mx::array& x, int N, const RowPlan& plan, int slot);
+
+// An adapter's pairs for the gathered kernels: pairs[slot] is (a [K, r], b [r, N]), both float32
+// or both float16, row-major, or None where it has no weights. Each is evaluated here.
+std::shared_ptr<AdapterPairs> adapter_pairs(
+    const std::vector<std::optional<std::pair<mx::array, mx::array>>>& pairs);
+
+// A batch's plan: its adapters (each's pairs, once), then the S + 1 offsets into the entries,
+// each entry's adapter (an index into `adapters`) and its scale.
+std::shared_ptr<RowPlan> row_plan(std::vector<std::shared_ptr<AdapterPairs>> adapters,
+                                  std::vector<int32_t> offsets, std::vector<int32_t> entries,
+                                  std::vector<float> scales);
+
+}  // namespace hotlora

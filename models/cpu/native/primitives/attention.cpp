@@ -1,0 +1,214 @@
+// Attention on the CPU: RowsAttention (each query token's attention over its own keys, the
+// active Kernel's `attend`, kernels/attention.h) and MaskedSoftmax (a prefill chunk's softmax,
+// its `softmax`).
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "primitives/common.h"
+#include "primitives/ops.h"
+#include "thread_pool.h"
+
+namespace hotlora {
+namespace {
+
+// A KV cache's keys or values [B, heads, S, D] for `attention_rows`: read in place when each
+// position's D floats are contiguous (a slice of the cache), else from a packed copy.
+class CacheView {
+ public:
+  explicit CacheView(const mx::array& a)
+      : source_(a), data_(a.data<float>()), strides_(a.strides()), in_place_(a.strides(3) == 1) {
+    if (!in_place_) {
+      strides_[3] = 1, strides_[2] = a.shape(3);
+      strides_[1] = strides_[2] * a.shape(2), strides_[0] = strides_[1] * a.shape(1);
+    }
+  }
+  // In the task, once the data is there.
+  void prepare() {
+    if (!in_place_) data_ = source_.get();
+  }
+  const float* at(int b, int h) const { return data_ + b * strides_[0] + h * strides_[1]; }
+  int64_t step() const { return strides_[2]; }
+
+ private:
+  RowMajor source_;
+  const float* data_;
+  mx::Strides strides_;
+  bool in_place_;
+};
+
+// softmax(q * scale . k^T over the keys the mask shows) . v, each query token on its own: a
+// batched decode step's attention, each row on its own keys, in one primitive where MLX's CPU
+// backend takes about twenty; with the quantized weights' kernels, every step's (a request
+// alone, a prompt's chunks), so that a token's result does not depend on the other rows of the
+// batch or on how its prompt was cut into chunks. q [B, H, L, D]; k [B, Hkv, S, D] and
+// v [B, Hkv, S, Dv], views of a KV cache; mask [B, 1, L, S] bool (a broadcast view reads in
+// place). Query head h reads KV head h / (H / Hkv), as MLX groups them.
+class RowsAttention : public CpuPrimitive {
+ public:
+  // merged: the output as [B, L, H * Dv], the heads side by side (`attention_rows_merged`).
+  RowsAttention(mx::Stream stream, float scale, bool merged = false)
+      : CpuPrimitive(stream), scale_(scale), merged_(merged) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    const auto& mask = inputs[3];
+    const int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+    const int Hkv = inputs[1].shape(1), S = inputs[1].shape(2), Dv = inputs[2].shape(3);
+    const int G = H / Hkv;
+    const bool* visible = mask.data<bool>();
+    const int64_t mask_row = mask.strides(0), mask_token = mask.strides(2);
+    const int64_t mask_step = mask.strides(3);
+    dispatch_rows(stream(), inputs, 1, outputs[0],
+                  [=, scale = scale_, merged = merged_, keys = CacheView(inputs[1]),
+                   values = CacheView(inputs[2]),
+                   attend = active_kernel()->attend](auto& operands, float* op) mutable {
+      const float* qp = operands[0].get();
+      keys.prepare(), values.prepare();
+      const auto body = [&](int u0, int u1) {
+        std::vector<float> scaled(static_cast<size_t>(G) * D), scores(static_cast<size_t>(G) * S);
+        std::vector<float> out(static_cast<size_t>(G) * Dv);
+        for (int u = u0; u < u1; u++) {
+          const int b = u / (Hkv * L), h = u / L % Hkv, l = u % L;
+          const size_t first = static_cast<size_t>(b) * H + static_cast<size_t>(h) * G;
+          for (int g = 0; g < G; g++) {
+            const float* qh = qp + ((first + g) * L + l) * D;
+            for (int d = 0; d < D; d++) scaled[static_cast<size_t>(g) * D + d] = qh[d] * scale;
+          }
+          attend(scaled.data(), G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(),
+                 Dv, visible + b * mask_row + l * mask_token, mask_step, S, scores.data(),
+                 out.data());
+          for (int g = 0; g < G; g++) {
+            const size_t head = static_cast<size_t>(h) * G + g;
+            const size_t at = merged ? ((static_cast<size_t>(b) * L + l) * H + head) * Dv
+                                     : ((first + g) * L + l) * Dv;
+            std::copy_n(out.data() + static_cast<size_t>(g) * Dv, Dv, op + at);
+          }
+        }
+      };
+      // A query token's KV head a unit: no blocks of 4 to keep.
+      parallel_rows(B * Hkv * L, 1, body, /*align=*/1);
+    });
+  }
+  const char* name() const override { return "RowsAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RowsAttention&>(other);
+    return scale_ == o.scale_ && merged_ == o.merged_;
+  }
+
+ private:
+  float scale_;
+  bool merged_;
+};
+
+void check_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                     const mx::array& mask) {
+  check_float32({q, k, v});
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || mask.ndim() != 4 ||
+      mask.dtype() != mx::bool_)
+    throw std::invalid_argument(
+        "attention_rows: expected q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] and a "
+        "bool mask [B, 1, L, S]");
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2), Hkv = k.shape(1), S = k.shape(2);
+  if (k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hkv || v.shape(2) != S ||
+      k.shape(3) != q.shape(3) || Hkv == 0 || H % Hkv != 0 || S == 0 || L == 0 ||
+      mask.shape() != mx::Shape{B, 1, L, S})
+    throw std::invalid_argument(
+        "attention_rows: expected q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] with H a "
+        "multiple of Hkv, and a bool mask [B, 1, L, S]");
+}
+
+// softmax(where(mask, scores, lowest)) over the last axis of scores [..., S]: the middle of
+// MLX's CPU attention (`cpu_attention`), whose where, max, exp, sum and scaling are five passes
+// over the scores on one thread, in one pass a row on the pool's threads. Each row's steps are
+// MLX's, in its order (a sequential sum, MLX's exp), so the results are MLX's to the bit. The
+// scores' buffer is reused when nothing else holds it. mask: bool, the scores' shape (a
+// broadcast view reads in place).
+class MaskedSoftmax : public CpuPrimitive {
+ public:
+  explicit MaskedSoftmax(mx::Stream stream) : CpuPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& scores = inputs[0];
+    const auto& mask = inputs[1];
+    auto& out = outputs[0];
+    const bool in_place = scores.flags().row_contiguous && scores.is_donatable();
+    if (in_place)
+      out.copy_shared_buffer(scores);
+    else
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(scores);
+    encoder.set_input_array(mask);
+    encoder.set_output_array(out);
+    const int ndim = scores.ndim(), S = scores.shape(-1);
+    const int rows = static_cast<int>(scores.size() / S);
+    mx::Shape shape = scores.shape();
+    mx::Strides mask_strides = mask.strides();
+    encoder.dispatch(
+        [source = RowMajor(scores), visible = mask.data<bool>(), op = out.data<float>(), shape,
+         mask_strides, ndim, S, rows, in_place, softmax = active_kernel()->softmax]() mutable {
+      const float* sp = in_place ? op : source.get();
+      const int64_t mask_step = mask_strides[ndim - 1];
+      const auto body = [&](int r0, int r1) {
+        for (int r = r0; r < r1; r++) {
+          int64_t at = 0;  // the row's first mask flag: its index over the leading axes
+          for (int axis = ndim - 2, rest = r; axis >= 0; axis--) {
+            at += static_cast<int64_t>(rest % shape[axis]) * mask_strides[axis];
+            rest /= shape[axis];
+          }
+          const float* in = sp + static_cast<size_t>(r) * S;
+          float* row = op + static_cast<size_t>(r) * S;
+          const bool* flags = visible + at;
+          for (int s = 0; s < S; s++) row[s] = flags[s * mask_step] ? in[s] : kLowestScore;
+          softmax(row, 1, S);
+        }
+      };
+      parallel_rows(rows, 16, body, /*align=*/1);
+    });
+  }
+  const char* name() const override { return "MaskedSoftmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+ private:
+  static constexpr float kLowestScore = -std::numeric_limits<float>::max();  // MLX's finfo.min
+};
+
+}  // namespace
+
+mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v,
+                         const mx::array& mask, float scale) {
+  check_attention(q, k, v, mask);
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2);
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({B, H, L, v.shape(3)}, mx::float32, std::make_shared<RowsAttention>(s, scale),
+                   {q, k, v, mask});
+}
+
+// attention_rows' output as the output projection reads it, [B, L, H * Dv]: written so by the
+// primitive, where [B, H, L, Dv] would take a transpose and a reshape (two more operations).
+mx::array attention_rows_merged(const mx::array& q, const mx::array& k, const mx::array& v,
+                                const mx::array& mask, float scale) {
+  check_attention(q, k, v, mask);
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2);
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({B, L, H * v.shape(3)}, mx::float32,
+                   std::make_shared<RowsAttention>(s, scale, /*merged=*/true), {q, k, v, mask});
+}
+
+mx::array masked_softmax(const mx::array& scores, const mx::array& mask) {
+  if (scores.dtype() != mx::float32 || scores.ndim() < 1 || scores.shape(-1) == 0 ||
+      mask.dtype() != mx::bool_ || mask.shape() != scores.shape())
+    throw std::invalid_argument(
+        "masked_softmax: expected float32 scores [..., S] and a bool mask of the same shape");
+  if (active_kernel() == nullptr)
+    throw std::invalid_argument("masked_softmax: the CPU lacks AVX2 and FMA");
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(scores.shape(), mx::float32, std::make_shared<MaskedSoftmax>(s), {scores, mask});
+}
+
+}  // namespace hotlora

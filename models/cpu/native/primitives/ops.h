@@ -1,0 +1,48 @@
+// The operations the extension exposes, each building one MLX primitive of primitives/*.cpp
+// (bindings.cpp binds them by these names).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "lora_plans.h"
+#include "mlx/array.h"
+
+namespace hotlora {
+
+namespace mx = mlx::core;
+
+// primitives/rows_matmul.cpp: x [..., K] @ w [N, K].T for a batched decode step's few rows, with
+// or without each row's masked LoRA residual ((x @ a_t.T) * mask) @ b_t.T.
+mx::array rows_matmul(const mx::array& x, const mx::array& w);
+mx::array rows_matmul_lora(const mx::array& x, const mx::array& w, const mx::array& a_t,
+                           const mx::array& b_t, const mx::array& mask);
+
+// primitives/quant_matmul.cpp: x @ dequantize(w, scales, biases).T for MLX's affine-quantized
+// weights, any number of rows; with each row's own adapters at a LoRA slot (a plan's); several
+// weights of one input as one primitive.
+mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                       const mx::array& biases, int group_size, int bits);
+mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits,
+                              std::shared_ptr<RowPlan> plan, int slot);
+std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
+                                          const std::vector<mx::array>& scales,
+                                          const std::vector<mx::array>& biases,
+                                          const std::vector<int>& heads, int group_size, int bits,
+                                          std::shared_ptr<RowPlan> plan, std::vector<int> slots);
+
+// primitives/norms.cpp: MLX's RMSNorm and RoPE to the bit, each one primitive.
+mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps);
+mx::array rope_rows(const mx::array& x, const mx::array& offset, int dims, bool traditional,
+                    float base, float scale);
+
+// primitives/attention.cpp: each query token's attention over its own keys, [B, H, L, Dv] or
+// merged [B, L, H * Dv]; a prefill chunk's masked softmax.
+mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v,
+                         const mx::array& mask, float scale);
+mx::array attention_rows_merged(const mx::array& q, const mx::array& k, const mx::array& v,
+                                const mx::array& mask, float scale);
+mx::array masked_softmax(const mx::array& scores, const mx::array& mask);
+
+}  // namespace hotlora

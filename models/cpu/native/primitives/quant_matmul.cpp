@@ -1,0 +1,309 @@
+// The products of packed quantized weights: QuantMatmul (`x @ dequantize(w).T`, any number of
+// rows), QuantMatmulGather (with each row's own adapters at a LoRA slot, gathered from a plan)
+// and QuantMatmulHeads (several weights of one input as one primitive). The kernels are the
+// active Kernel's `quant` (kernels/quant_matmul.h) and its gathered LoRA's (RowResiduals).
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/quant_types.h"
+#include "lora_plans.h"
+#include "mlx/ops.h"
+#include "primitives/common.h"
+#include "primitives/ops.h"
+#include "thread_pool.h"
+
+namespace hotlora {
+namespace {
+
+// A packed weight's operands as the kernel reads them (w [N, K * bits / 32] uint32, scales and
+// biases [N, K / group]), each row-contiguous, else refused in `name`'s words.
+Quantized packed_weight(const mx::array& w, const mx::array& scales, const mx::array& biases, int K,
+                        int bits, int group, const char* name) {
+  for (const auto* a : {&w, &scales, &biases})
+    if (!a->flags().row_contiguous)
+      throw std::invalid_argument(std::string(name) + ": the weights must be row-contiguous");
+  const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
+  return Quantized{
+      w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits, group, dtype};
+}
+
+// A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
+int tile_floats(int M) { return M <= 16 ? 8192 : 32768; }
+
+// out [M, N] = x [M, K] @ dequantize(q).T, the columns split over the pool's threads.
+void quant_rows(QuantRange quant, const Quantized& q, const float* x, float* out, int M, int N) {
+  const int floats = tile_floats(M);
+  parallel_rows(N, 64, [&](int n0, int n1) {
+    thread_local std::vector<float> tile;
+    tile.resize(std::max<size_t>(floats, 4 * static_cast<size_t>(q.K)));
+    quant(q, x, out, M, N, n0, n1, tile.data(), floats);
+  });
+}
+
+// `x @ dequantize(w, scales, biases).T` for MLX's affine-quantized weights, any number of rows:
+// a request alone, a batched decode step, a prefill chunk. The weights stay packed in memory;
+// each thread dequantizes a tile of weight rows at a time into a buffer that stays in cache and
+// multiplies every row of x by it. Each output is one fixed-order sum over K, so a row's result
+// does not depend on the other rows, however many: a batch or a prompt's chunking changes no
+// bit. With LoRA, QuantMatmulGather adds each row's own residuals after the same products.
+class QuantMatmul : public CpuPrimitive {
+ public:
+  QuantMatmul(mx::Stream stream, int bits, int group)
+      : CpuPrimitive(stream), bits_(bits), group_(group) {}
+
+  // inputs: x [..., K], w [N, K * bits / 32] uint32, scales and biases [N, K / group].
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = inputs[1].shape(0);
+    const Quantized q =
+        packed_weight(inputs[1], inputs[2], inputs[3], K, bits_, group_, "quant_matmul");
+    dispatch_rows(stream(), inputs, 1, outputs[0],
+                  [=, quant = active_kernel()->quant](auto& operands, float* op) {
+      quant_rows(quant, q, operands[0].get(), op, M, N);
+    });
+  }
+  const char* name() const override { return "QuantMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantMatmul&>(other);
+    return bits_ == o.bits_ && group_ == o.group_;
+  }
+
+ private:
+  int bits_;
+  int group_;
+};
+
+// Refuses what the kernels do not take: kernels/quant_types.h lists the bits and groups.
+void check_quantized(const mx::array& x, const mx::array& w, const mx::array& scales,
+                     const mx::array& biases, int group, int bits) {
+  if (active_kernel() == nullptr)
+    throw std::invalid_argument("quant_matmul: the CPU lacks AVX2 and FMA");
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
+    throw std::invalid_argument("quant_matmul: x must be float32 [..., K]");
+  if (!quant_bits_served(bits))
+    throw std::invalid_argument("quant_matmul: " + served_words(quant_bits_array(QuantTypes{})) +
+                                " bits only");
+  if (!quant_group_served(group))
+    throw std::invalid_argument("quant_matmul: groups of " + served_words(kQuantGroups) + " only");
+  const auto dtype = scales.dtype();
+  if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16)
+    throw std::invalid_argument("quant_matmul: float32, float16 or bfloat16 scales only");
+  const int K = x.shape(-1);
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 || K % group != 0 ||
+      static_cast<int64_t>(w.shape(1)) * 32 / bits != K || biases.dtype() != dtype ||
+      scales.shape() != mx::Shape{w.shape(0), K / group} || biases.shape() != scales.shape())
+    throw std::invalid_argument(
+        "quant_matmul: expected x [..., K], w [N, K * bits / 32] uint32, and scales and "
+        "biases [N, K / group] of one dtype");
+}
+
+mx::array quant_primitive(std::vector<mx::array> inputs, int N, int group, int bits) {
+  const auto s = mx::default_stream(mx::Device::cpu);
+  mx::Shape shape = inputs[0].shape();
+  shape.back() = N;
+  return mx::array(shape, mx::float32, std::make_shared<QuantMatmul>(s, bits, group),
+                   std::move(inputs));
+}
+
+class QuantMatmulGather : public CpuPrimitive {
+ public:
+  QuantMatmulGather(mx::Stream stream, int bits, int group, std::shared_ptr<const RowPlan> plan,
+                    int slot)
+      : CpuPrimitive(stream), bits_(bits), group_(group), plan_(std::move(plan)), slot_(slot) {}
+
+  // inputs: x [..., K] (M rows, M / S a row of the plan), then w, scales, biases as
+  // QuantMatmul's; the plan's adapters' pairs at the slot are added.
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), N = inputs[1].shape(0);
+    const Quantized q =
+        packed_weight(inputs[1], inputs[2], inputs[3], K, bits_, group_, "quant_matmul_gather");
+    dispatch_rows(stream(), inputs, 1, outputs[0],
+                  [=, plan = plan_, slot = slot_, quant = active_kernel()->quant,
+                   gather = active_kernel()](auto& operands, float* op) {
+      const float* xp = operands[0].get();
+      RowResiduals residuals(gather, xp, M, K);
+      residuals.add(*plan, slot, N, op);
+      if (!residuals.empty()) residuals.activations();
+      quant_rows(quant, q, xp, op, M, N);
+      if (!residuals.empty()) residuals.residuals();
+    });
+  }
+  const char* name() const override { return "QuantMatmulGather"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantMatmulGather&>(other);
+    return bits_ == o.bits_ && group_ == o.group_ && plan_ == o.plan_ && slot_ == o.slot_;
+  }
+
+ private:
+  int bits_;
+  int group_;
+  std::shared_ptr<const RowPlan> plan_;
+  int slot_;
+};
+
+// x @ dequantize(w_j).T for several weights of one input at once (a layer's q, k and v, or its
+// gate and up): one primitive and one pass of the pool's threads where separate products take
+// one each. Each output is computed by quant_matmul's kernel on the same rows, so its bits are
+// quant_matmul's; an output with a slot adds each row's own adapters' residuals there as
+// quant_matmul_gather does (RowResiduals, all the outputs' in one pass), to its bits. x [B, L, K];
+// output j is [B, heads_j, L, N_j / heads_j] (the attention's layout, with the reshape and
+// transpose that would make it done here), or [B, L, N_j] where heads_j is 0. At L = 1 the two
+// layouts are the same bytes; otherwise the products (and residuals) go to a scratch buffer in
+// rows' order first.
+class QuantMatmulHeads : public CpuPrimitive {
+ public:
+  // slots[j]: output j's LoRA slot, whose residuals `plan` adds (-1: none; slots is empty when
+  // no output has one).
+  QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads,
+                   std::shared_ptr<const RowPlan> plan, std::vector<int> slots)
+      : CpuPrimitive(stream),
+        bits_(bits),
+        group_(group),
+        heads_(std::move(heads)),
+        plan_(std::move(plan)),
+        slots_(std::move(slots)) {}
+
+  // inputs: x, then w, scales and biases of each output.
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
+    const int count = static_cast<int>(outputs.size());
+    std::vector<Quantized> weights;
+    std::vector<int> widths, offsets{0};
+    for (int j = 0; j < count; j++) {
+      const int at = 1 + 3 * j;
+      const int N = inputs[at].shape(0);
+      weights.push_back(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], K, bits_, group_,
+                                      "quant_matmul_heads"));
+      widths.push_back(N);
+      offsets.push_back(offsets.back() + N);
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    std::vector<float*> outs;
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      outs.push_back(out.data<float>());
+    }
+    encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, plan = plan_,
+                      slots = slots_, heads = heads_, M, L, K, quant = active_kernel()->quant,
+                      gather = active_kernel()]() mutable {
+      const float* xp = source.get();
+      const int count = static_cast<int>(weights.size());
+      // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
+      std::vector<std::vector<float>> scratch(count);
+      std::vector<float*> products(outs);
+      for (int j = 0; j < count; j++)
+        if (heads[j] > 0 && L > 1) {
+          scratch[j].resize(static_cast<size_t>(M) * widths[j]);
+          products[j] = scratch[j].data();
+        }
+      RowResiduals residuals(gather, xp, M, K);
+      for (size_t j = 0; j < slots.size(); j++)
+        if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
+      if (!residuals.empty()) residuals.activations();
+      const int floats = tile_floats(M);
+      parallel_rows(offsets.back(), 64, [&](int n0, int n1) {
+        thread_local std::vector<float> tile;
+        for (int j = 0; j < count; j++) {
+          const int a = std::max(n0, offsets[j]) - offsets[j];
+          const int b = std::min(n1, offsets[j + 1]) - offsets[j];
+          if (a >= b) continue;
+          tile.resize(std::max<size_t>(floats, 4 * static_cast<size_t>(weights[j].K)));
+          quant(weights[j], xp, products[j], M, widths[j], a, b, tile.data(), floats);
+        }
+      });
+      if (!residuals.empty()) residuals.residuals();
+      for (int j = 0; j < count; j++) {
+        if (scratch[j].empty()) continue;
+        const int H = heads[j], N = widths[j], D = N / H, B = M / L;
+        for (int b = 0; b < B; b++)  // [B, L, H, D] to [B, H, L, D]
+          for (int l = 0; l < L; l++)
+            for (int h = 0; h < H; h++)
+              std::copy_n(scratch[j].data() + (static_cast<size_t>(b) * L + l) * N + h * D, D,
+                          outs[j] + ((static_cast<size_t>(b) * H + h) * L + l) * D);
+      }
+    });
+  }
+  const char* name() const override { return "QuantMatmulHeads"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantMatmulHeads&>(other);
+    return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_ && plan_ == o.plan_ &&
+           slots_ == o.slots_;
+  }
+
+ private:
+  int bits_;
+  int group_;
+  std::vector<int> heads_;
+  std::shared_ptr<const RowPlan> plan_;
+  std::vector<int> slots_;
+};
+
+}  // namespace
+
+mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                       const mx::array& biases, int group_size, int bits) {
+  check_quantized(x, w, scales, biases, group_size, bits);
+  return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits);
+}
+
+// `quant_matmul(x, w, ...)` plus each row's own adapters' residuals at `slot` (`plan`'s).
+mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits,
+                              std::shared_ptr<RowPlan> plan, int slot) {
+  check_quantized(x, w, scales, biases, group_size, bits);
+  const int N = w.shape(0);
+  if (!plan) throw std::invalid_argument("quant_matmul_gather: expected a plan");
+  check_plan("quant_matmul_gather", x, N, *plan, slot);
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QuantMatmulGather>(s, bits, group_size, std::move(plan), slot),
+                   {x, w, scales, biases});
+}
+
+// `quant_matmul` of x [B, L, K] by each of `ws` (w, scales, biases triplets, one quantization)
+// as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L, N_j] for heads 0,
+// plus each row's own adapters' residuals at slots[j] where `plan` is given and slots[j] >= 0
+// (slots: one for each output, or empty).
+std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
+                                          const std::vector<mx::array>& scales,
+                                          const std::vector<mx::array>& biases,
+                                          const std::vector<int>& heads, int group_size, int bits,
+                                          std::shared_ptr<RowPlan> plan, std::vector<int> slots) {
+  if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
+      heads.size() != ws.size() || (!slots.empty() && slots.size() != ws.size()))
+    throw std::invalid_argument(
+        "quant_matmul_heads: expected as many weights, scales, biases, heads and slots (or "
+        "none), at least one");
+  if (x.ndim() != 3) throw std::invalid_argument("quant_matmul_heads: expected x [B, L, K]");
+  if (!plan) slots.clear();
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes;
+  const int B = x.shape(0), L = x.shape(1);
+  for (size_t j = 0; j < ws.size(); j++) {
+    check_quantized(x, ws[j], scales[j], biases[j], group_size, bits);
+    const int N = ws[j].shape(0), H = heads[j];
+    if (H < 0 || (H > 0 && N % H != 0))
+      throw std::invalid_argument("quant_matmul_heads: heads must divide the weight's rows");
+    shapes.push_back(H > 0 ? mx::Shape{B, H, L, N / H} : mx::Shape{B, L, N});
+    inputs.insert(inputs.end(), {ws[j], scales[j], biases[j]});
+    if (!slots.empty() && slots[j] >= 0) check_plan("quant_matmul_heads", x, N, *plan, slots[j]);
+  }
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
+                                std::make_shared<QuantMatmulHeads>(
+                                    s, bits, group_size, heads, std::move(plan), std::move(slots)),
+                                std::move(inputs));
+}
+
+}  // namespace hotlora
