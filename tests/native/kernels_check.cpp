@@ -1,6 +1,7 @@
 // The native kernels' float and quantized products on every ISA this machine runs, without MLX:
 // each against a plain scalar reference within rounding, and each row's result the same bits
-// alone as in a batch; their attention against the reference's softmax.
+// alone as in a batch; the integer products on int8 activations against the quantized rows'
+// own product; their attention against the reference's softmax.
 // tests/unit/test_native_kernels.py builds it with the kernels' sources (models/cpu/native/kernels)
 // for x86-64 and AArch64 (the latter run under qemu) with the extension's flags; it prints a line
 // an ISA and exits 1 on the first wrong result.
@@ -16,13 +17,16 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/quantize_rows.h"
 #include "kernels/table.h"
 #include "kernels/types.h"
 
 namespace {
 
+using hotlora::Int8Rows;
 using hotlora::Kernel;
 using hotlora::Quantized;
+using hotlora::QuantizedRows;
 using hotlora::Seg;
 
 std::mt19937 g_random(7);
@@ -221,6 +225,60 @@ void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group,
   }
 }
 
+// x [M, K] quantized to int8 (kernels/quantize_rows.h) @ dequantize(w).T by the integer kernel,
+// weight rows in two ranges as the primitives' threads split them.
+std::vector<float> int8_product(const Kernel& kernel, const Quantized& q, const float* x, int M,
+                                int N) {
+  const Int8Rows rows(x, M, q.K, q.group, q.bits);
+  std::vector<float> out(static_cast<size_t>(M) * N);
+  const int split = N / 2 - N / 2 % 4;
+  kernel.int8(q, rows.rows(), out.data(), M, N, 0, split);
+  kernel.int8(q, rows.rows(), out.data(), M, N, split, N);
+  return out;
+}
+
+// The integer product is the quantized rows' own product with the dequantized weights, within
+// float32's rounding: each row's values d * code (each within d / 2 of x, d its block's largest
+// magnitude / 127) against the weights' values; and a row's result is the same bits alone.
+void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, int dtype) {
+  const auto w = quantized(N, K, bits, group, dtype);
+  auto x = normal(static_cast<size_t>(M) * K);
+  for (int k = 0; k < K; k += 97) x[k] = 0.0f;                // zeros among the values
+  std::fill_n(x.begin() + K / 2, std::min(32, K / 2), 0.0f);  // a block of zeros: d = 0
+  const Int8Rows quantized_x(x.data(), M, K, group, bits);
+  const QuantizedRows rows = quantized_x.rows();
+  std::vector<double> values(x.size());  // the quantized rows, in value order
+  for (int m = 0; m < M; m++)
+    for (int k = 0; k < K; k++) {
+      const size_t at = static_cast<size_t>(m) * K + k, block = at / 32;
+      const int i = k % 32, stored = bits == 4 ? (i % 2) * 16 + i / 2 : i;
+      const double d = rows.d[block];
+      values[at] = d * rows.q[block * 32 + stored];
+      if (std::abs(values[at] - x[at]) > d / 2 * (1 + 1e-6) || rows.q[block * 32 + stored] < -127)
+        fail(kernel.isa, "int8 quantization", M, K, N, m, k, values[at], x[at]);
+    }
+  const auto out = int8_product(kernel, w.q, x.data(), M, N);
+  std::vector<double> want(out.size()), magnitude(out.size());
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      double sum = 0, size = 0;
+      for (int k = 0; k < K; k++) {
+        const double p =
+            values[static_cast<size_t>(m) * K + k] * w.dequantized[static_cast<size_t>(n) * K + k];
+        sum += p, size += std::abs(p);
+      }
+      want[static_cast<size_t>(m) * N + n] = sum, magnitude[static_cast<size_t>(m) * N + n] = size;
+    }
+  char what[96];
+  std::snprintf(what, sizeof what, "%d-bit product on int8 rows (group %d, dtype %d)", bits, group,
+                dtype);
+  check_close(kernel.isa, what, out, want, magnitude, M, K, N);
+  for (int m = 0; m < M; m++) {
+    const auto alone = int8_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K, 1, N);
+    check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
+  }
+}
+
 // attend's G query heads [G, D] against S keys and values, the mask showing `visible` (all,
 // some, or none: then every position weighs alike); a hidden position's value is NaN, which
 // must stay out.
@@ -350,6 +408,11 @@ int main() {
         for (int group : {32, 64, 128})
           for (int dtype : {0, 1, 2})
             for (int R : {0, 6}) check_quant(kernel, M, 384, 37, bits, group, dtype, R), checks++;
+    // The integer products: rows of x in the kernel's blocks and alone, K of several groups.
+    for (int M : {1, 3, 9})
+      for (int bits : {4, 8})
+        for (int group : {32, 64, 128})
+          for (int dtype : {0, 1, 2}) check_int8(kernel, M, 384, 37, bits, group, dtype), checks++;
     // An adapter's ranks below, at and past each ISA's vector (4, 8 or 16 lanes).
     for (int K : {7, 100, 576})
       for (int r = 1; r <= 40; r++) check_low_rank(kernel, K, r), checks++;
@@ -359,8 +422,8 @@ int main() {
         for (int S : {1, 13, 300})
           for (int shown : {2, 1, 0}) check_attention(kernel, G, D, S, shown), checks++;
     std::printf(
-        "%s: %d products, low-rank activations and attentions right, each row's "
-        "product the same bits alone and in its batch\n",
+        "%s: %d products (integer ones included), low-rank activations and attentions right, "
+        "each row's product the same bits alone and in its batch\n",
         kernel.isa, checks);
     isas++;
   }

@@ -38,7 +38,7 @@ NB_MODULE(_rows_matmul, m) {
   m.def("rows_matmul", &rows_matmul, "x"_a, "w"_a);
   m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
   m.def("quant_matmul", &quant_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a);
+        "bits"_a, "int8"_a = false);
   nb::class_<AdapterPairs>(m, "AdapterPairs",
                            "One adapter's pairs at each LoRA slot, as the gathered kernels read "
                            "them");
@@ -46,9 +46,10 @@ NB_MODULE(_rows_matmul, m) {
   m.def("adapter_pairs", &adapter_pairs, "pairs"_a);
   m.def("row_plan", &row_plan, "adapters"_a, "offsets"_a, "entries"_a, "scales"_a);
   m.def("quant_matmul_heads", &quant_matmul_heads, "x"_a, "ws"_a, "scales"_a, "biases"_a, "heads"_a,
-        "group_size"_a, "bits"_a, "plan"_a.none() = nb::none(), "slots"_a = std::vector<int>{});
+        "group_size"_a, "bits"_a, "plan"_a.none() = nb::none(), "slots"_a = std::vector<int>{},
+        "int8"_a = false);
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "plan"_a, "slot"_a);
+        "group_size"_a, "bits"_a, "plan"_a, "slot"_a, "int8"_a = false);
   m.def("all_finite", &all_finite, "arrays"_a);
   m.def("to_half", &to_half, "arrays"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);

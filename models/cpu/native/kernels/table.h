@@ -18,6 +18,7 @@ struct Kernel {
   Attend attend;
   Softmax softmax;
   QuantRange quant;
+  Int8Range int8;  // the quantized product on int8 activations (kernels/int8_matmul.h)
   Residuals<float> residuals;
   LowRank<float> low_rank;  // a row's activations of one adapter (kernels/lora_gather.h)
   Residuals<uint16_t> residuals_half;

@@ -35,6 +35,22 @@ struct Quantized {
   int dtype = 0;  // 0: float32, 1: float16, 2: bfloat16
 };
 
+// Rows of activations quantized to int8 for the integer products (kernels/int8_matmul.h; made by
+// kernels/quantize_rows.h): each row of K values in blocks of 32, the int8 codes of a block and
+// its scale d (a value ~ d * code), and for each group of the weights the sum over its blocks of
+// d * the block's codes' sum: the quantized values' sum, which the biases multiply. At 4 bits a
+// block's codes are stored evens first, then odds: the order in which a packed byte's low and
+// high halves give the weights'.
+struct QuantizedRows {
+  const int8_t* q = nullptr;    // [M, K]
+  const float* d = nullptr;     // [M, K / 32]
+  const float* sums = nullptr;  // [M, K / group]
+  QuantizedRows row(int m, int K, int group) const {
+    return {q + static_cast<size_t>(m) * K, d + static_cast<size_t>(m) * (K / 32),
+            sums + static_cast<size_t>(m) * (K / group)};
+  }
+};
+
 // out[:, n0:n1] of main.x @ main.w.T (+ extra.x @ extra.w.T); out is [M, N] (kernels/matmul.h).
 using Range = void (*)(const Seg& main, const Seg& extra, float* out, int M, int N, int n0, int n1);
 // One query token's attention for the query heads that share a KV head (kernels/attention.h).
@@ -47,6 +63,9 @@ using Softmax = void (*)(float* scores, int G, int S);
 // (kernels/quant_matmul.h).
 using QuantRange = void (*)(const Quantized& q, const float* x, float* out, int M, int N, int n0,
                             int n1, float* tile, int tile_floats);
+// out[:, n0:n1] of x @ dequantize(q).T from x's rows quantized to int8 (kernels/int8_matmul.h).
+using Int8Range = void (*)(const Quantized& q, const QuantizedRows& x, float* out, int M, int N,
+                           int n0, int n1);
 // The gathered LoRA's kernels, for float32 adapters and for float16 ones (T: uint16_t)
 // (kernels/lora_gather.h).
 template <typename T>

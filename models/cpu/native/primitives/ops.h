@@ -20,17 +20,19 @@ mx::array rows_matmul_lora(const mx::array& x, const mx::array& w, const mx::arr
 
 // primitives/quant_matmul.cpp: x @ dequantize(w, scales, biases).T for MLX's affine-quantized
 // weights, any number of rows; with each row's own adapters at a LoRA slot (a plan's); several
-// weights of one input as one primitive.
+// weights of one input as one primitive. `int8`: x's rows quantized to int8 in blocks of 32 and
+// integer products (kernels/int8_matmul.h), else float32 products.
 mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                       const mx::array& biases, int group_size, int bits);
+                       const mx::array& biases, int group_size, int bits, bool int8);
 mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits,
-                              std::shared_ptr<RowPlan> plan, int slot);
+                              std::shared_ptr<RowPlan> plan, int slot, bool int8);
 std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
                                           const std::vector<mx::array>& scales,
                                           const std::vector<mx::array>& biases,
                                           const std::vector<int>& heads, int group_size, int bits,
-                                          std::shared_ptr<RowPlan> plan, std::vector<int> slots);
+                                          std::shared_ptr<RowPlan> plan, std::vector<int> slots,
+                                          bool int8);
 
 // primitives/norms.cpp: MLX's RMSNorm and RoPE to the bit, each one primitive.
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps);

@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "kernels/quant_types.h"
+#include "kernels/quantize_rows.h"
 #include "lora_plans.h"
 #include "mlx/ops.h"
 #include "primitives/common.h"
@@ -35,15 +37,37 @@ Quantized packed_weight(const mx::array& w, const mx::array& scales, const mx::a
 // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
 int tile_floats(int M) { return M <= 16 ? 8192 : 32768; }
 
-// out [M, N] = x [M, K] @ dequantize(q).T, the columns split over the pool's threads.
-void quant_rows(QuantRange quant, const Quantized& q, const float* x, float* out, int M, int N) {
-  const int floats = tile_floats(M);
-  parallel_rows(N, 64, [&](int n0, int n1) {
+// The products of x's M rows by packed weights of one quantization (`group`, `bits`): the active
+// kernel's float product (`quant`, kernels/quant_matmul.h) on x as it is, or with `int8` its
+// integer product (kernels/int8_matmul.h) on x's rows quantized once here, for every weight
+// that follows.
+class PackedProducts {
+ public:
+  PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, int bits, bool int8)
+      : kernel_(kernel), x_(x), M_(M) {
+    if (int8) rows_.emplace(x, M, K, group, bits);
+  }
+
+  // out[:, n0:n1] of x @ dequantize(q).T; out is [M, N]. On any thread of the pool.
+  void range(const Quantized& q, float* out, int N, int n0, int n1) const {
+    if (rows_) return kernel_->int8(q, rows_->rows(), out, M_, N, n0, n1);
+    const int floats = tile_floats(M_);
     thread_local std::vector<float> tile;
     tile.resize(std::max<size_t>(floats, 4 * static_cast<size_t>(q.K)));
-    quant(q, x, out, M, N, n0, n1, tile.data(), floats);
-  });
-}
+    kernel_->quant(q, x_, out, M_, N, n0, n1, tile.data(), floats);
+  }
+
+  // out [M, N] = x @ dequantize(q).T, the columns split over the pool's threads.
+  void all(const Quantized& q, float* out, int N) const {
+    parallel_rows(N, 64, [&](int n0, int n1) { range(q, out, N, n0, n1); });
+  }
+
+ private:
+  const Kernel* kernel_;
+  const float* x_;
+  int M_;
+  std::optional<Int8Rows> rows_;
+};
 
 // `x @ dequantize(w, scales, biases).T` for MLX's affine-quantized weights, any number of rows:
 // a request alone, a batched decode step, a prefill chunk. The weights stay packed in memory;
@@ -53,8 +77,8 @@ void quant_rows(QuantRange quant, const Quantized& q, const float* x, float* out
 // bit. With LoRA, QuantMatmulGather adds each row's own residuals after the same products.
 class QuantMatmul : public CpuPrimitive {
  public:
-  QuantMatmul(mx::Stream stream, int bits, int group)
-      : CpuPrimitive(stream), bits_(bits), group_(group) {}
+  QuantMatmul(mx::Stream stream, int bits, int group, bool int8)
+      : CpuPrimitive(stream), bits_(bits), group_(group), int8_(int8) {}
 
   // inputs: x [..., K], w [N, K * bits / 32] uint32, scales and biases [N, K / group].
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -63,19 +87,20 @@ class QuantMatmul : public CpuPrimitive {
     const Quantized q =
         packed_weight(inputs[1], inputs[2], inputs[3], K, bits_, group_, "quant_matmul");
     dispatch_rows(stream(), inputs, 1, outputs[0],
-                  [=, quant = active_kernel()->quant](auto& operands, float* op) {
-      quant_rows(quant, q, operands[0].get(), op, M, N);
+                  [=, int8 = int8_, kernel = active_kernel()](auto& operands, float* op) {
+      PackedProducts(kernel, operands[0].get(), M, K, q.group, q.bits, int8).all(q, op, N);
     });
   }
   const char* name() const override { return "QuantMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmul&>(other);
-    return bits_ == o.bits_ && group_ == o.group_;
+    return bits_ == o.bits_ && group_ == o.group_ && int8_ == o.int8_;
   }
 
  private:
   int bits_;
   int group_;
+  bool int8_;
 };
 
 // Refuses what the kernels do not take: kernels/quant_types.h lists the bits and groups.
@@ -102,19 +127,30 @@ void check_quantized(const mx::array& x, const mx::array& w, const mx::array& sc
         "biases [N, K / group] of one dtype");
 }
 
-mx::array quant_primitive(std::vector<mx::array> inputs, int N, int group, int bits) {
+// The integer products hold a weight row's scales and biases on the stack: K up to 65536.
+void check_int8(const mx::array& x, bool int8) {
+  if (int8 && x.shape(-1) > 65536)
+    throw std::invalid_argument("quant_matmul: int8 activations take K up to 65536");
+}
+
+mx::array quant_primitive(std::vector<mx::array> inputs, int N, int group, int bits, bool int8) {
   const auto s = mx::default_stream(mx::Device::cpu);
   mx::Shape shape = inputs[0].shape();
   shape.back() = N;
-  return mx::array(shape, mx::float32, std::make_shared<QuantMatmul>(s, bits, group),
+  return mx::array(shape, mx::float32, std::make_shared<QuantMatmul>(s, bits, group, int8),
                    std::move(inputs));
 }
 
 class QuantMatmulGather : public CpuPrimitive {
  public:
   QuantMatmulGather(mx::Stream stream, int bits, int group, std::shared_ptr<const RowPlan> plan,
-                    int slot)
-      : CpuPrimitive(stream), bits_(bits), group_(group), plan_(std::move(plan)), slot_(slot) {}
+                    int slot, bool int8)
+      : CpuPrimitive(stream),
+        bits_(bits),
+        group_(group),
+        plan_(std::move(plan)),
+        slot_(slot),
+        int8_(int8) {}
 
   // inputs: x [..., K] (M rows, M / S a row of the plan), then w, scales, biases as
   // QuantMatmul's; the plan's adapters' pairs at the slot are added.
@@ -124,20 +160,21 @@ class QuantMatmulGather : public CpuPrimitive {
     const Quantized q =
         packed_weight(inputs[1], inputs[2], inputs[3], K, bits_, group_, "quant_matmul_gather");
     dispatch_rows(stream(), inputs, 1, outputs[0],
-                  [=, plan = plan_, slot = slot_, quant = active_kernel()->quant,
-                   gather = active_kernel()](auto& operands, float* op) {
+                  [=, plan = plan_, slot = slot_, int8 = int8_, kernel = active_kernel()](
+                      auto& operands, float* op) {
       const float* xp = operands[0].get();
-      RowResiduals residuals(gather, xp, M, K);
+      RowResiduals residuals(kernel, xp, M, K);  // from x as it is, in float32
       residuals.add(*plan, slot, N, op);
       if (!residuals.empty()) residuals.activations();
-      quant_rows(quant, q, xp, op, M, N);
+      PackedProducts(kernel, xp, M, K, q.group, q.bits, int8).all(q, op, N);
       if (!residuals.empty()) residuals.residuals();
     });
   }
   const char* name() const override { return "QuantMatmulGather"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulGather&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && plan_ == o.plan_ && slot_ == o.slot_;
+    return bits_ == o.bits_ && group_ == o.group_ && plan_ == o.plan_ && slot_ == o.slot_ &&
+           int8_ == o.int8_;
   }
 
  private:
@@ -145,6 +182,7 @@ class QuantMatmulGather : public CpuPrimitive {
   int group_;
   std::shared_ptr<const RowPlan> plan_;
   int slot_;
+  bool int8_;
 };
 
 // x @ dequantize(w_j).T for several weights of one input at once (a layer's q, k and v, or its
@@ -161,13 +199,14 @@ class QuantMatmulHeads : public CpuPrimitive {
   // slots[j]: output j's LoRA slot, whose residuals `plan` adds (-1: none; slots is empty when
   // no output has one).
   QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads,
-                   std::shared_ptr<const RowPlan> plan, std::vector<int> slots)
+                   std::shared_ptr<const RowPlan> plan, std::vector<int> slots, bool int8)
       : CpuPrimitive(stream),
         bits_(bits),
         group_(group),
         heads_(std::move(heads)),
         plan_(std::move(plan)),
-        slots_(std::move(slots)) {}
+        slots_(std::move(slots)),
+        int8_(int8) {}
 
   // inputs: x, then w, scales and biases of each output.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -193,8 +232,8 @@ class QuantMatmulHeads : public CpuPrimitive {
       outs.push_back(out.data<float>());
     }
     encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, plan = plan_,
-                      slots = slots_, heads = heads_, M, L, K, quant = active_kernel()->quant,
-                      gather = active_kernel()]() mutable {
+                      slots = slots_, heads = heads_, M, L, K, group = group_, bits = bits_,
+                      int8 = int8_, kernel = active_kernel()]() mutable {
       const float* xp = source.get();
       const int count = static_cast<int>(weights.size());
       // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
@@ -205,19 +244,16 @@ class QuantMatmulHeads : public CpuPrimitive {
           scratch[j].resize(static_cast<size_t>(M) * widths[j]);
           products[j] = scratch[j].data();
         }
-      RowResiduals residuals(gather, xp, M, K);
+      RowResiduals residuals(kernel, xp, M, K);
       for (size_t j = 0; j < slots.size(); j++)
         if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
       if (!residuals.empty()) residuals.activations();
-      const int floats = tile_floats(M);
+      const PackedProducts packed(kernel, xp, M, K, group, bits, int8);  // x quantized once
       parallel_rows(offsets.back(), 64, [&](int n0, int n1) {
-        thread_local std::vector<float> tile;
         for (int j = 0; j < count; j++) {
           const int a = std::max(n0, offsets[j]) - offsets[j];
           const int b = std::min(n1, offsets[j + 1]) - offsets[j];
-          if (a >= b) continue;
-          tile.resize(std::max<size_t>(floats, 4 * static_cast<size_t>(weights[j].K)));
-          quant(weights[j], xp, products[j], M, widths[j], a, b, tile.data(), floats);
+          if (a < b) packed.range(weights[j], products[j], widths[j], a, b);
         }
       });
       if (!residuals.empty()) residuals.residuals();
@@ -236,7 +272,7 @@ class QuantMatmulHeads : public CpuPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulHeads&>(other);
     return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_ && plan_ == o.plan_ &&
-           slots_ == o.slots_;
+           slots_ == o.slots_ && int8_ == o.int8_;
   }
 
  private:
@@ -245,30 +281,34 @@ class QuantMatmulHeads : public CpuPrimitive {
   std::vector<int> heads_;
   std::shared_ptr<const RowPlan> plan_;
   std::vector<int> slots_;
+  bool int8_;
 };
 
 }  // namespace
 
 mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                       const mx::array& biases, int group_size, int bits) {
+                       const mx::array& biases, int group_size, int bits, bool int8) {
   check_quantized(x, w, scales, biases, group_size, bits);
-  return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits);
+  check_int8(x, int8);
+  return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits, int8);
 }
 
 // `quant_matmul(x, w, ...)` plus each row's own adapters' residuals at `slot` (`plan`'s).
 mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits,
-                              std::shared_ptr<RowPlan> plan, int slot) {
+                              std::shared_ptr<RowPlan> plan, int slot, bool int8) {
   check_quantized(x, w, scales, biases, group_size, bits);
+  check_int8(x, int8);
   const int N = w.shape(0);
   if (!plan) throw std::invalid_argument("quant_matmul_gather: expected a plan");
   check_plan("quant_matmul_gather", x, N, *plan, slot);
   mx::Shape shape = x.shape();
   shape.back() = N;
   const auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(shape, mx::float32,
-                   std::make_shared<QuantMatmulGather>(s, bits, group_size, std::move(plan), slot),
-                   {x, w, scales, biases});
+  return mx::array(
+      shape, mx::float32,
+      std::make_shared<QuantMatmulGather>(s, bits, group_size, std::move(plan), slot, int8),
+      {x, w, scales, biases});
 }
 
 // `quant_matmul` of x [B, L, K] by each of `ws` (w, scales, biases triplets, one quantization)
@@ -279,13 +319,15 @@ std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<
                                           const std::vector<mx::array>& scales,
                                           const std::vector<mx::array>& biases,
                                           const std::vector<int>& heads, int group_size, int bits,
-                                          std::shared_ptr<RowPlan> plan, std::vector<int> slots) {
+                                          std::shared_ptr<RowPlan> plan, std::vector<int> slots,
+                                          bool int8) {
   if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
       heads.size() != ws.size() || (!slots.empty() && slots.size() != ws.size()))
     throw std::invalid_argument(
         "quant_matmul_heads: expected as many weights, scales, biases, heads and slots (or "
         "none), at least one");
   if (x.ndim() != 3) throw std::invalid_argument("quant_matmul_heads: expected x [B, L, K]");
+  check_int8(x, int8);
   if (!plan) slots.clear();
   std::vector<mx::array> inputs{x};
   std::vector<mx::Shape> shapes;
@@ -300,10 +342,11 @@ std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<
     if (!slots.empty() && slots[j] >= 0) check_plan("quant_matmul_heads", x, N, *plan, slots[j]);
   }
   const auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
-                                std::make_shared<QuantMatmulHeads>(
-                                    s, bits, group_size, heads, std::move(plan), std::move(slots)),
-                                std::move(inputs));
+  return mx::array::make_arrays(
+      std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
+      std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads, std::move(plan),
+                                         std::move(slots), int8),
+      std::move(inputs));
 }
 
 }  // namespace hotlora

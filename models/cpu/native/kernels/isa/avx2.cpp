@@ -8,6 +8,7 @@
 HOTLORA_AVX2_TARGET
 namespace hotlora::avx2 {
 #include "kernels/attention.h"
+#include "kernels/int8_matmul.h"
 #include "kernels/lora_gather.h"
 #include "kernels/matmul.h"
 #include "kernels/quant_matmul.h"
@@ -30,6 +31,7 @@ const Kernel& kernel() {
       attend,
       softmax_rows,
       quant_matmul_range,
+      int8_matmul_range,
       add_residuals<float>,
       low_rank_row<float>,
       add_residuals<uint16_t>,

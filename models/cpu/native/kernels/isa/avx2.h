@@ -59,6 +59,8 @@ struct Isa {  // 16 vector registers: 8 accumulators
   }
 };
 
+#include "kernels/isa/x86_int8.h"
+
 }  // namespace hotlora::avx2
 HOTLORA_TARGET_END
 #endif  // __x86_64__

@@ -8,6 +8,7 @@
 HOTLORA_AVX512_TARGET
 namespace hotlora::avx512 {
 #include "kernels/attention.h"
+#include "kernels/int8_matmul.h"
 #include "kernels/lora_gather.h"
 #include "kernels/matmul.h"
 #include "kernels/quant_matmul.h"
@@ -17,7 +18,10 @@ HOTLORA_TARGET_END
 // Outside the target: the table's entry, and the check that runs before any of it.
 namespace hotlora::avx512 {
 
-bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c"); }
+bool supported() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("fma");
+}
 
 const Kernel& kernel() {
   static const Kernel kKernel{
@@ -27,6 +31,7 @@ const Kernel& kernel() {
       attend,
       softmax_rows,
       quant_matmul_range,
+      int8_matmul_range,
       add_residuals<float>,
       low_rank_row<float>,
       add_residuals<uint16_t>,

@@ -8,7 +8,8 @@
 
 #if defined(__x86_64__)
 // AVX-512's target, for its traits here and its kernels (avx512.cpp), to HOTLORA_TARGET_END.
-#define HOTLORA_AVX512_TARGET HOTLORA_TARGET_BEGIN("avx512f,f16c") HOTLORA_QUIET_AVX512_INTRINSICS
+#define HOTLORA_AVX512_TARGET \
+  HOTLORA_TARGET_BEGIN("avx512f,f16c,fma") HOTLORA_QUIET_AVX512_INTRINSICS
 
 HOTLORA_AVX512_TARGET
 namespace hotlora::avx512 {
@@ -69,6 +70,8 @@ struct Isa {  // 32 vector registers: up to 24 accumulators, the weight rows and
   }
   static constexpr int order(int lane) { return 4 * (lane % 4) + lane / 4; }
 };
+
+#include "kernels/isa/x86_int8.h"
 
 }  // namespace hotlora::avx512
 HOTLORA_TARGET_END

@@ -72,5 +72,52 @@ struct Isa {  // 32 vector registers, as AVX-512 has: its register blocks, of 4 
   }
 };
 
+// The integer products' traits (kernels/int8_matmul.h): a block of 32 codes in two vectors of
+// bytes, their products with the activations' int8 codes widened to 16 bits (vmull_s8, two
+// products a lane at most 2 * 128 * 127) and summed pairwise into 32-bit lanes.
+struct Int8 {
+  using V = float32x4_t;
+  struct Codes {
+    int8x16_t low, high;  // values 0-15 and 16-31 of the block, in the activations' order
+  };
+  static constexpr int kLanes = 4;
+  static constexpr int kP = 4, kR = 4;  // rows of x by weight rows: a batch's
+  static constexpr int kR1 = 4;         // weight rows at once for a row alone
+  static V zero() { return vdupq_n_f32(0.0f); }
+  static V set1(float a) { return vdupq_n_f32(a); }
+  static V mul(V a, V b) { return vmulq_f32(a, b); }
+  static V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
+  static V load(const float* p) { return vld1q_f32(p); }
+  static V load_first(const float* p, int n) { return Isa::load_first(p, n); }
+  static V load_half(const uint16_t* p) { return Isa::load_half(p); }
+  static void store(float* p, V v) { vst1q_f32(p, v); }
+  static float sum(V v) { return Isa::sum(v); }
+  // At 4 bits the low halves of the block's 16 bytes (values 0, 2, ..., 30), then the high
+  // ones; at 8 bits q - 128.
+  template <int Bits>
+  static Codes codes(const uint8_t* bytes) {
+    static_assert(Bits == 4 || Bits == 8, "a code width of kernels/quant_types.h unpacked here");
+    if constexpr (Bits == 4) {
+      const uint8x16_t packed = vld1q_u8(bytes);
+      return {vreinterpretq_s8_u8(vandq_u8(packed, vdupq_n_u8(0x0f))),
+              vreinterpretq_s8_u8(vshrq_n_u8(packed, 4))};
+    } else {
+      const uint8x16_t offset = vdupq_n_u8(0x80);
+      return {vreinterpretq_s8_u8(veorq_u8(vld1q_u8(bytes), offset)),
+              vreinterpretq_s8_u8(veorq_u8(vld1q_u8(bytes + 16), offset))};
+    }
+  }
+  // sum(codes * xq) over the block, in 4 lanes, as floats (exact).
+  template <int Bits>
+  static V dot(Codes codes, const int8_t* xq) {
+    const int8x16_t x0 = vld1q_s8(xq), x1 = vld1q_s8(xq + 16);
+    const int16x8_t p0 =
+        vmlal_high_s8(vmull_s8(vget_low_s8(codes.low), vget_low_s8(x0)), codes.low, x0);
+    const int16x8_t p1 =
+        vmlal_high_s8(vmull_s8(vget_low_s8(codes.high), vget_low_s8(x1)), codes.high, x1);
+    return vcvtq_f32_s32(vpadalq_s16(vpaddlq_s16(p0), p1));
+  }
+};
+
 }  // namespace hotlora::neon
 #endif  // __aarch64__

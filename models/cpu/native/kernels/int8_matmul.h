@@ -1,0 +1,122 @@
+// `x @ dequantize(w).T` for packed quantized weights on int8 activations, written once for every
+// ISA: included inside an ISA's namespace, under its target, after its integer traits (`Int8`,
+// kernels/isa/*.h) and kernels/quant_matmul.h; each inclusion is another ISA, so no include
+// guard.
+//
+// MLX's affine value is scale * q + bias a group, so a group's part of a row's product is
+// scale * sum(q * x) + bias * sum(x). With each block of 32 of x quantized as d * xq (xq int8,
+// kernels/quantize_rows.h), sum(q * x) ~ d * sum(q * xq), an exact integer sum that one or two
+// instructions take a vector at a time (llama.cpp's q4_1 x q8_1 product). Each output of a row
+// is then, in this order:
+//   the blocks in order, each (scale * d) * its integer sums added in Int8::kLanes float lanes;
+//   the groups in order, each bias * the group's sum of its quantized values, added in lanes too;
+//   the lanes summed.
+// That sequence depends on the row's own values alone: a row's result is the same bits alone, in
+// a batch of any size and in any chunking of its prompt. At 8 bits a code q is taken as q - 128
+// (a signed byte, so that no product of two bytes saturates) and its group's bias as
+// bias + 128 * scale: the same product of the quantized row.
+
+// kernels/quant_types.h's group sizes as blocks of 32, at most this many a row: K up to 65536.
+constexpr int kInt8MaxGroups = 2048;
+
+// `count` scales or biases from element `at` as float32 (Quantized::dtype: 0 float32, 1 float16,
+// 2 bfloat16): float16's Int8::kLanes at a time, exactly.
+inline void int8_floats(const void* p, size_t at, int count, int dtype, float* out) {
+  int i = 0;
+  const auto* halves = static_cast<const uint16_t*>(p) + at;
+  if (dtype == 0) {
+    std::memcpy(out, static_cast<const float*>(p) + at, sizeof(float) * count);
+    return;
+  }
+  if (dtype == 1)
+    for (; i + Int8::kLanes <= count; i += Int8::kLanes)
+      Int8::store(out + i, Int8::load_half(halves + i));
+  for (; i < count; i++) {
+    if (dtype == 1) {
+      out[i] = Isa::half_to_float(halves[i]);
+    } else {
+      const uint32_t bits = static_cast<uint32_t>(halves[i]) << 16;
+      std::memcpy(out + i, &bits, sizeof bits);
+    }
+  }
+}
+
+// Weight row n's scales and biases as float32 (at 8 bits the bias of q - 128).
+template <int Bits>
+inline void int8_params(const Quantized& q, int n, float* scales, float* biases) {
+  const int groups = q.K / q.group;
+  const size_t at = static_cast<size_t>(n) * groups;
+  int8_floats(q.scales, at, groups, q.dtype, scales);
+  int8_floats(q.biases, at, groups, q.dtype, biases);
+  if constexpr (Bits == 8)
+    for (int g = 0; g < groups; g++) biases[g] = std::fma(128.0f, scales[g], biases[g]);
+}
+
+// The biases' part of a row's outputs: sum over g of biases[g] * sums[g], added into `acc`.
+inline typename Int8::V int8_offsets(const float* biases, const float* sums, int groups,
+                                     typename Int8::V acc) {
+  int g = 0;
+  for (; g + Int8::kLanes <= groups; g += Int8::kLanes)
+    acc = Int8::fma(Int8::load(biases + g), Int8::load(sums + g), acc);
+  if (g < groups)
+    acc = Int8::fma(Int8::load_first(biases + g, groups - g),
+                    Int8::load_first(sums + g, groups - g), acc);
+  return acc;
+}
+
+// out[m, r] for the P rows of x and the R weight rows from n; out's rows are `ldo` apart.
+template <int Bits, int P, int R>
+inline void int8_block(const Quantized& q, const QuantizedRows& x, int n, float* out, int ldo) {
+  const int K = q.K, blocks = K / 32, groups = K / q.group, per_group = q.group / 32;
+  const uint8_t* rows[R];
+  float scales[R][kInt8MaxGroups], biases[R][kInt8MaxGroups];
+  for (int r = 0; r < R; r++) {
+    rows[r] = reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(n + r) * K * Bits / 8;
+    int8_params<Bits>(q, n + r, scales[r], biases[r]);
+  }
+  typename Int8::V acc[R][P];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < P; m++) acc[r][m] = Int8::zero();
+  for (int b = 0; b < blocks; b++) {
+    const int g = b / per_group;
+    typename Int8::Codes codes[R];
+    for (int r = 0; r < R; r++) codes[r] = Int8::template codes<Bits>(rows[r] + b * 4 * Bits);
+    for (int m = 0; m < P; m++) {
+      const int8_t* xq = x.q + static_cast<size_t>(m) * K + b * 32;
+      const float d = x.d[static_cast<size_t>(m) * blocks + b];
+      for (int r = 0; r < R; r++)
+        acc[r][m] = Int8::fma(Int8::template dot<Bits>(codes[r], xq), Int8::set1(scales[r][g] * d),
+                              acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < P; m++) {
+      const float* sums = x.sums + static_cast<size_t>(m) * groups;
+      out[static_cast<size_t>(m) * ldo + r] =
+          Int8::sum(int8_offsets(biases[r], sums, groups, acc[r][m]));
+    }
+}
+
+// out[:, n0:n1] for P rows of x, R weight rows at a time (Int8's register blocks).
+template <int Bits, int P>
+void int8_rows(const Quantized& q, const QuantizedRows& x, float* out, int N, int n0, int n1) {
+  constexpr int R = P == 1 ? Int8::kR1 : Int8::kR;
+  int n = n0;
+  for (; n + R <= n1; n += R) int8_block<Bits, P, R>(q, x, n, out + n, N);
+  for (; n < n1; n++) int8_block<Bits, P, 1>(q, x, n, out + n, N);
+}
+
+// out[:, n0:n1] of x @ dequantize(q).T from x's M rows quantized (kernels/quantize_rows.h);
+// out is [M, N]. Rows of x P at a time, then one at a time: each output's operations are the
+// same either way.
+void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, int M, int N, int n0,
+                       int n1) {
+  with_quant_bits(q.bits, [&](auto bits) {
+    constexpr int P = Int8::kP;
+    int m = 0;
+    for (; m + P <= M; m += P)
+      int8_rows<bits, P>(q, x.row(m, q.K, q.group), out + static_cast<size_t>(m) * N, N, n0, n1);
+    for (; m < M; m++)
+      int8_rows<bits, 1>(q, x.row(m, q.K, q.group), out + static_cast<size_t>(m) * N, N, n0, n1);
+  });
+}

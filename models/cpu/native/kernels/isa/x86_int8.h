@@ -1,0 +1,59 @@
+// The integer products' traits of an x86-64 ISA with AVX2 (kernels/int8_matmul.h): 256-bit
+// vectors, each block of 32 codes one vector of bytes, its products with the activations' int8
+// codes summed in pairs (vpmaddubsw), then in fours into 32-bit lanes (vpmaddwd). Included
+// inside an ISA's namespace, under its target, which AVX2's instructions are part of; each
+// inclusion is another ISA, so no include guard.
+
+struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight rows, x's block
+  using V = __m256;
+  using Codes = __m256i;
+  static constexpr int kLanes = 8;
+  static constexpr int kP = 4, kR = 2;  // rows of x by weight rows: a batch's
+  static constexpr int kR1 = 4;         // weight rows at once for a row alone
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_first(const float* p, int n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+  }
+  static V load_half(const uint16_t* p) {  // 8 float16 values, converted exactly
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  // A block's 32 codes as bytes, in the activations' order: at 4 bits the low halves of its 16
+  // bytes (values 0, 2, ..., 30), then the high ones (1, 3, ..., 31); at 8 bits q - 128.
+  template <int Bits>
+  static Codes codes(const uint8_t* bytes) {
+    static_assert(Bits == 4 || Bits == 8, "a code width of kernels/quant_types.h unpacked here");
+    if constexpr (Bits == 4) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+      return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                              _mm256_set1_epi8(0x0f));
+    } else {
+      return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)),
+                              _mm256_set1_epi8(static_cast<char>(0x80)));
+    }
+  }
+  // sum(codes * xq) over the block, in 8 lanes, as floats (exact: at most 32 * 128 * 127).
+  // vpmaddubsw multiplies unsigned bytes by signed ones: 4-bit codes are both; a signed 8-bit
+  // code goes in as its magnitude, its sign moved onto x's byte (no pair of products past
+  // 2 * 128 * 127, so none saturates).
+  template <int Bits>
+  static V dot(Codes codes, const int8_t* xq) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    __m256i pairs;
+    if constexpr (Bits == 4)
+      pairs = _mm256_maddubs_epi16(codes, x);
+    else
+      pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+};

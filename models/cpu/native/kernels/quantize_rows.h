@@ -1,0 +1,64 @@
+// Rows of float32 activations quantized to int8 for the integer products (kernels/int8_matmul.h):
+// plain scalar code, the same on every ISA, so that a row's codes depend on its own values alone,
+// never on the kernel, the other rows or the threads.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/types.h"
+
+namespace hotlora {
+
+// One row x [K] into `out` (QuantizedRows' layout, its row 0): each block of 32 scaled by its
+// largest magnitude to [-127, 127] and rounded to the nearest (ties to even), as llama.cpp's q8
+// blocks are; each group's sum of its quantized values (d * the codes' integer sum, block by
+// block in order), in float32, so that the biases multiply the same values the codes do: the
+// product is then that of the quantized row, whose errors the weights' own spread around zero
+// keeps small (an exact sum of x beside them would leave the codes' errors uncompensated).
+inline void quantize_row(const float* x, int K, int group, int bits, const QuantizedRows& out) {
+  int8_t* q = const_cast<int8_t*>(out.q);
+  float* d = const_cast<float*>(out.d);
+  for (int b = 0; b < K / 32; b++) {
+    const float* xb = x + static_cast<size_t>(b) * 32;
+    float largest = 0.0f;
+    for (int i = 0; i < 32; i++) largest = std::fmax(largest, std::fabs(xb[i]));
+    const float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    d[b] = scale;
+    int8_t* qb = q + static_cast<size_t>(b) * 32;
+    for (int i = 0; i < 32; i++) {
+      const int at = bits == 4 ? (i % 2) * 16 + i / 2 : i;  // 4 bits: evens, then odds
+      qb[at] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+    }
+  }
+  for (int g = 0; g < K / group; g++) {
+    float sum = 0.0f;
+    for (int b = g * group / 32; b < (g + 1) * group / 32; b++) {
+      int codes = 0;
+      for (int i = 0; i < 32; i++) codes += q[static_cast<size_t>(b) * 32 + i];
+      sum += d[b] * static_cast<float>(codes);
+    }
+    const_cast<float*>(out.sums)[g] = sum;
+  }
+}
+
+// M rows of x [M, K] quantized, held for the products that read them.
+class Int8Rows {
+ public:
+  Int8Rows(const float* x, int M, int K, int group, int bits)
+      : q_(static_cast<size_t>(M) * K),
+        d_(static_cast<size_t>(M) * (K / 32)),
+        sums_(static_cast<size_t>(M) * (K / group)) {
+    for (int m = 0; m < M; m++)
+      quantize_row(x + static_cast<size_t>(m) * K, K, group, bits, rows().row(m, K, group));
+  }
+  QuantizedRows rows() const { return {q_.data(), d_.data(), sums_.data()}; }
+
+ private:
+  std::vector<int8_t> q_;
+  std::vector<float> d_, sums_;
+};
+
+}  // namespace hotlora
