@@ -129,6 +129,15 @@ class Settings(BaseSettings):
         "packed where the kernels serve the weights, else float32 when the copy fits "
         "cpu_float_budget_bytes.",
     )
+    cpu_precision: Literal["fast", "exact"] = Field(
+        default="fast",
+        description="On packed quantized weights served by the native kernels: fast quantizes "
+        "each row's activations to int8 in blocks of 32 once per projection and takes integer "
+        "dot products (no further from mlx-lm's float32 logits than its bfloat16 run); exact "
+        "multiplies the float32 activations by the dequantized weights (within 1e-4 of the "
+        "largest logit of mlx-lm's float32 run). Both give a row the same bits alone and in "
+        "any batch.",
+    )
     cpu_float_budget_bytes: int | None = Field(
         default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."
     )

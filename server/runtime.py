@@ -161,6 +161,7 @@ class Runtime:
             cache_bytes=self.settings.cpu_cache_bytes,
             vector_jit=self.settings.cpu_vector_jit,
             batch_kernels=self.settings.cpu_native_kernels,
+            precision=self.settings.cpu_precision,
             home=self.settings.home,
             converting=self._converting,
             threads=self.settings.threads,

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 if TYPE_CHECKING:
+    from hotlora.models.cpu.layers import CpuPrecision
     from hotlora.models.cpu.weights import CpuWeights
 
 # The parts are imported where they are used: `python -m hotlora.models.cpu.extension` imports
@@ -109,16 +110,24 @@ def _left_to_mlx(model: nn.Module, attention: list[str]) -> str:
     return ", ".join(kept) or "none"
 
 
-def install_packed_kernels(model: nn.Module, threads: int | None = None) -> RowsKernels:
+def install_packed_kernels(
+    model: nn.Module, threads: int | None = None, precision: CpuPrecision = "exact"
+) -> RowsKernels:
     """Route every call of the model's quantized layers (packed, 4 or 8 bits), its other float
     layers, norms, RoPEs and attention through the native kernels, whatever the rows and
     tokens: a row's results are then the same bits alone, in any batch, in any chunking of its
     prompt. Changes the modules' classes in place and casts the float parameters that are not
-    packed to float32 (`weights.to_packed`)."""
+    packed to float32 (`weights.to_packed`). `precision`: the packed layers' products
+    (`layers.set_cpu_precision`): int8 activations (fast) or float32 ones (exact)."""
     from hotlora.models.cpu import extension
     from hotlora.models.cpu.attention import install_rows_attention
     from hotlora.models.cpu.fused import install_fused
-    from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear, swap_layers
+    from hotlora.models.cpu.layers import (
+        PackedEmbedding,
+        PackedLinear,
+        set_cpu_precision,
+        swap_layers,
+    )
     from hotlora.models.cpu.weights import to_packed
 
     threads = threads or default_threads()
@@ -130,9 +139,15 @@ def install_packed_kernels(model: nn.Module, threads: int | None = None) -> Rows
     attention = install_rows_attention(model, all_rows=True)
     fused = install_fused(model)
     quantized = swapped[PackedLinear] + swapped[PackedEmbedding]
+    set_cpu_precision(model, precision)
+    products = (
+        "int8 activations, integer dot products (--cpu-precision fast)"
+        if precision == "fast"
+        else "float32 activations (--cpu-precision exact)"
+    )
     return RowsKernels(
         True,
-        f"every step runs {quantized} quantized layers from their packed weights and "
+        f"every step runs {quantized} quantized layers from their packed weights ({products}) and "
         f"{' and '.join(attention) or 'no'} attention through the native kernels "
         f"({loaded.isa()}, {threads} threads), a row's results the same in any batch; "
         f"{fused} llama attention and MLP layers compute their projections together "
@@ -170,6 +185,7 @@ def prepare_cpu(
     cache_bytes: int | None = None,
     vector_jit: bool,
     batch_kernels: bool,
+    precision: CpuPrecision = "exact",
     home: Path,
     converting: Converting | None = None,
     threads: int | None = None,
@@ -177,7 +193,8 @@ def prepare_cpu(
     """Without a GPU: quantized weights kept packed for the native kernels, else float32 weights
     when they fit (`weights`, `float_budget`); MLX's fused CPU kernels built for this CPU and the
     attention that uses them (`vector_jit`); the native kernels (`batch_kernels`) on `threads`
-    threads (default: every core this process may run on); at most `cache_bytes` of freed
+    threads (default: every core this process may run on), their packed products at `precision`
+    (`install_packed_kernels`); at most `cache_bytes` of freed
     buffers kept by MLX for reuse, the rest given back to the system (None: MLX's and malloc's
     own ways). Logs which weights and kernels serve and why."""
     from hotlora.models.cpu.attention import install_cpu_attention
@@ -216,7 +233,7 @@ def prepare_cpu(
         jit_reason = "baseline x86-64 (--no-cpu-vector-jit)"
     log.info("CPU kernels: %s", jit_reason)
     if choice.packed:
-        rows = install_packed_kernels(model, threads)
+        rows = install_packed_kernels(model, threads, precision)
         if rows.enabled:
             log.info("native kernels: %s", rows.reason)
             return CpuSetup(False, choice.reason, jit_reason, rows.reason, packed=True)

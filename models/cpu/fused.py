@@ -75,6 +75,8 @@ def fused_products(
             return None
         if layer.scales.dtype != first.scales.dtype:
             return None
+        if layer.int8_activations != first.int8_activations:
+            return None
     plans = {id(operands[0]): operands[0] for _, operands in found if operands is not None}
     if len(plans) > 1:  # one active batch plans every projection of a call
         return None
@@ -88,6 +90,7 @@ def fused_products(
         first.bits,
         next(iter(plans.values()), None),
         [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
+        first.int8_activations,
     )
 
 

@@ -108,6 +108,7 @@ def lora_gather(x: mx.array, linear: nn.Module, plan: object, slot: int) -> mx.a
         linear.bits,
         plan,
         slot,
+        linear.int8_activations,
     )
     return y + linear.bias if "bias" in linear else y
 
@@ -160,15 +161,25 @@ class BatchInvariantEmbedding(NativeEmbedding):
         return extension.native.rows_matmul(x, self.weight)
 
 
-def _quant_rows(x: mx.array, layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> mx.array:
+def _quant_rows(x: mx.array, layer: PackedLinear | PackedEmbedding) -> mx.array:
     assert extension.native is not None
     return extension.native.quant_matmul(
-        x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits
+        x,
+        layer.weight,
+        layer.scales,
+        layer.biases,
+        layer.group_size,
+        layer.bits,
+        layer.int8_activations,
     )
 
 
 class PackedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` whose every float32 call goes through the quantized kernel."""
+    """`nn.QuantizedLinear` whose every float32 call goes through the quantized kernel: with
+    `int8_activations` (`--cpu-precision fast`), each row's activations quantized to int8 in
+    blocks of 32 and integer dot products; else float32 products with the dequantized weights."""
+
+    int8_activations = False  # set per layer by `set_cpu_precision`
 
     def takes(self, x: mx.array) -> bool:
         """Whether the kernels take x as this layer's input: any float32 input."""
@@ -188,7 +199,10 @@ class PackedLinear(nn.QuantizedLinear):
 
 class PackedEmbedding(nn.QuantizedEmbedding):
     """`nn.QuantizedEmbedding` whose lookup gives float32 rows (dequantized as MLX does, in
-    float32) and whose use as the output layer goes through the quantized kernel."""
+    float32) and whose use as the output layer goes through the quantized kernel (int8
+    activations as `PackedLinear`'s)."""
+
+    int8_activations = False  # set per layer by `set_cpu_precision`
 
     def __call__(self, x: mx.array) -> mx.array:
         assert self.biases is not None  # the affine mode's
@@ -202,6 +216,21 @@ class PackedEmbedding(nn.QuantizedEmbedding):
         if not float32_input(x):
             return super().as_linear(x)
         return _quant_rows(x, self)
+
+
+# `--cpu-precision`: int8 activations and integer dot products, or float32 products.
+CpuPrecision = Literal["fast", "exact"]
+
+
+def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
+    """Make every packed layer of the model take `precision`'s products; returns how many.
+    One precision for the whole model, set before it serves: a row's bits then depend on its
+    own values alone, as on either path."""
+    int8 = precision == "fast"
+    layers = [m for _, m in model.named_modules() if isinstance(m, PackedLinear | PackedEmbedding)]
+    for layer in layers:
+        layer.int8_activations = int8
+    return len(layers)
 
 
 class NativeRMSNorm(nn.RMSNorm):

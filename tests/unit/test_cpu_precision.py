@@ -1,0 +1,123 @@
+"""The default CPU path's fidelity: int8 activations (`--cpu-precision fast`) no further from
+mlx-lm's float32 run of the same weights than mlx-lm's own bfloat16 run, with no lower top-1
+agreement, on teacher-forced prompts of the embedded model and of tiny models of three
+families; and a row's logits the same bits alone, in a batch and in any prefill chunking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from hotlora.models.batch_masks import install_row_masks
+from hotlora.models.cpu import extension, install_packed_kernels
+from hotlora.models.loader import load_model_dir
+
+from tests.support.families import FAMILIES
+from tests.support.fidelity import Distance, dequantized_reference, distance
+from tests.support.tiny import VOCAB_SIZE
+
+if (_why := extension.unavailable()) is not None:
+    pytest.skip(f"packed kernels: {_why}", allow_module_level=True)
+
+# Conversations as a chat client sends them, answers included: every position is scored.
+CONVERSATIONS = [
+    [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+        {"role": "assistant", "content": "The capital of France is Paris, on the Seine."},
+    ],
+    [
+        {"role": "user", "content": "Write a Python function that adds two numbers."},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+    ],
+]
+POSITIONS = 32  # of each conversation: the bfloat16 run on the CPU is slow
+
+
+@pytest.fixture(autouse=True)
+def mlx_lm_attention():
+    """mlx-lm's own attention function for every run here, as it was afterwards."""
+    original = llama.scaled_dot_product_attention
+    llama.scaled_dot_product_attention = mlx_lm_base.scaled_dot_product_attention
+    yield
+    llama.scaled_dot_product_attention = original
+
+
+def forward(model: nn.Module, tokens: mx.array) -> mx.array:
+    """Every position's logits of each row of `tokens` [B, L], one call, float32."""
+    out = model(tokens, cache=make_prompt_cache(model)).astype(mx.float32)
+    mx.eval(out)
+    return out
+
+
+def runs(build: callable, tokens: mx.array) -> tuple[Distance, Distance, mx.array]:  # type: ignore[valid-type]
+    """The int8 path's distance from the float32 reference, the bfloat16 run's, and the int8
+    path's logits. `build()` gives a fresh copy of the quantized model."""
+    reference = forward(dequantized_reference(build()), tokens)
+    bfloat16 = build()
+    bfloat16.set_dtype(mx.bfloat16)
+    fast = build()
+    state = install_packed_kernels(fast, threads=2, precision="fast")
+    assert state.enabled and "int8 activations" in state.reason, state.reason
+    logits = forward(fast, tokens)
+    return distance(logits, reference), distance(forward(bfloat16, tokens), reference), logits
+
+
+def report(name: str, fast: Distance, bfloat16: Distance) -> None:
+    print(f"\n{name}: int8 activations: {fast}\n{name}: mlx-lm bfloat16:   {bfloat16}")
+
+
+def test_the_embedded_model_on_int8_activations_is_no_further_than_bfloat16(
+    embedded_model_dir: Path,
+):
+    tokenizer = load_model_dir(embedded_model_dir).tokenizer
+    rows = [list(tokenizer.apply_chat_template(c))[:POSITIONS] for c in CONVERSATIONS]
+    assert all(len(row) == POSITIONS for row in rows)
+    tokens = mx.array(rows)
+    fast, bfloat16, logits = runs(lambda: load_model_dir(embedded_model_dir).model, tokens)
+    report("embedded", fast, bfloat16)
+    assert fast.within(bfloat16), (fast, bfloat16)
+    # Not the float path under another name: int8 activations move the logits.
+    assert fast.largest > 1e-4
+
+    # The same bits for a row alone, beside the other row, and in another prefill chunking.
+    model = load_model_dir(embedded_model_dir).model
+    install_packed_kernels(model, threads=2, precision="fast")
+    alone = forward(model, tokens[:1])
+    assert mx.array_equal(alone[0], logits[0]).item()
+    cache = make_prompt_cache(model)
+    chunks = [model(tokens[:1, at : at + 7], cache=cache) for at in range(0, POSITIONS, 7)]
+    assert mx.array_equal(mx.concatenate(chunks, axis=1)[0], logits[0]).item()
+    # A decode step beside another row, left-padded, is the row's own step.
+    cache = [BatchKVCache([0, 3]) for _ in model.layers]
+    padded = mx.concatenate([tokens[:1, :12], mx.pad(tokens[1:, :9], [(0, 0), (3, 0)])])
+    model(padded, cache=cache)
+    step = model(mx.array([[tokens[0, 12].item()], [tokens[1, 9].item()]]), cache=cache)[0, -1]
+    single = make_prompt_cache(model)
+    model(tokens[:1, :12], cache=single)
+    own = model(tokens[:1, 12:13], cache=single)[0, -1]
+    assert mx.array_equal(step, own).item()
+
+
+FAMILY_TOKENS = mx.array(
+    [[(7 * i + 5 * r + 3) % (VOCAB_SIZE - 4) + 4 for i in range(48)] for r in range(4)]
+)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+def test_a_tiny_model_on_int8_activations_is_no_further_than_bfloat16(name: str):
+    def build() -> nn.Module:
+        model = FAMILIES[name].build(name)
+        nn.quantize(model, group_size=32, bits=4)
+        install_row_masks(model)
+        mx.eval(model.parameters())
+        return model
+
+    fast, bfloat16, _ = runs(build, FAMILY_TOKENS)
+    report(name, fast, bfloat16)
+    assert fast.within(bfloat16), (fast, bfloat16)
