@@ -20,7 +20,7 @@ the embedded model and a ~0.8B random llama, 1 to 16 streams, prefill, peak RSS,
                           [--cpu-models embedded,1b] [--cpu-streams 1,8,16] [--cpu-tokens 96]
                           [--cpu-prefill-tokens 1250] [--cpu-adapters 16]
                           [--cpu-adapter-dtype auto|float32|float16] [--cpu-rounds 1]
-                          [--cpu-adapter-pairs 4]
+                          [--cpu-adapter-pairs 4] [--cpu-precisions fast,exact]
                           [--cpu-cache DIR] [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
@@ -275,6 +275,7 @@ def section_cpu(args: argparse.Namespace, model_dir: Path) -> SectionResult:
         adapter_dtype=args.cpu_adapter_dtype,
         rounds=args.cpu_rounds,
         adapter_pairs=args.cpu_adapter_pairs,
+        precisions=tuple(args.cpu_precisions),
         cache=args.cpu_cache,
     )
     out = run_cpu(args.home, server_env(args.home), options)
@@ -393,6 +394,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--cpu-rounds", type=int, default=1, help="Rounds per server in section cpu.")
     p.add_argument(
+        "--cpu-precisions",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=["fast", "exact"],
+        help="hotlora's --cpu-precision values in section cpu, a run each (default: fast,exact; "
+        "the adapters' rows run on the first).",
+    )
+    p.add_argument(
         "--cpu-adapter-pairs",
         type=int,
         default=4,
@@ -433,6 +441,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--cpu-tokens must be at least 2, --cpu-prefill-tokens and --cpu-rounds 1")
     if args.cpu_adapter_pairs < 1:
         p.error("--cpu-adapter-pairs must be at least 1")
+    if not args.cpu_precisions or not set(args.cpu_precisions) <= {"fast", "exact"}:
+        p.error("--cpu-precisions takes a comma list of: fast, exact")
     if args.cpu_adapters < 0:
         p.error("--cpu-adapters must be 0 or more")
     if args.max_tokens < 2:

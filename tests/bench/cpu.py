@@ -13,13 +13,17 @@ away (llama.cpp also gets `ignore_eos`) so that every row runs to the end: the m
 first token and decode tokens/s per stream, and the aggregate (all tokens / wall time); a
 `--cpu-prefill-tokens` (1,250) token prompt's prefill tokens/s (`/v1/completions`, one new
 token); the server's peak RSS (its VmHWM, or the polled RSS of it and its children when larger).
-Then on hotlora alone: two full-length runs of `--cpu-adapters` (16) base-only rows, whose peak
-RSS is the one the adapters' is held to (the same traffic, without them); then that many random
-rank-16 adapters on every projection are mounted (kept as `--cpu-adapter-dtype` says, by
-default the server's own default, auto), and that many rows, each with an adapter of its own,
-run beside a base-only run of as many rows on the same server: after two untimed rounds of
-each, `--cpu-adapter-pairs` (4) timed pairs, in alternating order; their ratio is the median of
-the pairs' ratios; the peak RSS with them against (base-only + their arrays) x 1.1.
+hotlora runs once a precision of `--cpu-precisions` (fast: its default, int8 activations; exact:
+`--cpu-precision exact`, float32 ones), each in a table of its own against the same llama.cpp
+run; the first line names the vector instructions the kernels ran with.
+Then on hotlora (the first precision) alone: two full-length runs of `--cpu-adapters` (16)
+base-only rows, whose peak RSS is the one the adapters' is held to (the same traffic, without
+them); then that many random rank-16 adapters on every projection are mounted (kept as
+`--cpu-adapter-dtype` says, by default the server's own default, auto), and that many rows, each
+with an adapter of its own, run beside a base-only run of as many rows on the same server: after
+two untimed rounds of each, `--cpu-adapter-pairs` (4) timed pairs, in alternating order; their
+ratio is the median of the pairs' ratios; the peak RSS with them against (base-only + their
+arrays) x 1.1.
 `LLAMA_SERVER` names llama.cpp's server, else one is built once (tests/bench/llama_cpp.py).
 """
 
@@ -68,6 +72,7 @@ class Options:
     adapter_dtype: str = "auto"  # hotlora's --adapter-dtype
     rounds: int = 1
     adapter_pairs: int = 4  # timed pairs of adapter rows and base-only rows
+    precisions: tuple[str, ...] = ("fast", "exact")  # hotlora's --cpu-precision, one run each
     cache: Path = Path(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir()) / "hotlora-bench"
 
 
@@ -431,10 +436,15 @@ def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
             options.adapter_dtype,
         ]
         slot_context = options.prefill_tokens + options.tokens + 256
+        hotlora = _with_args(hotlora_bench_spec(model_dir), hot_args)
         specs: list[tuple[ServerSpec, list[str]]] = [
-            (_with_args(hotlora_bench_spec(model_dir), hot_args), adapter_ids),
-            (llama_server_spec(binary, gguf, most, slot_context), []),
+            (
+                _with_args(hotlora, ["--cpu-precision", precision], _hotlora_name(i, precision)),
+                adapter_ids if i == 0 else [],
+            )
+            for i, precision in enumerate(options.precisions)
         ]
+        specs.append((llama_server_spec(binary, gguf, most, slot_context), []))
         runs: dict[str, SystemRun] = {}
         with tempfile.TemporaryDirectory(prefix="hotlora-bench-") as logs:
             for spec, adapters in specs:
@@ -444,17 +454,43 @@ def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
                     runs[spec.name] = measure(server, model_dir, options, adapters, _progress)
                 finally:
                     server.stop()
-        lines += [f"-- {label}", *comparison(runs, options)]
+        for i, precision in enumerate(options.precisions):
+            name = _hotlora_name(i, precision)
+            pair = {"hotlora": runs[name], "llama-server": runs["llama-server"]}
+            lines += [f"-- {label}, --cpu-precision {precision}", *comparison(pair, options)]
     title = (
         f"cpu: hotlora against llama.cpp's server, {options.tokens} new tokens a row, greedy, "
-        f"rows run to the end (medians of {options.rounds} round{'s' * (options.rounds > 1)})"
+        f"rows run to the end (medians of {options.rounds} round{'s' * (options.rounds > 1)}); "
+        f"{kernels_isa()}"
     )
     return CpuSection(title, lines)
 
 
-def _with_args(spec: ServerSpec, extra: list[str]) -> ServerSpec:
+def kernels_isa() -> str:
+    """The vector instructions hotlora's native kernels run with here, and the CPU's model."""
+    from hotlora.models.cpu import extension
+
+    loaded = extension.load(1)
+    isa = loaded if isinstance(loaded, str) else loaded.isa()
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    return f"kernels: {isa} on {model}"
+
+
+def _hotlora_name(index: int, precision: str) -> str:
+    """The first precision's server is `hotlora` (the adapters' rows run there)."""
+    return "hotlora" if index == 0 else f"hotlora-{precision}"
+
+
+def _with_args(spec: ServerSpec, extra: list[str], name: str | None = None) -> ServerSpec:
     base = spec.argv
-    return ServerSpec(spec.name, lambda port: [*base(port), *extra], spec.ready)
+    return ServerSpec(name or spec.name, lambda port: [*base(port), *extra], spec.ready)
 
 
 def _progress(line: str) -> None:
