@@ -229,7 +229,8 @@ void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group,
 // weight rows in two ranges as the primitives' threads split them.
 std::vector<float> int8_product(const Kernel& kernel, const Quantized& q, const float* x, int M,
                                 int N) {
-  const Int8Rows rows(x, M, q.K, q.group, q.bits);
+  Int8Rows rows(x, M, q.K, q.group, q.bits);
+  rows.quantize(0, M);
   std::vector<float> out(static_cast<size_t>(M) * N);
   const int split = N / 2 - N / 2 % 4;
   kernel.int8(q, rows.rows(), out.data(), M, N, 0, split);
@@ -245,7 +246,8 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
   auto x = normal(static_cast<size_t>(M) * K);
   for (int k = 0; k < K; k += 97) x[k] = 0.0f;                // zeros among the values
   std::fill_n(x.begin() + K / 2, std::min(32, K / 2), 0.0f);  // a block of zeros: d = 0
-  const Int8Rows quantized_x(x.data(), M, K, group, bits);
+  Int8Rows quantized_x(x.data(), M, K, group, bits);
+  quantized_x.quantize(0, M);
   const QuantizedRows rows = quantized_x.rows();
   std::vector<double> values(x.size());  // the quantized rows, in value order
   for (int m = 0; m < M; m++)

@@ -80,13 +80,17 @@ inline void int8_block(const Quantized& q, const QuantizedRows& x, int n, float*
   for (int b = 0; b < blocks; b++) {
     const int g = b / per_group;
     typename Int8::Codes codes[R];
-    for (int r = 0; r < R; r++) codes[r] = Int8::template codes<Bits>(rows[r] + b * 4 * Bits);
+    typename Int8::V scale[R];
+    for (int r = 0; r < R; r++) {
+      codes[r] = Int8::template codes<Bits>(rows[r] + b * 4 * Bits);
+      scale[r] = Int8::set1(scales[r][g]);
+    }
     for (int m = 0; m < P; m++) {
-      const int8_t* xq = x.q + static_cast<size_t>(m) * K + b * 32;
-      const float d = x.d[static_cast<size_t>(m) * blocks + b];
-      for (int r = 0; r < R; r++)
-        acc[r][m] = Int8::fma(Int8::template dot<Bits>(codes[r], xq), Int8::set1(scales[r][g] * d),
-                              acc[r][m]);
+      const typename Int8::Codes xq = Int8::activations(x.q + static_cast<size_t>(m) * K + b * 32);
+      const typename Int8::V d = Int8::set1(x.d[static_cast<size_t>(m) * blocks + b]);
+      for (int r = 0; r < R; r++)  // (scale * d), rounded once, times the block's integer sums
+        acc[r][m] =
+            Int8::fma(Int8::template dot<Bits>(codes[r], xq), Int8::mul(scale[r], d), acc[r][m]);
     }
   }
   for (int r = 0; r < R; r++)

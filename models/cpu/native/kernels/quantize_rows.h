@@ -12,6 +12,15 @@
 
 namespace hotlora {
 
+// v rounded to the nearest integer, ties to even, for |v| <= 2^22: adding 1.5 * 2^23 leaves no
+// bit below the units, so the sum rounds as the FPU does (to nearest even), and subtracting it
+// back is exact. What std::nearbyint gives in the default rounding mode, without a call into libm
+// a value.
+inline float round_to_int(float v) {
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
+  return (v + kShift) - kShift;          // not folded: no -ffast-math, so no reassociation
+}
+
 // One row x [K] into `out` (QuantizedRows' layout, its row 0): each block of 32 scaled by its
 // largest magnitude to [-127, 127] and rounded to the nearest (ties to even), as llama.cpp's q8
 // blocks are; each group's sum of its quantized values (d * the codes' integer sum, block by
@@ -30,7 +39,7 @@ inline void quantize_row(const float* x, int K, int group, int bits, const Quant
     int8_t* qb = q + static_cast<size_t>(b) * 32;
     for (int i = 0; i < 32; i++) {
       const int at = bits == 4 ? (i % 2) * 16 + i / 2 : i;  // 4 bits: evens, then odds
-      qb[at] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+      qb[at] = static_cast<int8_t>(round_to_int(xb[i] * inverse));
     }
   }
   for (int g = 0; g < K / group; g++) {
@@ -44,19 +53,27 @@ inline void quantize_row(const float* x, int K, int group, int bits, const Quant
   }
 }
 
-// M rows of x [M, K] quantized, held for the products that read them.
+// M rows of x [M, K] quantized, held for the products that read them: `quantize` fills rows
+// [m0, m1), so that threads may share the rows.
 class Int8Rows {
  public:
   Int8Rows(const float* x, int M, int K, int group, int bits)
-      : q_(static_cast<size_t>(M) * K),
+      : x_(x),
+        K_(K),
+        group_(group),
+        bits_(bits),
+        q_(static_cast<size_t>(M) * K),
         d_(static_cast<size_t>(M) * (K / 32)),
-        sums_(static_cast<size_t>(M) * (K / group)) {
-    for (int m = 0; m < M; m++)
-      quantize_row(x + static_cast<size_t>(m) * K, K, group, bits, rows().row(m, K, group));
+        sums_(static_cast<size_t>(M) * (K / group)) {}
+  void quantize(int m0, int m1) {
+    for (int m = m0; m < m1; m++)
+      quantize_row(x_ + static_cast<size_t>(m) * K_, K_, group_, bits_, rows().row(m, K_, group_));
   }
   QuantizedRows rows() const { return {q_.data(), d_.data(), sums_.data()}; }
 
  private:
+  const float* x_;
+  int K_, group_, bits_;
   std::vector<int8_t> q_;
   std::vector<float> d_, sums_;
 };

@@ -25,6 +25,15 @@ struct Kernel {
   LowRank<uint16_t> low_rank_half;
 };
 
+// An ISA's entry from its namespace's kernels (kernels/*.h built there), named `isa` and run
+// where `supported()` finds the CPU's features: what each kernels/isa/<name>.cpp returns.
+#define HOTLORA_KERNEL(isa, supported)                                                         \
+  Kernel {                                                                                     \
+    isa, supported, rows_matmul_range, attend, softmax_rows, quant_matmul_range,               \
+        int8_matmul_range, add_residuals<float>, low_rank_row<float>, add_residuals<uint16_t>, \
+        low_rank_row<uint16_t>                                                                 \
+  }
+
 // Each ISA's entry, in kernels/isa/<name>.cpp; on another architecture it is not defined.
 namespace avx512vbmi {
 const Kernel& kernel();

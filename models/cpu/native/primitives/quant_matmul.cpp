@@ -45,7 +45,10 @@ class PackedProducts {
  public:
   PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, int bits, bool int8)
       : kernel_(kernel), x_(x), M_(M) {
-    if (int8) rows_.emplace(x, M, K, group, bits);
+    if (!int8) return;
+    rows_.emplace(x, M, K, group, bits);
+    parallel_rows(
+        M, 8, [this](int m0, int m1) { rows_->quantize(m0, m1); }, 1);
   }
 
   // out[:, n0:n1] of x @ dequantize(q).T; out is [M, N]. On any thread of the pool.

@@ -24,19 +24,7 @@ bool supported() {
 }
 
 const Kernel& kernel() {
-  static const Kernel kKernel{
-      "avx512",
-      supported,
-      rows_matmul_range,
-      attend,
-      softmax_rows,
-      quant_matmul_range,
-      int8_matmul_range,
-      add_residuals<float>,
-      low_rank_row<float>,
-      add_residuals<uint16_t>,
-      low_rank_row<uint16_t>,
-  };
+  static const Kernel kKernel = HOTLORA_KERNEL("avx512", supported);
   return kKernel;
 }
 

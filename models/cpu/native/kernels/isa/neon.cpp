@@ -17,19 +17,7 @@ namespace hotlora::neon {
 bool supported() { return true; }
 
 const Kernel& kernel() {
-  static const Kernel kKernel{
-      "neon",
-      supported,
-      rows_matmul_range,
-      attend,
-      softmax_rows,
-      quant_matmul_range,
-      int8_matmul_range,
-      add_residuals<float>,
-      low_rank_row<float>,
-      add_residuals<uint16_t>,
-      low_rank_row<uint16_t>,
-  };
+  static const Kernel kKernel = HOTLORA_KERNEL("neon", supported);
   return kKernel;
 }
 

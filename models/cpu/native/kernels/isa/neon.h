@@ -107,14 +107,15 @@ struct Int8 {
               vreinterpretq_s8_u8(veorq_u8(vld1q_u8(bytes + 16), offset))};
     }
   }
-  // sum(codes * xq) over the block, in 4 lanes, as floats (exact).
+  // A block's 32 int8 activations (kernels/quantize_rows.h's order).
+  static Codes activations(const int8_t* xq) { return {vld1q_s8(xq), vld1q_s8(xq + 16)}; }
+  // sum(codes * x) over the block, in 4 lanes, as floats (exact).
   template <int Bits>
-  static V dot(Codes codes, const int8_t* xq) {
-    const int8x16_t x0 = vld1q_s8(xq), x1 = vld1q_s8(xq + 16);
+  static V dot(Codes codes, Codes x) {
     const int16x8_t p0 =
-        vmlal_high_s8(vmull_s8(vget_low_s8(codes.low), vget_low_s8(x0)), codes.low, x0);
+        vmlal_high_s8(vmull_s8(vget_low_s8(codes.low), vget_low_s8(x.low)), codes.low, x.low);
     const int16x8_t p1 =
-        vmlal_high_s8(vmull_s8(vget_low_s8(codes.high), vget_low_s8(x1)), codes.high, x1);
+        vmlal_high_s8(vmull_s8(vget_low_s8(codes.high), vget_low_s8(x.high)), codes.high, x.high);
     return vcvtq_f32_s32(vpadalq_s16(vpaddlq_s16(p0), p1));
   }
 };

@@ -42,13 +42,16 @@ struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight r
                               _mm256_set1_epi8(static_cast<char>(0x80)));
     }
   }
-  // sum(codes * xq) over the block, in 8 lanes, as floats (exact: at most 32 * 128 * 127).
+  // A block's 32 int8 activations (kernels/quantize_rows.h's order).
+  static Codes activations(const int8_t* xq) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  }
+  // sum(codes * x) over the block, in 8 lanes, as floats (exact: at most 32 * 128 * 127).
   // vpmaddubsw multiplies unsigned bytes by signed ones: 4-bit codes are both; a signed 8-bit
   // code goes in as its magnitude, its sign moved onto x's byte (no pair of products past
   // 2 * 128 * 127, so none saturates).
   template <int Bits>
-  static V dot(Codes codes, const int8_t* xq) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  static V dot(Codes codes, Codes x) {
     __m256i pairs;
     if constexpr (Bits == 4)
       pairs = _mm256_maddubs_epi16(codes, x);
