@@ -151,7 +151,7 @@ def install_packed_kernels(
         f"{' and '.join(attention) or 'no'} attention through the native kernels "
         f"({loaded.isa()}, {threads} threads), a row's results the same in any batch; "
         f"{fused} llama attention and MLP layers compute their projections together "
-        "while no adapter applies; "
+        "(and their adapters' residuals, where the gathered kernel reads them); "
         f"MLX's own operations: {_left_to_mlx(model, attention)}",
     )
 
