@@ -1,7 +1,8 @@
 // The products of packed quantized weights: QuantMatmul (`x @ dequantize(w).T`, any number of
 // rows), QuantMatmulGather (with each row's own adapters at a LoRA slot, gathered from a plan)
 // and QuantMatmulHeads (several weights of one input as one primitive). The kernels are the
-// active Kernel's `quant` (kernels/quant_matmul.h) and its gathered LoRA's (RowResiduals).
+// active Kernel's `quant` (kernels/quant_matmul.h) or, on int8 activations, its `int8`
+// (kernels/int8_matmul.h), through PackedProducts, and its gathered LoRA's (RowResiduals).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
