@@ -134,7 +134,7 @@ def install_packed_kernels(
     loaded = extension.load(threads)
     if isinstance(loaded, str):
         return RowsKernels(False, loaded)
-    to_packed(model)
+    repacked = to_packed(model)
     swapped = swap_layers(model, all_rows=True)
     attention = install_rows_attention(model, all_rows=True)
     fused = install_fused(model)
@@ -147,7 +147,8 @@ def install_packed_kernels(
     )
     return RowsKernels(
         True,
-        f"every step runs {quantized} quantized layers from their packed weights ({products}) and "
+        f"every step runs {quantized} quantized layers from their packed weights ({products}; "
+        f"codes widened at load: {repacked.describe()}) and "
         f"{' and '.join(attention) or 'no'} attention through the native kernels "
         f"({loaded.isa()}, {threads} threads), a row's results the same in any batch; "
         f"{fused} llama attention and MLP layers compute their projections together "
@@ -177,6 +178,31 @@ def packed_unserved(model: nn.Module, batch_kernels: bool) -> str | None:
     return quantized_unserved(model)
 
 
+def float32_fallback(model: nn.Module, unpacked: str) -> str:
+    """The warning for quantized weights served as a float32 copy: why (`unpacked`, naming the
+    layer where one is the cause), the RAM the copy costs, and what keeps them packed."""
+    from hotlora.models.cpu.weights import float32_bytes, packed_bytes
+
+    copy, packed = float32_bytes(model), packed_bytes(model)
+    if unpacked.startswith("--cpu-weights"):
+        fix = "pass --cpu-weights auto or packed"
+    elif unpacked == "--no-cpu-native-kernels":
+        fix = "drop --no-cpu-native-kernels"
+    elif "not built" in unpacked:
+        fix = "`make setup` builds the native kernels"
+    else:
+        fix = (
+            "quantize the model in MLX's affine mode at 1-6 or 8 bits (`hotlora quantize` from a "
+            "float model), or pass --cpu-weights mlx to keep the weights as loaded for MLX's own, "
+            "slower kernels"
+        )
+    return (
+        f"quantized weights served as a float32 copy: {unpacked}; the copy takes "
+        f"{copy / 1e6:.0f} MB of RAM where the packed weights would take {packed / 1e6:.0f} MB; "
+        f"to keep them packed, {fix}"
+    )
+
+
 def prepare_cpu(
     model: nn.Module,
     *,
@@ -199,7 +225,13 @@ def prepare_cpu(
     own ways). Logs which weights and kernels serve and why."""
     from hotlora.models.cpu.attention import install_cpu_attention
     from hotlora.models.cpu.vector_jit import enable_vector_jit
-    from hotlora.models.cpu.weights import all_float32, choose_cpu_weights, has_gpu, to_float32
+    from hotlora.models.cpu.weights import (
+        all_float32,
+        choose_cpu_weights,
+        has_gpu,
+        quantized,
+        to_float32,
+    )
 
     cuda = getattr(mx, "cuda", None)  # absent from older MLX releases
     log.info(
@@ -211,6 +243,8 @@ def prepare_cpu(
     unpacked = None if weights in ("auto", "packed") else f"--cpu-weights {weights}"
     unpacked = unpacked or packed_unserved(model, batch_kernels)
     choice = choose_cpu_weights(model, weights, float_budget, unpacked=unpacked)
+    if choice.float32 and weights != "float32" and unpacked is not None and quantized(model):
+        log.warning("%s", float32_fallback(model, unpacked))
     if choice.float32:
         with (converting or _quietly)(choice.reason):
             to_float32(model)

@@ -15,7 +15,8 @@ than to compute at a few rows, and they were most of a decode step's graph. Each
 composition operation for operation, with MLX's own exp, sin and cos, so its results are MLX's
 to the bit: every float32 call takes it, a request decoding alone and prefill included.
 
-Quantized weights (MLX's affine mode, 4 or 8 bits) stay packed: `PackedLinear` and
+Quantized weights (MLX's affine mode, 4 or 8 bits; other bits widened to those at load by
+`weights.repack`) stay packed: `PackedLinear` and
 `PackedEmbedding` (the lookup and a tied output layer) send every call, whatever its row
 count, through the extension's `quant_matmul`, which dequantizes a tile of weight rows at a time
 in cache and gives each output one fixed-order sum. A row's result is then the same bits alone,
@@ -35,6 +36,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma, gemma2, gemma3_text
 
 from hotlora.models.cpu import extension
+from hotlora.models.cpu.weights import KERNEL_BITS, served_bits
 from hotlora.models.module_classes import swap_classes
 
 
@@ -306,7 +308,8 @@ _ALL_ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 
 def quantized_unserved(model: nn.Module) -> str | None:
     """Why the quantized kernels cannot serve this model's quantized layers; None when they
-    can (MLX's affine mode, 4 or 8 bits, groups of 32, 64 or 128, float scales)."""
+    can (MLX's affine mode, 4 or 8 bits or bits `weights.repack` widens to those, groups of 32,
+    64 or 128, float scales)."""
     for path, module in model.named_modules():
         if type(module) not in (nn.QuantizedLinear, nn.QuantizedEmbedding):
             if "scales" in module:  # another kind of quantized layer (e.g. experts')
@@ -315,13 +318,14 @@ def quantized_unserved(model: nn.Module) -> str | None:
         mode = getattr(module, "mode", "affine")
         if (
             mode != "affine"
-            or module.bits not in (4, 8)
+            or served_bits(module.bits) not in KERNEL_BITS
             or module.group_size not in (32, 64, 128)
             or module.scales.dtype not in (mx.float32, mx.float16, mx.bfloat16)
         ):
             return (
                 f"{path} is quantized as {mode}, {module.bits} bits, groups of "
-                f"{module.group_size}: the kernels take affine 4 or 8 bits, groups of 32-128"
+                f"{module.group_size}: the kernels take affine 1-6 or 8 bits (4 and 8 as they "
+                "are, the others widened to 4 or 8 at load), groups of 32-128"
             )
     return None
 

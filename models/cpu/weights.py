@@ -23,6 +23,11 @@ from mlx_lm.utils import dequantize_model
 
 CpuWeights = Literal["auto", "packed", "float32", "mlx"]
 _HALF = (mx.float16, mx.bfloat16)
+KERNEL_BITS = (4, 8)
+# Codes the kernels do not take, and the width each is repacked to: the same integer, so the
+# same value under the group's scale and bias.
+REPACKED_BITS = {1: 4, 2: 4, 3: 4, 5: 8, 6: 8}
+_PACKED_KEYS = ("weight", "scales", "biases")
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,12 @@ def _low_precision(model: nn.Module) -> str | None:
         if value.dtype in _HALF:
             return str(value.dtype).rsplit(".", 1)[-1]
     return None
+
+
+def quantized(model: nn.Module) -> bool:
+    """Whether any of the model's parameters is a quantized layer's packed codes."""
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return any(value.dtype == mx.uint32 for _, value in params)
 
 
 def all_float32(model: nn.Module) -> bool:
@@ -132,15 +143,91 @@ def packed_bytes(model: nn.Module) -> int:
     for _, module in modules:
         quantized = isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
         for key, value in cast(list[tuple[str, mx.array]], tree_flatten(module.parameters())):
-            kept = quantized and key in ("weight", "scales", "biases")
+            kept = quantized and key in _PACKED_KEYS
             total += value.nbytes if kept else 4 * value.size
+            if kept and key == "weight":
+                total += value.nbytes * (served_bits(module.bits) - module.bits) // module.bits
     return total
 
 
-def to_packed(model: nn.Module) -> None:
-    """Cast every float parameter but the quantized layers' packed weights, scales and biases to
-    float32, in place; the packed arrays made row-contiguous, as the native kernels read them."""
-    packed = ("weight", "scales", "biases")
+def served_bits(bits: int) -> int:
+    """The bits a layer's codes are served at: 4 and 8 as they are, others as `REPACKED_BITS`."""
+    return REPACKED_BITS.get(bits, bits)
+
+
+def unpack_codes(weight: mx.array, bits: int) -> mx.array:
+    """MLX's packed `bits`-bit codes (uint32 [..., cols * bits / 32]) as uint8 [..., cols].
+
+    MLX fills every `bits` bytes with 8 codes, lowest bits first; a code spans at most two of
+    those bytes, so each of the 8 is read from a 16-bit pair."""
+    lead = weight.shape[:-1]
+    raw = weight.view(mx.uint8).reshape(*lead, -1, bits)
+    mask = (1 << bits) - 1
+    codes = []
+    for k in range(8):
+        byte, shift = divmod(k * bits, 8)
+        pair = raw[..., byte].astype(mx.uint16)
+        if byte + 1 < bits:
+            pair = pair | (raw[..., byte + 1].astype(mx.uint16) << 8)
+        codes.append(((pair >> shift) & mask).astype(mx.uint8))
+    return mx.stack(codes, axis=-1).reshape(*lead, -1)
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """uint8 codes [..., cols] as MLX packs them at 4 or 8 bits (uint32 words)."""
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    elif bits != 8:
+        raise ValueError(f"codes are packed here at 4 or 8 bits, not {bits}")
+    return mx.contiguous(codes).view(mx.uint32)
+
+
+@dataclass(frozen=True)
+class Repacked:
+    """What `repack` widened: the layers by (from, to) bits, and the bytes their codes took
+    before and after."""
+
+    layers: dict[tuple[int, int], list[str]]
+    bytes_before: int
+    bytes_after: int
+
+    def describe(self) -> str:
+        """'166 layers from 5 to 8 bits (+38 MB)', or 'none'."""
+        if not self.layers:
+            return "none"
+        parts = [f"{len(paths)} from {a} to {b} bits" for (a, b), paths in self.layers.items()]
+        grown = (self.bytes_after - self.bytes_before) / 1e6
+        return f"{', '.join(parts)} (codes +{grown:.0f} MB)"
+
+
+def repack(model: nn.Module) -> Repacked:
+    """Widen every affine quantized layer's codes the kernels do not take to the width
+    `REPACKED_BITS` names, in place, one layer at a time (each evaluated before the next, so at
+    most one layer's intermediates exist); scales and biases stay as they are."""
+    layers: dict[tuple[int, int], list[str]] = {}
+    before = after = 0
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            continue
+        bits = module.bits
+        if getattr(module, "mode", "affine") != "affine" or bits not in REPACKED_BITS:
+            continue
+        wider = REPACKED_BITS[bits]
+        old = module.weight
+        module.weight = pack_codes(unpack_codes(old, bits), wider)
+        module.bits = wider
+        mx.eval(module.weight)
+        before, after = before + old.nbytes, after + module.weight.nbytes
+        layers.setdefault((bits, wider), []).append(path)
+    return Repacked(layers, before, after)
+
+
+def to_packed(model: nn.Module) -> Repacked:
+    """Widen the codes the kernels do not take (`repack`), and cast every float parameter but
+    the quantized layers' packed weights, scales and biases to float32, in place; the packed
+    arrays made row-contiguous, as the native kernels read them. Returns what was repacked."""
+    repacked = repack(model)
+    packed = _PACKED_KEYS
     for _, module in model.named_modules():
         quantized = isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
         for key, value in list(module.items()):
@@ -151,6 +238,7 @@ def to_packed(model: nn.Module) -> None:
             elif mx.issubdtype(value.dtype, mx.floating) and value.dtype != mx.float32:
                 module[key] = value.astype(mx.float32)
     mx.eval(model.parameters())
+    return repacked
 
 
 def to_float32(model: nn.Module) -> None:
