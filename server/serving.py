@@ -33,12 +33,14 @@ from hotlora.server.engine import (
     GenerationWorker,
     SampledToken,
     SamplingParams,
+    Share,
     Ticket,
 )
 from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.engine.grammar import Grammar
 from hotlora.server.http.request_errors import ContextOverflow
 from hotlora.server.http.request_ids import client_request_id
+from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
 from hotlora.server.render.chat_prompt import ChatTemplate
 from hotlora.server.render.reasoning import PROMPT_TAIL_TOKENS, Reasoning, ThinkTags
 from hotlora.server.request_sampling import sampling_params
@@ -390,10 +392,12 @@ class InferenceService:
 
     # Running.
 
-    def submit(self, prepared: Prepared) -> Submitted:
-        """Admit the request now, before any response starts; refused, it holds nothing."""
+    def submit(self, prepared: Prepared, tenant: Tenant = DEFAULT_TENANT) -> Submitted:
+        """Admit the request now, before any response starts, in `tenant`'s fair share of the
+        batch; refused, it holds nothing."""
         try:
-            return Submitted(prepared, self.worker.submit(prepared.jobs()))
+            share = Share(tenant.name, tenant.weight)
+            return Submitted(prepared, self.worker.submit(prepared.jobs(), share))
         except BaseException:
             prepared.lease.release()
             raise

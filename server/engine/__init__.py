@@ -5,6 +5,7 @@ Nothing here knows about HTTP: `QueueFull` is an engine condition, reported as t
 """
 
 from hotlora.server.engine.batch_check import check_batching
+from hotlora.server.engine.fair_share import Share
 from hotlora.server.engine.generate import (
     Delta,
     Engine,
@@ -39,6 +40,7 @@ __all__ = [
     "SampledToken",
     "SamplingParams",
     "Scheduler",
+    "Share",
     "Ticket",
     "WorkerStopped",
     "check_batching",

@@ -3,8 +3,9 @@
 One loop in the spirit of vLLM's scheduler, on MLX-native batch state (mlx-lm's
 `BatchKVCache`, left-padded):
 
-1. Admit waiting rows, first come first served, while the batch has room (`max_batch`) and the
-   KV cache budget covers every admitted row's prompt plus its `max_tokens`.
+1. Admit waiting rows while the batch has room (`max_batch`) and the KV cache budget covers
+   every admitted row's prompt plus its `max_tokens`: each tenant's rows first come first
+   served, the tenants' queues by weighted fair share (`FairQueue`).
 2. Prefill: spend at most what `prefill_chunk` prompt tokens cost on an empty cache, oldest
    group first (`PrefillCost`: deeper in a long prompt, attention makes each token dearer and
    a step takes fewer). A group is one prompt with its adapter set: the `n` choices of a
@@ -20,7 +21,7 @@ Nothing here knows about HTTP or asyncio: rows report through their `sink`.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -30,6 +31,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from hotlora.adapters import RowAdapterCache, activate
 from hotlora.config.log_text import printable
+from hotlora.server.engine.fair_share import DEFAULT_SHARE, FairQueue, Share
 from hotlora.server.engine.generate import (
     Engine,
     GenerationJob,
@@ -87,7 +89,7 @@ class Scheduler:
         self.kv_cache_bytes = kv_cache_bytes
         self.kv_bytes_per_token = engine.kv_bytes_per_token
         self.eos = frozenset(engine.tokenizer.eos_token_ids)
-        self.waiting: deque[Row] = deque()
+        self.waiting = FairQueue()
         self.prefilling: deque[Group] = deque()
         self.running: list[Row] = []
         self._cache: LayerCaches | None = None  # the running rows' batch KV cache, row-aligned
@@ -97,15 +99,23 @@ class Scheduler:
 
     # Admission.
 
-    def add(self, jobs: Sequence[GenerationJob], sink: Sink) -> None:
-        """Queue one request's jobs, in order, behind everything already waiting."""
+    def add(self, jobs: Sequence[GenerationJob], sink: Sink, share: Share = DEFAULT_SHARE) -> None:
+        """Queue one request's jobs, in order, behind its tenant's rows already waiting."""
         tokenizer = self.engine.tokenizer
         # `tokenizer.detokenizer` is a fresh, reset copy on every access. All rows or none.
         rows = [
-            Row(job, sink, position, tokenizer.detokenizer, self.eos, self.engine.special_ids)
+            Row(
+                job,
+                sink,
+                position,
+                tokenizer.detokenizer,
+                self.eos,
+                self.engine.special_ids,
+                tenant=share.tenant,
+            )
             for position, job in enumerate(jobs)
         ]
-        self.waiting.extend(rows)
+        self.waiting.extend(rows, share)
 
     @property
     def idle(self) -> bool:
@@ -129,13 +139,14 @@ class Scheduler:
         return len(rows) * (longest + KV_STEP) * self.kv_bytes_per_token
 
     def _admit(self) -> None:
-        while self.waiting:
-            head = self.waiting[0]
+        held = Counter(row.tenant for row in self._admitted_rows())
+        while (queue := self.waiting.pick(held)) is not None:
+            head = queue.head
             room = self.max_batch - self.admitted
             if room <= 0:
                 return
             group = [head]
-            for row in list(self.waiting)[1:room]:
+            for _, row in list(queue.rows)[1:room]:
                 if (
                     row.sink is head.sink
                     and row.job.prompt is head.job.prompt
@@ -149,8 +160,8 @@ class Scheduler:
                 group.pop()
             if self.admitted and self.kv_reserved(group) > self.kv_cache_bytes:
                 return
-            for _ in group:
-                self.waiting.popleft()
+            self.waiting.admit(queue, len(group))
+            held[queue.share.tenant] += len(group)
             for row in group:
                 row.sink.started()
             self.prefilling.append(Group(group))
@@ -179,7 +190,7 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         """Finish every cancelled row, wherever it is; a cancelled request never starts."""
-        self.waiting = deque(_without_cancelled(self.waiting))
+        self.waiting.keep(_without_cancelled)
         for group in list(self.prefilling):
             group.rows = _without_cancelled(group.rows)
             if not group.rows:
@@ -416,8 +427,7 @@ class Scheduler:
 
     def cancel_all(self, error: BaseException) -> None:
         """Fail everything admitted or waiting (the worker is stopping)."""
-        rows = [*self.waiting, *self._take_admitted()]
-        self.waiting.clear()
+        rows = [*self.waiting.clear(), *self._take_admitted()]
         for row in rows:
             row.sink.failed(row.position, error)
         self._publish()

@@ -45,6 +45,7 @@ class Row:
     detokenizer: Any  # a fresh copy of the tokenizer's streaming detokenizer
     eos: frozenset[int]
     silent: frozenset[int] = frozenset()  # control tokens: generated, they add no text
+    tenant: str = "default"  # whose request it is, for the fair share of the batch
     sampler: RowSampler = field(init=False)
     stops: StopMatcher = field(init=False)
     constraint: Constraint | None = field(init=False)  # its grammar (`response_format`), if any

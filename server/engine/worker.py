@@ -1,7 +1,8 @@
 """The generation worker: one thread owns all MLX work and runs the batching scheduler.
 
-The event loop never runs MLX code. A request is admitted (or refused with `QueueFull`) before
-any response starts, as one ticket holding all of its jobs; the thread moves tickets into the
+The event loop never runs MLX code. A request is admitted (or refused with `QueueFull`: its
+tenant already has `max_queue` requests waiting) before any response starts, as one ticket
+holding all of its jobs and its tenant's share; the thread moves tickets into the
 scheduler, steps it, and each ticket's events come back through its own asyncio queue. That
 queue is bounded (`max_unsent`): a reader that stops taking events (a client that reads nothing)
 ends its request with `ClientNotReading` rather than let the events pile up.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hotlora.config.errors import HotloraError
+from hotlora.server.engine.fair_share import DEFAULT_SHARE, Share
 from hotlora.server.engine.generate import Engine, Event, Finished, GenerationJob
 from hotlora.server.engine.scheduler import Scheduler
 
@@ -57,8 +59,15 @@ class WorkerStopped(HotloraError):
 class Ticket:
     """One admitted request: its jobs and the events they produce, in order per job."""
 
-    def __init__(self, worker: GenerationWorker, jobs: Sequence[GenerationJob], max_unsent: int):
+    def __init__(
+        self,
+        worker: GenerationWorker,
+        jobs: Sequence[GenerationJob],
+        max_unsent: int,
+        share: Share = DEFAULT_SHARE,
+    ):
         self.jobs = list(jobs)
+        self.share = share  # whose request it is: its place in the fair share of the batch
         self.events: asyncio.Queue[object] = asyncio.Queue()
         self.state = _State.WAITING
         self.max_unsent = max_unsent  # events the queue may hold before the request is ended
@@ -181,6 +190,7 @@ class GenerationWorker:
         # Other model work (embeddings), run between steps: (work, its future).
         self._errands: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()
         self._waiting = 0
+        self._waiting_by_tenant: dict[str, int] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -217,18 +227,21 @@ class GenerationWorker:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
-    def submit(self, jobs: Sequence[GenerationJob]) -> Ticket:
-        """Admit a request's jobs now, or raise `QueueFull`; nothing is queued on refusal."""
+    def submit(self, jobs: Sequence[GenerationJob], share: Share = DEFAULT_SHARE) -> Ticket:
+        """Admit a request's jobs now, or raise `QueueFull`; nothing is queued on refusal.
+
+        The wait list is bounded per tenant: one tenant's flood fills its own, not another's.
+        """
         with self._lock:
             if self._stopping:
                 raise WorkerStopped("The server is shutting down; retry on another replica.")
-            if self._waiting >= self.max_queue:
+            waiting = self._waiting_by_tenant.get(share.tenant, 0)
+            if waiting >= self.max_queue:
                 raise QueueFull(
-                    f"The server is busy: {self._waiting} requests are already waiting. "
-                    "Retry shortly."
+                    f"The server is busy: {waiting} requests are already waiting. Retry shortly."
                 )
-            ticket = Ticket(self, jobs, self.max_unsent)
-            self._waiting += 1
+            ticket = Ticket(self, jobs, self.max_unsent, share)
+            self._count_waiting(ticket, 1)
             self._inbox.append(ticket)
             self._lock.notify()
         return ticket
@@ -276,13 +289,23 @@ class GenerationWorker:
         with self._lock:
             if ticket.state is _State.WAITING:
                 ticket.state = _State.CANCELLED
-                self._waiting -= 1
+                self._count_waiting(ticket, -1)
 
     def _started(self, ticket: Ticket) -> None:
         with self._lock:
             if ticket.state is _State.WAITING:
                 ticket.state = _State.RUNNING
-                self._waiting -= 1
+                self._count_waiting(ticket, -1)
+
+    def _count_waiting(self, ticket: Ticket, change: int) -> None:
+        """Add `change` to the waiting counts, the total and the ticket's tenant's (lock held)."""
+        self._waiting += change
+        tenant = ticket.share.tenant
+        left = self._waiting_by_tenant.get(tenant, 0) + change
+        if left:
+            self._waiting_by_tenant[tenant] = left
+        else:
+            self._waiting_by_tenant.pop(tenant, None)
 
     def _run(self) -> None:
         scheduler = self.scheduler
@@ -303,7 +326,7 @@ class GenerationWorker:
                 self._run_errands()
                 for ticket in arrived:
                     try:
-                        scheduler.add(ticket.jobs, ticket)
+                        scheduler.add(ticket.jobs, ticket, ticket.share)
                     except Exception as exc:  # noqa: BLE001 - this request fails, others go on
                         log.exception("could not admit a request")
                         ticket.fail_all(exc)

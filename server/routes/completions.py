@@ -12,6 +12,7 @@ from hotlora.server.api.completion_requests import ChatCompletionRequest, Comple
 from hotlora.server.deps import InferenceDep
 from hotlora.server.http.auth import InferenceRoute
 from hotlora.server.http.disconnects import until_disconnect
+from hotlora.server.http.tenants import request_tenant
 from hotlora.server.render import completion_output
 from hotlora.server.routes import paths
 
@@ -22,7 +23,7 @@ router = APIRouter(tags=["inference"], route_class=InferenceRoute)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, service: InferenceDep
 ) -> ChatCompletionResponse | EventSourceResponse:
-    submitted = service.submit(await service.prepare_chat(body))
+    submitted = service.submit(await service.prepare_chat(body), request_tenant(request))
     if body.stream:
         stream = completion_output.chat_stream(
             service, submitted, body.include_usage, body.continuous_usage
@@ -36,7 +37,7 @@ async def chat_completions(
 async def completions(
     body: CompletionRequest, request: Request, service: InferenceDep
 ) -> CompletionResponse | EventSourceResponse:
-    submitted = service.submit(await service.prepare_completion(body))
+    submitted = service.submit(await service.prepare_completion(body), request_tenant(request))
     if body.stream:
         stream = completion_output.completion_stream(
             service, submitted, body.include_usage, body.continuous_usage

@@ -12,6 +12,7 @@ from hotlora.server.api.responses_request import ResponsesRequest, responses_par
 from hotlora.server.deps import InferenceDep
 from hotlora.server.http.auth import InferenceRoute
 from hotlora.server.http.disconnects import until_disconnect
+from hotlora.server.http.tenants import request_tenant
 from hotlora.server.render import responses_output as render
 from hotlora.server.routes import paths
 
@@ -47,7 +48,7 @@ async def create_response(
 ) -> ResponseObject | EventSourceResponse:
     chat = body.chat_request()
     with responses_params():
-        submitted = service.submit(await service.prepare_chat(chat))
+        submitted = service.submit(await service.prepare_chat(chat), request_tenant(request))
     if body.stream:
         # sse-starlette cancels the generator when the client goes away, which cancels the job.
         events = render.response_stream(service, submitted, body)
