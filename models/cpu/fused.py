@@ -5,7 +5,8 @@ a step's time; each product also wakes the kernels' threads. `FusedAttention` co
 layer's q, k and v projections as one primitive (`quant_matmul_heads`) that writes them in the
 attention's [B, heads, L, head_dim] layout, so the three reshapes and transposes go too, and
 takes the attention's output in the layout the output projection reads (`attention_rows_merged`),
-without the transpose and reshape back. `FusedMLP` computes gate and up as one primitive. Every
+without the transpose and reshape back. `FusedMLP` computes gate and up as one primitive.
+`FusedBlock`, the decoder layer holding both, reads its sublayers as the module's items. Every
 product is the packed kernel's, on the same rows, so the results are the same bits as the
 separate layers' (in any batch and any chunking, as those are).
 
@@ -70,10 +71,14 @@ def fused_products(
         return None
     found = [part for part in parts if part is not None]
     first = found[0][0]
-    for layer, _ in found:
+    # Arrays read as the module's items: an attribute (`layer.weight`) first fails the
+    # object's own lookup, ~2 us a read, and a step makes hundreds.
+    weights = [layer["weight"] for layer, _ in found]
+    scales = [layer["scales"] for layer, _ in found]
+    for (layer, _), layer_scales in zip(found, scales, strict=True):
         if layer.bits != first.bits or layer.group_size != first.group_size:
             return None
-        if layer.scales.dtype != first.scales.dtype:
+        if layer_scales.dtype != scales[0].dtype:
             return None
         if layer.int8_activations != first.int8_activations:
             return None
@@ -82,9 +87,9 @@ def fused_products(
         return None
     return native.quant_matmul_heads(
         x,
-        [layer.weight for layer, _ in found],
-        [layer.scales for layer, _ in found],
-        [layer.biases for layer, _ in found],
+        weights,
+        scales,
+        [layer["biases"] for layer, _ in found],
         heads,
         first.group_size,
         first.bits,
@@ -99,19 +104,20 @@ class FusedAttention(llama.Attention):
     the attention's output in the output projection's; otherwise mlx-lm's own call."""
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
-        projections = [self.q_proj, self.k_proj, self.v_proj]
+        projections = [self["q_proj"], self["k_proj"], self["v_proj"]]  # items: see above
         kv_heads = self.n_kv_heads or self.n_heads  # ModelArgs sets it; None reads as all
         qkv = fused_products(x, projections, [self.n_heads, kv_heads, kv_heads])
         if qkv is None:
             return super().__call__(x, mask, cache)
         queries, keys, values = qkv  # [B, heads, L, head_dim] each
+        rope = self["rope"]
         if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
+            queries = rope(queries, offset=cache.offset)
+            keys = rope(keys, offset=cache.offset)
             keys, values = cache.update_and_fetch(keys, values)
         else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
+            queries = rope(queries)
+            keys = rope(keys)
         output = merged_rows_attention(queries, keys, values, cache, self.scale, mask)
         if output is None:  # the architecture module's own attention function
             batch, length, _ = x.shape
@@ -119,18 +125,27 @@ class FusedAttention(llama.Attention):
                 queries, keys, values, cache=cache, scale=self.scale, mask=mask
             )
             output = output.transpose(0, 2, 1, 3).reshape(batch, length, -1)
-        return self.o_proj(output)
+        return self["o_proj"](output)
 
 
 class FusedMLP(llama.MLP):
     """mlx-lm's llama MLP with gate and up as one product; otherwise mlx-lm's own call."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        pair = fused_products(x, [self.gate_proj, self.up_proj], [0, 0])
+        pair = fused_products(x, [self["gate_proj"], self["up_proj"]], [0, 0])
         if pair is None:
             return super().__call__(x)
         gate, up = pair
-        return self.down_proj(llama.swiglu(gate, up))
+        return self["down_proj"](llama.swiglu(gate, up))
+
+
+class FusedBlock(llama.TransformerBlock):
+    """mlx-lm's llama decoder layer, its sublayers read as the module's items (see
+    `fused_products`); the same operations in the same order."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        h = x + self["self_attn"](self["input_layernorm"](x), mask, cache)
+        return h + self["mlp"](self["post_attention_layernorm"](h))
 
 
 _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
@@ -156,5 +171,21 @@ def install_fused(model: nn.Module) -> int:
             continue
         if all(isinstance(module[name], FusedProjection) for name in _PROJECTIONS[fused]):
             module.__class__ = fused
+            changed += 1
+    for _, module in model.named_modules():
+        if type(module) is llama.TransformerBlock and (
+            isinstance(module["self_attn"], FusedAttention) and isinstance(module["mlp"], FusedMLP)
+        ):
+            module.__class__ = FusedBlock
+    return changed
+
+
+def uninstall_fused(model: nn.Module) -> int:
+    """Give every fused layer of the model its mlx-lm class back, in place (`install_fused`
+    undone); returns how many layers changed."""
+    changed = 0
+    for _, module in model.named_modules():
+        if isinstance(module, FusedAttention | FusedMLP | FusedBlock):
+            module.__class__ = type(module).__mro__[1]
             changed += 1
     return changed

@@ -150,11 +150,9 @@ def kernel_times(model: nn.Module, rows: int, steps: int) -> dict[str, tuple[flo
 
 def separate(model: nn.Module) -> nn.Module:
     """The model with its fused layers given mlx-lm's own classes back."""
-    from hotlora.models.cpu.fused import FusedAttention, FusedMLP
+    from hotlora.models.cpu.fused import uninstall_fused
 
-    for _, module in model.named_modules():
-        if isinstance(module, FusedAttention | FusedMLP):
-            module.__class__ = type(module).__mro__[1]
+    uninstall_fused(model)
     return model
 
 

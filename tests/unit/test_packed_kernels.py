@@ -23,7 +23,13 @@ from hotlora.adapters.backends import gathered
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.projections import find_targets, replace_module
 from hotlora.models.cpu import extension, install_packed_kernels, prepare_cpu
-from hotlora.models.cpu.fused import FusedAttention, FusedMLP, install_fused
+from hotlora.models.cpu.fused import (
+    FusedAttention,
+    FusedBlock,
+    FusedMLP,
+    install_fused,
+    uninstall_fused,
+)
 from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear
 
 from tests.support.adapter_builders import (
@@ -646,7 +652,7 @@ def test_fused_layers_give_the_separate_layers_bits_and_yield_to_adapters(packed
     (under a set, the fused products with their residuals against each projection's slot
     adding its residual to its own product, a prompt's chunks included)."""
     model, manager = packed
-    assert {FusedAttention, FusedMLP} <= {type(m) for _, m in model.named_modules()}
+    assert {FusedAttention, FusedMLP, FusedBlock} <= {type(m) for _, m in model.named_modules()}
 
     def logits(rows: int, spec: str) -> list[mx.array]:
         cache = (
@@ -664,9 +670,7 @@ def test_fused_layers_give_the_separate_layers_bits_and_yield_to_adapters(packed
     cases = [(rows, spec) for rows in (1, 3) for spec in ("", "a+b")]
     fused = {case: logits(*case) for case in cases}
     assert relative_difference(fused[1, "a+b"][-1], fused[1, ""][-1]) > 1e-3
-    for _, module in model.named_modules():
-        if isinstance(module, FusedAttention | FusedMLP):
-            module.__class__ = type(module).__mro__[1]
+    uninstall_fused(model)
     try:
         for case, expected in fused.items():
             for got, want in zip(logits(*case), expected, strict=True):
