@@ -47,10 +47,10 @@ class _OneSet:
         self.adapters = adapters
 
     def project(self, slot: LoRASlot, x: mx.array) -> mx.array:
-        return slot.backend.project_set(slot.path, slot.base, self.adapters, x)
+        return slot.backend.project_set(slot.path, slot["base"], self.adapters, x)
 
     def gather(self, slot: LoRASlot, x: mx.array) -> Gather | None:
-        return slot.backend.gather_set(slot.path, slot.base, self.adapters, x)
+        return slot.backend.gather_set(slot.path, slot["base"], self.adapters, x)
 
 
 class _PerRow:
@@ -62,10 +62,10 @@ class _PerRow:
         self.rows = rows
 
     def project(self, slot: LoRASlot, x: mx.array) -> mx.array:
-        return slot.backend.project_rows(slot.path, slot.base, self.rows, x)
+        return slot.backend.project_rows(slot.path, slot["base"], self.rows, x)
 
     def gather(self, slot: LoRASlot, x: mx.array) -> Gather | None:
-        return slot.backend.gather_rows(slot.path, slot.base, self.rows, x)
+        return slot.backend.gather_rows(slot.path, slot["base"], self.rows, x)
 
 
 _ACTIVE: ContextVar[_Active | None] = ContextVar("hotlora_active_adapters", default=None)
@@ -93,15 +93,16 @@ class LoRASlot(nn.Module):
         """The residual backend of the base's kind, chosen when the slot is made. Start-up
         may give the base its native class after that (the kernels are installed on a model
         whose slots exist): the choice is made again then, once, not on every call."""
-        if type(self.base) is not self._chosen_for:
-            self._backend = select_backend(self.base, gpu=self._gpu)
-            self._chosen_for = type(self.base)
+        base = self["base"]  # an item, not an attribute: a failed attribute lookup costs ~2 us
+        if type(base) is not self._chosen_for:
+            self._backend = select_backend(base, gpu=self._gpu)
+            self._chosen_for = type(base)
         return self._backend
 
     def __call__(self, x: mx.array) -> mx.array:
         active = _ACTIVE.get()
         if active is None:
-            return self.base(x)
+            return self["base"](x)
         return active.project(self, x)
 
     def fused_part(self, x: mx.array) -> FusedPart | None:
@@ -111,7 +112,7 @@ class LoRASlot(nn.Module):
         """
         if not self.backend.fuses:
             return None
-        part: FusedPart | None = self.base.fused_part(x)
+        part: FusedPart | None = self["base"].fused_part(x)
         active = _ACTIVE.get()
         if part is None or active is None:
             return part
