@@ -24,6 +24,7 @@ from hotlora.server.api.completion_requests import (
     CompletionRequest,
     SamplingFields,
 )
+from hotlora.server.api.generic_tools import GENERIC, GenericToolCalls
 from hotlora.server.api.output_formats import OutputSpec
 from hotlora.server.api.tool_calls import ToolCalls, ToolFormat, template_message
 from hotlora.server.engine import (
@@ -43,6 +44,7 @@ from hotlora.server.http.request_ids import client_request_id
 from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
 from hotlora.server.render.chat_prompt import ChatTemplate
 from hotlora.server.render.reasoning import PROMPT_TAIL_TOKENS, Reasoning, ThinkTags
+from hotlora.server.render.tool_prompt import generic_messages, takes_system_messages
 from hotlora.server.request_sampling import sampling_params
 from hotlora.server.telemetry.prometheus import Metrics
 from hotlora.server.telemetry.request_stats import RequestStats, UsageTally
@@ -132,8 +134,8 @@ class InferenceService:
         # by requests.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hotlora-tokenize")
         self.tool_format = ToolFormat.of(self.tokenizer)
+        self._system_role: bool | None = None  # whether the template takes a system message
         self._template = ChatTemplate(self.tokenizer)
-        self._told_no_tools = False
         self.think_tags = ThinkTags.of(self.tokenizer)
 
     # Preparation: every refusal happens here.
@@ -152,6 +154,8 @@ class InferenceService:
             raise InvalidRequest("This model has no chat template; use /v1/completions.")
         tool_calls = self._tool_calls(request)
         tools = tool_calls.tools if tool_calls else None
+        if self.tool_format is None:  # the template cannot show tools: the generic format
+            messages, tools = self.generic_messages(messages, tool_calls), None
         variables = self._template.variables(request)
         prompt = await self.off_loop(
             lambda: self.render_chat(
@@ -206,7 +210,10 @@ class InferenceService:
                     "call: the answer must be the tool call.",
                     param=spec.param,
                 )
-            assert tool_calls is not None  # `_tool_calls` refused models without tool support
+            assert tool_calls is not None  # there are tools when one must be called
+            if isinstance(tool_calls, GenericToolCalls):
+                answer = tool_calls.answer_schema()
+                return await self.off_loop(lambda: grammars.tool_answer(answer, text=False))
             form = tool_calls.format
             if not form.json_body or form.end is None:
                 raise InvalidRequest(
@@ -217,6 +224,9 @@ class InferenceService:
             call = form.call_schema(tool_calls.tools, None if use == "required" else use)
             start, end = form.start, form.end
             return await self.off_loop(lambda: grammars.tool_call(start, end, call))
+        if isinstance(tool_calls, GenericToolCalls) and spec is None:
+            answer = tool_calls.answer_schema()  # `auto`: calls or text
+            return await self.off_loop(lambda: grammars.tool_answer(answer, text=True))
         if spec is None:
             return None
         kind, value, param, closed = spec.kind, spec.value, spec.param, spec.closed
@@ -227,19 +237,20 @@ class InferenceService:
         use = request.tool_use
         if use == "none":
             return None
-        if self.tool_format is None:
-            if use != "auto":
-                raise InvalidRequest(
-                    "This model cannot call tools: its chat template has no tool support. "
-                    "Send tool_choice 'auto' or 'none' to be answered in plain text.",
-                    param="tool_choice",
-                )
-            if not self._told_no_tools:
-                self._told_no_tools = True
-                log.info("this model's chat template has no tool support: tools are not shown")
-            return None
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+        if self.tool_format is None:
+            return GenericToolCalls(GENERIC, tools, use=use, parallel=request.parallel_tool_calls)
         return ToolCalls(self.tool_format, tools)
+
+    def generic_messages(
+        self, messages: list[dict[str, Any]], tool_calls: ToolCalls | None
+    ) -> list[dict[str, Any]]:
+        """The conversation for a template that cannot show tools: calls, results and the
+        tools written in the generic format."""
+        if self._system_role is None:
+            self._system_role = takes_system_messages(self.tokenizer)
+        generic = tool_calls if isinstance(tool_calls, GenericToolCalls) else None
+        return generic_messages(messages, generic, system_role=self._system_role)
 
     def render_chat(
         self,

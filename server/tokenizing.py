@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hotlora.config.errors import InvalidRequest
+from hotlora.server.api.generic_tools import GENERIC, GenericToolCalls
 from hotlora.server.api.token_requests import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -33,10 +34,12 @@ class TokenizingService:
             if not getattr(self.tokenizer, "has_chat_template", True):
                 raise InvalidRequest("This model has no chat template; send a 'prompt'.")
             messages = [template_message(m) for m in request.messages]
-            # Tools are shown only by templates that can show them, as on chat.
-            tools = None
-            if inference.tool_format is not None and request.tools:
-                tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+            # Tools are shown as on chat with `tool_choice` auto: by the template, or in the
+            # generic format when it cannot show them.
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()] or None
+            if inference.tool_format is None:
+                generic = GenericToolCalls(GENERIC, tools) if tools else None
+                messages, tools = inference.generic_messages(messages, generic), None
             generation_prompt = request.add_generation_prompt
             special = bool(request.add_special_tokens)
             tokens = await inference.off_loop(

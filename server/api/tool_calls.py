@@ -24,6 +24,29 @@ log = logging.getLogger("hotlora")
 ToolParser = Callable[[str, Any], Any]  # (markup body, tools) -> a call dict, or a list of them
 
 
+def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """The JSON schema of one call `{"name": ..., "arguments": {...}}` to `name` (any of `tools`
+    when None), its arguments held to the function's `parameters`."""
+    options = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        arguments = dict(function.get("parameters") or {"type": "object"})
+        # Arguments the function does not declare are never wanted: held to its own.
+        if arguments.get("type") == "object":
+            arguments.setdefault("additionalProperties", False)
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function["name"]}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """How a model writes a tool call: between `start` and `end` (None: to the end of the text)."""
@@ -35,24 +58,7 @@ class ToolFormat:
 
     def call_schema(self, tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
         """The JSON schema of one call to `name` (any of `tools` when None)."""
-        options = []
-        for tool in tools:
-            function = tool["function"]
-            if name is not None and function["name"] != name:
-                continue
-            arguments = dict(function.get("parameters") or {"type": "object"})
-            # Arguments the function does not declare are never wanted: held to its own.
-            if arguments.get("type") == "object":
-                arguments.setdefault("additionalProperties", False)
-            options.append(
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": function["name"]}, "arguments": arguments},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-            )
-        return options[0] if len(options) == 1 else {"anyOf": options}
+        return call_schema(tools, name)
 
     @classmethod
     def of(cls, tokenizer: Any) -> ToolFormat | None:
@@ -94,20 +100,7 @@ class ToolCalls:
                 "could not read a tool call (%s: %s); kept as text", type(exc).__name__, problem
             )
             return None
-        calls = []
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return None
-            arguments = call.get("arguments", {})
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            calls.append(
-                OutputToolCall(
-                    id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-                    function=OutputFunctionCall(name=call["name"], arguments=arguments),
-                )
-            )
-        return calls
+        return output_calls(parsed)
 
 
 @dataclass
@@ -171,6 +164,25 @@ class ToolCallStream:
     def count(self) -> int:
         """Calls completed so far."""
         return self._count
+
+
+def output_calls(parsed: Any) -> list[OutputToolCall] | None:
+    """A parser's call dict (or list of them) as OpenAI's tool calls, each with an id; None when
+    one is not a call (no string `name`)."""
+    calls = []
+    for call in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(
+            OutputToolCall(
+                id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                function=OutputFunctionCall(name=call["name"], arguments=arguments),
+            )
+        )
+    return calls
 
 
 def prefix_overlap(text: str, marker: str) -> int:

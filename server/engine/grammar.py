@@ -60,6 +60,8 @@ _ONE_SCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _MAX_CLOSING_DEPTH = 64
+# The start of a Lark grammar whose answer is `calls` or text that cannot be mistaken for them.
+_CALLS_OR_TEXT = "start: calls | text\ntext: TEXT?\nTEXT: /[^{\\s](.|\\n)*/\n"
 
 
 class UnsupportedSchema(InvalidRequest):
@@ -199,6 +201,18 @@ class Grammars:
         lark = (
             f'start: {json.dumps(start)} "\\n"? call "\\n"? {json.dumps(end)}\ncall: %json {body}\n'
         )
+        return self._cached(
+            lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
+        )
+
+    def tool_answer(self, schema: dict[str, Any], *, text: bool) -> Grammar:
+        """The grammar of an answer that is JSON valid under `schema` (the generic format's
+        calls) or, when `text`, plain text that begins with neither `{` nor whitespace (or is
+        empty): how tools are held to on a model whose template cannot show them."""
+        closed = close_objects(schema)
+        body = _schema_text({**closed, "x-guidance": _JSON_OPTIONS}, _TOOL_PARAMETERS)
+        head = _CALLS_OR_TEXT if text else "start: calls\n"
+        lark = f"{head}calls: %json {body}\n"
         return self._cached(
             lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
         )

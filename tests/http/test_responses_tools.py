@@ -146,18 +146,6 @@ def test_required_and_named_tool_choice_hold_the_answer_to_a_call(tool_client: T
         assert answer["tool_choice"] == choice
 
 
-def test_without_tool_support_auto_is_text_and_required_a_400(client: TestClient):
-    answer = client.post(
-        "/v1/responses", json={**BODY, "max_output_tokens": 4, "tool_choice": "auto"}
-    )
-    assert answer.status_code == 200, answer.text
-    assert [item["type"] for item in answer.json()["output"]] == ["message"]
-    refused = client.post("/v1/responses", json={**BODY, "tool_choice": "required"})
-    assert refused.status_code == 400
-    error = refused.json()["error"]
-    assert error["param"] == "tool_choice" and "cannot call tools" in error["message"]
-
-
 def test_reasoning_is_a_reasoning_item(make_client, tmp_path_factory):
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny-think"), chat_template=QWEN_THINKING)
     client = make_client(model=model)

@@ -1,6 +1,6 @@
 """Tools through the official `openai` client, in-process: a tiny model whose chat template
-shows tools (Qwen's `<tool_call>` JSON), its output steered to a tool call; and the tiny model
-without tool support, which answers Open WebUI's tool-laden requests in plain text."""
+shows tools (Qwen's `<tool_call>` JSON), its output steered to a tool call. A template without
+tool support: tests/http/test_generic_tools.py."""
 
 from __future__ import annotations
 
@@ -29,18 +29,6 @@ WEATHER = {
         },
     },
 }
-# Open WebUI attaches its built-in tools to every chat request, with no tool_choice.
-OPEN_WEBUI_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": f"builtin_{i}",
-            "description": f"Built-in tool {i}.",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
-        },
-    }
-    for i in range(30)
-]
 CALL_TEXT = (
     'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 )
@@ -180,33 +168,6 @@ def test_markup_the_parser_cannot_read_stays_text(tool_client):
     )
     assert response.choices[0].message.content == broken
     assert response.choices[0].finish_reason == "stop"
-
-
-def test_without_tool_support_auto_is_answered_in_plain_text(client):
-    # Open WebUI's shape: many tools, no tool_choice.
-    response = sdk(client).chat.completions.create(
-        model="tiny", messages=ASK, tools=OPEN_WEBUI_TOOLS, max_tokens=4, temperature=0
-    )
-    assert response.choices[0].finish_reason in ("stop", "length")
-    assert response.choices[0].message.tool_calls is None
-    plain = sdk(client).chat.completions.create(
-        model="tiny", messages=ASK, max_tokens=4, temperature=0
-    )
-    # The tools are not shown to a template that cannot show them: the same prompt.
-    assert response.usage.prompt_tokens == plain.usage.prompt_tokens
-    assert response.choices[0].message.content == plain.choices[0].message.content
-
-
-@pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_without_tool_support_a_required_call_is_a_400(client, choice):
-    with pytest.raises(openai.BadRequestError) as caught:
-        sdk(client).chat.completions.create(
-            model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=4
-        )
-    error = caught.value.body
-    assert error["param"] == "tool_choice" and "cannot call tools" in error["message"]
 
 
 @pytest.mark.parametrize(

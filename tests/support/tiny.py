@@ -89,6 +89,16 @@ def write_tiny_llama(
     return write_checkpoint(dir, model, config, chat_template)
 
 
+def with_context(dir: Path, tokens: int) -> Path:
+    """The model directory `dir` with its context length set to `tokens`: the character-level
+    tokenizer spends a token on most characters, and a prompt describing tools runs to hundreds
+    of them."""
+    config = json.loads((dir / "config.json").read_text())
+    config["max_position_embeddings"] = tokens
+    _write_json(dir / "config.json", config)
+    return dir
+
+
 def write_checkpoint(
     dir: Path, model: nn.Module, config: dict, chat_template: str = CHAT_TEMPLATE
 ) -> Path:
