@@ -43,6 +43,8 @@ from hotlora.server.http.request_errors import ContextOverflow
 from hotlora.server.http.request_ids import client_request_id
 from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
 from hotlora.server.render.chat_prompt import ChatTemplate
+from hotlora.server.render.chat_templates import NO_CHAT_TEMPLATE
+from hotlora.server.render.echo import EchoedPrompt, echoed_prompts
 from hotlora.server.render.reasoning import PROMPT_TAIL_TOKENS, Reasoning, ThinkTags
 from hotlora.server.render.tool_prompt import generic_messages, takes_system_messages
 from hotlora.server.request_sampling import sampling_params
@@ -67,6 +69,9 @@ class Prepared:
     request_id: str | None = (
         None  # the client's id for it (x-request-id, `request_id`): the answer's
     )
+    echo: list[EchoedPrompt] | None = None  # each prompt as its choices echo it (`echo`)
+    shows_prompt_logprobs: bool = True  # vLLM's `prompt_logprobs` asked for, not only echo's
+    echo_chat: str = ""  # chat `echo`: the last (assistant) message, before the answer
 
     def jobs(self) -> list[GenerationJob]:
         """One job per choice, in choice-index order: each prompt's n choices in turn."""
@@ -151,7 +156,7 @@ class InferenceService:
     async def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
         messages = [template_message(m) for m in request.messages]
         if not getattr(self.tokenizer, "has_chat_template", True):
-            raise InvalidRequest("This model has no chat template; use /v1/completions.")
+            raise InvalidRequest(f"{NO_CHAT_TEMPLATE}, or use /v1/completions.")
         tool_calls = self._tool_calls(request)
         tools = tool_calls.tools if tool_calls else None
         if self.tool_format is None:  # the template cannot show tools: the generic format
@@ -180,6 +185,8 @@ class InferenceService:
             grammar=grammar,
         )
         prepared.tool_calls = tool_calls
+        if request.echo and request.messages[-1].role == "assistant":
+            prepared.echo_chat = request.messages[-1].text()  # vLLM's chat echo
         shown = request.include_reasoning is not False
         prepared.reasoning = await self._reasoning(prompt, grammar, shown=shown)
         return prepared
@@ -293,7 +300,7 @@ class InferenceService:
         )
         grammar = await self._grammar(request.output_spec(request.response_format), None)
         n_logprobs = request.logprobs
-        return await self._prepare(
+        prepared = await self._prepare(
             request,
             token_lists,
             "prompt",
@@ -302,6 +309,19 @@ class InferenceService:
             top_logprobs=n_logprobs or 0,
             grammar=grammar,
         )
+        # Echoed, the prompt is scored with `logprobs` alternatives (prompt_logprobs' count).
+        prepared.params = replace(prepared.params, prompt_logprobs=request.scored_prompt)
+        prepared.shows_prompt_logprobs = request.prompt_logprobs is not None
+        if request.echo:
+            kept, pieces = prepared.prompts, self.engine.pieces
+            try:
+                prepared.echo = await self.off_loop(
+                    lambda: echoed_prompts(self.tokenizer, pieces, prompts, token_lists, kept)
+                )
+            except BaseException:
+                prepared.lease.release()
+                raise
+        return prepared
 
     def tokens(self, prompt: Any, param: str, *, special: bool = True) -> list[int]:
         """A text prompt encoded (with the tokenizer's special tokens unless `special` is

@@ -45,6 +45,7 @@ class TokenLogprob(TopLogprob):
 
 class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None  # the model never refuses: always null
 
 
 class OutputFunctionCall(BaseModel):
@@ -61,10 +62,14 @@ class OutputToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    refusal: str | None = None  # the model never refuses: always null, as OpenAI sends it
     reasoning_content: str | None = Field(
         default=None, description="A thinking model's reasoning, written before its answer."
     )
-    tool_calls: list[OutputToolCall] | None = None
+    # An array or nothing, as OpenAI's schema has it: left out when the answer calls no tool.
+    tool_calls: list[OutputToolCall] | None = Field(
+        default=None, exclude_if=lambda calls: calls is None
+    )
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -128,9 +133,10 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    # With `echo`, the prompt's tokens come first; its first token's entries are null.
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

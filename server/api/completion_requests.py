@@ -334,6 +334,11 @@ class ChatCompletionRequest(SamplingFields):
         default=None, description="vLLM: whether the answer carries the model's reasoning."
     )
     # vLLM's chat parameters.
+    echo: StrictBool = Field(
+        default=False,
+        description="vLLM: the answer's content starts with the last message's when that is "
+        "the assistant's (a prefill continued).",
+    )
     add_generation_prompt: StrictBool = Field(
         default=True,
         description="End the prompt with the opening of the assistant's turn, as the chat "
@@ -423,7 +428,10 @@ TextOrTokens = Annotated[
 
 class CompletionRequest(SamplingFields):
     prompt: TextOrTokens
+    echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # 0 with `echo`: the prompt scored, nothing generated (OpenAI's legacy completions, vLLM).
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
     add_special_tokens: StrictBool = Field(
         default=True, description="Add the tokenizer's special tokens (BOS) to a text prompt."
@@ -438,6 +446,32 @@ class CompletionRequest(SamplingFields):
         if value == "" or (isinstance(value, list) and any(p in ("", []) for p in value)):
             raise ValueError("prompt must not be empty, nor hold an empty prompt")
         return value
+
+    @model_validator(mode="after")
+    def _echo_fields(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest(
+                "max_tokens 0 asks for no completion: send echo true to have the prompt (and "
+                "with logprobs, its scores) back, or ask for at least 1 token.",
+                param="max_tokens",
+            )
+        scored = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and scored not in (None, self.logprobs):
+            raise InvalidRequest(
+                f"echo with logprobs {self.logprobs} reports the prompt's tokens with "
+                f"{self.logprobs} alternatives; prompt_logprobs {scored} asks for another "
+                "count: leave it out, or send the same.",
+                param="prompt_logprobs",
+            )
+        return self
+
+    @property
+    def scored_prompt(self) -> int | None:
+        """Alternatives per prompt token to compute: vLLM's `prompt_logprobs`, or `logprobs`
+        when the prompt is echoed; None: the prompt is not scored."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -42,7 +42,6 @@ REFUSED: dict[str, Refused] = {
     "use_beam_search": Refused("beam search is not implemented; sample n choices instead", _OFF),
     "length_penalty": Refused("it applies to beam search, which is not implemented", (None, 1)),
     "best_of": Refused("best_of above 1 is not implemented; ask for n choices", (None, 1)),
-    "echo": Refused("the prompt is not echoed back", _OFF),
     "suffix": Refused("insertion (fill in the middle) is not implemented", (None, "")),
     "bad_words": Refused("not implemented; use logit_bias with the words' token ids", _EMPTY),
     "spaces_between_special_tokens": Refused(
@@ -128,6 +127,8 @@ HONOURED: dict[str, str] = {
     "model": "the base model or a mounted adapter",
     "messages": "chat: the conversation, rendered by the model's chat template",
     "prompt": "completions: text, a list of texts, or token ids",
+    "echo": "completions: the prompt before the completion, with its scores when asked; chat: "
+    "the last message's content before the answer when it is the assistant's",
     "frequency_penalty": "as OpenAI's",
     "presence_penalty": "as OpenAI's",
     "repetition_penalty": "vLLM's multiplicative penalty",

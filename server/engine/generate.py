@@ -79,6 +79,8 @@ class Delta:
     text: str
     logprobs: tuple[SampledToken, ...] = ()
     generated: int = 0  # the choice's tokens so far, this delta's included
+    # Once, before its first token, for a job that asked for them: its prompt's log-probabilities.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from hotlora.adapters import RowAdapterCache, activate
 from hotlora.config.log_text import printable
 from hotlora.server.engine.fair_share import DEFAULT_SHARE, FairQueue, Share
 from hotlora.server.engine.generate import (
+    Delta,
     Engine,
     GenerationJob,
     NonFiniteLogits,
@@ -55,6 +56,7 @@ from hotlora.server.engine.next_tokens import (
     processed,
 )
 from hotlora.server.engine.prefill_cost import PrefillCost
+from hotlora.server.engine.scoring import MAX_OPENINGS, ScoredOpenings, scoring_key
 from hotlora.server.engine.sequences import Group, Row, Sink
 
 log = logging.getLogger("hotlora")
@@ -94,6 +96,8 @@ class Scheduler:
         self.running: list[Row] = []
         self._cache: LayerCaches | None = None  # the running rows' batch KV cache, row-aligned
         self._row_adapters = RowAdapterCache()
+        # Openings shared by scoring prompts, kept with their scores (off with the prompt cache).
+        self.scored = ScoredOpenings(MAX_OPENINGS if engine.prompt_cache.max_size else 0)
         self.load = Load()
         self.on_decode: Callable[[int], None] | None = None  # told each decode step's batch size
 
@@ -208,6 +212,8 @@ class Scheduler:
         for group in self.prefilling:
             if sizes and self.prefill.call_cost(sizes) + 1 > self.prefill.budget:
                 break  # not one token more fits: the next groups wait for the next step
+            if not group.started and self._waits_for_opening(group):
+                continue  # another scoring prompt that opens alike keeps their opening first
             if not group.started:
                 self._start(group)
             context = group.context
@@ -284,8 +290,15 @@ class Scheduler:
         head = heads.fetch(key, prompt) if len(heads) else None
         if head is not None and head[1] > len(prompt) - len(rest):
             cache, rest = head[0], prompt[head[1] :]
-        if group.rows[0].job.params.prompt_logprobs is not None:
-            cache, rest = None, prompt  # every prompt position's logits are wanted
+        scoring = scoring_key(self.engine.base_id, group)
+        if scoring is not None:
+            # Every prompt position's logits are wanted: a kept scored opening, or nothing.
+            self.scored.note(scoring, prompt, id(group))
+            cache, rest = None, prompt
+            kept = self.scored.fetch(scoring, prompt)
+            if kept is not None:
+                cache, group.prompt_logprobs, n = kept
+                rest = prompt[n - 1 :]
         if cache is not None and not rest:
             # The whole prompt is cached; step back one token to feed it again.
             if can_trim_prompt_cache(cache):
@@ -309,8 +322,14 @@ class Scheduler:
             return
         if rows[0].job.params.prompt_logprobs is not None:
             reported = (None, *group.prompt_logprobs)
+            self._keep_opening(group)
             for row in rows:
                 row.prompt_logprobs = reported
+                row.sink.event(row.position, Delta("", prompt_logprobs=reported))
+        if rows[0].job.params.max_tokens == 0:
+            for row in rows:  # scored only (echo with max_tokens 0): nothing to decode
+                row.finish("length")
+            return
         joined = stepped([c.merge([c] * len(rows)) for c in caches])
         if self._cache is None:
             self._cache = joined
@@ -318,6 +337,32 @@ class Scheduler:
             for mine, theirs in zip(self._cache, joined, strict=True):
                 mine.extend(theirs)
         self.running.extend(rows)
+
+    def _waits_for_opening(self, group: Group) -> bool:
+        """Whether a scoring group waits for another of its key being prefilled, which shares
+        a longer opening with it than is kept: that one keeps the opening as it joins."""
+        key = scoring_key(self.engine.base_id, group)
+        if key is None:
+            return False
+        leaders = [
+            g.prompt
+            for g in self.prefilling
+            if g.started and scoring_key(self.engine.base_id, g) == key
+        ]
+        if not self.scored.waits(key, group.prompt, leaders):
+            return False
+        self.scored.note(key, group.prompt, id(group))
+        return True
+
+    def _keep_opening(self, group: Group) -> None:
+        """Keep the opening a prefilled scoring group shares with other scoring prompts."""
+        key = scoring_key(self.engine.base_id, group)
+        if key is None or group.cache is None:
+            return
+        shared = min(self.scored.shared(key, group.prompt, id(group)), len(group.prompt))
+        if shared:
+            opening = group.prompt[:shared]
+            self.scored.keep(key, opening, group.cache, group.prompt_logprobs)
 
     # Decode.
 

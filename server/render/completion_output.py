@@ -11,6 +11,7 @@ from hotlora.server.api.tool_calls import ToolCallStream
 from hotlora.server.engine import Delta, Finished, SampledToken
 from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.http.error_responses import error_response
+from hotlora.server.render import echo
 from hotlora.server.render.reasoning import ReasoningStream
 from hotlora.server.serving import (
     Choice,
@@ -29,6 +30,12 @@ def _dump_chunk(chunk: answers.ChatCompletionChunk | answers.CompletionResponse)
     body = chunk.model_dump(exclude_none=True)
     for choice in body["choices"]:
         choice.setdefault("finish_reason", None)
+        # What OpenAI's schema requires, null as OpenAI sends it: a text chunk's `logprobs`,
+        # and the `refusal` beside a chat chunk's logprobs.
+        if body["object"] == "text_completion":
+            choice.setdefault("logprobs", None)
+        elif "logprobs" in choice:
+            choice["logprobs"].setdefault("refusal", None)
     # JSON has no NaN or Infinity: a non-finite number fails the stream rather than go out.
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -141,6 +148,8 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> answers.ChatCompletio
     choices = []
     for c in outcome.choices:
         message, finish = _message(prepared, c)
+        if prepared.echo_chat:
+            message.content = prepared.echo_chat + (message.content or "")
         logprobs = _chat_logprobs(c.logprobs) if prepared.params.logprobs else None
         choices.append(
             answers.ChatChoice(
@@ -158,20 +167,31 @@ def chat_response(prepared: Prepared, outcome: Outcome) -> answers.ChatCompletio
 
 
 def completion_response(prepared: Prepared, outcome: Outcome) -> answers.CompletionResponse:
+    choices = []
+    for c in outcome.choices:
+        text = c.text
+        logprobs = _text_logprobs(c.logprobs) if prepared.params.logprobs else None
+        if prepared.echo is not None:
+            echoed = prepared.echo[c.index // prepared.n]
+            text = echoed.text + text
+            if prepared.params.logprobs:
+                before = echo.prompt_part(echoed, c.prompt_logprobs)
+                logprobs = echo.joined(before, _text_logprobs(c.logprobs, echoed.length))
+        shown = c.prompt_logprobs if prepared.shows_prompt_logprobs else None
+        choices.append(
+            answers.CompletionChoice(
+                index=c.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=_finish(c.finish_reason),
+                prompt_logprobs=_prompt_logprobs(shown),
+            )
+        )
     return answers.CompletionResponse(
         id=answers.completion_id("cmpl", prepared.request_id),
         created=answers.now(),
         model=prepared.lease.model,
-        choices=[
-            answers.CompletionChoice(
-                index=c.index,
-                text=c.text,
-                logprobs=_text_logprobs(c.logprobs) if prepared.params.logprobs else None,
-                finish_reason=_finish(c.finish_reason),
-                prompt_logprobs=_prompt_logprobs(c.prompt_logprobs),
-            )
-            for c in outcome.choices
-        ],
+        choices=choices,
         usage=_usage(outcome.usage),
     )
 
@@ -230,6 +250,9 @@ async def chat_stream(
                     index=index, delta=answers.ChatDelta(role="assistant", content="")
                 )
             )
+            if prepared.echo_chat:
+                delta = answers.ChatDelta(content=prepared.echo_chat)
+                yield chunk(answers.ChatChunkChoice(index=index, delta=delta))
         stream, thoughts = tools.get(index), thinking.get(index)
         if isinstance(event, Delta):
             text, reasoning, calls, made = event.text, "", [], stream.count if stream else 0
@@ -295,8 +318,22 @@ async def completion_stream(
     offsets: dict[int, int] = {}
     tally = UsageTally(prepared.n)
     running = _RunningUsage(prepared, continuous_usage)
+    echoed: set[int] = set()
     async for index, event in service.events(submitted):
         running.saw(index, event)
+        if prepared.echo is not None and index not in echoed:
+            # The prompt first, once, with its scores (they come before the first token).
+            scored = isinstance(event, Delta) and event.prompt_logprobs is not None
+            if scored or not prepared.params.logprobs or isinstance(event, Finished):
+                echoed.add(index)
+                prompt = prepared.echo[index // prepared.n]
+                reported = event.prompt_logprobs if isinstance(event, Delta) else None
+                logprobs = echo.prompt_part(prompt, reported) if prepared.params.logprobs else None
+                offsets[index] = prompt.length
+                choice = answers.CompletionChoice(
+                    index=index, text=prompt.text, logprobs=logprobs, finish_reason=None
+                )
+                yield _dump_chunk(answers.CompletionResponse(**meta, choices=[choice]))
         if isinstance(event, Delta):
             if not (event.text or event.logprobs):
                 continue

@@ -332,7 +332,6 @@ def test_bad_constraints_are_refused_by_field(smol):
         ("use_beam_search", True, False),
         ("length_penalty", 0.5, 1.0),
         ("best_of", 2, 1),
-        ("echo", True, False),
         ("bad_words", ["Paris"], []),
         ("priority", 3, 0),
         ("guided_decoding_backend", "xgrammar", "guidance"),

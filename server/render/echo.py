@@ -1,0 +1,98 @@
+"""A completion's echoed prompt (`echo`): its text, and the legacy log-probabilities over the
+prompt and the completion, as OpenAI's legacy completions and vLLM answer them.
+
+The prompt's tokens come first: `tokens` each token's text, `token_logprobs` its
+log-probability given the tokens before it (`null` for the first: nothing predicts it),
+`top_logprobs` the token and the most likely alternatives there (`null` first), `text_offset`
+where each token's text starts in the choice's text. The completion's tokens follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hotlora.server.api.completion_answers import CompletionLogprobs
+from hotlora.server.engine import SampledToken
+from hotlora.server.engine.generate import PromptLogprobs
+from hotlora.server.engine.tokens import TokenPieces
+
+
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """One prompt as a choice echoes it: its text, and each of its tokens' text."""
+
+    text: str
+    pieces: tuple[str, ...]
+
+    @property
+    def length(self) -> int:
+        """Where the completion's first token starts: after the prompt's token texts."""
+        return sum(len(piece) for piece in self.pieces)
+
+
+def echoed_prompts(
+    tokenizer: Any,
+    pieces: TokenPieces,
+    sent: Sequence[object],
+    encoded: Sequence[list[int]],
+    prompts: Sequence[list[int]],
+) -> list[EchoedPrompt]:
+    """Each prompt as echoed: a text prompt as sent, token ids (and a prompt that
+    `truncate_prompt_tokens` cut: `prompts` shorter than `encoded`) decoded."""
+    echoed = []
+    for original, whole, kept in zip(sent, encoded, prompts, strict=True):
+        if isinstance(original, str) and len(kept) == len(whole):
+            text = original
+        else:
+            text = str(tokenizer.decode(kept))
+        echoed.append(EchoedPrompt(text, tuple(pieces(t).text for t in kept)))
+    return echoed
+
+
+def prompt_part(echo: EchoedPrompt, reported: PromptLogprobs | None) -> CompletionLogprobs:
+    """The prompt's tokens in the legacy shape, from its scores (`reported`)."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    at = 0
+    for i, piece in enumerate(echo.pieces):
+        entry = reported[i] if reported is not None and i < len(reported) else None
+        tokens.append(piece)
+        offsets.append(at)
+        at += len(piece)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(entry[0].logprob)  # the prompt's own token comes first
+        tops.append({e.text: e.logprob for e in entry})
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
+    )
+
+
+def completion_part(entries: Sequence[SampledToken], start: int = 0) -> CompletionLogprobs:
+    """Generated tokens in the legacy shape, their offsets from `start`."""
+    offsets, at = [], start
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token.text)
+    return CompletionLogprobs(
+        tokens=[e.token.text for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[{t.text: v for t, v in e.top} for e in entries],
+        text_offset=offsets,
+    )
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    """The prompt's entries, then the completion's."""
+    return CompletionLogprobs(
+        tokens=[*first.tokens, *then.tokens],
+        token_logprobs=[*first.token_logprobs, *then.token_logprobs],
+        top_logprobs=[*(first.top_logprobs or []), *(then.top_logprobs or [])],
+        text_offset=[*first.text_offset, *then.text_offset],
+    )
