@@ -62,6 +62,13 @@ class Settings(BaseSettings):
         default=None,
         description="The id clients use for the base model; the directory name when unset.",
     )
+    chat_template: Annotated[str | None, Metavar("TEMPLATE")] = Field(
+        default=None,
+        description="The chat template, in place of the model's own: a built-in (chatml, gemma, "
+        "llama3, mistral, phi3, smollm2), a Jinja file, or the template itself (a value holding "
+        "{{ or {%). Unset: the model's own; a model without one gets its family's built-in, "
+        "with a warning.",
+    )
     max_body_bytes: int = Field(default=1 << 20, gt=0, description="Larger request bodies get 413.")
     default_max_tokens: int = Field(
         default=512, gt=0, description="max_tokens when a request sets none."

@@ -236,6 +236,21 @@ def _invalid(
     return InvalidSetting(f"{field}: {problem}")
 
 
+def refused(
+    settings: BaseSettings, field: str, problem: str, parsed_args: Any = None
+) -> InvalidSetting:
+    """A value its type took, refused by a check made once the settings are read: the one line
+    names where the value came from (the flag in `parsed_args`, the variable, the config file)."""
+    settings_cls = type(settings)
+    if parsed_args is not None and getattr(parsed_args, field, None) is not None:
+        return InvalidSetting(f"{flag_name(settings_cls, field)}: {problem}")
+    name = env_name(settings_cls, field)
+    if any(key.upper() == name for key in os.environ):
+        return InvalidSetting(f"{name}: {problem}")
+    config = getattr(settings, CONFIG, None)
+    return InvalidSetting(f"{config}: {field}: {problem}" if config else f"{field}: {problem}")
+
+
 def _phrase(error: ErrorDetails, info: FieldInfo | None) -> str:
     kind = error["type"]
     context = error.get("ctx") or {}

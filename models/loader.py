@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 from hotlora.config.errors import HotloraError
 from hotlora.models.batch_masks import install_row_masks
 from hotlora.models.dialects import UnsupportedConfig, read_config, text_section
+from hotlora.models.end_of_generation import end_of_generation
 
 # Names configs use for the longest sequence the position encoding was trained for.
 _CONTEXT_KEYS = (
@@ -42,6 +43,22 @@ class LoadedModel:
     tokenizer: TokenizerWrapper
     config: dict
     path: Path
+    # The tokens that end a generation, each with why (`find_end_of_generation`).
+    end_of_generation: dict[int, tuple[str, ...]] = field(default_factory=dict)
+
+    def find_end_of_generation(self) -> None:
+        """Gather the tokens that end a generation (`end_of_generation`): the tokenizer's eos
+        ids become that set, which every generation stops at unless a request ignores eos."""
+        self.end_of_generation = end_of_generation(self.tokenizer, self.config.get("eos_token_id"))
+        self.tokenizer.eos_token_ids = set(self.end_of_generation)
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with the Jinja `template` in place of the model's own (if any); the
+        turn's end it writes joins the tokens that end a generation."""
+        self.tokenizer.chat_template = template
+        self.tokenizer._chat_template = None  # mlx-lm's renderer in code, where it has one
+        self.tokenizer.has_chat_template = True
+        self.find_end_of_generation()
 
     @property
     def context_length(self) -> int:
@@ -64,7 +81,8 @@ def load_model_dir(path: Path) -> LoadedModel:
     """Load the model in `path` (config.json, model*.safetensors, tokenizer files).
 
     The config is read through its dialect (`read_config`) and that config is what the
-    mlx-lm model constructor receives. Nothing is downloaded. Raises `ModelLoadError`
+    mlx-lm model constructor receives; the tokens that end a generation are gathered
+    (`LoadedModel.find_end_of_generation`). Nothing is downloaded. Raises `ModelLoadError`
     when the directory is incomplete, the config is refused, or mlx-lm cannot build it.
     """
     path = Path(path)
@@ -89,7 +107,9 @@ def load_model_dir(path: Path) -> LoadedModel:
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         raise ModelLoadError(f"{path}: cannot build the {model_type!r} model: {e}") from e
     install_row_masks(model)  # rows of a batch each under their own mask (gemma2)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+    loaded.find_end_of_generation()
+    return loaded
 
 
 def generation_defaults(path: Path) -> dict[str, float]:

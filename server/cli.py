@@ -21,6 +21,7 @@ from hotlora.config.sources import (
     log_old_names,
     metavar,
     old_flags,
+    refused,
 )
 
 
@@ -123,7 +124,15 @@ def _serve_on_ray(settings: Settings) -> int:
 
 def serve_settings(args: argparse.Namespace) -> Settings:
     """`hotlora serve`'s settings from its parsed flags, the environment and the config file."""
-    return load_settings(Settings, args.settings_source, args)
+    settings = load_settings(Settings, args.settings_source, args)
+    if settings.chat_template is not None:
+        from hotlora.server.render.chat_templates import ChatTemplateError, read_chat_template
+
+        try:
+            read_chat_template(settings.chat_template)
+        except ChatTemplateError as exc:
+            raise refused(settings, "chat_template", str(exc), args) from None
+    return settings
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -21,8 +21,9 @@ from hotlora.models.embedded import (
     ensure_gguf_model,
     imported_gguf_path,
 )
+from hotlora.models.end_of_generation import describe, token_text
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
-from hotlora.server.api.admin_models import ModelCard
+from hotlora.server.api.admin_models import EndOfGenerationToken, ModelCard
 from hotlora.server.embedding import EmbeddingService
 from hotlora.server.engine import (
     Engine,
@@ -34,6 +35,7 @@ from hotlora.server.engine import (
     check_batching,
 )
 from hotlora.server.http.request_errors import NotReady
+from hotlora.server.render.chat_templates import install_chat_template
 from hotlora.server.serving import InferenceService
 from hotlora.server.telemetry.prometheus import Metrics
 from hotlora.server.tokenizing import TokenizingService
@@ -152,6 +154,13 @@ class Runtime:
         return not (dest / "config.json").is_file()
 
     def _build(self, loaded: LoadedModel, path: Path) -> None:
+        install_chat_template(loaded, self.settings.chat_template)
+        eog = loaded.end_of_generation
+        log.info(
+            "end of generation: %s",
+            describe(eog, loaded.tokenizer),
+            extra={"fields": {"end_of_generation": list(eog)}},
+        )
         # Without a GPU: float32 weights when they fit, MLX's JIT flags, the native kernels;
         # the log says which and why.
         setup = prepare_cpu(
@@ -293,12 +302,18 @@ class Runtime:
         assert self.base_id is not None and self.adapters is not None
         assert self.worker is not None
         context = self.worker.engine.context_length
+        loaded = self.worker.engine.loaded
+        ends = [
+            EndOfGenerationToken(id=i, token=token_text(loaded.tokenizer, i), sources=list(why))
+            for i, why in loaded.end_of_generation.items()
+        ]
         base = ModelCard(
             id=self.base_id,
             created=self.started_at,
             owned_by="hotlora",
             root=str(self.model_path),
             max_model_len=context,
+            end_of_generation=ends,
         )
         adapters = [
             ModelCard(
@@ -308,6 +323,7 @@ class Runtime:
                 root=info.path,
                 parent=self.base_id,
                 max_model_len=context,
+                end_of_generation=ends,
             )
             for info in self.adapters.list()
         ]

@@ -13,6 +13,18 @@ from hotlora.adapters import ADAPTER_ID_SCHEMA
 from hotlora.server.api.completion_requests import RequestBody
 
 
+class EndOfGenerationToken(BaseModel):
+    """A token that ends the model's answers, and why it does."""
+
+    id: int
+    token: str = Field(description="The token as the vocabulary spells it.")
+    sources: list[str] = Field(
+        description="Why it ends an answer: eos (the tokenizer's), generation_config (its "
+        "eos_token_id), end-of-turn name (a special token llama.cpp ends on), chat template "
+        "(what the template closes an assistant turn with)."
+    )
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -22,6 +34,11 @@ class ModelCard(BaseModel):
     parent: str | None = Field(default=None, description="The base model id, for adapters.")
     max_model_len: int | None = Field(
         default=None, description="The context length: prompt and answer tokens together."
+    )
+    end_of_generation: list[EndOfGenerationToken] | None = Field(
+        default=None,
+        description="The tokens that end an answer unless a request sets ignore_eos (its "
+        "stop_token_ids end it too).",
     )
 
 

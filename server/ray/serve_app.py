@@ -37,6 +37,7 @@ from hotlora.server.app import create_app
 from hotlora.server.http.error_responses import error_body
 from hotlora.server.ray.cluster_registry import ClusterMounts, RegistryClient, registry_actor
 from hotlora.server.ray.relay import Lifespan, Part, RelayedRequest, call_app, relayed_response
+from hotlora.server.render.chat_templates import for_replicas
 from hotlora.server.routes import paths
 from hotlora.server.runtime import base_model_id
 
@@ -50,8 +51,11 @@ _REFRESH_S = 1.0  # how stale the ingress's list of adapter ids may be (routing 
 
 
 def settings_data(settings: Settings) -> dict[str, Any]:
-    """The settings as plain data for the replicas (the config file already read)."""
-    return settings.model_dump(mode="json", exclude={"config"})
+    """The settings as plain data for the replicas (the config file already read; a chat
+    template file as its text, since a replica may run on a machine without it)."""
+    data = settings.model_dump(mode="json", exclude={"config"})
+    data["chat_template"] = for_replicas(settings.chat_template)
+    return data
 
 
 def replica_options(settings: Settings) -> dict[str, Any]:

@@ -96,11 +96,14 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
-    """Tokens, token types and merges: 3 control tokens, 256 byte symbols, one per merge."""
-    tokens = [*SPECIAL_TOKENS, *bytes_to_unicode().values()]
+def tiny_vocab(
+    specials: tuple[str, ...] = SPECIAL_TOKENS,
+) -> tuple[list[str], list[int], list[str]]:
+    """Tokens, token types and merges: the control tokens (3 unless `specials` says), 256 byte
+    symbols, one per merge."""
+    tokens = [*specials, *bytes_to_unicode().values()]
     tokens += [merge.replace(" ", "") for merge in WORD_MERGES]
-    types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
+    types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
     return tokens, types, list(WORD_MERGES)
 
 

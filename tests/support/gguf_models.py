@@ -85,11 +85,14 @@ SHORT_FACTORS = [1.0, 1.0, 1.25, 1.5, 2.0, 2.5]
 SPM_CHARS = "▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'"
 
 
-def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+def spm_vocab(
+    specials: tuple[str, ...] = SPECIAL_TOKENS[1:],
+) -> tuple[list[str], list[float], list[int]]:
     """Tokens, scores and types as the converter writes a sentencepiece model: `<unk>`, `<s>`,
-    `</s>`, the chat markers, 256 byte tokens, single characters, then merged pieces."""
-    tokens = ["<unk>", "<s>", "</s>", *SPECIAL_TOKENS[1:]]
-    types = [2, 3, 3] + [3] * (len(SPECIAL_TOKENS) - 1)
+    `</s>`, the chat markers (or `specials`), 256 byte tokens, single characters, then merged
+    pieces."""
+    tokens = ["<unk>", "<s>", "</s>", *specials]
+    types = [2, 3, 3] + [3] * len(specials)
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [6] * 256
     scores = [0.0] * len(tokens)
@@ -287,10 +290,16 @@ def write_family_gguf(
     metadata: dict[str, Any] | None = None,
     shape: dict[str, Any] | None = None,
     tensor_types: dict[str, Q] | None = None,
+    special_tokens: tuple[str, ...] | None = None,
+    eos_token: str | None = None,
+    chat_template: str | None = CHAT_TEMPLATE,
 ) -> tuple[dict[str, np.ndarray], dict[str, Q]]:
     """Write family `name`'s tiny GGUF to `path`, `arch` and `{arch}.` keys in `metadata`
     instead of the family's own, `shape` over `SHAPE` and `tensor_types` (GGUF type by llama.cpp
-    name without `.weight`, float32 where absent) instead of `QUANTIZED`.
+    name without `.weight`, float32 where absent) instead of `QUANTIZED`. `special_tokens` are
+    the vocabulary's control tokens in place of the ChatML markers (after `<unk>`, `<s>` and
+    `</s>` in a sentencepiece one), `eos_token` the one the metadata names eos (else id 2), and
+    `chat_template` the template (None: none).
 
     Returns the values the GGUF holds as mlx-lm's class takes them (dequantized, by mlx-lm
     name) and the GGUF type of each tensor (by llama.cpp name, without `.weight`).
@@ -298,28 +307,31 @@ def write_family_gguf(
     family = FAMILIES[name]
     writer = gguf.GGUFWriter(str(path), arch or family.arch)
     if family.vocab == "bpe":
-        tokens, types, merges = tiny_vocab()
+        tokens, types, merges = (
+            tiny_vocab() if special_tokens is None else tiny_vocab(special_tokens)
+        )
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("qwen2")
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)
         writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
+        writer.add_eos_token_id(tokens.index(eos_token) if eos_token else 2)
     else:
-        tokens, scores, types = spm_vocab()
+        tokens, scores, types = spm_vocab() if special_tokens is None else spm_vocab(special_tokens)
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
         writer.add_token_scores(scores)
         writer.add_token_types(types)
         writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
+        writer.add_eos_token_id(tokens.index(eos_token) if eos_token else 2)
         writer.add_unk_token_id(0)
         writer.add_add_bos_token(True)
         if not family.add_space_prefix:
             writer.add_add_space_prefix(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     args = family.model_args(len(tokens), shape)
     writer.add_block_count(args.num_hidden_layers)
     writer.add_context_length(getattr(args, "max_position_embeddings", None) or 8192)

@@ -23,7 +23,11 @@ from hotlora.server.cli import build_parser, main, package_version, serve_settin
 
 SETTINGS_DOC = Path(__file__).resolve().parents[2] / "config" / "SETTINGS.md"
 # String settings whose validators want a particular form.
-VALID_STRINGS = {"log_level": "debug", "allowed_origins": "https://a.example"}
+VALID_STRINGS = {
+    "log_level": "debug",
+    "allowed_origins": "https://a.example",
+    "chat_template": "chatml",
+}
 
 
 @pytest.fixture(autouse=True)
