@@ -1,4 +1,5 @@
-"""Reading an adapter directory from disk and validating it against the base model.
+"""Reading an adapter from disk and validating it against the base model: an mlx-lm or PEFT
+directory, or a llama.cpp LoRA file (`gguf_adapter`).
 
 Everything here runs before anything is attached, so a bad adapter fails at mount time with a
 message that says which file or tensor is wrong, and leaves nothing behind.
@@ -11,10 +12,10 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,6 +26,12 @@ from hotlora.adapters.adapter_errors import (
     AdapterError,
     AdapterPathRefused,
     InvalidAdapter,
+)
+from hotlora.adapters.gguf_adapter import (
+    GGUF_SUFFIX,
+    is_gguf,
+    load_gguf_tensors,
+    read_gguf_adapter,
 )
 from hotlora.adapters.pairs import match_pairs
 from hotlora.adapters.projections import TargetDims
@@ -153,13 +160,7 @@ def _read(
     max_bytes: int,
     root: Path | None,
 ) -> LoadedAdapter:
-    if not directory.is_dir():
-        raise InvalidAdapter(f"adapter directory {directory} does not exist")
-    config_file = _inside(directory / CONFIG_FILE, root)
-    candidates = [_inside(directory / name, root) for name in WEIGHT_FILES]
-    weight_file = next((path for path in candidates if path.is_file()), None)
-    if weight_file is None:
-        raise InvalidAdapter(f"{directory} has neither {' nor '.join(WEIGHT_FILES)}")
+    weight_file = weight_file_of(directory, root)
     before = os.stat(weight_file)  # also what tells the file unchanged since it was hashed
     size = before.st_size
     if size > max_bytes:
@@ -167,7 +168,15 @@ def _read(
             f"{weight_file.name} is over this server's limit of {max_bytes} bytes per adapter "
             f"file ({size} bytes)"
         )
-    config = read_adapter_config(config_file, max_rank=max_rank, max_bytes=max_bytes)
+    load: Callable[[], Mapping[str, mx.array]]
+    if weight_file.name not in WEIGHT_FILES:  # a llama.cpp file, mounted or in the directory
+        gguf = read_gguf_adapter(weight_file, targets, max_rank=max_rank)
+        config = gguf.config
+        load = partial(load_gguf_tensors, gguf)
+    else:
+        config_file = _inside(directory / CONFIG_FILE, root)
+        config = read_adapter_config(config_file, max_rank=max_rank, max_bytes=max_bytes)
+        load = partial(_load_safetensors, weight_file)
     known = _REVISIONS.get(config, weight_file, before)
     # The hash reads the file beside MLX reading and checking its tensors: both let go of the
     # GIL, and a cold load is a request's wait. A refusal does not wait for the hash to end.
@@ -179,12 +188,7 @@ def _read(
         hashed = (
             None if known else hasher.submit(revision, config, weight_file, max_bytes=max_bytes)
         )
-        try:
-            tensors = mx.load(str(weight_file))
-        except Exception as exc:  # mlx raises RuntimeError/ValueError for unreadable files
-            raise InvalidAdapter(f"cannot read {weight_file.name}: {exc}") from None
-        if not isinstance(tensors, dict):
-            raise InvalidAdapter(f"{weight_file.name} is not a safetensors file")
+        tensors = load()
         matched = match_pairs(tensors, targets, config.rank)
         del tensors
         mx.eval([array for pair in matched.pairs.values() for array in pair])
@@ -207,6 +211,47 @@ def _read(
         size_bytes=size,
         weights=dict(matched.pairs),
     )
+
+
+def weight_file_of(path: Path, root: Path | None = None) -> Path:
+    """The weight file of the adapter at `path`: a directory's `adapters.safetensors` (mlx-lm)
+    or `adapter_model.safetensors` (PEFT), else its one `.gguf` file; or `path` itself, a
+    llama.cpp LoRA file. With `root`, the file must resolve under it."""
+    if path.is_file():
+        if path.suffix != GGUF_SUFFIX and not is_gguf(path):
+            raise InvalidAdapter(
+                f"{path.name} is not an adapter: mount a directory holding "
+                f"{' or '.join(WEIGHT_FILES)} with {CONFIG_FILE}, or a llama.cpp LoRA "
+                f"{GGUF_SUFFIX} file"
+            )
+        return _inside(path, root)
+    if not path.is_dir():
+        raise InvalidAdapter(f"adapter directory {path} does not exist")
+    candidates = [_inside(path / name, root) for name in WEIGHT_FILES]
+    weight_file = next((file for file in candidates if file.is_file()), None)
+    if weight_file is not None:
+        return weight_file
+    ggufs = sorted(file for file in path.glob(f"*{GGUF_SUFFIX}") if file.is_file())
+    if len(ggufs) == 1:
+        return _inside(ggufs[0], root)
+    if ggufs:
+        names = ", ".join(file.name for file in ggufs[:3])
+        raise InvalidAdapter(
+            f"{path} holds {len(ggufs)} {GGUF_SUFFIX} files ({names}); mount one by its path"
+        )
+    raise InvalidAdapter(
+        f"{path} has neither {' nor '.join(WEIGHT_FILES)}, nor a llama.cpp LoRA {GGUF_SUFFIX} file"
+    )
+
+
+def _load_safetensors(weight_file: Path) -> dict[str, mx.array]:
+    try:
+        tensors = mx.load(str(weight_file))
+    except Exception as exc:  # mlx raises RuntimeError/ValueError for unreadable files
+        raise InvalidAdapter(f"cannot read {weight_file.name}: {exc}") from None
+    if not isinstance(tensors, dict):
+        raise InvalidAdapter(f"{weight_file.name} is not a safetensors file")
+    return tensors
 
 
 def revision(config: AdapterConfig, weight_file: Path, *, max_bytes: int | None = None) -> str:

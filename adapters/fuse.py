@@ -10,7 +10,12 @@ import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
 from hotlora.adapters.adapter_files import read_adapter
-from hotlora.adapters.projections import find_targets, linear_dims, replace_module
+from hotlora.adapters.projections import (
+    find_targets,
+    linear_dims,
+    replace_module,
+    with_base_layout,
+)
 from hotlora.models.loader import load_model_dir
 from hotlora.models.model_files import atomic_model_dir, copy_aux_files
 from hotlora.models.progress import bar
@@ -30,7 +35,7 @@ def fuse_adapter(model_dir: Path, adapter_path: Path, out: Path) -> Path:
     linears = find_targets(model)
     adapter = read_adapter(
         Path(adapter_path).expanduser().resolve(),
-        {path: linear_dims(linear) for path, linear in linears.items()},
+        with_base_layout(model, {path: linear_dims(linear) for path, linear in linears.items()}),
         max_rank=sys.maxsize,
         max_bytes=sys.maxsize,
     )

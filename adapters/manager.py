@@ -42,7 +42,7 @@ from hotlora.adapters.adapter_set import (
 )
 from hotlora.adapters.first_use import LOAD_PRECEDENCE_S, FirstUseMounts
 from hotlora.adapters.leases import AdapterLease, Holders
-from hotlora.adapters.projections import target_dims
+from hotlora.adapters.projections import target_dims, with_base_layout
 from hotlora.adapters.residency import Budget, Residency
 from hotlora.adapters.root_listing import RootEntry, list_root
 from hotlora.adapters.slots import install_slots, probe_input_dtypes
@@ -103,10 +103,11 @@ class AdapterManager:
         if not slots:
             log.warning("%s has no q/k/v/o/gate/up/down projections", type(model).__name__)
         dtypes = probe_input_dtypes(model)
-        self._targets = {
+        dims = {
             path: target_dims(slot.base, dtypes.get(path), adapter_dtype)
             for path, slot in slots.items()
         }
+        self._targets = with_base_layout(model, dims)
         self._lock = threading.Lock()
         # Mounts and unmounts one at a time: each is recorded in the journal (the mount record,
         # the Ray cluster's registry), which may refuse it, before the table here changes.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,6 +38,9 @@ _LAYER_LISTS = (
     ("model", "language_model", "layers"),
 )
 
+# The attention's attribute holding the heads a projection's output rows hold (mlx-lm's names).
+_HEAD_COUNTS = {"q_proj": "n_heads", "k_proj": "n_kv_heads"}
+
 # Prefixes that name the same module in adapter files and wrapped models.
 _WRAPPERS = ("base_model.model.",)
 _LANGUAGE_MODEL = (("model.language_model.", "model."), ("language_model.", ""))
@@ -50,6 +54,11 @@ class TargetDims:
     in_dims: int
     out_dims: int
     dtype: mx.Dtype = mx.float32
+    # What files laid out for another runtime are checked and put in order against (llama.cpp's
+    # GGUF adapters): the base's mlx-lm `model_type`, and the attention heads a q_proj or k_proj
+    # holds in its output rows.
+    model_type: str | None = None
+    heads: int | None = None
 
 
 def canonical_path(name: str) -> str:
@@ -87,6 +96,24 @@ def target_dims(
     dims = linear_dims(linear)
     kept = input_dtype if input_dtype is not None and input_dtype in _HALF else adapter_dtype
     return TargetDims(dims.in_dims, dims.out_dims, kept)
+
+
+def with_base_layout(model: nn.Module, targets: Mapping[str, TargetDims]) -> dict[str, TargetDims]:
+    """`targets` with the base's `model_type` and each q/k projection's heads filled in, as
+    mlx-lm's models keep them (`model_type`, the attention's `n_heads` and `n_kv_heads`)."""
+    model_type = getattr(model, "model_type", None)
+    modules = dict(model.named_modules())
+    laid_out = {}
+    for path, dims in targets.items():
+        parent, _, leaf = path.rpartition(".")
+        attribute = _HEAD_COUNTS.get(leaf)
+        heads = getattr(modules.get(parent), attribute, None) if attribute else None
+        laid_out[path] = replace(
+            dims,
+            model_type=model_type if isinstance(model_type, str) else None,
+            heads=heads if isinstance(heads, int) and heads > 0 else None,
+        )
+    return laid_out
 
 
 def find_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
