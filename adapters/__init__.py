@@ -24,6 +24,7 @@ from hotlora.adapters.adapter_errors import (
     InvalidAdapter,
     InvalidAdapterSpec,
 )
+from hotlora.adapters.adapter_files import resolve_under_root
 from hotlora.adapters.adapter_info import AdapterInfo, MountEvent, MountListener
 from hotlora.adapters.adapter_set import BASE_ONLY, AdapterSet
 from hotlora.adapters.backends import RowAdapterCache, RowAdapters
@@ -43,6 +44,7 @@ from hotlora.adapters.mount_journal import (
 )
 from hotlora.adapters.residency import Budget
 from hotlora.adapters.root_listing import RootEntry
+from hotlora.adapters.scope import AdapterScope, current_scope, reset_scope, use_scope
 from hotlora.adapters.slots import activate
 from hotlora.adapters.spec import (
     ADAPTER_ID_SCHEMA,
@@ -64,6 +66,7 @@ __all__ = [
     "AdapterOverBudget",
     "AdapterPathRefused",
     "AdapterRef",
+    "AdapterScope",
     "AdapterSet",
     "Budget",
     "InvalidAdapter",
@@ -79,11 +82,15 @@ __all__ = [
     "RowAdapterCache",
     "RowAdapters",
     "activate",
+    "current_scope",
     "fuse_adapter",
     "mount_file",
     "open_mounted_set",
     "parse_adapter_spec",
     "parse_selection",
     "report_unmountable",
+    "reset_scope",
+    "resolve_under_root",
+    "use_scope",
     "write_mounted_set",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hotlora.adapters.scope import visible
 from hotlora.config.errors import HotloraError, listed
 
 
@@ -37,13 +38,14 @@ class AdapterConflict(AdapterError):
 
 
 class AdapterNotFound(AdapterError):
-    """A request or admin call names an adapter that is not mounted."""
+    """A request or admin call names an adapter that is not mounted (or not in its key's scope:
+    the same error, listing only the mounted ids the scope may use)."""
 
     code = "adapter_not_found"
     param = "adapter"
 
     def __init__(self, adapter_id: str, mounted: Iterable[str]):
-        names = listed(sorted(mounted))
+        names = listed(sorted(visible(mounted)))
         super().__init__(f"The adapter '{adapter_id}' is not mounted. Mounted adapters: {names}.")
         self.adapter_id = adapter_id
 

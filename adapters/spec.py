@@ -22,7 +22,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from hotlora.adapters.adapter_errors import InvalidAdapterSpec
+from hotlora.adapters.adapter_errors import AdapterNotFound, InvalidAdapterSpec
+from hotlora.adapters.scope import current_scope, visible
 from hotlora.config.errors import InvalidRequest, ModelNotFound
 
 MAX_ADAPTERS_PER_REQUEST = 16
@@ -115,19 +116,26 @@ def parse_selection(
     `mounted`, in their order), and `InvalidRequest` when the model's spec is malformed
     (`param="model"`) or both fields select adapters (`param="adapter"`). Whether the ids
     are mounted is the caller's to check.
+
+    The request's key scope (`scope.current_scope`) is checked here, before anything is
+    looked up or loaded: an id outside it is refused as one that is not mounted would be
+    (`AdapterNotFound`; `ModelNotFound` as the `model`), the base alone as an unknown model,
+    and the errors list only what the scope may use.
     """
+    scope = current_scope()
     if model == base_id:
-        return refs
+        return _in_scope(base_id, model, refs, mounted)
     prefix = f"{base_id}:"
     if model.startswith(prefix):
         try:
             named = parse_adapter_spec(model[len(prefix) :])
         except InvalidAdapterSpec as exc:
             raise InvalidRequest(exc.message, param="model") from exc
-    elif model in mounted:
+        named = _in_scope(base_id, model, named, mounted)
+    elif scope.may_use(model) and model in mounted:
         named = (AdapterRef(model),)
     else:
-        raise ModelNotFound(model, [base_id, *mounted])
+        raise _model_not_found(base_id, model, mounted)
     if refs:
         raise InvalidRequest(
             f"'model' already selects adapters ({model!r}); leave 'adapter' out, or set "
@@ -135,6 +143,24 @@ def parse_selection(
             param="adapter",
         )
     return named
+
+
+def _in_scope(
+    base_id: str, model: str, refs: tuple[AdapterRef, ...], mounted: Collection[str]
+) -> tuple[AdapterRef, ...]:
+    """`refs`, when the current scope may run them (the base alone, when they are none)."""
+    scope = current_scope()
+    if not refs and not scope.may_use_base:
+        raise _model_not_found(base_id, model, mounted)
+    for ref in refs:
+        if not scope.may_use(ref.id):
+            raise AdapterNotFound(ref.id, mounted)
+    return refs
+
+
+def _model_not_found(base_id: str, model: str, mounted: Collection[str]) -> ModelNotFound:
+    base = [base_id] if current_scope().may_use_base else []
+    return ModelNotFound(model, [*base, *visible(mounted)])
 
 
 def format_adapter_spec(refs: tuple[AdapterRef, ...]) -> str:

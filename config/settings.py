@@ -300,6 +300,13 @@ class Settings(BaseSettings):
         default=None,
         description="Require this bearer key on the adapter admin routes; api_key when unset.",
     )
+    keys: Path | None = Field(
+        default=None,
+        description="A TOML file of tenants' keys ([[key]] tables: name, sha256 of the key, role, "
+        "adapters, limits; see server/OPERATING.md): the inference and admin routes then need one "
+        "of them (or api_key). Read again on SIGHUP and when it changes; a bad file is refused, "
+        "the keys read before stay.",
+    )
     allowed_origins: str = Field(
         default=LOOPBACK_ORIGINS,
         description="Browser origins that may call the API (CORS): a comma list of "

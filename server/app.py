@@ -18,6 +18,7 @@ from hotlora.server.http.lifecycle import InFlight
 from hotlora.server.http.limits import BodyLimit
 from hotlora.server.http.openapi import install_openapi
 from hotlora.server.http.request_ids import RequestIds
+from hotlora.server.http.tenancy import Tenancy, TenantAccounts
 from hotlora.server.routes import (
     adapters,
     completions,
@@ -27,6 +28,7 @@ from hotlora.server.routes import (
     models,
     responses_api,
     tokenize,
+    usage,
 )
 from hotlora.server.routes.page import install_page
 from hotlora.server.runtime import Runtime
@@ -47,13 +49,16 @@ def create_app(
     log_old_names()  # settings given under a renamed setting's old name
     logging.getLogger("hotlora").setLevel(settings.log_level.upper().replace("TRACE", "DEBUG"))
     runtime = Runtime(settings, on_fatal=on_fatal, mount_store=mount_store)
+    tenancy = Tenancy.from_settings(settings, runtime.metrics)  # a bad keys file stops here
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(runtime.start(), name="load-model")
+        stop_listening = tenancy.listen_for_sighup()
         try:
             yield
         finally:
+            stop_listening()
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading
@@ -64,10 +69,12 @@ def create_app(
         title="hotlora", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.runtime = runtime
+    app.state.tenancy = tenancy
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.add_middleware(InFlight, runtime=runtime)
     install_cors(app, settings.allowed_origin_list)
+    app.add_middleware(TenantAccounts, tenancy=tenancy)
     app.add_middleware(RequestIds)  # outermost: a 413 or 500 carries the id too
     app.include_router(health.router)
     app.include_router(metrics.router)
@@ -77,6 +84,7 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(tokenize.router)
     app.include_router(adapters.router)
+    app.include_router(usage.router)
     install_page(app)
     install_openapi(app)
     return app

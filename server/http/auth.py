@@ -1,43 +1,80 @@
-"""Bearer-key checks: `--api-key` guards inference, `--admin-api-key` guards adapter admin.
+"""Bearer-key checks: which tenant a request's key is, and whether it may use the route.
 
-The check runs before the body is read: without a valid key, a request learns nothing about
-what the server would make of its body (a bad body without a key is a 401, not a 400).
+Keys are `--api-key`, `--admin-api-key` and the keys file's (`keys_file`); a server with none
+serves every request as the tenant `default`. The check runs before the body is read: without
+a valid key, a request learns nothing about what the server would make of its body (a bad body
+without a key is a 401, not a 400). An admitted request carries its `Tenant` as
+`request.state.tenant`, is held to its key's adapter scope (`adapters.scope`), and on the
+inference routes is counted against its tenant's limits (a limit reached: 429).
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from hotlora.adapters import use_scope
 from hotlora.server.http.request_errors import Unauthorized
-from hotlora.server.runtime import Runtime
+from hotlora.server.http.tenancy import Tenancy
+from hotlora.server.http.tenant_limits import RateLimited
+from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
+from hotlora.server.telemetry.access_log import current_record
 
 
-def _check(request: Request, expected: str | None, what: str) -> None:
-    if expected is None:
-        return
+def _bearer(request: Request) -> str | None:
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    # Constant-time: the comparison's duration says nothing about how much of the key matched.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
-        raise Unauthorized(f"A valid {what} is required: send 'Authorization: Bearer <key>'.")
+    return given if scheme.lower() == "bearer" and given else None
+
+
+def _tenant(request: Request, *, admin: bool) -> Tenant:
+    """The tenant of the request's key; `Unauthorized` when the route needs a key it lacks."""
+    tenancy = _tenancy(request)
+    given = _bearer(request)
+    # Looked up by hash, in constant time: the time taken says nothing about the key.
+    tenant = tenancy.keys.lookup(given) if given is not None else None
+    if tenant is None:
+        if not (tenancy.admin_open if admin else tenancy.inference_open):
+            what = "admin API key" if admin else "API key"
+            raise Unauthorized(f"A valid {what} is required: send 'Authorization: Bearer <key>'.")
+        tenant = DEFAULT_TENANT
+    if admin and not tenant.may_administer:
+        raise Unauthorized("A valid admin API key is required: send 'Authorization: Bearer <key>'.")
+    return tenant
+
+
+def _admit(request: Request, *, admin: bool) -> Tenant:
+    tenant = _tenant(request, admin=admin)
+    request.state.tenant = tenant  # read as `TENANT` from the scope state
+    record = current_record()
+    if record is not None:
+        record.tenant = tenant.name
+    use_scope(tenant)  # until the request is answered (`TenantAccounts` resets it)
+    return tenant
 
 
 def require_api_key(request: Request) -> None:
-    _check(request, _runtime(request).settings.api_key, "API key")
+    """An inference route's check: any valid key, counted against its tenant's limits."""
+    tenant = _admit(request, admin=False)
+    tenancy = _tenancy(request)
+    try:
+        admission = tenancy.limits.admit(tenant)
+    except RateLimited as exc:
+        tenancy.usage.limit_hit(tenant.name, exc.limit)
+        raise
+    request.state.tenant_admission = admission  # `ADMISSION`
 
 
 def require_admin_key(request: Request) -> None:
-    # With only --api-key set, admin takes that key too: never open while inference is closed.
-    settings = _runtime(request).settings
-    _check(request, settings.admin_api_key or settings.api_key, "admin API key")
+    """An admin route's check: an admin or tenant-admin key (with only --api-key set, that key;
+    never open while inference is closed). Which ids it may touch, the route checks."""
+    _admit(request, admin=True)
 
 
-def _runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
+def _tenancy(request: Request) -> Tenancy:
+    return request.app.state.tenancy
 
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]

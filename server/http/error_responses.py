@@ -30,6 +30,7 @@ from hotlora.server.http.request_errors import (
     RequestTimeout,
     Unauthorized,
 )
+from hotlora.server.http.tenant_limits import RateLimited, TokensRateLimited
 from hotlora.server.telemetry.access_log import note_error
 
 log = logging.getLogger("hotlora")
@@ -57,6 +58,9 @@ HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
     AdapterConflict: HttpError(409, "conflict_error"),
     Unauthorized: HttpError(401, "authentication_error", {"WWW-Authenticate": "Bearer"}),
     ClientDisconnected: HttpError(499, "client_closed_request"),
+    # OpenAI's types for its rate limits; `Retry-After` comes from the error.
+    RateLimited: HttpError(429, "requests"),
+    TokensRateLimited: HttpError(429, "tokens"),
     RequestTimeout: HttpError(408, "invalid_request_error", {"Connection": "close"}),
     ClientNotReading: HttpError(408, "invalid_request_error"),
     NotReady: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),
@@ -98,13 +102,16 @@ def json_error(
 def error_response(exc: Exception) -> JSONResponse:
     """The single mapping from any exception to an OpenAI-shaped response."""
     if isinstance(exc, HotloraError) and (known := http_error(exc)) is not None:
+        headers = dict(known.headers)
+        if isinstance(exc, RateLimited):
+            headers["Retry-After"] = str(exc.retry_after)
         return json_error(
             known.status,
             exc.message,
             known.type,
             param=exc.param,
             code=exc.code,
-            headers=known.headers,
+            headers=headers,
         )
     if isinstance(exc, RequestValidationError):
         return _validation_response(exc)

@@ -39,19 +39,20 @@ class ErrorResponse(BaseModel):
 
 _REF = "#/components/schemas/{model}"
 
-_ADMIN_POST = (400, 401, 409, 413, 503)
+_ADMIN_POST = (400, 401, 404, 409, 413, 503)
 # The error statuses each operation can answer with; 405 and unknown routes are not operations.
+# Every inference route counts against its key's limits (429).
 ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
     ("get", "/health"): (),
     ("get", "/ready"): (503,),
-    ("get", paths.MODELS): (401, 503),
-    ("get", f"{paths.MODELS}/{{model_id}}"): (401, 404, 503),
-    ("post", paths.CHAT_COMPLETIONS): (400, 401, 404, 413, 500, 503),
-    ("post", paths.COMPLETIONS): (400, 401, 404, 413, 500, 503),
-    ("post", paths.RESPONSES): (400, 401, 404, 413, 500, 503),
-    ("post", paths.EMBEDDINGS): (400, 401, 404, 413, 503),
-    ("post", paths.TOKENIZE): (400, 401, 404, 413, 503),
-    ("post", paths.DETOKENIZE): (400, 401, 404, 413, 503),
+    ("get", paths.MODELS): (401, 429, 503),
+    ("get", f"{paths.MODELS}/{{model_id}}"): (401, 404, 429, 503),
+    ("post", paths.CHAT_COMPLETIONS): (400, 401, 404, 413, 429, 500, 503),
+    ("post", paths.COMPLETIONS): (400, 401, 404, 413, 429, 500, 503),
+    ("post", paths.RESPONSES): (400, 401, 404, 413, 429, 500, 503),
+    ("post", paths.EMBEDDINGS): (400, 401, 404, 413, 429, 503),
+    ("post", paths.TOKENIZE): (400, 401, 404, 413, 429, 503),
+    ("post", paths.DETOKENIZE): (400, 401, 404, 413, 429, 503),
     ("get", paths.VERSION): (),
     ("post", paths.ADAPTERS): _ADMIN_POST,
     ("get", paths.ADAPTERS): (401, 503),
@@ -60,19 +61,22 @@ ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
     ("delete", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
     ("post", paths.LOAD_LORA_ADAPTER): _ADMIN_POST,
     ("post", paths.UNLOAD_LORA_ADAPTER): (400, 401, 404, 413, 503),
+    ("get", paths.USAGE): (401,),
 }
 
 _DESCRIPTIONS = {
     400: "Invalid request: unparsable JSON, a field out of range, or an unsupported option.",
     401: "Missing or wrong bearer key.",
-    404: "Unknown model or adapter.",
+    404: "Unknown model or adapter, or one outside the key's scope.",
     409: "Another adapter is mounted under this id; mount with `replace` to swap it.",
     413: "The request body is over the server's limit.",
+    429: "A limit of the key's tenant is reached (requests or tokens a minute, requests at once).",
     500: "The model computed NaN or infinite logits for this request (`non_finite_logits`).",
     503: "The model is loading, the wait list is full, or the server is shutting down.",
 }
 _HEADERS = {
     401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "`Bearer`."}},
+    429: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait."}},
     503: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait."}},
 }
 

@@ -40,6 +40,11 @@ class Tenant:
         return self.role == "admin"
 
     @property
+    def may_use_base(self) -> bool:
+        """Whether this key may run the base model alone."""
+        return self.is_admin or self.base
+
+    @property
     def may_administer(self) -> bool:
         """Whether the admin routes are open to this key at all (each id is checked apart)."""
         return self.role in ("admin", "tenant-admin")
@@ -49,6 +54,10 @@ class Tenant:
         if self.is_admin:
             return True
         return any(fnmatchcase(adapter_id, pattern) for pattern in self.adapters)
+
+    def may_see(self, adapter_id: str) -> bool:
+        """Whether the admin routes show `adapter_id` to this key: it may run or mount it."""
+        return self.may_use(adapter_id) or self.may_mount(adapter_id)
 
     def may_mount(self, adapter_id: str) -> bool:
         """Whether this key may mount, replace or unmount `adapter_id`."""

@@ -4,12 +4,20 @@ load/unload aliases, which answer as vLLM's server does: 200 and a line of text.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from hotlora.adapters import AdapterError, AdapterInfo, AdapterManager, AdapterNotFound
+from hotlora.adapters import (
+    AdapterError,
+    AdapterInfo,
+    AdapterManager,
+    AdapterNotFound,
+    AdapterPathRefused,
+    resolve_under_root,
+)
 from hotlora.server.api.admin_models import (
     AdapterCard,
     AdapterList,
@@ -21,6 +29,7 @@ from hotlora.server.api.admin_models import (
 )
 from hotlora.server.deps import MetricsDep, RuntimeDep
 from hotlora.server.http.auth import AdminRoute
+from hotlora.server.http.tenants import Tenant, request_tenant
 from hotlora.server.routes import paths
 from hotlora.server.telemetry.prometheus import Metrics
 
@@ -36,6 +45,25 @@ ManagerDep = Annotated[AdapterManager, Depends(get_manager)]
 
 def _card(info: AdapterInfo) -> dict[str, Any]:
     return AdapterCard(**info.to_dict()).model_dump()
+
+
+def _check_mount(request: Request, manager: AdapterManager, adapter_id: str, path: str) -> None:
+    """A tenant-admin key mounts only ids under its prefix, from its folder under the root."""
+    tenant = request_tenant(request)
+    if tenant.is_admin:
+        return
+    _check_id(tenant, manager, adapter_id)
+    folder = (manager.adapter_root / (tenant.mount_dir or "")).resolve()
+    if not resolve_under_root(path, manager.adapter_root).is_relative_to(folder):
+        raise AdapterPathRefused(
+            f"this key mounts adapters only from '{tenant.mount_dir}' under the adapter root"
+        )
+
+
+def _check_id(tenant: Tenant, manager: AdapterManager, adapter_id: str) -> None:
+    """An id outside what the key may mount is answered as an id that is not mounted."""
+    if not tenant.may_mount(adapter_id):
+        raise AdapterNotFound(adapter_id, [info.id for info in manager.list()])
 
 
 async def _mount(
@@ -74,21 +102,30 @@ async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -
 
 @router.post(paths.ADAPTERS, status_code=201, response_model=AdapterCard)
 async def mount_adapter(
-    body: MountAdapterRequest, manager: ManagerDep, metrics: MetricsDep
+    body: MountAdapterRequest, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> JSONResponse:
     """201 when this call mounted something; 200 when the same revision was already there."""
+    _check_mount(request, manager, body.id, body.path)
     info, changed = await _mount(manager, metrics, body.id, body.path, body.replace, body.pin)
     return JSONResponse(_card(info), status_code=201 if changed else 200)
 
 
 @router.get(paths.ADAPTERS)
-async def list_adapters(manager: ManagerDep) -> AdapterList:
-    return AdapterList(data=[AdapterCard(**info.to_dict()) for info in manager.list()])
+async def list_adapters(request: Request, manager: ManagerDep) -> AdapterList:
+    tenant = request_tenant(request)
+    shown = [info for info in manager.list() if tenant.may_see(info.id)]
+    return AdapterList(data=[AdapterCard(**info.to_dict()) for info in shown])
 
 
 @router.get(paths.ADAPTER_ROOT)
-async def list_adapter_root(manager: ManagerDep) -> AdapterRootList:
+async def list_adapter_root(request: Request, manager: ManagerDep) -> AdapterRootList:
+    tenant = request_tenant(request)
     entries = await asyncio.to_thread(manager.root_entries)  # reads the root's directories
+    if not tenant.is_admin:
+        folder = manager.adapter_root / (tenant.mount_dir or "")
+        entries = [
+            e for e in entries if tenant.may_see(e.id) or Path(e.path).is_relative_to(folder)
+        ]
     return AdapterRootList(
         root=str(manager.adapter_root),
         auto_mount=manager.auto_mount,
@@ -100,14 +137,17 @@ async def list_adapter_root(manager: ManagerDep) -> AdapterRootList:
 
 
 @router.get(paths.ADAPTERS + "/{adapter_id}")
-async def get_adapter(adapter_id: str, manager: ManagerDep) -> AdapterCard:
+async def get_adapter(adapter_id: str, request: Request, manager: ManagerDep) -> AdapterCard:
+    if not request_tenant(request).may_see(adapter_id):
+        raise AdapterNotFound(adapter_id, [info.id for info in manager.list()])
     return AdapterCard(**manager.get(adapter_id).to_dict())
 
 
 @router.delete(paths.ADAPTERS + "/{adapter_id}")
 async def unmount_adapter(
-    adapter_id: str, manager: ManagerDep, metrics: MetricsDep
+    adapter_id: str, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> dict[str, Any]:
+    _check_id(request_tenant(request), manager, adapter_id)
     return await _unmount(manager, metrics, adapter_id)
 
 
@@ -118,16 +158,18 @@ _TEXT_OK: dict[int | str, dict[str, Any]] = {
 
 @router.post(paths.LOAD_LORA_ADAPTER, response_class=PlainTextResponse, responses=_TEXT_OK)
 async def load_lora_adapter(
-    body: LoadLoraAdapterRequest, manager: ManagerDep, metrics: MetricsDep
+    body: LoadLoraAdapterRequest, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> PlainTextResponse:
     """`load_inplace` swaps an adapter already mounted under the name."""
+    _check_mount(request, manager, body.lora_name, body.lora_path)
     await _mount(manager, metrics, body.lora_name, body.lora_path, body.load_inplace)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
 @router.post(paths.UNLOAD_LORA_ADAPTER, response_class=PlainTextResponse, responses=_TEXT_OK)
 async def unload_lora_adapter(
-    body: UnloadLoraAdapterRequest, manager: ManagerDep, metrics: MetricsDep
+    body: UnloadLoraAdapterRequest, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> PlainTextResponse:
+    _check_id(request_tenant(request), manager, body.lora_name)
     await _unmount(manager, metrics, body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

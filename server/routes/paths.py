@@ -14,6 +14,7 @@ ADAPTERS = "/v1/adapters"
 ADAPTER_ROOT = "/v1/adapter_root"  # what the adapter root holds, resident or not
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"
 UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
+USAGE = "/v1/usage"  # each tenant's usage, for an admin
 
 # The routes that run the model: what a request's `model` and `adapter` fields select runs there.
 INFERENCE = frozenset({CHAT_COMPLETIONS, COMPLETIONS, RESPONSES, EMBEDDINGS})

@@ -28,6 +28,7 @@ class RequestRecord:
 
     request_id: str
     began: float = field(default_factory=time.perf_counter)  # on the perf_counter clock
+    tenant: str | None = None  # whose key the request came with (`default`: no keys configured)
     model: str | None = None  # the model the answer names: base, adapter id or base:spec
     adapters: tuple[str, ...] | None = None  # the adapter ids applied; () for the base alone
     prompt_tokens: int | None = None
@@ -74,6 +75,7 @@ def log_request(scope: Scope, status: int | None, record: RequestRecord) -> None
         "route": getattr(route, "path", None),
         "status": status,
         "duration_ms": _ms(time.perf_counter() - record.began),
+        "tenant": record.tenant,
         "model": record.model,
         "adapters": list(record.adapters) if record.adapters is not None else None,
         "prompt_tokens": record.prompt_tokens,
@@ -95,6 +97,8 @@ def _text(f: dict[str, Any]) -> str:
     """`POST /v1/chat/completions 200 12.3ms id=... model=... prompt=5 ...`: the known facts."""
     parts = [f"{f['method']} {f['path']} {f['status'] or '-'} {f['duration_ms']}ms"]
     parts.append(f"id={f['request_id']}")
+    if f["tenant"] is not None:
+        parts.append(f"tenant={f['tenant']}")
     if f["model"] is not None:
         parts.append(f"model={f['model']}")
     if f["adapters"]:

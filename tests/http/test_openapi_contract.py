@@ -27,16 +27,17 @@ from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_a
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 POST_ERRORS = {"400", "401", "404", "413", "503"}
-ADMIN_POST = {"201", "200", "400", "401", "409", "413", "503"}
+INFERENCE_ERRORS = POST_ERRORS | {"429"}  # a tenant's limits hold on every inference route
+ADMIN_POST = {"201", "200", "400", "401", "404", "409", "413", "503"}
 # Every operation and the statuses it can answer with.
 STATUSES = {
     ("get", "/health"): {"200"},
     ("get", "/ready"): {"200", "503"},
-    ("get", "/v1/models"): {"200", "401", "503"},
-    ("get", "/v1/models/{model_id}"): {"200", "401", "404", "503"},
-    ("post", "/v1/chat/completions"): {"200", "500"} | POST_ERRORS,
-    ("post", "/v1/completions"): {"200", "500"} | POST_ERRORS,
-    ("post", "/v1/responses"): {"200", "500"} | POST_ERRORS,
+    ("get", "/v1/models"): {"200", "401", "429", "503"},
+    ("get", "/v1/models/{model_id}"): {"200", "401", "404", "429", "503"},
+    ("post", "/v1/chat/completions"): {"200", "500"} | INFERENCE_ERRORS,
+    ("post", "/v1/completions"): {"200", "500"} | INFERENCE_ERRORS,
+    ("post", "/v1/responses"): {"200", "500"} | INFERENCE_ERRORS,
     ("get", "/v1/adapters"): {"200", "401", "503"},
     ("get", "/v1/adapter_root"): {"200", "401", "503"},
     ("post", "/v1/adapters"): ADMIN_POST,
@@ -44,10 +45,11 @@ STATUSES = {
     ("delete", "/v1/adapters/{adapter_id}"): {"200", "401", "404", "503"},
     ("post", "/v1/load_lora_adapter"): ADMIN_POST - {"201"},
     ("post", "/v1/unload_lora_adapter"): {"200"} | POST_ERRORS,
-    ("post", "/v1/embeddings"): {"200"} | POST_ERRORS,
-    ("post", "/tokenize"): {"200"} | POST_ERRORS,
-    ("post", "/detokenize"): {"200"} | POST_ERRORS,
+    ("post", "/v1/embeddings"): {"200"} | INFERENCE_ERRORS,
+    ("post", "/tokenize"): {"200"} | INFERENCE_ERRORS,
+    ("post", "/detokenize"): {"200"} | INFERENCE_ERRORS,
     ("get", "/version"): {"200"},
+    ("get", "/v1/usage"): {"200", "401"},
 }
 STREAMED = {"/v1/chat/completions": "ChatCompletionChunk", "/v1/completions": "CompletionResponse"}
 
