@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -414,7 +415,9 @@ class InferenceService:
         if lease is not None:
             return lease
         loop = asyncio.get_running_loop()
-        selecting = loop.run_in_executor(None, self.adapters.select, model, refs)
+        # In the request's context: the key's adapter scope (`adapters.scope`) holds there too.
+        run = contextvars.copy_context().run
+        selecting = loop.run_in_executor(None, run, self.adapters.select, model, refs)
         try:
             return await asyncio.shield(selecting)
         except asyncio.CancelledError:
