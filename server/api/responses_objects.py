@@ -29,6 +29,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[dict[str, Any]] = Field(default_factory=list)
+    logprobs: list[dict[str, Any]] = Field(default_factory=list)  # none are served here
 
 
 class OutputMessage(BaseModel):
@@ -70,6 +71,7 @@ OutputItem = ReasoningOutput | OutputMessage | FunctionCallOutput
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int
+    cache_write_tokens: int = 0  # the prompt cache is written as a side effect, not billed
 
 
 class OutputTokensDetails(BaseModel):
@@ -88,8 +90,20 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+# The codes OpenAI's schema allows a failed response's `error`, of those that can happen here.
+ResponseErrorCode = Literal["server_error", "rate_limit_exceeded", "invalid_prompt"]
+
+
+def response_error_code(code: str) -> ResponseErrorCode:
+    """A failed response's `error.code` for the error object's `code` (its `error` event keeps
+    the code itself): anything else that fails a response after its 200 is the server's."""
+    if code == "rate_limit_exceeded":
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if code == "invalid_prompt" else "server_error"
+
+
 class ResponseError(BaseModel):
-    code: str
+    code: ResponseErrorCode
     message: str
 
 

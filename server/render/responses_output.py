@@ -42,6 +42,7 @@ from hotlora.server.api.responses_objects import (
     function_call_id,
     message_id,
     reasoning_id,
+    response_error_code,
     response_id,
 )
 from hotlora.server.api.responses_request import FunctionToolChoice, ResponsesRequest
@@ -117,7 +118,8 @@ class ResponseDraft:
             temperature=params.temperature,
             text=request.text.model_dump(by_alias=True, exclude_none=True),
             tool_choice=choice.model_dump() if isinstance(choice, FunctionToolChoice) else choice,
-            tools=[tool.model_dump(exclude_none=True) for tool in request.tools],
+            # Every key of OpenAI's function tool, `strict` and `parameters` null when not sent.
+            tools=[tool.model_dump() for tool in request.tools],
             top_p=params.top_p,
             usage=usage,
             metadata=request.metadata or {},
@@ -165,21 +167,22 @@ async def response_stream(
         event.sequence_number = next(numbers)
         return {"event": event.type, "data": event.model_dump_json()}
 
+    # A failed response tells what it used up to its failure.
+    spent = UsageTally(1, prompt_tokens=sum(len(p) for p in submitted.prepared.prompts))
     try:
-        async for event in _events(service, submitted, draft):
+        async for event in _events(service, submitted, draft, spent):
             yield sse(event)
     except Exception as exc:
         error = json.loads(bytes(error_response(exc).body))["error"]
         code = error["code"] or error["type"]
         yield sse(ErrorEvent(code=code, message=error["message"], param=error["param"]))
-        failed = ResponseError(code=code, message=error["message"])
-        yield sse(
-            ResponseEvent(type="response.failed", response=draft.response("failed", error=failed))
-        )
+        failed = ResponseError(code=response_error_code(code), message=error["message"])
+        ended = draft.response("failed", usage=_usage(spent), error=failed)
+        yield sse(ResponseEvent(type="response.failed", response=ended))
 
 
 async def _events(
-    service: InferenceService, submitted: Submitted, draft: ResponseDraft
+    service: InferenceService, submitted: Submitted, draft: ResponseDraft, spent: UsageTally
 ) -> AsyncIterator[StreamEvent]:
     started = draft.response("in_progress")
     yield ResponseEvent(type="response.created", response=started)
@@ -188,6 +191,7 @@ async def _events(
     finish_reason, tally = "length", UsageTally(1)
     async for index, event in service.events(submitted):
         if isinstance(event, Delta):
+            spent.completion_tokens = event.generated
             for step in items.feed(event.text):
                 yield step
         else:

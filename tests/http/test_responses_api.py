@@ -279,7 +279,7 @@ def test_a_failure_after_the_200_is_an_error_then_response_failed(
     assert names[-2:] == ["error", "response.failed"]
     error, failed = sent[-2][1], sent[-1][1]["response"]
     assert error["code"] == "internal_error" and "thread" not in error["message"]
-    assert failed["status"] == "failed" and failed["error"]["code"] == "internal_error"
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert [data["sequence_number"] for _, data in sent] == list(range(len(sent)))
     # The client sees the events; its stream ends without raising.
     kinds = [e.type for e in sdk(client).responses.create(input="hi", stream=True, **GREEDY)]
