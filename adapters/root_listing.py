@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hotlora.adapters.adapter_config import CONFIG_FILE
-from hotlora.adapters.adapter_files import WEIGHT_FILES, LoadedAdapter
+from hotlora.adapters.adapter_errors import InvalidAdapter
+from hotlora.adapters.adapter_files import LoadedAdapter, weight_file_of
+from hotlora.adapters.gguf_adapter import GGUF_SUFFIX
 from hotlora.adapters.residency import Evicted
 from hotlora.adapters.spec import adapter_id_problem
 
@@ -36,8 +38,8 @@ def list_root(
     skip: str,
 ) -> list[RootEntry]:
     """The resident adapters (id, arrays, pinned), the evicted ones, then each directory under
-    `root` with an adapter_config.json whose name is a valid id (other than `skip`, the base
-    model's) and no adapter under that id; sorted by id."""
+    `root` with an adapter_config.json or a llama.cpp `.gguf` file whose name is a valid id
+    (other than `skip`, the base model's) and no adapter under that id; sorted by id."""
     entries: dict[str, RootEntry] = {}
     for adapter_id, adapter, pinned in mounted:
         entries[adapter_id] = RootEntry(
@@ -60,7 +62,7 @@ def list_root(
         name = directory.name
         if name in entries or name == skip or adapter_id_problem(name) is not None:
             continue
-        if (directory / CONFIG_FILE).is_file():
+        if (directory / CONFIG_FILE).is_file() or any(directory.glob(f"*{GGUF_SUFFIX}")):
             entries[name] = RootEntry(
                 name, str(directory), "on disk", False, _size(directory), None
             )
@@ -68,8 +70,7 @@ def list_root(
 
 
 def _size(directory: Path) -> int | None:
-    for name in WEIGHT_FILES:
-        path = directory / name
-        if path.is_file():
-            return path.stat().st_size
-    return None
+    try:
+        return weight_file_of(directory).stat().st_size
+    except (InvalidAdapter, OSError):  # no weight file, or more than one llama.cpp file
+        return None

@@ -79,3 +79,13 @@ def test_first_use_mounts_a_directory_holding_a_gguf_file(make_client, root: Pat
     client = make_client(adapter_root=root, auto_mount=True)
     assert text(client, adapter="in-dir") != text(client)
     assert [card["id"] for card in client.get("/v1/adapters").json()["data"]] == ["in-dir"]
+
+
+def test_the_root_listing_shows_a_directory_holding_a_gguf_file(make_client, root: Path):
+    client = make_client(adapter_root=root)
+    listing = client.get("/v1/adapter_root")
+    assert listing.status_code == 200, listing.text
+    entries = {entry["id"]: entry for entry in listing.json()["data"]}
+    assert entries.keys() == {"in-dir", "peft"}  # loose files mount by path, not on first use
+    assert entries["in-dir"]["state"] == "on disk"
+    assert entries["in-dir"]["size_bytes"] == (root / "in-dir" / "sft.gguf").stat().st_size
