@@ -185,8 +185,8 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=256,
         ge=1,
-        description="Open HTTP connections at most; beyond it new ones are closed, and requests "
-        "get 503.",
+        description="Open HTTP connections at most; beyond it a new one takes the place of the "
+        "oldest that has not sent a whole request, or is closed when all are answering.",
     )
     keep_alive_timeout: int = Field(
         default=5,

@@ -5,7 +5,8 @@ requests in flight finish for up to `--drain-timeout` seconds, ends the rest (a 
 error event and `[DONE]`, a plain request with a 503), cuts the connections still busy, and
 exits 0. A second signal exits at once. A connection is bounded in time both ways: its client
 must send each request within `--request-timeout`, and take some of its answer within
-`--send-timeout`.
+`--send-timeout`; and at `--max-connections` the oldest connection without a whole request
+sent makes way for a new one (`connections.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from hotlora.server.http.connections import make_room
 from hotlora.server.http.error_responses import error_response
 from hotlora.server.http.request_errors import RequestTimeout
 from hotlora.server.runtime import Runtime
@@ -63,18 +65,30 @@ class ClientTimeouts:
 
 
 class ServerConfig(uvicorn.Config):
-    """uvicorn's settings, with the client timeouts `BoundedH11Protocol` enforces."""
+    """uvicorn's settings, with the client timeouts and the connection limit that
+    `BoundedH11Protocol` enforces (uvicorn's own `limit_concurrency` stays off: it would answer
+    503 to every request while the limit is reached, whatever holds it)."""
 
-    def __init__(self, app: Any, *, timeouts: ClientTimeouts, **kwargs: Any):
+    def __init__(
+        self,
+        app: Any,
+        *,
+        timeouts: ClientTimeouts,
+        max_connections: int | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(app, **kwargs)
         self.timeouts = timeouts
+        self.max_connections = max_connections
 
 
 class BoundedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 connection, bounded so that no client can hold it forever.
 
-    A connection beyond `limit_concurrency` is closed on arrival; one that sends nothing is
-    closed after the keep-alive timeout, as an idle keep-alive connection is; one that starts a
+    A connection beyond `max_connections` takes the place of the oldest one that has not sent
+    a whole request, or is closed on arrival when all are answering (`make_room`, which also
+    caps such connections per address); one that sends nothing is closed after the keep-alive
+    timeout, as an idle keep-alive connection is; one that starts a
     request and does not finish it within the request timeout is closed (with a 408 when its
     headers are in and nothing was answered yet); one whose client takes no byte of its answer
     for the send timeout, its socket's buffers full, is cut. Slow or stuck clients cannot pile
@@ -89,19 +103,54 @@ class BoundedH11Protocol(H11Protocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ):
         super().__init__(config, server_state, app_state, _loop)
-        self.timeouts = config.timeouts if isinstance(config, ServerConfig) else ClientTimeouts()
+        if isinstance(config, ServerConfig):
+            self.timeouts, self.max_connections = config.timeouts, config.max_connections
+        else:
+            self.timeouts, self.max_connections = ClientTimeouts(), config.limit_concurrency
+        self._since = 0.0  # loop time it last began to wait on its client for a request
         self._reading: asyncio.TimerHandle | None = None  # the request timeout, while one arrives
         self._writing: asyncio.TimerHandle | None = None  # the send timeout, while writes wait
         self._unsent = 0  # bytes waiting in the transport when the send timer was last set
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        limit = self.limit_concurrency
-        if limit is not None and len(self.connections) > limit:
+        self._since = self.loop.time()
+        limit = self.max_connections
+        if not make_room(self, self.connections, len(self.connections) if limit is None else limit):
             transport.close()
             return
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def on_response_complete(self) -> None:
+        self._since = self.loop.time()
+        super().on_response_complete()
+
+    # Room at the limit: what `make_room` reads and calls.
+
+    @property
+    def open(self) -> bool:
+        return not self.transport.is_closing()
+
+    @property
+    def peer(self) -> str | None:
+        return self.client[0] if self.client else None
+
+    @property
+    def unfinished_since(self) -> float | None:
+        cycle, state = self.cycle, self.conn.their_state
+        if state is h11.IDLE:
+            answering = cycle is not None and not cycle.response_complete
+            return None if answering or self.transport.get_write_buffer_size() else self._since
+        if state is h11.SEND_BODY and cycle is not None and not cycle.response_started:
+            return self._since
+        return None
+
+    def make_way(self) -> None:
+        self._close_unfinished(
+            "The connection was closed for a newer one: the server is at its connection limit "
+            "and this request was not received in full."
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -131,18 +180,21 @@ class BoundedH11Protocol(H11Protocol):
             "closing a connection that did not send its whole request within %gs",
             self.timeouts.request,
         )
+        self._close_unfinished(
+            f"The request was not received in full within {self.timeouts.request:g} seconds."
+        )
+
+    def _close_unfinished(self, message: str) -> None:
+        """Close a connection whose request is not in: with a 408 saying `message` when its
+        headers are."""
+        self._stop_reading_timer()
         cycle = self.cycle if self.conn.their_state is h11.SEND_BODY else None
         if cycle is not None and not cycle.response_started:
             # The app waits on the body: it is told the client left, and whatever it answers
             # goes nowhere; the client gets the 408 instead.
             cycle.disconnected = True
             cycle.message_event.set()
-            self._send_error(
-                RequestTimeout(
-                    f"The request was not received in full within {self.timeouts.request:g} "
-                    "seconds."
-                )
-            )
+            self._send_error(RequestTimeout(message))
         self.transport.close()
 
     def _send_error(self, exc: Exception) -> None:
@@ -264,8 +316,9 @@ def uvicorn_config(
     **limits: Any,
 ) -> ServerConfig:
     """uvicorn's settings for hotlora: bounded connections (`timeouts`, and `limits`:
-    limit_concurrency and timeout_keep_alive); no access log of uvicorn's, since hotlora's
-    names the request id."""
+    limit_concurrency, the connection limit hotlora's protocol enforces in place of uvicorn's,
+    and timeout_keep_alive); no access log of uvicorn's, since hotlora's names the request id."""
+    max_connections = limits.pop("limit_concurrency", None)
     return ServerConfig(
         app,
         host=host,
@@ -274,6 +327,7 @@ def uvicorn_config(
         http=BoundedH11Protocol,
         access_log=False,
         timeouts=timeouts,
+        max_connections=max_connections,
         # Every connection still busy is cut once the drain ends; this bounds the tasks left.
         timeout_graceful_shutdown=_TASKS_AFTER_DRAIN_S,
         **limits,

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.support.raw_clients import (
+    chat_request,
     half_body,
     half_headers,
     long_stream,
@@ -173,15 +174,31 @@ def test_connections_are_bounded(limited: ServerProcess):
     server = limited
     silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
     time.sleep(0.2)
-    # Beyond the bound a new connection is closed at once.
+    # Beyond the bound a new connection takes the place of the oldest that sent no request.
     extra = socket.create_connection(("127.0.0.1", server.port))
-    extra.settimeout(5)
-    assert extra.recv(1) == b""
+    silent[0].settimeout(1)
+    assert silent[0].recv(1) == b""
     # A connection that sends nothing is closed after the keep-alive timeout.
-    for sock in silent:
+    for sock in [*silent[1:], extra]:
         sock.settimeout(5)
         assert sock.recv(1) == b""
-    for sock in [*silent, extra]:
+    # With every connection answering a request, a new one is closed at once.
+    endless = {
+        "model": server.model_id,
+        "messages": [{"role": "user", "content": "Count."}],
+        "max_tokens": 400,
+        "stream": True,
+        "logit_bias": {"0": -100, "2": -100},
+    }
+    busy = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    for sock in busy:
+        sock.sendall(chat_request(endless))
+        sock.settimeout(30)
+        assert sock.recv(12).startswith(b"HTTP/1.1 200")
+    refused = socket.create_connection(("127.0.0.1", server.port))
+    refused.settimeout(5)
+    assert refused.recv(1) == b""
+    for sock in [*silent, extra, *busy, refused]:
         sock.close()
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 

@@ -1,0 +1,123 @@
+"""Room at the connection limit: a new connection takes the place of the oldest one that has not
+sent a whole request, so that clients holding half-sent requests cannot lock others out.
+
+Before a request's headers are in, nothing says whose it is: no key, no tenant. What is fair
+then is by arrival: one address keeps at most `UNFINISHED_PER_PEER` connections that have not
+sent a whole request (its oldest makes way for its newest), and at `--max-connections` the
+oldest such connection of any address makes way. A connection whose request is in and being
+answered is never closed for another; when every connection is such, the newcomer is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Collection
+from typing import Protocol
+
+log = logging.getLogger("hotlora")
+
+UNFINISHED_PER_PEER = 32  # connections one address may hold without a whole request sent
+LOG_EVERY_S = 10.0  # one line at most this often, however many connections make way
+
+
+class Holder(Protocol):
+    """A connection as the limit sees it."""
+
+    @property
+    def open(self) -> bool:
+        """Not closed nor closing: it holds a place."""
+        ...
+
+    @property
+    def peer(self) -> str | None:
+        """The client's address (its host, without the port)."""
+        ...
+
+    @property
+    def unfinished_since(self) -> float | None:
+        """Since when (loop time) it holds its place without a whole request sent: connected
+        or answered and silent since, or part of a request sent; None while a request is in
+        and being answered."""
+        ...
+
+    def make_way(self) -> None:
+        """Close it for a newcomer (a request whose headers are in gets a 408)."""
+        ...
+
+
+def make_room(new: Holder, connections: Collection[Holder], limit: int) -> bool:
+    """Close what must close for `new` to stay; False when nothing can make way and `new` must
+    be refused. `connections` may hold `new` itself and connections already closing."""
+    others = [c for c in connections if c is not new and c.open]
+    unfinished = sorted(
+        (since, i) for i, c in enumerate(others) if (since := c.unfinished_since) is not None
+    )
+    gone: set[int] = set()
+    if new.peer is not None:
+        mine = [i for _, i in unfinished if others[i].peer == new.peer]
+        for i in mine[: max(0, len(mine) - UNFINISHED_PER_PEER + 1)]:
+            gone.add(i)
+            _record.made_way(others[i], "per_peer")
+    if len(others) - len(gone) >= limit:
+        oldest = next((i for _, i in unfinished if i not in gone), None)
+        if oldest is None:
+            _record.refused()
+            return False
+        gone.add(oldest)
+        _record.made_way(others[oldest], "limit")
+    for i in gone:
+        others[i].make_way()
+    return True
+
+
+class _Record:
+    """Counts connections closed to make room and newcomers refused; says so at once, then in
+    one line at most every `LOG_EVERY_S` (what happened since the last line)."""
+
+    def __init__(self) -> None:
+        self._reset(time.monotonic() - LOG_EVERY_S)
+
+    def _reset(self, now: float) -> None:
+        self.reasons: Counter[str] = Counter()
+        self.peers: Counter[str] = Counter()
+        self.refusals = 0
+        self.logged = now
+
+    def made_way(self, connection: Holder, reason: str) -> None:
+        self.reasons[reason] += 1
+        self.peers[connection.peer or "?"] += 1
+        self._flush()
+
+    def refused(self) -> None:
+        self.refusals += 1
+        self._flush()
+
+    def _flush(self) -> None:
+        now = time.monotonic()
+        if now - self.logged < LOG_EVERY_S:
+            return
+        if self.reasons:
+            peer, most = self.peers.most_common(1)[0]
+            log.warning(
+                "closed %d connections that had not sent a whole request, to make room for new "
+                "ones (%d at --max-connections, %d beyond %d from one address; most from %s: "
+                "%d): a client opens connections and does not send its requests",
+                sum(self.reasons.values()),
+                self.reasons["limit"],
+                self.reasons["per_peer"],
+                UNFINISHED_PER_PEER,
+                peer,
+                most,
+            )
+        if self.refusals:
+            log.warning(
+                "refused %d new connections: every connection is answering a request "
+                "(--max-connections); raise it if the machine can serve more at once",
+                self.refusals,
+            )
+        self._reset(now)
+
+
+_record = _Record()
