@@ -198,7 +198,17 @@ class AdapterManager:
         records the change first; `record=False` applies one recorded elsewhere. `pin` keeps
         it from eviction; an adapter that can never fit the budget raises `AdapterOverBudget`.
         """
-        return self._mount(adapter_id, path, replace, revision=revision, record=record, pin=pin)
+        info, _ = self._mount(adapter_id, path, replace, revision=revision, record=record, pin=pin)
+        return info
+
+    def mount_reporting_change(
+        self, adapter_id: str, path: str | Path, replace: bool = False, *, pin: bool = False
+    ) -> tuple[AdapterInfo, bool]:
+        """`mount`, and whether this call mounted the files (False: the same revision was
+        mounted already, by an earlier call or one running beside it; pinning it is no new
+        mount). Told under the manager's lock, so of concurrent mounts of the same files
+        exactly one says True."""
+        return self._mount(adapter_id, path, replace, revision=None, record=True, pin=pin)
 
     def _mount(
         self,
@@ -210,7 +220,7 @@ class AdapterManager:
         record: bool,
         pin: bool = False,
         on_demand: bool = False,
-    ) -> AdapterInfo:
+    ) -> tuple[AdapterInfo, bool]:
         problem = adapter_id_problem(adapter_id)
         if problem is None and adapter_id == self.base_id:
             problem = f"'{adapter_id}' is the base model's id; choose another adapter id"
@@ -236,7 +246,7 @@ class AdapterManager:
                 if same and not adopt:
                     assert current is not None
                     if not pin or adapter_id in self._residency.pinned:
-                        return self._info(current)
+                        return self._info(current), False
                     self._residency.check(adapter_id, loaded.ram_bytes, pin=True)
                 elif current is not None and not replace and not adopt:
                     raise AdapterConflict(
@@ -251,7 +261,7 @@ class AdapterManager:
                         give_back_freed_memory()
                         raise
             if same and not adopt:
-                return self._pin(current, record=record)
+                return self._pin(current, record=record), False
             if record and self._journal is not None:
                 self._journal.mounted(
                     adapter_id, str(directory), loaded.revision, replace or adopt, pin=pin
@@ -276,7 +286,8 @@ class AdapterManager:
             printable(directory),
             info.revision[:12],
         )
-        return info
+        # An admin adopting what a request mounted mounts again the revision already there.
+        return info, not adopt
 
     def _mount_on_first_use(self, adapter_id: str) -> None:
         """Mount `adapter_id` for the requests that name it, unless it is mounted by now: from

@@ -75,20 +75,16 @@ async def _mount(
     pin: bool = False,
 ) -> tuple[AdapterInfo, bool]:
     """The adapter mounted (pinned: never evicted by the budget), and whether this call changed
-    anything (False: the same revision was already there)."""
+    anything (False: the same revision was already there, or another call mounted it first)."""
+    # Reading and checking the files is blocking I/O; keep it off the event loop. The manager
+    # tells the metrics of the mount itself, as of every other; a refusal is told here.
     try:
-        before: AdapterInfo | None = manager.get(adapter_id)
-    except AdapterNotFound:
-        before = None
-    try:
-        # Reading and checking the files is blocking I/O; keep it off the event loop.
-        info = await asyncio.to_thread(manager.mount, adapter_id, path, replace, pin=pin)
+        return await asyncio.to_thread(
+            manager.mount_reporting_change, adapter_id, path, replace, pin=pin
+        )
     except AdapterError as exc:
         metrics.adapter_refused("mount", exc.code)
         raise
-    # The manager tells the metrics of the mount itself, as of every other.
-    unchanged = before is not None and before.revision == info.revision
-    return info, not unchanged
 
 
 async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -> dict[str, Any]:

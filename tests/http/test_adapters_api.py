@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -359,3 +360,15 @@ def test_in_use_after_replace_counts_the_old_revision(api: TestClient):
     assert api.get("/v1/adapters/a").json()["in_use"] == 1
     running.release()
     assert api.get("/v1/adapters/a").json()["in_use"] == 0
+
+
+@pytest.mark.parametrize("mounts", [2, 4])
+def test_concurrent_mounts_of_the_same_files_one_201_the_rest_200(api: TestClient, mounts: int):
+    """However the calls interleave, one mounted the files and the others found them mounted."""
+    with ThreadPoolExecutor(mounts) as pool:
+        answers = list(pool.map(lambda _: mount(api, "a", "a"), range(mounts)))
+    assert sorted(r.status_code for r in answers) == [200] * (mounts - 1) + [201], [
+        r.text for r in answers
+    ]
+    assert len({r.json()["revision"] for r in answers}) == 1
+    assert [card["id"] for card in api.get("/v1/adapters").json()["data"]] == ["a"]
