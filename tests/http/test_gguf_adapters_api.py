@@ -89,3 +89,15 @@ def test_the_root_listing_shows_a_directory_holding_a_gguf_file(make_client, roo
     assert entries.keys() == {"in-dir", "peft"}  # loose files mount by path, not on first use
     assert entries["in-dir"]["state"] == "on disk"
     assert entries["in-dir"]["size_bytes"] == (root / "in-dir" / "sft.gguf").stat().st_size
+
+
+def test_a_recorded_gguf_mount_comes_back_after_a_restart(make_client, root: Path):
+    first = make_client(adapter_root=root, persist_mounts=True)
+    created = first.post("/v1/adapters", json={"id": "g", "path": "sft-F32-LoRA.gguf"})
+    assert created.status_code == 201, created.text
+    answer = text(first, adapter="g")
+    first.__exit__(None, None, None)
+    again = make_client(adapter_root=root, persist_mounts=True)
+    [card] = again.get("/v1/adapters").json()["data"]
+    assert (card["id"], card["revision"]) == ("g", created.json()["revision"])
+    assert text(again, adapter="g") == answer
