@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGMLQuantizationType, dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 from mlx_lm.utils import MODEL_REMAPPING
 
 from hotlora.adapters.adapter_config import MAX_SCALE, AdapterConfig
@@ -240,6 +240,12 @@ def _rank(
                 raise InvalidAdapter(
                     f"{module}.weight.{half} is stored as {_type_name(info.type)}; LoRA tensors "
                     f"mount from {stored}"
+                )
+            block = GGML_QUANT_SIZES[Q(info.type)][0]
+            if not info.shape or info.shape[-1] % block:
+                raise InvalidAdapter(
+                    f"{module}.weight.{half}: {Q(info.type).name} rows of {block} values cannot "
+                    f"hold shape {info.shape}"
                 )
         fits = len(a.shape) == len(b.shape) == 2 and a.shape[1] == i and b.shape[0] == o
         if not fits or a.shape[0] != b.shape[1]:

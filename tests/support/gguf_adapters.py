@@ -55,7 +55,7 @@ def write_gguf_adapter(
     types: tuple[Q, Q] = (Q.F32, Q.F32),
     general_type: str | None = "adapter",
     adapter_type: str = "lora",
-    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_tensors: dict[str, np.ndarray | tuple[np.ndarray, Q, tuple[int, ...]]] | None = None,
     metadata: dict[str, object] | None = None,
     names: dict[str, str] | None = None,
 ) -> Path:
@@ -64,7 +64,8 @@ def write_gguf_adapter(
     `heads` (query, key-value) permutes llama's q/k `lora_b` rows as the converter does; None
     leaves them (families the converter does not permute). `types` are the GGUF types of A and
     B. `alpha` None leaves `adapter.lora.alpha` out. `names` maps module paths to other tensor
-    names (a file made for another model).
+    names (a file made for another model). `extra_tensors` are written as they are, or as the
+    (data, type, shape) a tuple gives.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -95,8 +96,12 @@ def write_gguf_adapter(
                 writer.add_tensor(
                     f"{name}.weight.{half}", data, raw_shape=data.shape, raw_dtype=raw
                 )
-    for name, w in (extra_tensors or {}).items():
-        writer.add_tensor(name, w)
+    for name, extra in (extra_tensors or {}).items():
+        if isinstance(extra, tuple):  # (data, GGUF type, shape rows first), written as given
+            data, kind, shape = extra
+            writer.add_tensor(name, data, raw_shape=shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, extra)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

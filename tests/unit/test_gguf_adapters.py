@@ -348,6 +348,10 @@ REFUSED = [
      "adapter rank 16 is above this server's limit of 8"),
     ("q4-tensor", lambda r, m: gguf_with(r, m, types=(Q.Q4_0, Q.F32)),
      "blk.0.attn_v.weight.lora_a is stored as Q4_0; LoRA tensors mount from F32, F16, BF16, Q8_0"),
+    ("q8-rows-too-short", lambda r, m: gguf_with(r, m, extra_tensors={
+        "blk.0.attn_output.weight.lora_a": np.zeros((4, 64), np.float32),
+        "blk.0.attn_output.weight.lora_b": (np.zeros((64, 4), np.float32), Q.Q8_0, (64, 4))}),
+     "blk.0.attn_output.weight.lora_b: Q8_0 rows of 32 values cannot hold shape (64, 4)"),
     ("alpha-past-bound", lambda r, m: gguf_with(r, m, alpha=1e6),
      "the adapter scale 250000 (adapter.lora.alpha / r) is outside the bound |scale| <= 10000"),
     ("alpha-nan", lambda r, m: gguf_with(r, m, alpha=float("nan")),
