@@ -205,7 +205,8 @@ def test_the_key_is_checked_before_the_body(make_client, path, body):
 
 def test_control_tokens_add_no_text(client):
     request = {"model": "tiny", "prompt": "the", "max_tokens": 4, "temperature": 0}
-    forced = {**request, "logit_bias": {str(ENDOFTEXT_ID): 100, str(IM_START_ID): 50}}
+    # <|im_start|>: a control token that does not end the answer (<|endoftext|> does).
+    forced = {**request, "logit_bias": {str(IM_START_ID): 100, str(ENDOFTEXT_ID): -100}}
     response = client.post("/v1/completions", json=forced).json()
     assert response["choices"][0]["text"] == ""
     assert response["usage"]["completion_tokens"] == 4  # generated, counted, not shown
@@ -214,7 +215,7 @@ def test_control_tokens_add_no_text(client):
     assert "".join(texts) == ""
     # Logprobs still name the token that was generated.
     with_logprobs = client.post("/v1/completions", json={**forced, "logprobs": 1}).json()
-    assert with_logprobs["choices"][0]["logprobs"]["tokens"][0] == "<|endoftext|>"
+    assert with_logprobs["choices"][0]["logprobs"]["tokens"][0] == "<|im_start|>"
 
 
 POISON = 77  # a prompt ending in this token gets NaN logits from the wrapped model

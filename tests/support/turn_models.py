@@ -1,4 +1,5 @@
-"""Tiny GGUFs with no chat template whose vocabularies end a turn the way each family does."""
+"""Tiny GGUFs with no chat template whose vocabularies end a turn the way each family does, and
+what each built-in chat template makes of one conversation."""
 
 from __future__ import annotations
 
@@ -6,6 +7,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.gguf_models import write_family_gguf
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Bye"},
+]
+# Each built-in's rendering of CONVERSATION with the generation prompt, bos `<s>`, eos `</s>`.
+RENDERED = {
+    "chatml": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "smollm2": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "llama3": "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "gemma": "<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    "Hello!<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n",
+    "mistral": "<s>[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] Bye [/INST]",
+    "phi3": "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello!<|end|>\n"
+    "<|user|>\nBye<|end|>\n<|assistant|>\n",
+}
 
 
 @dataclass(frozen=True)

@@ -27,33 +27,14 @@ from hotlora.server.render.chat_templates import (
 )
 
 from tests.support.gguf_files import embedded_gguf
-from tests.support.turn_models import NO_MARKERS, TURN_FAMILIES, TurnFamily, write_turn_gguf
-
-CONVERSATION = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Hi"},
-    {"role": "assistant", "content": "Hello!"},
-    {"role": "user", "content": "Bye"},
-]
-# Each built-in's rendering of CONVERSATION with the generation prompt, bos `<s>`, eos `</s>`.
-RENDERED = {
-    "chatml": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
-    "<|im_start|>assistant\n",
-    "smollm2": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
-    "<|im_start|>assistant\n",
-    "llama3": "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-    "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
-    "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
-    "<|start_header_id|>assistant<|end_header_id|>\n\n",
-    "gemma": "<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
-    "Hello!<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n",
-    "mistral": "<s>[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] Bye [/INST]",
-    "phi3": "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello!<|end|>\n"
-    "<|user|>\nBye<|end|>\n<|assistant|>\n",
-}
+from tests.support.turn_models import (
+    CONVERSATION,
+    NO_MARKERS,
+    RENDERED,
+    TURN_FAMILIES,
+    TurnFamily,
+    write_turn_gguf,
+)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from hotlora.models.loader import (
 )
 
 from tests.support.tiny import (
+    ENDOFTEXT_ID,
     EOS_TOKEN_ID,
     MAX_POSITION_EMBEDDINGS,
     VOCAB_SIZE,
@@ -72,7 +73,8 @@ def test_tokenizer_round_trips_and_applies_the_chat_template(loaded):
     tokenizer = loaded.tokenizer
     text = "Hello, world!\n\tThe answer is 42."
     assert tokenizer.decode(tokenizer.encode(text)) == text
-    assert tokenizer.eos_token_ids == {EOS_TOKEN_ID}
+    # <|im_end|> (eos) and <|endoftext|>, which ends a generation by its name, as llama.cpp has it.
+    assert tokenizer.eos_token_ids == {EOS_TOKEN_ID, ENDOFTEXT_ID}
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
