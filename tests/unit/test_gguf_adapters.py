@@ -418,3 +418,19 @@ def test_a_base_without_its_type_or_head_counts_is_refused(tmp_path, llama_dir):
     with pytest.raises(InvalidAdapter, match="does not say how many heads its 32 rows hold"):
         read_adapter(path, headless, max_rank=8)
     assert read_adapter(path, laid_out, max_rank=8).config.rank == RANK
+
+
+def test_the_embedded_models_q_and_k_rows_come_back_in_order(tmp_path, embedded_model_dir):
+    """SmolLM2 (9 query and 3 key-value heads of 64): a llama.cpp file for it gives the arrays
+    and logits of its PEFT original."""
+    model = base_model(embedded_model_dir)
+    pairs = random_pairs(model, seed=16, rank=8, keys=["q_proj", "k_proj"])
+    root = tmp_path / "root"
+    write_gguf_adapter(root / "g.gguf", pairs, alpha=16.0, heads=(9, 3), types=(Q.F16, Q.F16))
+    write_peft_adapter(root / "p", stored_pairs(pairs, (Q.F16, Q.F16)), rank=8, alpha=16.0)
+    adapters = manager(model, root)
+    assert adapters.mount("g", "g.gguf").mounted_layers == 60
+    adapters.mount("p", "p")
+    with_gguf = logits(model, adapters, "g")
+    assert mx.array_equal(with_gguf, logits(model, adapters, "p"))
+    assert mx.abs(with_gguf - logits(model)).max().item() > 1e-3
