@@ -29,7 +29,7 @@ from hotlora.models.gguf import (
     GGUF_MAGIC,
     GGUFHeader,
     TensorInfo,
-    _mlx_path,
+    _mlx_path,  # the importer's own name table and q/k row order: adapter and base agree
     _unpermute_rows,
     read_header,
 )
