@@ -23,6 +23,10 @@ class InvalidAdapter(AdapterError):
     param = "path"
 
 
+class AdapterPathMissing(InvalidAdapter):
+    """Nothing at the adapter path: no directory, no file."""
+
+
 class AdapterPathRefused(AdapterError):
     """The adapter path resolves outside the configured adapter root."""
 

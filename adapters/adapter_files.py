@@ -24,6 +24,7 @@ from hotlora.adapters.adapter_config import CONFIG_FILE, AdapterConfig, read_ada
 from hotlora.adapters.adapter_errors import (
     AdapterConflict,
     AdapterError,
+    AdapterPathMissing,
     AdapterPathRefused,
     InvalidAdapter,
 )
@@ -226,7 +227,7 @@ def weight_file_of(path: Path, root: Path | None = None) -> Path:
             )
         return _inside(path, root)
     if not path.is_dir():
-        raise InvalidAdapter(f"adapter directory {path} does not exist")
+        raise AdapterPathMissing(f"adapter directory {path} does not exist")
     candidates = [_inside(path / name, root) for name in WEIGHT_FILES]
     weight_file = next((file for file in candidates if file.is_file()), None)
     if weight_file is not None:

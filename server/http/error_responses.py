@@ -26,6 +26,7 @@ from hotlora.server.api.wire_base import unknown_key_message
 from hotlora.server.engine import ClientNotReading, NonFiniteLogits, QueueFull, WorkerStopped
 from hotlora.server.http.request_errors import (
     ClientDisconnected,
+    LoraPathNotFound,
     NotReady,
     RequestTimeout,
     Unauthorized,
@@ -55,6 +56,7 @@ HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
     ModelNotFound: HttpError(404, "invalid_request_error"),
     AdapterError: _INVALID,
     AdapterNotFound: HttpError(404, "not_found_error"),
+    LoraPathNotFound: HttpError(404, "not_found_error"),
     AdapterConflict: HttpError(409, "conflict_error"),
     Unauthorized: HttpError(401, "authentication_error", {"WWW-Authenticate": "Bearer"}),
     ClientDisconnected: HttpError(499, "client_closed_request"),

@@ -27,6 +27,14 @@ class RequestTimeout(HotloraError):
     code = "request_timeout"
 
 
+class LoraPathNotFound(HotloraError):
+    """vLLM's `/v1/load_lora_adapter` names a path with nothing there: vLLM's 404 (the admin
+    API's mount answers 400 `invalid_adapter`)."""
+
+    code = "adapter_path_not_found"
+    param = "lora_path"
+
+
 class Unauthorized(HotloraError):
     """A missing or wrong bearer key."""
 

@@ -1,5 +1,6 @@
 """Adapter admin: mount, list, inspect and unmount, what the adapter root holds, plus vLLM's
-load/unload aliases, which answer as vLLM's server does: 200 and a line of text."""
+load/unload aliases, which answer as vLLM's server does: 200 and a line of text, a name already
+loaded a 400, a path with nothing there a 404."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from hotlora.adapters import (
+    AdapterConflict,
     AdapterError,
     AdapterInfo,
     AdapterManager,
     AdapterNotFound,
+    AdapterPathMissing,
     AdapterPathRefused,
     resolve_under_root,
 )
+from hotlora.config.errors import InvalidRequest
 from hotlora.server.api.admin_models import (
     AdapterCard,
     AdapterList,
@@ -29,6 +33,7 @@ from hotlora.server.api.admin_models import (
 )
 from hotlora.server.deps import MetricsDep, RuntimeDep
 from hotlora.server.http.auth import AdminRoute
+from hotlora.server.http.request_errors import LoraPathNotFound
 from hotlora.server.http.tenants import Tenant, request_tenant
 from hotlora.server.routes import paths
 from hotlora.server.telemetry.prometheus import Metrics
@@ -152,14 +157,46 @@ _TEXT_OK: dict[int | str, dict[str, Any]] = {
 }
 
 
+def _is_loaded(manager: AdapterManager, name: str) -> bool:
+    try:
+        manager.get(name)
+    except AdapterNotFound:
+        return False
+    return True
+
+
+def _loaded_before(metrics: Metrics, name: str) -> InvalidRequest:
+    """vLLM's answer, word for word, to loading a name already loaded without `load_inplace`."""
+    metrics.adapter_refused("mount", "adapter_already_loaded")
+    return InvalidRequest(
+        f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+        "in place, set 'load_inplace' to True.",
+        param="lora_name",
+        code="adapter_already_loaded",
+    )
+
+
 @router.post(paths.LOAD_LORA_ADAPTER, response_class=PlainTextResponse, responses=_TEXT_OK)
 async def load_lora_adapter(
     body: LoadLoraAdapterRequest, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> PlainTextResponse:
-    """`load_inplace` swaps an adapter already mounted under the name."""
-    _check_mount(request, manager, body.lora_name, body.lora_path)
-    await _mount(manager, metrics, body.lora_name, body.lora_path, body.load_inplace)
-    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+    """As vLLM's: a name already loaded is a 400 unless `load_inplace`, which swaps it; a path
+    with nothing there is a 404."""
+    name, inplace = body.lora_name, body.load_inplace
+    _check_mount(request, manager, name, body.lora_path)
+    if not inplace and _is_loaded(manager, name):
+        raise _loaded_before(metrics, name)
+    try:
+        _, changed = await _mount(manager, metrics, name, body.lora_path, inplace)
+    except AdapterPathMissing as exc:
+        raise LoraPathNotFound(exc.message) from None
+    except AdapterConflict:
+        if inplace:
+            raise
+        raise _loaded_before(metrics, name) from None  # another load of the name came first
+    if not (changed or inplace):
+        raise _loaded_before(metrics, name)  # the same files, loaded by a call beside this one
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
 @router.post(paths.UNLOAD_LORA_ADAPTER, response_class=PlainTextResponse, responses=_TEXT_OK)

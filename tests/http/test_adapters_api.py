@@ -131,6 +131,29 @@ def test_vllm_aliases(api: TestClient):
     assert missing.json()["error"]["code"] == "adapter_not_found"
 
 
+def test_vllm_load_of_a_path_with_nothing_there_is_a_404(api: TestClient):
+    nothing = api.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "missing"})
+    assert nothing.status_code == 404, nothing.text
+    error = nothing.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "not_found_error",
+        "adapter_path_not_found",
+        "lora_path",
+    )
+    assert "does not exist" in error["message"]
+    # The admin API's own mount keeps its answer: a 400 naming the path.
+    refused = mount(api, "x", "missing")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "path"
+    assert api.get("/v1/adapters").json()["data"] == []
+
+
+def test_concurrent_vllm_loads_of_one_name_one_200_the_rest_400(api: TestClient):
+    body = {"lora_name": "a", "lora_path": "a"}
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: api.post("/v1/load_lora_adapter", json=body), range(3)))
+    assert sorted(r.status_code for r in answers) == [200, 400, 400], [r.text for r in answers]
+
+
 def test_vllm_load_inplace_replaces(api: TestClient):
     def load(path: str, **extra: object) -> httpx.Response:
         return api.post(
@@ -139,9 +162,18 @@ def test_vllm_load_inplace_replaces(api: TestClient):
 
     assert load("a").status_code == 200
     with_a = text(api, adapter="a")
-    conflict = load("a2")
-    assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "adapter_conflict"
+    # vLLM's answer to a name already loaded, from the same files or others.
+    for path in ("a", "a2"):
+        again = load(path)
+        assert again.status_code == 400, again.text
+        error = again.json()["error"]
+        assert error["message"] == (
+            "The lora adapter 'a' has already been loaded. If you want to load the adapter in "
+            "place, set 'load_inplace' to True."
+        )
+        assert (error["param"], error["code"]) == ("lora_name", "adapter_already_loaded")
     assert text(api, adapter="a") == with_a
+    assert load("a", load_inplace=True).status_code == 200  # the same files, in place
     replaced = load("a2", load_inplace=True)
     assert replaced.status_code == 200, replaced.text
     assert api.get("/v1/adapters/a").json()["path"].endswith("a2")
