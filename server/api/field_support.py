@@ -78,17 +78,20 @@ REFUSED: dict[str, Refused] = {
     "repeat_last_n": Refused("the penalties look at the last 20 tokens, mlx-lm's window"),
     "penalize_nl": Refused("not implemented", _OFF),
     "mirostat": Refused("mirostat sampling is not implemented", (None, 0)),
-    "mirostat_tau": Refused("mirostat sampling is not implemented"),
-    "mirostat_eta": Refused("mirostat sampling is not implemented"),
+    # Settings of a refused sampler take effect only with it: llama.cpp's defaults pass.
+    "mirostat_tau": Refused("mirostat sampling is not implemented", (None, 5)),
+    "mirostat_eta": Refused("mirostat sampling is not implemented", (None, 0.1)),
     "dynatemp_range": Refused("dynamic temperature is not implemented", (None, 0)),
     "dynatemp_exponent": Refused("dynamic temperature is not implemented", (None, 1)),
     "xtc_probability": Refused("XTC sampling is not implemented", (None, 0)),
-    "xtc_threshold": Refused("XTC sampling is not implemented"),
+    "xtc_threshold": Refused("XTC sampling is not implemented", (None, 0.1)),
     "dry_multiplier": Refused("DRY sampling is not implemented", (None, 0)),
-    "dry_base": Refused("DRY sampling is not implemented"),
-    "dry_allowed_length": Refused("DRY sampling is not implemented"),
-    "dry_penalty_last_n": Refused("DRY sampling is not implemented"),
-    "dry_sequence_breakers": Refused("DRY sampling is not implemented"),
+    "dry_base": Refused("DRY sampling is not implemented", (None, 1.75)),
+    "dry_allowed_length": Refused("DRY sampling is not implemented", (None, 2)),
+    "dry_penalty_last_n": Refused("DRY sampling is not implemented", (None, -1)),
+    "dry_sequence_breakers": Refused(
+        "DRY sampling is not implemented", (None, ["\n", ":", '"', "*"])
+    ),
     "top_n_sigma": Refused("top-n-sigma sampling is not implemented", (None, -1)),
     "min_keep": Refused("not implemented", (None, 0)),
     "samplers": Refused("the sampler order is fixed: top-p, min-p, top-k"),
@@ -176,6 +179,35 @@ HONOURED: dict[str, str] = {
     "request_id": "vLLM's: the answer's id is chatcmpl-<request_id> (cmpl- on completions)",
 }
 
+# The values at which an honoured field asks for nothing. Sent to an endpoint that does not take
+# the field (vLLM's `continue_final_message: false` to /tokenize, `n: 1` to /v1/responses) it
+# passes, as a refused field's default does; any other value there is a 400 naming it.
+NO_OP: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "n": (1,),
+    "stop": ([],),
+    "stream": (False,),
+    "top_p": (1,),
+    "top_k": (0, -1),
+    "min_p": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "continue_final_message": (False,),
+    "chat_template_kwargs": ({},),
+    "include_reasoning": (True,),
+    "echo": (False,),
+}
+
 # Fields of OpenAI's Responses API that /v1/responses does not implement; a field of chat or
 # text completions sent there (`max_tokens`, `top_k`) is refused as on the other endpoints.
 RESPONSES_REFUSED: dict[str, Refused] = {
@@ -230,7 +262,7 @@ def check_fields(
         if name in known or name in METADATA:
             continue
         if name in HONOURED and name not in refusing:
-            if value is not None:
+            if value is not None and not any(_same(value, v) for v in NO_OP.get(name, ())):
                 raise InvalidRequest(
                     f"'{name}' is not taken by this endpoint: it is a field of chat or text "
                     "completions.",

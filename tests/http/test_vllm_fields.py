@@ -15,7 +15,9 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, processors
 
 from hotlora.server.api.completion_requests import ChatCompletionRequest, CompletionRequest
-from hotlora.server.api.field_support import HONOURED, METADATA, REFUSED
+from hotlora.server.api.field_support import HONOURED, METADATA, NO_OP, REFUSED, declared_names
+from hotlora.server.api.responses_request import ResponsesRequest
+from hotlora.server.api.token_requests import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
 from tests.support.tiny import CHAT_TEMPLATE, ENDOFTEXT_ID, SPECIAL_TOKENS, write_tiny_llama
 
@@ -297,3 +299,63 @@ def test_neutral_values_of_refused_fields_pass(client: TestClient):
     }
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
+
+
+# Each endpoint with a body it serves; the fields it does not declare are checked by name.
+ENDPOINTS = {
+    "/tokenize": {"model": "tiny", "messages": MESSAGES},
+    "/detokenize": {"model": "tiny", "tokens": [5, 6]},
+    "/v1/embeddings": {"model": "tiny", "input": "the cat"},
+    "/v1/responses": {"model": "tiny", "input": "the cat", "max_output_tokens": 2},
+    "/v1/completions": {"model": "tiny", "prompt": "the cat", "max_tokens": 2},
+    "/v1/chat/completions": {"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
+}
+REQUESTS = {
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/responses": ResponsesRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_honoured_fields_at_their_no_op_values_pass_everywhere(client: TestClient, path: str):
+    """A script written for vLLM sends its defaults (`continue_final_message: false` to
+    /tokenize): at a value that asks for nothing, a field passes where it is not taken."""
+    declared = declared_names(REQUESTS[path])
+    for field, values in sorted(NO_OP.items()):
+        for value in values if field not in declared else ():
+            response = client.post(path, json={**ENDPOINTS[path], field: value})
+            assert response.status_code == 200, (field, value, response.text)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/tokenize", "continue_final_message", True),
+        ("/tokenize", "chat_template_kwargs", {"enable_thinking": True}),
+        ("/v1/embeddings", "n", 2),
+        ("/v1/responses", "logprobs", True),
+        ("/v1/completions", "continue_final_message", True),
+    ],
+)
+def test_honoured_fields_asking_for_something_are_refused_where_not_taken(
+    client: TestClient, path: str, field: str, value: Any
+):
+    response = client.post(path, json={**ENDPOINTS[path], field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
+def test_tokenize_messages_with_vllm_s_defaults_counts_as_without(client: TestClient):
+    plain = client.post("/tokenize", json=ENDPOINTS["/tokenize"]).json()
+    defaults = {"add_generation_prompt": True, "continue_final_message": False}
+    sent = client.post("/tokenize", json={**ENDPOINTS["/tokenize"], **defaults})
+    assert sent.status_code == 200, sent.text
+    assert sent.json()["tokens"] == plain["tokens"]
+
+
+def test_no_op_values_are_of_honoured_fields():
+    assert set(NO_OP) <= set(HONOURED)
