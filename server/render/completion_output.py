@@ -238,13 +238,14 @@ async def chat_stream(
     thoughts_shown = prepared.reasoning is None or prepared.reasoning.shown
     tally = UsageTally(prepared.n)
     async for index, event in service.events(submitted):
-        running.saw(index, event)
         if index not in started:
             started.add(index)
             if prepared.tool_calls is not None:
                 tools[index] = prepared.tool_calls.stream()
             if prepared.reasoning is not None:
                 thinking[index] = prepared.reasoning.stream()
+            # The role chunk (and an echoed message) come before the choice's first token:
+            # their usage counts none.
             yield chunk(
                 answers.ChatChunkChoice(
                     index=index, delta=answers.ChatDelta(role="assistant", content="")
@@ -253,6 +254,7 @@ async def chat_stream(
             if prepared.echo_chat:
                 delta = answers.ChatDelta(content=prepared.echo_chat)
                 yield chunk(answers.ChatChunkChoice(index=index, delta=delta))
+        running.saw(index, event)
         stream, thoughts = tools.get(index), thinking.get(index)
         if isinstance(event, Delta):
             text, reasoning, calls, made = event.text, "", [], stream.count if stream else 0

@@ -6,6 +6,7 @@ accepted and ignored. On the tiny model, with a chat template that reads `enable
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from hotlora.server.api.field_support import HONOURED, METADATA, NO_OP, REFUSED,
 from hotlora.server.api.responses_request import ResponsesRequest
 from hotlora.server.api.token_requests import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
+from tests.support.sse import sse_events
 from tests.support.tiny import CHAT_TEMPLATE, ENDOFTEXT_ID, SPECIAL_TOKENS, write_tiny_llama
 
 # CHAT_TEMPLATE, with documents and the reasoning effort shown first and `enable_thinking: true`
@@ -359,3 +361,23 @@ def test_tokenize_messages_with_vllm_s_defaults_counts_as_without(client: TestCl
 
 def test_no_op_values_are_of_honoured_fields():
     assert set(NO_OP) <= set(HONOURED)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_continuous_usage_counts_no_token_on_the_role_chunk_then_each_token(
+    client: TestClient, n: int
+):
+    body = {**ENDPOINTS["/v1/chat/completions"], **STREAMING, "max_tokens": 6, "n": n}
+    response = client.post("/v1/chat/completions", json={**body, "logprobs": True, "seed": 3})
+    assert response.status_code == 200, response.text
+    chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    seen = 0  # tokens streamed so far, over every choice
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        if choice["delta"].get("role"):
+            assert choice["delta"]["content"] == ""
+        seen += len((choice.get("logprobs") or {}).get("content") or [])
+        assert chunk["usage"]["completion_tokens"] == seen, chunks
+    roles = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert len(roles) == n and roles[0]["usage"]["completion_tokens"] == 0
+    assert chunks[-1]["usage"]["completion_tokens"] == seen == 6 * n
