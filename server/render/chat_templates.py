@@ -106,14 +106,13 @@ def family_template(model_type: str, vocabulary: set[str]) -> str | None:
 
 def install_chat_template(loaded: LoadedModel, setting: str | None) -> None:
     """Serve `loaded` with the template `setting` names, or with its own; a model without one
-    gets its family's built-in, with a warning. Said in the log either way."""
+    gets its family's built-in, with a warning. The log says which, unless the model's own."""
     if setting is not None:
         had_one = bool(loaded.tokenizer.has_chat_template)
         loaded.use_chat_template(read_chat_template(setting))
-        shown = setting if setting in BUILTINS or is_inline(setting) else str(Path(setting))
         log.info(
             "chat template: %s (--chat-template)%s",
-            "the one given" if is_inline(setting) else repr(shown),
+            "the one given" if is_inline(setting) else repr(setting),
             ", in place of the model's own" if had_one else "",
         )
         return
