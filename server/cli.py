@@ -1,4 +1,4 @@
-"""The `hotlora` command: serve, import-gguf, quantize, fuse."""
+"""The `hotlora` command: serve, import-gguf, quantize, fuse, keys."""
 
 from __future__ import annotations
 
@@ -210,11 +210,73 @@ def _fuse(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "keys",
+        help="Add a tenant's key to a keys file (--keys).",
+        description="Manage the keys file that `hotlora serve --keys FILE` reads.",
+    )
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    add = keys.add_parser(
+        "add",
+        help="Make a new key, print it once, and append its hash to the file.",
+        description="Make a new random key for tenant NAME, print it (once: the file keeps only "
+        "its SHA-256) and append a [[key]] table for it to FILE, made if missing. A running "
+        "server reads the file again within a second.",
+    )
+    add.add_argument("name", help="The tenant, as logs and metrics show it.")
+    add.add_argument("--file", type=Path, required=True, help="The keys file.")
+    add.add_argument("--role", choices=("user", "tenant-admin", "admin"), default="user")
+    add.add_argument(
+        "--adapters",
+        action="append",
+        default=[],
+        metavar="IDS",
+        help="Adapter ids or globs it may run, comma-separated (repeatable): acme-*.",
+    )
+    add.add_argument(
+        "--base",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Whether it may run the base model alone.",
+    )
+    add.add_argument("--mount-prefix", help="tenant-admin: the ids it may mount and unmount.")
+    add.add_argument("--mount-dir", help="tenant-admin: its folder under --adapter-root.")
+    add.add_argument("--requests-per-minute", type=int)
+    add.add_argument("--tokens-per-minute", type=int)
+    add.add_argument("--max-streams", type=int, help="Its requests in flight at once, at most.")
+    add.add_argument("--weight", type=float, help="Its share of the batch (default 1).")
+    add.set_defaults(handler=_keys_add)
+
+
+def _keys_add(args: argparse.Namespace) -> int:
+    from hotlora.server.http.keys_file import add_key
+
+    adapters = [a.strip() for given in args.adapters for a in given.split(",") if a.strip()]
+    entry = {
+        "name": args.name,
+        "role": args.role,
+        "adapters": adapters,
+        "base": args.base,
+        "mount_prefix": args.mount_prefix,
+        "mount_dir": args.mount_dir,
+        "requests_per_minute": args.requests_per_minute,
+        "tokens_per_minute": args.tokens_per_minute,
+        "max_streams": args.max_streams,
+        "weight": args.weight,
+    }
+    key = add_key(args.file, {name: value for name, value in entry.items() if value is not None})
+    print(f"added a {args.role} key for '{args.name}' to {args.file}; the key (shown once):")
+    print(key)
+    return 0
+
+
 PARSERS: list[Callable[[Any], None]] = [
     _serve_parser,
     _import_gguf_parser,
     _quantize_parser,
     _fuse_parser,
+    _keys_parser,
 ]
 
 

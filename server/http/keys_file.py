@@ -38,6 +38,7 @@ else:
 log = logging.getLogger("hotlora")
 
 CHECK_EVERY_S = 1.0  # how stale the keys may be after the file changes
+SETTLED_NS = 50_000_000  # a file changed this recently (ns) may still be being written
 KEY_PREFIX = "hl-"  # what `new_key` keys start with, so they are recognisable in a config
 _NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"  # a tenant's name goes into log lines and labels
 _GLOB_PATTERN = r"^[A-Za-z0-9._\-*?\[\]!]{1,64}$"  # an adapter id, or a glob of ids
@@ -153,6 +154,11 @@ def read_keys(path: Path) -> list[Key]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise KeysFileError(f"keys file {path}: cannot be read: {exc}") from None
+    if not text.strip():
+        # What a file being written holds between its truncation and its text.
+        raise KeysFileError(
+            f"keys file {path}: is empty (a comment alone says it means no keys: '# none')"
+        )
     return parse_keys(text, str(path))
 
 
@@ -254,22 +260,32 @@ class KeyRing:
             return
         self._checked = self.clock()
         if _Stamp.of(self.path) != self._stamp:
-            self.reload()
+            self.reload(settled=True)
 
-    def reload(self) -> bool:
+    def reload(self, *, settled: bool = False) -> bool:
         """Read the file again (SIGHUP, or it changed); whether its keys are now the ones in use.
-        A file that cannot be used is refused with one log line, and the old keys stay."""
+        A file that cannot be used is refused with one log line, and the old keys stay.
+
+        `settled`: only a file unchanged for a moment, since one changed just now may be half
+        written (an editor that truncates first); it is read at a later check then.
+        """
         if self.path is None:
             return False
         with self._lock:
-            self._stamp = _Stamp.of(self.path)  # a bad file is reported once, not per request
+            stamp = _Stamp.of(self.path)
+            if settled and time.time_ns() - stamp.mtime_ns < SETTLED_NS:
+                return False
             try:
                 file_keys = read_keys(self.path)
             except KeysFileError as exc:
+                self._stamp = stamp  # a bad file is reported once, not at every check
                 log.error(
                     "%s; keeping the %d keys read before", printable(str(exc)), len(self._keys)
                 )
                 return False
+            if _Stamp.of(self.path) != stamp:
+                return False  # written to while read: read again at the next check
+            self._stamp = stamp
             self._keys = (*self.flags, *file_keys)
         log.info("keys file %s read again: %s", printable(str(self.path)), _counted(file_keys))
         return True
@@ -294,7 +310,10 @@ def add_key(path: Path, entry: dict[str, Any]) -> str:
     table included, reads as a keys file."""
     key = new_key()
     fields = {**entry, "sha256": key_digest(key)}
-    KeyEntry.model_validate(fields)  # the entry's own problems, named as the file would
+    try:
+        KeyEntry.model_validate(fields)
+    except ValidationError as exc:
+        raise KeysFileError(f"key {entry.get('name')!r}: {_problems(exc)}") from None
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     text = (old + ("\n" if old and not old.endswith("\n") else "") + _table(fields)).lstrip("\n")
     parse_keys(text, str(path))
