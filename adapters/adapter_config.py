@@ -50,6 +50,7 @@ def read_adapter_config(
     """
     raw = _load(path, min(max_bytes, MAX_CONFIG_BYTES))
     _check_kind(raw)
+    _check_only_pairs(raw)
 
     params = raw.get("lora_parameters")
     if params is not None:
@@ -130,6 +131,26 @@ def _check_kind(raw: dict[str, Any]) -> None:
         raise InvalidAdapter(f"{CONFIG_FILE}: peft_type {_shown(peft_type)} is not supported")
     if raw.get("use_dora"):
         raise InvalidAdapter(f"{CONFIG_FILE}: DoRA adapters (use_dora) are not supported")
+
+
+def _check_only_pairs(raw: dict[str, Any]) -> None:
+    """Refuse a PEFT config that trained more than LoRA pairs: full copies of modules
+    (`modules_to_save`) or biases (`bias` other than "none"). Their weights, in the file or not,
+    would not be applied, and the adapter served without them is not the one trained."""
+    saved = raw.get("modules_to_save")
+    if saved not in (None, []):
+        names = ", ".join(map(_shown, saved)) if isinstance(saved, list) else _shown(saved)
+        raise InvalidAdapter(
+            f"{CONFIG_FILE}: modules_to_save ({names}) says the adapter was trained with full "
+            "copies of those modules, which this server does not apply (only LoRA pairs of the "
+            "projections mount); nothing was mounted"
+        )
+    bias = raw.get("bias", "none")
+    if bias not in (None, "none"):
+        raise InvalidAdapter(
+            f"{CONFIG_FILE}: bias {_shown(bias)} says the adapter trained biases, which this "
+            "server does not apply (only LoRA pairs mount); nothing was mounted"
+        )
 
 
 def _rank(value: Any, field: str, max_rank: int) -> int:

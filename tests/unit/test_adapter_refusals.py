@@ -107,6 +107,14 @@ def edit_peft_config(root: Path, **changes: object) -> str:
     return "bad"
 
 
+def with_peft_tensors(root: Path, tensors: dict[str, mx.array], **changes: object) -> str:
+    """A PEFT adapter whose file also holds `tensors`, its config with `changes`."""
+    edit_peft_config(root, **changes)
+    weights = root / "bad" / "adapter_model.safetensors"
+    mx.save_safetensors(str(weights), {**mx.load(str(weights)), **tensors})
+    return "bad"
+
+
 def config_text(root: Path, text: str) -> str:
     (good(root) / "adapter_config.json").write_text(text)
     return "bad"
@@ -187,6 +195,15 @@ CASES: list[tuple[str, str, Callable[[Path], str], type[AdapterError], str]] = [
     ("rank-mismatch", "sft", lambda r: edit_config(r, lora_parameters={"rank": 8, "scale": 1.0}),
      InvalidAdapter, "adapter_config.json says 8"),
     ("rank-pattern", "sft", peft_rank_pattern, InvalidAdapter, "rank_pattern"),
+    # A config that trained more than LoRA pairs, whether or not the file holds those weights.
+    ("modules-to-save", "sft", lambda r: edit_peft_config(r, modules_to_save=["lm_head"]),
+     InvalidAdapter, "modules_to_save ('lm_head') says the adapter was trained with full copies"),
+    ("modules-to-save-with-weights", "sft", lambda r: with_peft_tensors(
+        r, {"base_model.model.lm_head.modules_to_save.default.weight": mx.zeros((128, 64))},
+        modules_to_save=["lm_head"]),
+     InvalidAdapter, "modules_to_save ('lm_head')"),
+    ("trained-biases", "sft", lambda r: edit_peft_config(r, bias="lora_only"),
+     InvalidAdapter, "bias 'lora_only' says the adapter trained biases"),
     # Numbers that feed the scale: finite, in bounds, and named in the message.
     ("rank-zero", "sft", lambda r: edit_config(r, lora_parameters={"rank": 0, "scale": 1.0}),
      InvalidAdapter, "lora_parameters.rank must be a positive integer, got 0"),
@@ -585,3 +602,12 @@ def test_a_refused_mount_leaves_no_memory_behind(tmp_path: Path):
     gc.collect()
     assert mx.get_active_memory() == before
     assert mx.get_cache_memory() == 0
+
+
+@pytest.mark.parametrize("changes", [{"modules_to_save": None}, {"modules_to_save": []},
+                                     {"bias": "none"}])  # fmt: skip
+def test_a_peft_config_that_trained_only_pairs_mounts(tmp_path: Path, changes: dict):
+    root = tmp_path / "root"
+    _, manager = make_manager(root, max_rank=MAX_RANK, max_bytes=MAX_BYTES)
+    path = edit_peft_config(root, **changes)
+    assert manager.mount("sft", path).rank == 4
