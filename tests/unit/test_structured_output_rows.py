@@ -132,14 +132,15 @@ def test_constrained_and_free_rows_batched_together_match_their_solo_answers(set
     engine, manager = setup
     person = engine.grammars.json_schema(PERSON)
     point = engine.grammars.json_schema(POINT)
+    free = {"ignore_eos": True}  # free rows run to max_tokens, past <|endoftext|> too
     requests = [
-        [job(PROMPTS[0])],
+        [job(PROMPTS[0], **free)],
         [job(PROMPTS[1], person)],
-        [job(PROMPTS[2], adapter=adapters(manager, "a"), max_tokens=24)],
+        [job(PROMPTS[2], adapter=adapters(manager, "a"), max_tokens=24, **free)],
         [job(PROMPTS[3], point, adapter=adapters(manager, "b"))],
-        [job(PROMPTS[1], adapter=adapters(manager, "a+b@0.5"), max_tokens=40)],
+        [job(PROMPTS[1], adapter=adapters(manager, "a+b@0.5"), max_tokens=40, **free)],
         [job(PROMPTS[2], person, adapter=adapters(manager, "a"), temperature=0.8, seed=5)],
-        [job(PROMPTS[3], max_tokens=30)],
+        [job(PROMPTS[3], max_tokens=30, **free)],
     ]
     batched = run(Scheduler(engine, max_batch=8), requests, MAX_STEPS)
     for [one], sink in zip(requests, batched, strict=True):
