@@ -128,12 +128,14 @@ def install_packed_kernels(
         set_cpu_precision,
         swap_layers,
     )
-    from hotlora.models.cpu.weights import to_packed
+    from hotlora.models.cpu.weights import to_packed, widened
 
     threads = threads or default_threads()
     loaded = extension.load(threads)
     if isinstance(loaded, str):
         return RowsKernels(False, loaded)
+    if count := widened(model):  # seconds on a large model: say what the wait is
+        log.info("packing: widening the codes of %d quantized layers to 4 or 8 bits", count)
     repacked = to_packed(model)
     swapped = swap_layers(model, all_rows=True)
     attention = install_rows_attention(model, all_rows=True)

@@ -13,6 +13,7 @@ the RAM unless set). With a GPU (Metal, CUDA) the weights stay as loaded.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -190,14 +191,25 @@ class Repacked:
     layers: dict[tuple[int, int], list[str]]
     bytes_before: int
     bytes_after: int
+    seconds: float = 0.0
 
     def describe(self) -> str:
-        """'166 layers from 5 to 8 bits (+38 MB)', or 'none'."""
+        """'166 from 5 to 8 bits (codes +29 MB, 0.4 s)', or 'none'."""
         if not self.layers:
             return "none"
         parts = [f"{len(paths)} from {a} to {b} bits" for (a, b), paths in self.layers.items()]
         grown = (self.bytes_after - self.bytes_before) / 1e6
-        return f"{', '.join(parts)} (codes +{grown:.0f} MB)"
+        return f"{', '.join(parts)} (codes +{grown:.0f} MB, {self.seconds:.1f} s)"
+
+
+def widened(model: nn.Module) -> int:
+    """How many of the model's quantized layers `repack` widens."""
+    return sum(
+        isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        and getattr(module, "mode", "affine") == "affine"
+        and module.bits in REPACKED_BITS
+        for _, module in model.named_modules()
+    )
 
 
 def repack(model: nn.Module) -> Repacked:
@@ -206,6 +218,7 @@ def repack(model: nn.Module) -> Repacked:
     most one layer's intermediates exist); scales and biases stay as they are."""
     layers: dict[tuple[int, int], list[str]] = {}
     before = after = 0
+    began = time.perf_counter()
     for path, module in model.named_modules():
         if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
             continue
@@ -219,7 +232,7 @@ def repack(model: nn.Module) -> Repacked:
         mx.eval(module.weight)
         before, after = before + old.nbytes, after + module.weight.nbytes
         layers.setdefault((bits, wider), []).append(path)
-    return Repacked(layers, before, after)
+    return Repacked(layers, before, after, time.perf_counter() - began)
 
 
 def to_packed(model: nn.Module) -> Repacked:

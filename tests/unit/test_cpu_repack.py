@@ -110,6 +110,8 @@ def test_a_model_of_every_width_is_served_packed_with_every_value_kept(tmp_path:
     assert packed_bytes(model) == expected_bytes
     assert setup.batch_kernels is not None and "from 5 to 8 bits" in setup.batch_kernels
     assert "from 1 to 4 bits" in setup.batch_kernels
+    logged = [r.getMessage() for r in caplog.records]
+    assert "packing: widening the codes of 11 quantized layers to 4 or 8 bits" in logged
     got = forward(model, TOKENS)
     assert relative_difference(got, reference) <= LOGIT_TOLERANCE
 
