@@ -24,6 +24,7 @@ from hotlora.server.api.completion_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    template_refusal,
 )
 from hotlora.server.api.generic_tools import GENERIC, GenericToolCalls
 from hotlora.server.api.output_formats import OutputSpec
@@ -281,10 +282,9 @@ class InferenceService:
                 **(variables or {}),
             )
         except (TemplateError, ValueError, TypeError) as exc:
-            # Templates refuse conversations they cannot render (e.g. roles out of order).
-            raise InvalidRequest(
-                f"The model's chat template cannot render these messages: {exc}", param="messages"
-            ) from exc
+            # Templates refuse conversations they cannot render (e.g. roles out of order, or a
+            # role OpenAI does not define that this template does not take).
+            raise template_refusal(exc, messages) from exc
         # Encoded apart from the rendering, as `tokenize=True` does, through the call that lets
         # the event loop run meanwhile (the tokenizer works without holding the GIL).
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

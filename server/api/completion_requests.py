@@ -21,6 +21,7 @@ from pydantic import (
 
 from hotlora.adapters import AdapterRef, parse_adapter_spec
 from hotlora.config.errors import InvalidRequest
+from hotlora.config.log_text import printable
 from hotlora.server.api.field_support import check_fields, declared_names
 from hotlora.server.api.output_formats import GuidedFields, ResponseFormat
 from hotlora.server.api.wire_base import ClosedObject, RequestBody
@@ -117,8 +118,20 @@ class ToolCall(ClosedObject):
     tolerated = frozenset({"index"})
 
 
+# The roles OpenAI defines. A chat template may take others (Llama 3.1's `ipython`, a
+# `tool_response`, ...): those reach the template as sent, and it decides.
+OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
 class ChatMessage(ClosedObject):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str = Field(
+        min_length=1,
+        max_length=64,
+        description=(
+            "OpenAI's system, developer, user, assistant or tool; any other role goes to the "
+            "chat template as sent, and one it cannot render is a 400 naming it."
+        ),
+    )
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -476,3 +489,18 @@ class CompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+def template_refusal(exc: Exception, messages: list[dict[str, Any]]) -> InvalidRequest:
+    """The 400 for a conversation the chat template refused to render: naming the first
+    message whose role OpenAI does not define, the likely cause, else the messages."""
+    message = f"The model's chat template cannot render these messages: {exc}"
+    for index, sent in enumerate(messages):
+        role = sent.get("role")
+        if role not in OPENAI_ROLES:
+            return InvalidRequest(
+                f"{message} (messages.{index} has the role {printable(str(role))!r}, which "
+                "OpenAI does not define; this model's chat template may not take it)",
+                param=f"messages.{index}.role",
+            )
+    return InvalidRequest(message, param="messages")

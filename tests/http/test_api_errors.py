@@ -119,6 +119,49 @@ def test_a_template_that_refuses_the_messages_is_a_400(make_client, monkeypatch)
     assert error["param"] == "messages" and "must alternate" in error["message"]
 
 
+# Llama 3.1's template takes `ipython` (a tool's output); other templates know other roles.
+OTHER_ROLE = [{"role": "user", "content": "hi"}, {"role": "ipython", "content": "42"}]
+
+
+def test_a_role_openai_does_not_define_reaches_the_template(client: TestClient):
+    """The tiny model's ChatML template writes any role as it is sent."""
+    tokens = client.post("/tokenize", json={"model": "tiny", "messages": OTHER_ROLE})
+    assert tokens.status_code == 200, tokens.text
+    text = client.post("/detokenize", json={"tokens": tokens.json()["tokens"]}).json()["prompt"]
+    assert "<|im_start|>ipython\n42<|im_end|>" in text
+    answer = client.post(
+        "/v1/chat/completions", json={**CHAT, "messages": OTHER_ROLE, "max_tokens": 2}
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+
+
+def test_a_template_that_refuses_a_role_is_a_400_naming_it(make_client, monkeypatch):
+    client = make_client()
+    tokenizer = client.app.state.runtime.worker.engine.tokenizer
+
+    def refuse(*args, **kwargs):
+        from jinja2 import TemplateError
+
+        raise TemplateError("Unknown role")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", refuse)
+    for path in ("/v1/chat/completions", "/tokenize"):
+        response = client.post(path, json={**CHAT, "messages": OTHER_ROLE})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages.1.role", error
+        assert "'ipython'" in error["message"] and "Unknown role" in error["message"]
+
+
+@pytest.mark.parametrize("role", ["", "r" * 65, None, 3])
+def test_a_role_that_is_no_name_is_a_400(client: TestClient, role: object):
+    body = {**CHAT, "messages": [{"role": role, "content": "hi"}]}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages.0.role"
+
+
 def test_a_failed_sampler_fails_its_request_only(make_client, monkeypatch):
     client = make_client(raise_server_exceptions=False)
     sampled = {**CHAT, "max_tokens": 6, "temperature": 1.0}
