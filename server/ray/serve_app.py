@@ -29,12 +29,21 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve import Deployment
 
-from hotlora.adapters import InvalidAdapterSpec, parse_adapter_spec, parse_selection
+from hotlora.adapters import (
+    AdapterNotFound,
+    InvalidAdapterSpec,
+    parse_adapter_spec,
+    parse_selection,
+    reset_scope,
+    use_scope,
+)
 from hotlora.config.errors import InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
 from hotlora.server.http.error_responses import error_body
+from hotlora.server.http.keys_file import KeyRing, flag_keys
+from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
 from hotlora.server.ray.cluster_registry import ClusterMounts, RegistryClient, registry_actor
 from hotlora.server.ray.relay import Lifespan, Part, RelayedRequest, call_app, relayed_response
 from hotlora.server.render.chat_templates import for_replicas
@@ -79,14 +88,20 @@ def replica_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def wanted_adapters(request: RelayedRequest, base_id: str, registered: frozenset[str]) -> list[str]:
+def wanted_adapters(
+    request: RelayedRequest,
+    base_id: str,
+    registered: frozenset[str],
+    tenant: Tenant = DEFAULT_TENANT,
+) -> list[str]:
     """The adapter ids a request names (its `model` and `adapter` fields, read as the adapter
     manager reads them, with `registered` as the mounted ids; or the id in an admin path);
-    input the app refuses names none, and the app answers it as on one machine."""
+    input the app refuses names none, and the app answers it as on one machine. So does an id
+    outside the `tenant`'s scope: no replica loads an adapter for a key that may not use it."""
     path = request.path
     for prefix in paths.BY_ID:
         if path.startswith(prefix) and len(path) > len(prefix):
-            return [path[len(prefix) :]]
+            return [i for i in [path[len(prefix) :]] if tenant.may_see(i)]
     if request.method != "POST" or (
         path not in paths.INFERENCE and path != paths.UNLOAD_LORA_ADAPTER
     ):
@@ -99,15 +114,33 @@ def wanted_adapters(request: RelayedRequest, base_id: str, registered: frozenset
         return []
     if path == paths.UNLOAD_LORA_ADAPTER:
         name = body.get("lora_name")
-        return [name] if isinstance(name, str) else []
+        return [name] if isinstance(name, str) and tenant.may_see(name) else []
     model = body.get("model")
     if not isinstance(model, str):
         return []
+    token = use_scope(tenant)
     try:
         refs = parse_selection(base_id, model, parse_adapter_spec(body.get("adapter")), registered)
-    except (InvalidAdapterSpec, InvalidRequest, ModelNotFound):
+    except (InvalidAdapterSpec, InvalidRequest, ModelNotFound, AdapterNotFound):
         return []
+    finally:
+        reset_scope(token)
     return sorted({ref.id for ref in refs})
+
+
+def request_tenant(
+    keys: KeyRing | None, request: RelayedRequest, unknown: Tenant | None
+) -> Tenant | None:
+    """The tenant of the request's bearer key (`DEFAULT_TENANT` when no keys are configured);
+    `unknown` for a missing or wrong key (None where the replica will refuse it)."""
+    if keys is None:
+        return DEFAULT_TENANT
+    for name, value in request.headers:
+        if name.lower() == b"authorization":
+            scheme, _, given = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and given:
+                return keys.lookup(given) or unknown
+    return unknown
 
 
 async def _rest(parts: Any) -> AsyncIterator[bytes]:
@@ -136,6 +169,15 @@ class HotloraIngress:
         self._replica = replica
         self._settings = Settings(**settings)
         self._base_id = base_model_id(self._settings)
+        given = self._settings
+        # The replicas check every key; the ingress reads them only to route by what a key
+        # may use (the keys file must be at the same path on every node).
+        keyed = given.keys is not None or given.api_key is not None or given.admin_api_key
+        self._keys: KeyRing | None = None
+        # Inference without a key is served where only --admin-api-key is set.
+        self._unknown = DEFAULT_TENANT if given.keys is None and given.api_key is None else None
+        if keyed:
+            self._keys = KeyRing(given.keys, flag_keys(given.api_key, given.admin_api_key))
         self._registry: RegistryClient | None = None
         self._registered: frozenset[str] = frozenset()
         self._known: Any = None
@@ -144,7 +186,11 @@ class HotloraIngress:
     @ingress_app.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
     async def relay(self, request: Request) -> Response:
         relayed = await RelayedRequest.read(request, self._settings.max_body_bytes)
-        wanted = wanted_adapters(relayed, self._base_id, await self._registered_ids())
+        tenant = request_tenant(self._keys, relayed, self._unknown)
+        registered = await self._registered_ids()
+        wanted = []
+        if tenant is not None:
+            wanted = wanted_adapters(relayed, self._base_id, registered, tenant)
         inference = relayed.method == "POST" and relayed.path in paths.INFERENCE
         # Only inference is routed by adapter set; admin calls and the rest go anywhere.
         key = "+".join(wanted) if inference else ""
