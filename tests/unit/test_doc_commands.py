@@ -239,7 +239,12 @@ def hotlora_flags() -> dict[str | None, frozenset[str]]:
     flags: dict[str | None, frozenset[str]] = {None: frozenset(parser._option_string_actions)}
     for action in parser._subparsers._group_actions:
         for name, sub in action.choices.items():
-            flags[name] = frozenset(sub._option_string_actions)
+            options = set(sub._option_string_actions)
+            # A subcommand with actions of its own (`hotlora keys add`): their flags too.
+            for nested in sub._subparsers._group_actions if sub._subparsers else ():
+                for inner in nested.choices.values():
+                    options |= set(inner._option_string_actions)
+            flags[name] = frozenset(options)
     return flags
 
 
