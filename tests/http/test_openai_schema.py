@@ -4,9 +4,9 @@ The schemas are the response schemas of OpenAI's OpenAPI document (openai/openai
 vendored in `tests/support/openai_schema`), the ones the typed clients (openai-go, openai-java,
 openai-dotnet, Rust and TypeScript generators) are generated from. Chat, text completions,
 embeddings, models and the Responses API, whole and streamed (each chunk, each event), with n > 1,
-logprobs, tool calls, reasoning and errors, on the tiny model whose template shows tools. Only the
-three places the document is stricter than OpenAI's own answers are allowed, each by name
-(`tests.support.openai_schema.EXCEPTIONS`). Extensions (`adapter`, vLLM's fields) may be added:
+logprobs, echo, tool calls, reasoning and errors, on the tiny model whose template shows tools.
+Only the places the document is stricter than OpenAI's own answers are allowed, each by name
+where it applies (`tests.support.openai_schema.EXCEPTIONS`). Extensions (`adapter`, vLLM's fields) may be added:
 the schemas do not close their objects.
 """
 
@@ -110,6 +110,8 @@ def validate(response: httpx.Response, body: dict[str, Any] | None = None) -> li
         allow = frozenset()
         if (body or {}).get("encoding_format") == "base64":
             allow = frozenset({"base64_embedding"})
+        if (body or {}).get("echo"):
+            allow = frozenset({"echoed_first_token"})
         found = response.json()
         wrong = problems(WHOLE[(method, path)], found, allow)
         assert not wrong, (found, wrong)
@@ -124,6 +126,8 @@ def validate(response: httpx.Response, body: dict[str, Any] | None = None) -> li
             allow = frozenset({"usage_in_progress"}) if event in IN_PROGRESS else frozenset()
         else:
             name, allow = CHUNKS[path]
+            if body.get("echo"):
+                allow |= {"echoed_first_token"}
         wrong = problems(name, data, allow)
         assert not wrong, (data, wrong)
         documents.append(data)
@@ -166,6 +170,13 @@ CASES = [
     ("text-logprobs", "POST", "/v1/completions", {**TEXT, "logprobs": 3}, 200),
     ("text-logprobs-zero", "POST", "/v1/completions", {**TEXT, "logprobs": 0}, 200),
     ("text-adapter", "POST", "/v1/completions", {**TEXT, "model": "tiny:a"}, 200),
+    # Prompt scoring as lm-evaluation-harness asks for it, and the prompt echoed alone.
+    ("text-echo-logprobs", "POST", "/v1/completions",
+     {**TEXT, "echo": True, "logprobs": 1, "max_tokens": 1}, 200),
+    ("text-echo-only", "POST", "/v1/completions",
+     {**TEXT, "prompt": ["the cat", "a dog"], "echo": True, "logprobs": 2, "max_tokens": 0},
+     200),
+    ("text-echo-stream", "POST", "/v1/completions", {**TEXT, **STREAM, "echo": True}, 200),
     ("text-stream", "POST", "/v1/completions", {**TEXT, **STREAM}, 200),
     ("text-stream-n-logprobs", "POST", "/v1/completions",
      {**TEXT, **STREAM, "n": 2, "logprobs": 2}, 200),
@@ -335,3 +346,49 @@ def test_the_vendored_file_holds_only_what_the_roots_reach():
             todo.extend(_refs(schemas[name]))
     assert reached == set(schemas)
     assert found["source"]["roots"] == list(ROOTS)
+
+
+# For each allowed exception, an answer of OpenAI's own shape the document refuses without it.
+_TEXT_ANSWER = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
+_CHOICE = {"index": 0, "text": "ab", "finish_reason": "length", "logprobs": None}
+EXCEPTION_CASES = {
+    "base64_embedding": (
+        "CreateEmbeddingResponse",
+        {
+            "object": "list",
+            "model": "m",
+            "data": [{"object": "embedding", "index": 0, "embedding": "AACAPw=="}],
+            "usage": {"prompt_tokens": 1, "total_tokens": 1},
+        },
+    ),
+    "streamed_finish_reason": (
+        "CreateCompletionResponse",
+        {**_TEXT_ANSWER, "choices": [{**_CHOICE, "finish_reason": None}]},
+    ),
+    "echoed_first_token": (
+        "CreateCompletionResponse",
+        {
+            **_TEXT_ANSWER,
+            "choices": [
+                {
+                    **_CHOICE,
+                    "logprobs": {
+                        "tokens": ["a", "b"],
+                        "token_logprobs": [None, -1.5],
+                        "top_logprobs": [None, {"b": -1.5}],
+                        "text_offset": [0, 1],
+                    },
+                }
+            ],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("exception", sorted(EXCEPTION_CASES))
+def test_each_allowed_exception_allows_only_what_it_names(exception: str):
+    name, answer = EXCEPTION_CASES[exception]
+    assert problems(name, answer)
+    assert not problems(name, answer, frozenset({exception}))
+    others = frozenset(EXCEPTION_CASES) - {exception} | {"usage_in_progress"}
+    assert problems(name, answer, others)

@@ -1,5 +1,5 @@
 """OpenAI's published answer schemas (`answers.json`, trimmed from openai/openai-openapi by
-`extract.py`), as JSON Schema validators, with the three places the document is stricter than
+`extract.py`), as JSON Schema validators, with the places the document is stricter than
 OpenAI's own answers allowed by name."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator, ValidationError
-from jsonschema.exceptions import best_match
 
 SOURCE = Path(__file__).with_name("answers.json")
 PREFIX = "#/components/schemas/"
@@ -64,10 +63,21 @@ def _usage_in_progress(found: dict[str, Any]) -> None:
     own["properties"]["usage"] = _null_allowed(own["properties"]["usage"])
 
 
+def _echoed_first_token(found: dict[str, Any]) -> None:
+    """An echoed prompt's first token has no log-probability (nothing comes before it): its
+    `token_logprobs` and `top_logprobs` entries are null, as OpenAI's legacy completions sent
+    them and lm-evaluation-harness reads them."""
+    choice = found["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]
+    [logprobs] = [b for b in choice["logprobs"]["anyOf"] if b.get("type") == "object"]
+    for key in ("token_logprobs", "top_logprobs"):
+        logprobs["properties"][key]["items"] = _null_allowed(logprobs["properties"][key]["items"])
+
+
 EXCEPTIONS: dict[str, Callable[[dict[str, Any]], None]] = {
     "base64_embedding": _base64_embedding,
     "streamed_finish_reason": _streamed_finish_reason,
     "usage_in_progress": _usage_in_progress,
+    "echoed_first_token": _echoed_first_token,
 }
 
 
@@ -91,17 +101,21 @@ def stream_event_schemas() -> dict[str, str]:
     return named
 
 
-def _deepest(error: ValidationError) -> ValidationError:
-    """Of an `anyOf`/`oneOf` error, the branch's error that tells most."""
-    while error.context:
-        error = best_match(error.context)
-    return error
+def _leaves(error: ValidationError) -> list[ValidationError]:
+    """The errors under an `anyOf`/`oneOf` error, its branches' own; a branch that only says
+    the value is not null is left out when another says more."""
+    if not error.context:
+        return [error]
+    found = [leaf for branch in error.context for leaf in _leaves(branch)]
+    telling = [leaf for leaf in found if leaf.validator != "type" or leaf.validator_value != "null"]
+    return telling or found
 
 
 def problems(name: str, body: Any, allow: frozenset[str] = frozenset()) -> list[str]:
     """Where `body` breaks the schema `name`: one line per error, its JSON path first (in a
-    union, the most telling branch's)."""
+    union, each branch's)."""
     return [
-        f"{deepest.json_path}: {deepest.message}"
-        for deepest in map(_deepest, validator(name, allow).iter_errors(body))
+        f"{leaf.json_path}: {leaf.message}"
+        for error in validator(name, allow).iter_errors(body)
+        for leaf in _leaves(error)
     ]
