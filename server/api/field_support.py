@@ -149,7 +149,8 @@ HONOURED: dict[str, str] = {
     "top_p": "as OpenAI's",
     "top_k": "the k most likely tokens; 0 or -1 is off",
     "min_p": "as vLLM's",
-    "tools": "chat: shown by the chat template, calls parsed from the answer",
+    "tools": "chat: shown by the chat template, or in the generic format when it cannot show "
+    "them; calls parsed from the answer",
     "tool_choice": "chat: none, auto, required or a named function (enforced by grammar)",
     "parallel_tool_calls": "chat: as OpenAI's",
     "response_format": "text, json_object or json_schema, enforced while decoding",

@@ -85,8 +85,9 @@ class GenericCallStream(ToolCallStream):
     """Text in as it is generated; out, the text to show now and each call once it is whole.
 
     An answer that starts as the calls' object might is held back until it is known not to be
-    one; inside it, each call comes out as soon as its closing brace arrives. What cannot be
-    read (an answer cut short by `max_tokens`) is shown as text: all of it when no call was.
+    one; inside it, each call comes out as soon as its closing brace arrives. An answer that
+    does not read as calls is shown as text (all of it when no call was read); a last call cut
+    short by `max_tokens` after whole ones is dropped.
     """
 
     _seen: str = ""  # the answer so far, while it is not known to be text
@@ -116,6 +117,9 @@ class GenericCallStream(ToolCallStream):
             return "", []
         if self._count == 0:
             return seen, []
+        if mode == "calls":  # a call cut short (by `max_tokens`) after whole ones: dropped
+            log.info("an answer's last tool call was cut short; the calls before it are kept")
+            return "", []
         log.info("could not read the rest of a tool-call answer; kept as text")
         return rest.lstrip().removeprefix(",").lstrip(), []
 

@@ -110,10 +110,16 @@ def test_an_answer_that_does_not_read_as_calls_stays_text(answer):
 
 
 def test_after_a_whole_call_an_unreadable_rest_stays_text():
-    answer = TWO_CALLS[: TWO_CALLS.index("}}, ") + 4] + '{"name": "get_ti'
+    answer = TWO_CALLS[: TWO_CALLS.index("}}, ") + 4] + '{"name": "get_time" "arguments": {}}]}'
     text, calls = generic().split(answer)
     assert [c.function.name for c in calls] == ["get_weather"]
-    assert text == '{"name": "get_ti'
+    assert text == '{"name": "get_time" "arguments": {}}]}'
+
+
+def test_after_a_whole_call_one_cut_short_is_dropped():
+    answer = TWO_CALLS[: TWO_CALLS.index("}}, ") + 4] + '{"name": "get_ti'
+    text, calls = generic().split(answer)
+    assert [c.function.name for c in calls] == ["get_weather"] and text == ""
 
 
 def test_calls_written_with_other_whitespace_are_read():
