@@ -26,6 +26,7 @@ from hotlora.server.api.token_requests import (
 from hotlora.server.engine.kv_caches import new_caches
 from hotlora.server.http.request_errors import ContextOverflow
 from hotlora.server.serving import InferenceService
+from hotlora.server.telemetry.access_log import current_record
 
 
 class EmbeddingService:
@@ -76,6 +77,10 @@ class EmbeddingService:
             for i, vector in enumerate(vectors)
         ]
         used = sum(len(tokens) for tokens in token_lists)
+        record = current_record()
+        if record is not None:  # the access line, and the tenant's usage and token limit
+            record.model, record.adapters = lease.model, lease.adapters.ids
+            record.prompt_tokens, record.completion_tokens = used, 0
         return EmbeddingResponse(
             data=data,
             model=lease.model,

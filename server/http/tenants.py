@@ -12,6 +12,8 @@ from typing import Literal
 
 from fastapi import Request
 
+from hotlora.adapters import current_scope
+
 Role = Literal["user", "tenant-admin", "admin"]
 
 
@@ -75,3 +77,11 @@ def request_tenant(request: Request) -> Tenant:
     """The tenant the key check resolved for `request` (the default one where none ran)."""
     tenant = getattr(request.state, "tenant", None)
     return tenant if isinstance(tenant, Tenant) else DEFAULT_TENANT
+
+
+def current_tenant() -> Tenant:
+    """The tenant of the request served in this context, where no `Request` is at hand (the
+    key check holds the request to its tenant's scope: `adapters.scope`); the default one
+    outside a request."""
+    scope = current_scope()
+    return scope if isinstance(scope, Tenant) else DEFAULT_TENANT

@@ -379,6 +379,15 @@ def test_usage_per_tenant(tenants: TestClient):
     assert acme["requests"] >= 2 and acme["prompt_tokens"] > 0 and acme["completion_tokens"] > 0
     assert acme["adapters"]["tiny"]["requests"] >= 2
     assert globex["errors"] >= 1  # the base alone is outside its scope
+    before = rows["acme"]["adapters"].get("acme-a", {}).get("prompt_tokens", 0)
+    embedded = tenants.post(
+        "/v1/embeddings",
+        json={"model": "tiny", "input": "the cat sat", "adapter": "acme-a"},
+        headers=auth("acme"),
+    )
+    used = embedded.json()["usage"]["prompt_tokens"]
+    rows = {r["tenant"]: r for r in tenants.get("/v1/usage", headers=auth("ops")).json()["data"]}
+    assert rows["acme"]["adapters"]["acme-a"]["prompt_tokens"] == before + used
     own = tenants.get("/v1/usage", headers=auth("acme-admin")).json()["data"]
     assert [row["tenant"] for row in own] == ["acme"]
     metrics = tenants.get("/metrics").text

@@ -11,7 +11,7 @@ from hotlora.adapters import AdapterNotFound, parse_selection, reset_scope, use_
 from hotlora.adapters.spec import AdapterRef
 from hotlora.config.errors import ModelNotFound
 from hotlora.server.http.keys_file import KeyRing, key_digest
-from hotlora.server.http.tenants import Tenant
+from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant, current_tenant
 
 MOUNTED = ["acme-a", "acme-b", "globex-a"]
 ACME = Tenant("acme", role="user", adapters=("acme-*",), base=True)
@@ -104,3 +104,12 @@ def test_the_ray_ingress_reads_the_key(tmp_path):
     assert found is not None and found.name == "acme"
     assert request_tenant(keys, with_key(b"Bearer nope"), None) is None
     assert request_tenant(None, with_key(b"Bearer nope"), None) is not None  # no keys at all
+
+
+def test_current_tenant_is_the_scope_held():
+    assert current_tenant() is DEFAULT_TENANT
+    token = use_scope(GLOBEX)
+    try:
+        assert current_tenant() is GLOBEX
+    finally:
+        reset_scope(token)
