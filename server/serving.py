@@ -29,6 +29,11 @@ from hotlora.server.api.completion_requests import (
 from hotlora.server.api.generic_tools import GENERIC, GenericToolCalls
 from hotlora.server.api.output_formats import OutputSpec
 from hotlora.server.api.tool_calls import ToolCalls, ToolFormat, template_message
+from hotlora.server.api.tool_families import (
+    family_grammar,
+    llama3_format,
+    writes_control_tokens,
+)
 from hotlora.server.engine import (
     Delta,
     Finished,
@@ -140,8 +145,11 @@ class InferenceService:
         # One thread: the tokenizer is shared with the generation thread, never used in parallel
         # by requests.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hotlora-tokenize")
-        self.tool_format = ToolFormat.of(self.tokenizer)
+        self.tool_format = ToolFormat.of(self.tokenizer) or llama3_format(self.tokenizer)
         self._system_role: bool | None = None  # whether the template takes a system message
+        # Control tokens in the tool-call markup are kept in the text, where the parser reads
+        # them (the markup never reaches the client).
+        self._keep_control = writes_control_tokens(self.tool_format, self._is_control)
         self._template = ChatTemplate(self.tokenizer)
         self.think_tags = ThinkTags.of(self.tokenizer)
 
@@ -187,6 +195,8 @@ class InferenceService:
             grammar=grammar,
         )
         prepared.tool_calls = tool_calls
+        if tool_calls is not None and self._keep_control:
+            prepared.params = replace(prepared.params, skip_special_tokens=False)
         if request.echo and request.messages[-1].role == "assistant":
             prepared.echo_chat = request.messages[-1].text()  # vLLM's chat echo
         shown = request.include_reasoning is not False
@@ -223,16 +233,24 @@ class InferenceService:
             if isinstance(tool_calls, GenericToolCalls):
                 answer = tool_calls.answer_schema()
                 return await self.off_loop(lambda: grammars.tool_answer(answer, text=False))
-            form = tool_calls.format
-            if not form.json_body or form.end is None:
+            form, calls = tool_calls.format, tool_calls
+            if form.json_body and form.end is not None:  # JSON in tags
+                call = form.call_schema(tool_calls.tools, None if use == "required" else use)
+                start, end = form.start, form.end
+                return await self.off_loop(lambda: grammars.tool_call(start, end, call))
+
+            def family() -> Grammar | None:  # the family's own format
+                lark = family_grammar(calls, use, grammars.literal, grammars.json_rule)
+                return None if lark is None else grammars.tool_lark(lark)
+
+            grammar = await self.off_loop(family)
+            if grammar is None:
                 raise InvalidRequest(
                     f"tool_choice '{use}' cannot be enforced for this model's tool-call format; "
                     "send 'auto' and the model may still call a tool.",
                     param="tool_choice",
                 )
-            call = form.call_schema(tool_calls.tools, None if use == "required" else use)
-            start, end = form.start, form.end
-            return await self.off_loop(lambda: grammars.tool_call(start, end, call))
+            return grammar
         if isinstance(tool_calls, GenericToolCalls) and spec is None:
             answer = tool_calls.answer_schema()  # `auto`: calls or text
             return await self.off_loop(lambda: grammars.tool_answer(answer, text=True))
@@ -249,7 +267,11 @@ class InferenceService:
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
         if self.tool_format is None:
             return GenericToolCalls(GENERIC, tools, use=use, parallel=request.parallel_tool_calls)
-        return ToolCalls(self.tool_format, tools)
+        return ToolCalls(self.tool_format, tools, parallel=request.parallel_tool_calls)
+
+    def _is_control(self, text: str) -> bool:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return len(ids) == 1 and ids[0] in self.engine.special_ids
 
     def generic_messages(
         self, messages: list[dict[str, Any]], tool_calls: ToolCalls | None

@@ -43,7 +43,7 @@ def _parse(body: str, tools: Any) -> Any:
     return answer[CALLS_KEY]
 
 
-GENERIC = ToolFormat(CALLS_PREFIX, None, _parse, json_body=True)
+GENERIC = ToolFormat(CALLS_PREFIX, None, _parse, json_body=True, family="generic")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ class GenericToolCalls(ToolCalls):
     """One request's tools in the generic format: what the answer may be, and how it is read."""
 
     use: str = "auto"  # 'auto', 'required', or the name of the function it must call
-    parallel: bool = True  # several calls in one answer
 
     def answer_schema(self) -> dict[str, Any]:
         """The JSON schema of an answer that calls tools: one or more calls (one when not
@@ -127,7 +126,7 @@ class GenericCallStream(ToolCallStream):
         """The calls completed in the text not yet read."""
         found: list[OutputToolCall] = []
         while self._mode == "calls":
-            span = _next_object(self._seen, self._read)
+            span = next_object(self._seen, self._read)
             if span is None:
                 break  # the next call is not whole yet
             start, end = span
@@ -156,12 +155,13 @@ class GenericCallStream(ToolCallStream):
         return output_calls({"name": call["name"], "arguments": call.get("arguments", {})})
 
 
-def _next_object(text: str, at: int) -> tuple[int, int] | None:
-    """Where the next JSON object of a list's text lies, from `at`: (start, end); (-1, end past
-    the `]`) when the list closes first; None when it is not whole yet. Anything else gives
-    the span from `at` to the end, which does not read as an object."""
+def next_object(text: str, at: int, separator: str = ",") -> tuple[int, int] | None:
+    """Where the next JSON object of a list's text lies, from `at`, after whitespace and
+    `separator`s: (start, end); (-1, end past the `]`) when the list closes first; None when it
+    is not whole yet. Anything else gives the span from `at` to the end, which does not read as
+    an object."""
     i = at
-    while i < len(text) and (text[i].isspace() or text[i] == ","):
+    while i < len(text) and (text[i].isspace() or text[i] == separator):
         i += 1
     if i == len(text):
         return None

@@ -24,26 +24,34 @@ log = logging.getLogger("hotlora")
 ToolParser = Callable[[str, Any], Any]  # (markup body, tools) -> a call dict, or a list of them
 
 
-def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
-    """The JSON schema of one call `{"name": ..., "arguments": {...}}` to `name` (any of `tools`
-    when None), its arguments held to the function's `parameters`."""
-    options = []
+def tool_parameters(tools: list[dict[str, Any]], name: str | None) -> list[tuple[str, Any]]:
+    """(name, arguments schema) of each of `tools`, or of the one named `name`."""
+    out = []
     for tool in tools:
         function = tool["function"]
-        if name is not None and function["name"] != name:
-            continue
-        arguments = dict(function.get("parameters") or {"type": "object"})
-        # Arguments the function does not declare are never wanted: held to its own.
-        if arguments.get("type") == "object":
-            arguments.setdefault("additionalProperties", False)
-        options.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": function["name"]}, "arguments": arguments},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
+        if name is None or function["name"] == name:
+            arguments = dict(function.get("parameters") or {"type": "object"})
+            # Arguments the function does not declare are never wanted: held to its own.
+            if arguments.get("type") == "object":
+                arguments.setdefault("additionalProperties", False)
+            out.append((function["name"], arguments))
+    return out
+
+
+def call_schema(
+    tools: list[dict[str, Any]], name: str | None, key: str = "arguments"
+) -> dict[str, Any]:
+    """The JSON schema of one call `{"name": ..., "arguments": {...}}` (`key` for arguments) to
+    `name` (any of `tools` when None), its arguments held to the function's `parameters`."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": function}, key: arguments},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for function, arguments in tool_parameters(tools, name)
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
@@ -55,6 +63,9 @@ class ToolFormat:
     end: str | None
     parse: ToolParser
     json_body: bool = False  # the markup holds {"name": ..., "arguments": {...}}: enforceable
+    family: str = ""  # mlx-lm's name for the format (its parser's module), or this server's
+    # When the calls are the whole answer (no markup around them): the stream that reads them.
+    answer_stream: Callable[[ToolCalls], ToolCallStream] | None = None
 
     def call_schema(self, tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
         """The JSON schema of one call to `name` (any of `tools` when None)."""
@@ -69,8 +80,11 @@ class ToolFormat:
         if "tools" not in template:
             return None
         parse = tokenizer.tool_parser
-        json_body = getattr(parse, "__module__", "") == "mlx_lm.tool_parsers.json_tools"
-        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, json_body)
+        family = getattr(parse, "__module__", "").rsplit(".", 1)[-1]
+        if family == "mistral" and "[ARGS]" in template:
+            family = "mistral_args"  # `[TOOL_CALLS]name[ARGS]{...}`, not a JSON list
+        json_body = family == "json_tools"
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, json_body, family)
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class ToolCalls:
 
     format: ToolFormat
     tools: list[dict[str, Any]]  # as the chat template and the parser see them
+    parallel: bool = True  # several calls in one answer (`parallel_tool_calls`)
 
     def split(self, text: str) -> tuple[str, list[OutputToolCall]]:
         """A whole answer as (its text outside tool calls, the calls in order)."""
@@ -88,7 +103,8 @@ class ToolCalls:
         return content + tail, calls + more
 
     def stream(self) -> ToolCallStream:
-        return ToolCallStream(self)
+        make = self.format.answer_stream
+        return make(self) if make is not None else ToolCallStream(self)
 
     def read(self, body: str) -> list[OutputToolCall] | None:
         """The calls in one markup body; None when the parser cannot read it."""

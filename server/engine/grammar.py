@@ -199,11 +199,34 @@ class Grammars:
         closed = close_objects(schema)
         body = _schema_text({**closed, "x-guidance": _JSON_OPTIONS}, _TOOL_PARAMETERS)
         lark = (
-            f'start: {json.dumps(start)} "\\n"? call "\\n"? {json.dumps(end)}\ncall: %json {body}\n'
+            f'start: {self.literal(start)} "\\n"? call "\\n"? {self.literal(end)}\n'
+            f"call: %json {body}\n"
         )
         return self._cached(
             lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
         )
+
+    def tool_lark(self, lark: str) -> Grammar:
+        """A tool-call grammar in Lark, built from `json_rule` and `literal` pieces: how
+        `tool_choice` required or named is enforced in a model family's own format."""
+        return self._cached(
+            lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
+        )
+
+    @staticmethod
+    def json_rule(schema: dict[str, Any]) -> str:
+        """A Lark expression for JSON valid under `schema` (objects closed), written as the
+        model writes JSON here; `UnsupportedSchema` (param `tools`) for NaN or Infinity."""
+        closed = close_objects(schema)
+        return f"%json {_schema_text({**closed, 'x-guidance': _JSON_OPTIONS}, _TOOL_PARAMETERS)}"
+
+    def literal(self, text: str) -> str:
+        """A Lark expression for `text` as the model writes it: the special token it is (say,
+        Mistral's `[TOOL_CALLS]`), which a quoted string would not match, or the string."""
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) == 1 and ids[0] in self._special_ids:
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
 
     def tool_answer(self, schema: dict[str, Any], *, text: bool) -> Grammar:
         """The grammar of an answer that is JSON valid under `schema` (the generic format's

@@ -99,6 +99,19 @@ def with_context(dir: Path, tokens: int) -> Path:
     return dir
 
 
+def with_control_tokens(dir: Path, tokens: list[str]) -> Path:
+    """The model directory `dir` with `tokens` made special tokens of its vocabulary (as
+    Mistral's `[TOOL_CALLS]` is), in the ids of the last merged pairs, which go."""
+    vocab, merges = _vocab()
+    freed = [vocab.pop("".join(pair)) for pair in merges[-len(tokens) :]]
+    vocab.update(zip(tokens, freed, strict=True))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges[: -len(tokens)], unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens([*SPECIAL_TOKENS, *tokens])
+    tokenizer.save(str(dir / "tokenizer.json"))
+    return dir
+
+
 def write_checkpoint(
     dir: Path, model: nn.Module, config: dict, chat_template: str = CHAT_TEMPLATE
 ) -> Path:
