@@ -38,6 +38,13 @@ CHAT = {"model": "tiny", "messages": ASK, "max_tokens": 5, "temperature": 0}
 TEXT = {"model": "tiny", "prompt": "the cat", "max_tokens": 5, "temperature": 0}
 RESPOND = {"model": "tiny", "input": "weather in paris?", "max_output_tokens": 5, "temperature": 0}
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+# vLLM's chat echo: the assistant's unfinished last message comes back before what follows.
+CHAT_ECHO = {
+    "messages": [*ASK, {"role": "assistant", "content": "It is"}],
+    "echo": True,
+    "continue_final_message": True,
+    "add_generation_prompt": False,
+}
 TOOL = {"type": "function", **SMALL_WEATHER["function"]}  # the Responses API's flat form
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # Each answer's schema: (method, path, streamed) -> the schema's name and exceptions allowed.
@@ -155,6 +162,8 @@ CASES = [
     ("chat-json", "POST", "/v1/chat/completions",
      {**CHAT, "max_tokens": 20, "response_format": {"type": "json_object"}}, 200),
     ("chat-prompt-logprobs", "POST", "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, 200),
+    ("chat-echo", "POST", "/v1/chat/completions", {**CHAT, **CHAT_ECHO}, 200),
+    ("chat-echo-stream", "POST", "/v1/chat/completions", {**CHAT, **CHAT_ECHO, **STREAM}, 200),
     ("chat-stream", "POST", "/v1/chat/completions", {**CHAT, **STREAM}, 200),
     ("chat-stream-n-logprobs", "POST", "/v1/chat/completions",
      {**CHAT, **STREAM, "n": 2, "logprobs": True, "top_logprobs": 2}, 200),
