@@ -6,8 +6,8 @@ openai-dotnet, Rust and TypeScript generators) are generated from. Chat, text co
 embeddings, models and the Responses API, whole and streamed (each chunk, each event), with n > 1,
 logprobs, echo, tool calls, reasoning and errors, on the tiny model whose template shows tools.
 Only the places the document is stricter than OpenAI's own answers are allowed, each by name
-where it applies (`tests.support.openai_schema.EXCEPTIONS`). Extensions (`adapter`, vLLM's fields) may be added:
-the schemas do not close their objects.
+where it applies (`tests.support.openai_schema.EXCEPTIONS`). Extensions (`adapter`, vLLM's
+fields) may be added: the schemas do not close their objects.
 """
 
 from __future__ import annotations
