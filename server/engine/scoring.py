@@ -86,11 +86,17 @@ class ScoredOpenings:
         self, key: ScoringKey, prompt: Sequence[int], leaders: Iterable[Sequence[int]]
     ) -> bool:
         """Whether a scoring prompt should wait for one of `leaders` (prompts of `key` being
-        prefilled) to keep the opening they share: one of them shares more than is kept."""
+        prefilled) to keep the opening they share: one of them shares more than is kept, and
+        at least half the prompt (a question's choices do; questions that share a preamble
+        only do not wait for each other)."""
         if not self.max_size:
             return False
-        kept = self._longest(key, prompt)
-        return any(shared_prefix(prompt, lead) > max(kept, MIN_HEAD - 1) for lead in leaders)
+        kept = max(self._longest(key, prompt), MIN_HEAD - 1)
+        for lead in leaders:
+            shared = shared_prefix(prompt, lead)
+            if shared > kept and 2 * shared >= len(prompt):
+                return True
+        return False
 
     def fetch(
         self, key: ScoringKey, prompt: Sequence[int]

@@ -13,15 +13,18 @@ prefill alone and beside a running stream, and the longest gap between the strea
 meanwhile; llama.cpp's server side by side when `LLAMA_SERVER` names it. `cpu`
 (tests/bench/cpu.py, only when named): hotlora against llama.cpp's server on the same weights,
 the embedded model and a ~0.8B random llama, 1 to 16 streams, prefill, peak RSS, 16 adapters.
+`scoring` (tests/bench/scoring.py): lm-eval-shaped multiple-choice scoring requests per second,
+one adapter alone, and 4 adapters evaluated at once against one after another.
 
-    python -m tests.bench [--sections base,adapters,concurrency,prefill,cpu] [--rounds 5]
+    python -m tests.bench [--sections base,adapters,concurrency,prefill,scoring,cpu] [--rounds 5]
                           [--max-tokens 128] [--clients 8] [--concurrency-tokens 96]
                           [--concurrency-rounds 5] [--prefill-tokens 8000] [--prefill-rounds 1]
                           [--cpu-models embedded,1b] [--cpu-streams 1,8,16] [--cpu-tokens 96]
                           [--cpu-prefill-tokens 1250] [--cpu-adapters 16]
                           [--cpu-adapter-dtype auto|float32|float16] [--cpu-rounds 1]
                           [--cpu-adapter-pairs 4] [--cpu-precisions fast,exact]
-                          [--cpu-cache DIR] [--model DIR]
+                          [--cpu-cache DIR] [--scoring-docs 16] [--scoring-clients 8]
+                          [--scoring-rounds 1] [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
 """
@@ -48,6 +51,7 @@ from tests.bench.concurrency import QUESTIONS as CONCURRENT_QUESTIONS
 from tests.bench.concurrency import run_concurrency
 from tests.bench.cpu import CPU_MODELS, Options, run_cpu
 from tests.bench.prefill import run_prefill
+from tests.bench.scoring import run_scoring
 from tests.bench.servers import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
 from tests.support.model_args import add_model_args, resolve_model
 
@@ -264,6 +268,19 @@ def section_prefill(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     return SectionResult(out.title, [], out.lines)
 
 
+def section_scoring(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """lm-eval-shaped scoring: one adapter alone, 4 adapters at once and one after another."""
+    title, lines = run_scoring(
+        model_dir,
+        args.home,
+        server_env(args.home),
+        args.scoring_docs,
+        args.scoring_clients,
+        args.scoring_rounds,
+    )
+    return SectionResult(title, [], lines)
+
+
 def section_cpu(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     """hotlora against llama.cpp's server on the same weights, one server at a time."""
     options = Options(
@@ -300,12 +317,13 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
     "adapters": section_adapters,
     "concurrency": section_concurrency,
     "prefill": section_prefill,
+    "scoring": section_scoring,
     "cpu": section_cpu,
     "adapters-at-scale": section_adapters_at_scale,
 }
 # `cpu` builds a random ~0.8B model and, without LLAMA_SERVER, llama.cpp; `adapters-at-scale`
 # writes 1,000 adapters (~10 GB) and runs for minutes: run only when named.
-DEFAULT_SECTIONS = ("base", "adapters", "concurrency", "prefill")
+DEFAULT_SECTIONS = ("base", "adapters", "concurrency", "prefill", "scoring")
 
 
 def int_list(text: str) -> list[int]:
@@ -413,6 +431,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Where section cpu keeps the random model, adapters and a built llama-server "
         "(default: $XDG_CACHE_HOME/hotlora-bench, else the temporary directory's).",
     )
+    p.add_argument(
+        "--scoring-docs", type=int, default=16, help="Questions an evaluation in section scoring."
+    )
+    p.add_argument(
+        "--scoring-clients",
+        type=int,
+        default=8,
+        help="Concurrent clients an evaluation in section scoring (lm-eval's num_concurrent).",
+    )
+    p.add_argument("--scoring-rounds", type=int, default=1, help="Rounds in section scoring.")
     add_model_args(p)
     p.add_argument(
         "--skip-direct", action="store_true", help="Leave out the in-process stream_generate run."
