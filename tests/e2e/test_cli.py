@@ -28,7 +28,7 @@ def hotlora(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     )
 
 
-@pytest.mark.parametrize("command", ["serve", "import-gguf", "quantize", "fuse"])
+@pytest.mark.parametrize("command", ["serve", "import-gguf", "quantize", "fuse", "keys"])
 def test_every_command_has_help(command: str):
     result = hotlora(command, "--help")
     assert result.returncode == 0
@@ -38,7 +38,7 @@ def test_every_command_has_help(command: str):
 def test_top_level_help_lists_the_commands():
     result = hotlora("--help")
     assert result.returncode == 0
-    for command in ("serve", "import-gguf", "quantize", "fuse"):
+    for command in ("serve", "import-gguf", "quantize", "fuse", "keys"):
         assert command in result.stdout
 
 
@@ -94,6 +94,16 @@ def test_serve_with_a_missing_model_exits_with_the_reason(tmp_path: Path):
     )
     assert result.returncode == 1
     assert "could not start" in result.stderr and "does not exist" in result.stderr
+
+
+def test_serve_refuses_a_bad_keys_file_in_one_line(tmp_path: Path):
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "acme"\nsha256 = "' + "ab" * 32 + '"\nrole = "owner"\n')
+    result = hotlora("serve", "--keys", str(keys), "--port", "0")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"hotlora serve: keys file {keys}: key[0].role: Input should be")
+    assert "Traceback" not in result.stderr and "ab" * 32 not in result.stderr
 
 
 def test_serve_refuses_a_bad_adapter_flag():
