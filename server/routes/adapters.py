@@ -123,7 +123,7 @@ async def list_adapter_root(request: Request, manager: ManagerDep) -> AdapterRoo
     tenant = request_tenant(request)
     entries = await asyncio.to_thread(manager.root_entries)  # reads the root's directories
     if not tenant.is_admin:
-        folder = manager.adapter_root / (tenant.mount_dir or "")
+        folder = (manager.adapter_root / (tenant.mount_dir or "")).resolve()
         entries = [
             e for e in entries if tenant.may_see(e.id) or Path(e.path).is_relative_to(folder)
         ]
