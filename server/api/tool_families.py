@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hotlora.config.errors import InvalidRequest
 from hotlora.server.api.completion_answers import OutputToolCall
 from hotlora.server.api.generic_tools import next_object
 from hotlora.server.api.tool_calls import (
@@ -138,4 +140,110 @@ def family_grammar(calls: ToolCalls, use: str, literal: Literal, json_rule: Json
         ]
         repeat = "+" if calls.parallel else ""
         return f"start: call{repeat}\ncall: {literal(MISTRAL_START)} ({' | '.join(options)})\n"
+    if family == "pythonic":
+        return _pythonic(calls, named, literal, json_rule)
+    if family == "qwen3_coder":
+        return _qwen3_coder(calls, named, literal, json_rule)
     return None
+
+
+def _pythonic(calls: ToolCalls, named: str | None, literal: Literal, json_rule: JsonRule) -> str:
+    """LFM2's `<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>`: each value
+    JSON, which reads as the Python literal the parser takes (`true`, `null` included)."""
+    options = []
+    for name, parameters in tool_parameters(calls.tools, named):
+        arguments = [
+            (f"{json.dumps(key + '=')} {json_rule(schema)}", required)
+            for key, schema, required in _properties(parameters)
+        ]
+        options.append(f'{json.dumps(name + "(")} {_joined(arguments, json.dumps(", "))} ")"')
+    more = ' ("," " "? call)*' if calls.parallel else ""
+    form = calls.format
+    start, end = literal(form.start), literal(form.end or "")
+    return f'start: {start} "[" call{more} "]" {end}\ncall: {" | ".join(options)}\n'
+
+
+def _qwen3_coder(calls: ToolCalls, named: str | None, literal: Literal, json_rule: JsonRule) -> str:
+    """Qwen3-Coder's `<tool_call>` holding `<function=name>` and one `<parameter=key>` block per
+    argument: a string as its raw text (no `<` in it), anything else as JSON."""
+    options = []
+    for name, parameters in tool_parameters(calls.tools, named):
+        arguments = []
+        for key, schema, required in _properties(parameters):
+            opening = json.dumps(f"<parameter={key}>\n")
+            value = _raw_value(schema, json_rule, "\n</parameter>\n")
+            arguments.append((f"{opening} {value}", required))
+        head = json.dumps(f"<function={name}>\n")
+        options.append(f'{head} {_joined(arguments, "")} "</function>\\n"')
+    form = calls.format
+    start, end = literal(form.start), literal(form.end or "")
+    repeat = ' ("\\n" call)*' if calls.parallel else ""
+    return (
+        f'start: call{repeat}\ncall: {start} "\\n" function {end}\n'
+        f"function: {' | '.join(options)}\n"
+    )
+
+
+class UnenforceableArguments(InvalidRequest):
+    """A tool's parameters that a family's format cannot be held to by the grammar."""
+
+    def __init__(self, problem: str):
+        super().__init__(
+            f"tool_choice cannot be enforced for these tools in this model's tool-call format: "
+            f"{problem}; send 'auto' and the model may still call a tool.",
+            param="tools",
+        )
+
+
+def _properties(parameters: dict[str, Any]) -> list[tuple[str, Any, bool]]:
+    """(key, schema, required) of an object schema's properties, the required first; a schema
+    that is not a plain object of named properties cannot be written key by key."""
+    keys = set(parameters) - {"type", "properties", "required", "additionalProperties"}
+    keys -= {"description", "title", "$schema"}
+    if parameters.get("type") != "object" or keys or parameters.get("additionalProperties"):
+        raise UnenforceableArguments("its parameters are not a plain object of properties")
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or ())
+    out = [(key, schema, key in required) for key, schema in properties.items()]
+    return sorted(out, key=lambda item: not item[2])
+
+
+def _raw_value(schema: Any, json_rule: JsonRule, closing: str) -> str:
+    """A Lark expression of one argument as an XML-like format writes it, then `closing`: a
+    string raw (its `enum` or its length held), anything else as JSON. Free text and its
+    closing are one regular expression: the lexer would run a free text's match past it."""
+    if not isinstance(schema, dict):
+        raise UnenforceableArguments("an argument's schema is not an object")
+    enum = schema.get("enum")
+    if schema.get("type") == "string" or (
+        "type" not in schema and isinstance(enum, list) and all(isinstance(v, str) for v in enum)
+    ):
+        if isinstance(enum, list):
+            return f"({' | '.join(json.dumps(value) for value in enum)}) {json.dumps(closing)}"
+        if set(schema) - {"type", "description", "title", "minLength", "maxLength"}:
+            raise UnenforceableArguments("a string argument's constraints cannot be held raw")
+        low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+        escaped = "".join({"\n": "\\n", "/": "\\/"}.get(c, re.escape(c)) for c in closing)
+        return f"/[^<]{{{low},{high}}}{escaped}/"
+    if "type" not in schema:
+        raise UnenforceableArguments("an argument has no type")
+    return f"{json_rule(schema)} {json.dumps(closing)}"
+
+
+def _joined(items: list[tuple[str, bool]], separator: str) -> str:
+    """Lark of `items` in order, separated by `separator` (a Lark expression, or ""), each
+    optional one (`required` false) free to be left out; "" when there are none."""
+    sep = f"{separator} " if separator else ""
+    required = [item for item, needed in items if needed]
+    optional = [item for item, needed in items if not needed]
+    if required:
+        return " ".join([f"{sep}{item}" if i else item for i, item in enumerate(required)]) + (
+            "".join(f" ({sep}{item})?" for item in optional)
+        )
+    if not optional:
+        return ""
+    firsts = [
+        item + "".join(f" ({sep}{later})?" for later in optional[i + 1 :])
+        for i, item in enumerate(optional)
+    ]
+    return "(" + " | ".join(firsts) + ")?"

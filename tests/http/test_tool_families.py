@@ -1,7 +1,8 @@
 """`tool_choice` required and named on templates whose calls are not JSON in tags, in-process on
-the tiny random model: Llama 3's bare JSON and Mistral's `[TOOL_CALLS]` (a list, or
-`name[ARGS]{...}` with control tokens), each held by the grammar to valid calls in its own
-format, whole and streamed; and Llama 3's calls and results going back through its template."""
+the tiny random model: Llama 3's bare JSON, Mistral's `[TOOL_CALLS]` (a list, or
+`name[ARGS]{...}` with control tokens), LFM2's pythonic calls and Qwen3-Coder's XML-like
+parameters, each held by the grammar to valid calls in its own format, whole and streamed; and
+Llama 3's calls and results going back through its template."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from tests.unit.test_tool_families import (
     LLAMA3_TEMPLATE,
     MISTRAL_ARGS_TEMPLATE,
     MISTRAL_TEMPLATE,
+    PYTHONIC_TEMPLATE,
+    QWEN3_CODER_TEMPLATE,
     TOOLS,
 )
 
@@ -41,10 +44,13 @@ TOOLS = [
 ]
 ASK = [{"role": "user", "content": "weather in paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
-TEMPLATES = {
-    "llama3": (LLAMA3_TEMPLATE, False),
-    "mistral": (MISTRAL_TEMPLATE, True),
-    "mistral_args": (MISTRAL_ARGS_TEMPLATE, True),
+MISTRAL_TOKENS = ["[TOOL_CALLS]", "[ARGS]"]
+TEMPLATES = {  # family: (chat template, its control tokens)
+    "llama3": (LLAMA3_TEMPLATE, []),
+    "mistral": (MISTRAL_TEMPLATE, MISTRAL_TOKENS),
+    "mistral_args": (MISTRAL_ARGS_TEMPLATE, MISTRAL_TOKENS),
+    "pythonic": (PYTHONIC_TEMPLATE, ["<|tool_call_start|>", "<|tool_call_end|>"]),
+    "qwen3_coder": (QWEN3_CODER_TEMPLATE, []),
 }
 
 
@@ -52,7 +58,7 @@ TEMPLATES = {
 def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
     template, control = TEMPLATES[request.param]
     dir = write_tiny_llama(tmp_path_factory.mktemp(request.param), chat_template=template)
-    return with_control_tokens(dir, ["[TOOL_CALLS]", "[ARGS]"]) if control else dir
+    return with_control_tokens(dir, control) if control else dir
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hotlora.config.errors import InvalidRequest
 from hotlora.models.loader import load_model_dir
 from hotlora.server.api.tool_calls import ToolCalls, ToolFormat
 from hotlora.server.api.tool_families import family_grammar, llama3_format
@@ -212,11 +213,156 @@ def test_a_control_token_is_matched_as_itself(mistral_args):
 
 
 def test_formats_without_a_grammar_here_have_none(mistral):
-    pythonic = ToolFormat(
-        "<|tool_call_start|>", "<|tool_call_end|>", lambda b, t: {}, False, "pythonic"
-    )
+    glm = ToolFormat("<tool_call>", "</tool_call>", lambda b, t: {}, False, "glm47")
     grammars = mistral.grammars
     assert (
-        family_grammar(ToolCalls(pythonic, TOOLS), "required", grammars.literal, grammars.json_rule)
+        family_grammar(ToolCalls(glm, TOOLS), "required", grammars.literal, grammars.json_rule)
         is None
     )
+
+
+PYTHONIC_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content or '' }}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    "{# calls: <|tool_call_start|>[name(key=value)]<|tool_call_end|> #}"
+)
+QWEN3_CODER_TEMPLATE = PYTHONIC_TEMPLATE.replace(
+    "<|tool_call_start|>[name(key=value)]<|tool_call_end|>",
+    "<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call>",
+)
+# Arguments of every kind: a required string, an optional integer and an optional boolean.
+NOTE = {
+    "type": "function",
+    "function": {
+        "name": "note",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "flag": {"type": "boolean"},
+                "text": {"type": "string", "maxLength": 12},
+                "count": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["text"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def pythonic(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    dir = write_tiny_llama(tmp_path_factory.mktemp("lfm"), chat_template=PYTHONIC_TEMPLATE)
+    return engine_for(with_control_tokens(dir, ["<|tool_call_start|>", "<|tool_call_end|>"]))
+
+
+@pytest.fixture(scope="module")
+def qwen3_coder(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    return engine_for(
+        write_tiny_llama(tmp_path_factory.mktemp("coder"), chat_template=QWEN3_CODER_TEMPLATE)
+    )
+
+
+def read_one(engine: Engine, answer: str, parallel: bool = True) -> list[tuple[str, dict]]:
+    calls = tool_calls(engine, parallel)
+    calls = ToolCalls(calls.format, [*TOOLS, NOTE], parallel=parallel)
+    text, read = calls.split(answer)
+    assert text == ""
+    return [(c.function.name, json.loads(c.function.arguments)) for c in read]
+
+
+def allowed(engine: Engine, use: str, answer: str, parallel: bool = True) -> bool:
+    form = tool_calls(engine).format
+    return accepts(engine, ToolCalls(form, [*TOOLS, NOTE], parallel=parallel), use, answer)
+
+
+PYTHONIC_CALLS = (
+    '<|tool_call_start|>[note(text="a, b=c", count=3), get_time(zone="CET")]<|tool_call_end|>'
+)
+
+
+@pytest.mark.parametrize(
+    ("use", "parallel", "answer", "ok"),
+    [
+        ("required", True, PYTHONIC_CALLS, True),
+        ("required", False, PYTHONIC_CALLS, False),
+        ("note", True, '<|tool_call_start|>[note(text="x", flag=true)]<|tool_call_end|>', True),
+        (
+            "note",
+            True,
+            '<|tool_call_start|>[note(text="x", flag=false, count=3)]<|tool_call_end|>',
+            True,
+        ),
+        # In a fixed order: the required arguments, then the others as the schema lists them.
+        (
+            "note",
+            True,
+            '<|tool_call_start|>[note(text="x", count=3, flag=false)]<|tool_call_end|>',
+            False,
+        ),
+        ("note", True, "<|tool_call_start|>[note(count=3)]<|tool_call_end|>", False),
+        ("note", True, '<|tool_call_start|>[note(text="x", count=10)]<|tool_call_end|>', False),
+        ("note", True, '<|tool_call_start|>[note(text="x", other=1)]<|tool_call_end|>', False),
+        ("get_time", True, PYTHONIC_CALLS, False),
+    ],
+)
+def test_pythonic_calls_are_held_to_their_form(pythonic, use, parallel, answer, ok):
+    assert allowed(pythonic, use, answer, parallel) is ok
+    if ok:
+        assert [name for name, _ in read_one(pythonic, answer)]
+
+
+def test_pythonic_calls_read_back_as_their_json(pythonic):
+    assert read_one(pythonic, PYTHONIC_CALLS) == [
+        ("note", {"text": "a, b=c", "count": 3}),
+        ("get_time", {"zone": "CET"}),
+    ]
+
+
+CODER_CALL = (
+    "<tool_call>\n<function=note>\n<parameter=text>\nhi there\n</parameter>\n"
+    "<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+@pytest.mark.parametrize(
+    ("use", "parallel", "answer", "ok"),
+    [
+        ("required", True, CODER_CALL, True),
+        ("required", True, CODER_CALL + "\n" + CODER_CALL, True),
+        ("required", False, CODER_CALL + "\n" + CODER_CALL, False),
+        ("note", True, CODER_CALL.replace("hi there", "far too long a note"), False),
+        ("note", True, CODER_CALL.replace("\n3\n", "\n12\n"), False),
+        ("note", True, CODER_CALL.replace("<parameter=text>\nhi there\n</parameter>\n", ""), False),
+        (
+            "get_time",
+            True,
+            "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n"
+            "</tool_call>",
+            True,
+        ),
+        ("get_time", True, CODER_CALL, False),
+    ],
+)
+def test_qwen3_coder_calls_are_held_to_their_form(qwen3_coder, use, parallel, answer, ok):
+    assert allowed(qwen3_coder, use, answer, parallel) is ok
+
+
+def test_qwen3_coder_calls_read_back_typed(qwen3_coder):
+    assert read_one(qwen3_coder, CODER_CALL) == [("note", {"text": "hi there", "count": 3})]
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": {"x": {"type": "string", "pattern": "^a+$"}}},
+        {"type": "object", "properties": {"x": {"anyOf": [{"type": "string"}]}}},
+        {"anyOf": [{"type": "object"}]},
+    ],
+)
+def test_arguments_a_raw_format_cannot_hold_are_refused(qwen3_coder, parameters):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    calls = ToolCalls(tool_calls(qwen3_coder).format, [tool])
+    grammars = qwen3_coder.grammars
+    with pytest.raises(InvalidRequest) as caught:
+        family_grammar(calls, "required", grammars.literal, grammars.json_rule)
+    assert caught.value.param == "tools"
