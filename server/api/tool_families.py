@@ -144,6 +144,8 @@ def family_grammar(calls: ToolCalls, use: str, literal: Literal, json_rule: Json
         return _pythonic(calls, named, literal, json_rule)
     if family == "qwen3_coder":
         return _qwen3_coder(calls, named, literal, json_rule)
+    if family == "glm47":
+        return _glm47(calls, named, literal, json_rule)
     return None
 
 
@@ -182,6 +184,23 @@ def _qwen3_coder(calls: ToolCalls, named: str | None, literal: Literal, json_rul
         f'start: call{repeat}\ncall: {start} "\\n" function {end}\n'
         f"function: {' | '.join(options)}\n"
     )
+
+
+def _glm47(calls: ToolCalls, named: str | None, literal: Literal, json_rule: JsonRule) -> str:
+    """GLM's `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>...</tool_call>`
+    (4.5 puts a newline after the name and each tag): a string raw, anything else as JSON."""
+    options = []
+    for name, parameters in tool_parameters(calls.tools, named):
+        arguments = []
+        for key, schema, required in _properties(parameters):
+            opening = json.dumps(f"<arg_key>{key}</arg_key>")
+            value = _raw_value(schema, json_rule, "</arg_value>")
+            arguments.append((f'{opening} "\\n"? "<arg_value>" {value} "\\n"?', required))
+        options.append(f'{json.dumps(name)} "\\n"? {_joined(arguments, "")}')
+    form = calls.format
+    start, end = literal(form.start), literal(form.end or "")
+    repeat = ' ("\\n"? call)*' if calls.parallel else ""
+    return f"start: call{repeat}\ncall: {start} function {end}\nfunction: {' | '.join(options)}\n"
 
 
 class UnenforceableArguments(InvalidRequest):

@@ -1,6 +1,6 @@
 """`tool_choice` required and named on templates whose calls are not JSON in tags, in-process on
 the tiny random model: Llama 3's bare JSON, Mistral's `[TOOL_CALLS]` (a list, or
-`name[ARGS]{...}` with control tokens), LFM2's pythonic calls and Qwen3-Coder's XML-like
+`name[ARGS]{...}` with control tokens), LFM2's pythonic calls, Qwen3-Coder's and GLM's XML-like
 parameters, each held by the grammar to valid calls in its own format, whole and streamed; and
 Llama 3's calls and results going back through its template."""
 
@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from tests.http.test_tools import sdk, steer
 from tests.support.tiny import with_control_tokens, write_tiny_llama
 from tests.unit.test_tool_families import (
+    GLM_TEMPLATE,
     LLAMA3_TEMPLATE,
     MISTRAL_ARGS_TEMPLATE,
     MISTRAL_TEMPLATE,
@@ -51,6 +52,7 @@ TEMPLATES = {  # family: (chat template, its control tokens)
     "mistral_args": (MISTRAL_ARGS_TEMPLATE, MISTRAL_TOKENS),
     "pythonic": (PYTHONIC_TEMPLATE, ["<|tool_call_start|>", "<|tool_call_end|>"]),
     "qwen3_coder": (QWEN3_CODER_TEMPLATE, []),
+    "glm47": (GLM_TEMPLATE, []),
 }
 
 

@@ -213,7 +213,9 @@ def test_a_control_token_is_matched_as_itself(mistral_args):
 
 
 def test_formats_without_a_grammar_here_have_none(mistral):
-    glm = ToolFormat("<tool_call>", "</tool_call>", lambda b, t: {}, False, "glm47")
+    glm = ToolFormat(
+        "<minimax:tool_call>", "</minimax:tool_call>", lambda b, t: {}, False, "minimax_m2"
+    )
     grammars = mistral.grammars
     assert (
         family_grammar(ToolCalls(glm, TOOLS), "required", grammars.literal, grammars.json_rule)
@@ -230,6 +232,10 @@ PYTHONIC_TEMPLATE = (
 QWEN3_CODER_TEMPLATE = PYTHONIC_TEMPLATE.replace(
     "<|tool_call_start|>[name(key=value)]<|tool_call_end|>",
     "<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call>",
+)
+GLM_TEMPLATE = PYTHONIC_TEMPLATE.replace(
+    "<|tool_call_start|>[name(key=value)]<|tool_call_end|>",
+    "<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value></tool_call>",
 )
 # Arguments of every kind: a required string, an optional integer and an optional boolean.
 NOTE = {
@@ -260,6 +266,11 @@ def qwen3_coder(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     return engine_for(
         write_tiny_llama(tmp_path_factory.mktemp("coder"), chat_template=QWEN3_CODER_TEMPLATE)
     )
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    return engine_for(write_tiny_llama(tmp_path_factory.mktemp("glm"), chat_template=GLM_TEMPLATE))
 
 
 def read_one(engine: Engine, answer: str, parallel: bool = True) -> list[tuple[str, dict]]:
@@ -366,3 +377,40 @@ def test_arguments_a_raw_format_cannot_hold_are_refused(qwen3_coder, parameters)
     with pytest.raises(InvalidRequest) as caught:
         family_grammar(calls, "required", grammars.literal, grammars.json_rule)
     assert caught.value.param == "tools"
+
+
+GLM_CALL = (
+    "<tool_call>note<arg_key>text</arg_key><arg_value>hi there</arg_value>"
+    "<arg_key>count</arg_key><arg_value>3</arg_value></tool_call>"
+)
+GLM45_CALL = (
+    "<tool_call>note\n<arg_key>text</arg_key>\n<arg_value>hi there</arg_value>\n"
+    "<arg_key>flag</arg_key>\n<arg_value>true</arg_value>\n</tool_call>"
+)
+
+
+@pytest.mark.parametrize(
+    ("use", "parallel", "answer", "ok"),
+    [
+        ("required", True, GLM_CALL, True),
+        ("required", True, GLM45_CALL, True),
+        ("required", True, GLM_CALL + GLM45_CALL, True),
+        ("required", False, GLM_CALL + GLM45_CALL, False),
+        ("note", True, GLM_CALL.replace(">3<", ">x<"), False),
+        ("note", True, GLM_CALL.replace("hi there", "a note far too long"), False),
+        ("get_time", True, GLM_CALL, False),
+        (
+            "get_time",
+            True,
+            "<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value></tool_call>",
+            True,
+        ),
+    ],
+)
+def test_glm_calls_are_held_to_their_form(glm, use, parallel, answer, ok):
+    assert allowed(glm, use, answer, parallel) is ok
+
+
+def test_glm_calls_read_back_typed(glm):
+    assert read_one(glm, GLM_CALL) == [("note", {"text": "hi there", "count": 3})]
+    assert read_one(glm, GLM45_CALL) == [("note", {"text": "hi there", "flag": True})]
