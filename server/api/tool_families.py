@@ -242,6 +242,8 @@ def _raw_value(schema: Any, json_rule: JsonRule, closing: str) -> str:
         if set(schema) - {"type", "description", "title", "minLength", "maxLength"}:
             raise UnenforceableArguments("a string argument's constraints cannot be held raw")
         low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+        if not all(type(n) is int and n >= 0 for n in (low, high) if n != ""):
+            raise UnenforceableArguments("a string argument's length bounds are not counts")
         escaped = "".join({"\n": "\\n", "/": "\\/"}.get(c, re.escape(c)) for c in closing)
         return f"/[^<]{{{low},{high}}}{escaped}/"
     if "type" not in schema:

@@ -143,3 +143,26 @@ def test_llama3_calls_and_results_go_back_through_its_template(make_client, tmp_
     )
     assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in rendered
     assert response.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_parameters_a_format_cannot_hold_are_a_400(make_client, tmp_path):
+    client = make_client(
+        model=write_tiny_llama(tmp_path / "coder", chat_template=QWEN3_CODER_TEMPLATE)
+    )
+    patterned = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "string", "pattern": "^a+$"}},
+            },
+        },
+    }
+    body = {"model": "tiny", "messages": ASK, "tools": [patterned], "max_tokens": 4}
+    refused = client.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "tools" and "cannot be held raw" in error["message"]
+    assert "send 'auto'" in error["message"]
+    assert client.post("/v1/chat/completions", json=body).status_code == 200

@@ -366,6 +366,7 @@ def test_qwen3_coder_calls_read_back_typed(qwen3_coder):
     "parameters",
     [
         {"type": "object", "properties": {"x": {"type": "string", "pattern": "^a+$"}}},
+        {"type": "object", "properties": {"x": {"type": "string", "maxLength": "6}/ | /x"}}},
         {"type": "object", "properties": {"x": {"anyOf": [{"type": "string"}]}}},
         {"anyOf": [{"type": "object"}]},
     ],
