@@ -273,7 +273,8 @@ class KeyRing:
             return False
         with self._lock:
             stamp = _Stamp.of(self.path)
-            if settled and time.time_ns() - stamp.mtime_ns < SETTLED_NS:
+            # (A time ahead of the clock, as a copy may keep, counts as settled.)
+            if settled and 0 <= time.time_ns() - stamp.mtime_ns < SETTLED_NS:
                 return False
             try:
                 file_keys = read_keys(self.path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,18 @@ def test_add_key_appends_a_table_that_reads(tmp_path: Path):
     with pytest.raises(KeysFileError, match="mount_prefix and mount_dir are for role"):
         add_key(path, {"name": "x", "mount_prefix": "x-"})
     assert path.read_text() == text
+
+
+def test_a_changed_file_is_read_once_settled(tmp_path: Path):
+    path = tmp_path / "keys.toml"
+    path.write_text(SPEC_EXAMPLE)
+    ring = KeyRing(path, check_every=0.0)
+    path.write_text(SPEC_EXAMPLE + f'[[key]]\nname = "new"\nsha256 = "{key_digest("new")}"\n')
+    assert ring.reload(settled=True) is False  # changed a moment ago: maybe half written
+    past = time.time_ns() - 10**9
+    os.utime(path, ns=(past, past))
+    assert ring.lookup("new") is not None
+    future = time.time_ns() + 3600 * 10**9  # a copy that kept a time ahead of this clock
+    path.write_text(SPEC_EXAMPLE)
+    os.utime(path, ns=(future, future))
+    assert ring.lookup("new") is None
