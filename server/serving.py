@@ -146,7 +146,8 @@ class InferenceService:
         # by requests.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hotlora-tokenize")
         self.tool_format = ToolFormat.of(self.tokenizer) or llama3_format(self.tokenizer)
-        self._system_role: bool | None = None  # whether the template takes a system message
+        # Whether the template takes a system message, where the generic format describes tools.
+        self._system_role = self.tool_format is not None or takes_system_messages(self.tokenizer)
         # Control tokens in the tool-call markup are kept in the text, where the parser reads
         # them (the markup never reaches the client).
         self._keep_control = writes_control_tokens(self.tool_format, self._is_control)
@@ -278,8 +279,6 @@ class InferenceService:
     ) -> list[dict[str, Any]]:
         """The conversation for a template that cannot show tools: calls, results and the
         tools written in the generic format."""
-        if self._system_role is None:
-            self._system_role = takes_system_messages(self.tokenizer)
         generic = tool_calls if isinstance(tool_calls, GenericToolCalls) else None
         return generic_messages(messages, generic, system_role=self._system_role)
 
