@@ -78,7 +78,10 @@ def test_echo_answers_the_legacy_shape(scoring):
     offsets = [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(n)]
     assert logprobs["text_offset"] == offsets
     for token, value, top in zip(
-        logprobs["tokens"][1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]
+        logprobs["tokens"][1:],
+        logprobs["token_logprobs"][1:],
+        logprobs["top_logprobs"][1:],
+        strict=True,
     ):
         assert value <= 0 and top[token] == value  # the token itself, then the 2 most likely
         assert 2 <= len(top) <= 3 and max(top.values()) >= value
@@ -118,9 +121,8 @@ def test_echo_on_lists_token_ids_and_n(scoring):
     assert lists["choices"][0]["logprobs"] == by_ids["logprobs"]
     twice = complete(client, prompt=prompts[:2], echo=True, n=2, max_tokens=1)
     texts = [c["text"] for c in twice["choices"]]
-    assert [t.startswith(p) for t, p in zip(texts, [prompts[0]] * 2 + [prompts[1]] * 2)] == [
-        True
-    ] * 4
+    expected = [prompts[0]] * 2 + [prompts[1]] * 2
+    assert all(t.startswith(p) for t, p in zip(texts, expected, strict=True))
 
 
 def test_echo_streams_the_prompt_first(scoring):
@@ -168,7 +170,7 @@ def test_scores_are_the_same_bits_alone_batched_chunked_and_cached(scoring):
     jobs = [(s, p) for p in prompts for s in SETS]
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(lambda job: score(busy, job[1], job[0])[0], jobs))
-    assert dict(zip(jobs, together)) == expected
+    assert dict(zip(jobs, together, strict=True)) == expected
     for s in SETS:  # again, from the openings kept meanwhile, and as one list
         assert score(busy, prompts, s) == [expected[(s, p)] for p in prompts]
         body = complete(busy, prompt=prompts[2], echo=True, logprobs=1, max_tokens=0, adapter=s)
