@@ -2,6 +2,10 @@
 
 For each model of `--cpu-models`, each server in turn, alone on the machine:
 - `embedded`: the embedded model; llama.cpp serves the GGUF it is imported from.
+- `q4km`: the embedded model requantized by llama.cpp's own `llama-quantize` to Q4_K_M (written
+  once into `--cpu-cache`; its rows of 576 values fall back to Q5_0, so most layers are 5-bit,
+  widened to 8 bits at hotlora's load); hotlora imports that file, llama.cpp serves it. No
+  adapter rows on it (its base rows are the comparison).
 - `1b`: a ~0.8B random-weight llama (hidden 2048, 16 layers, ffn 5632, heads 32/4, vocabulary
   49,152 with the embedded model's tokenizer) built once into `--cpu-cache`: a 4-bit (group 32)
   mlx-lm directory for hotlora and a Q4_1 GGUF of the same 4-bit weights for llama.cpp
@@ -24,7 +28,8 @@ with an adapter of its own, run beside a base-only run of as many rows on the sa
 two untimed rounds of each, `--cpu-adapter-pairs` (4) timed pairs, in alternating order; their
 ratio is the median of the pairs' ratios; the peak RSS with them against (base-only + their
 arrays) x 1.1.
-`LLAMA_SERVER` names llama.cpp's server, else one is built once (tests/bench/llama_cpp.py).
+`LLAMA_SERVER` names llama.cpp's server, else one is built once with `llama-quantize`
+(tests/bench/llama_cpp.py); `LLAMA_QUANTIZE` names the quantizer.
 """
 
 from __future__ import annotations
@@ -46,13 +51,18 @@ from tokenizers import Tokenizer
 
 from tests.bench.adapter_decode import admin, write_random_adapters
 from tests.bench.concurrency import QUESTIONS, concurrent_chats
-from tests.bench.llama_cpp import ensure_llama_server, llama_server_spec
+from tests.bench.llama_cpp import (
+    ensure_llama_server,
+    find_llama_quantize,
+    llama_server_spec,
+    quantize_gguf,
+)
 from tests.bench.prefill import complete, end_ids, long_prompt
 from tests.bench.random_llama import Shape, ensure_random_llama
 from tests.bench.servers import Sample, hotlora_bench_spec, launch
 from tests.support.server_process import ServerProcess, ServerSpec
 
-CPU_MODELS = ("embedded", "1b")
+CPU_MODELS = ("embedded", "q4km", "1b")
 WARMUP_TOKENS = 8
 ADAPTER_WARMUPS = 2  # untimed rounds of adapter rows and of base-only rows before the pairs
 WARMUP_PROMPT_TOKENS = 300
@@ -399,11 +409,26 @@ class CpuSection:
 
 def model_pair(name: str, home: Path, cache: Path) -> tuple[str, Path, Path]:
     """(label, the mlx-lm directory hotlora serves, the GGUF llama-server serves)."""
-    from hotlora.models.embedded import embedded_gguf_path, ensure_embedded_model
+    from hotlora.models.embedded import (
+        embedded_gguf_path,
+        ensure_embedded_model,
+        ensure_gguf_model,
+    )
 
     embedded = ensure_embedded_model(home, progress=print)
     if name == "embedded":
         return f"embedded model ({embedded.name})", embedded, embedded_gguf_path()
+    if name == "q4km":
+        quantizer = find_llama_quantize(cache)
+        if quantizer is None:
+            raise RuntimeError("no llama-quantize beside LLAMA_SERVER: set LLAMA_QUANTIZE")
+        gguf = cache / "gguf" / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+        quantize_gguf(quantizer, embedded_gguf_path(), gguf, "Q4_K_M")
+        return (
+            "embedded model as llama.cpp's Q4_K_M (Q5_0 layers widened to 8 bits)",
+            ensure_gguf_model(gguf, home, progress=print),
+            gguf,
+        )
     shape = Shape()
     built = ensure_random_llama(cache, shape, embedded, embedded_gguf_path())
     return f"random llama ({shape.name}, GGUF Q4_1 of the same codes)", built.model_dir, built.gguf
@@ -417,7 +442,7 @@ def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
     for name in options.models:
         label, model_dir, gguf = model_pair(name, home, options.cache)
         adapter_root = options.cache / "adapters" / model_dir.parent.name / model_dir.name
-        adapter_ids = [f"cpu-r16-{i}" for i in range(options.adapters)]
+        adapter_ids = [f"cpu-r16-{i}" for i in range(options.adapters * (name != "q4km"))]
         # adapter_config.json is written last: where it is, the adapter is whole.
         missing = {
             a: 100 + i
