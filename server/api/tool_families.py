@@ -146,6 +146,8 @@ def family_grammar(calls: ToolCalls, use: str, literal: Literal, json_rule: Json
         return _qwen3_coder(calls, named, literal, json_rule)
     if family == "glm47":
         return _glm47(calls, named, literal, json_rule)
+    if family in _GEMMA_QUOTES:
+        return _gemma(calls, named, literal, json_rule)
     return None
 
 
@@ -203,6 +205,26 @@ def _glm47(calls: ToolCalls, named: str | None, literal: Literal, json_rule: Jso
     return f"start: call{repeat}\ncall: {start} function {end}\nfunction: {' | '.join(options)}\n"
 
 
+# Gemma's call formats: how a string argument is quoted.
+_GEMMA_QUOTES = {"function_gemma": "<escape>", "gemma4": '<|"|>'}
+
+
+def _gemma(calls: ToolCalls, named: str | None, literal: Literal, json_rule: JsonRule) -> str:
+    """FunctionGemma's and Gemma 4's `call:name{key:value,...}` between the format's marks."""
+    quote = _GEMMA_QUOTES[calls.format.family]
+    options = []
+    for name, parameters in tool_parameters(calls.tools, named):
+        arguments = [
+            (f"{json.dumps(key + ':')} {_delimited_value(schema, json_rule, literal, quote)}", req)
+            for key, schema, req in _properties(parameters)
+        ]
+        options.append(f'{json.dumps(f"call:{name}{{")} {_joined(arguments, json.dumps(","))} "}}"')
+    form = calls.format
+    start, end = literal(form.start), literal(form.end or "")
+    repeat = "+" if calls.parallel else ""
+    return f"start: call{repeat}\ncall: {start} ({' | '.join(options)}) {end}\n"
+
+
 class UnenforceableArguments(InvalidRequest):
     """A tool's parameters that a family's format cannot be held to by the grammar."""
 
@@ -231,24 +253,52 @@ def _raw_value(schema: Any, json_rule: JsonRule, closing: str) -> str:
     """A Lark expression of one argument as an XML-like format writes it, then `closing`: a
     string raw (its `enum` or its length held), anything else as JSON. Free text and its
     closing are one regular expression: the lexer would run a free text's match past it."""
-    if not isinstance(schema, dict):
-        raise UnenforceableArguments("an argument's schema is not an object")
-    enum = schema.get("enum")
-    if schema.get("type") == "string" or (
-        "type" not in schema and isinstance(enum, list) and all(isinstance(v, str) for v in enum)
-    ):
-        if isinstance(enum, list):
-            return f"({' | '.join(json.dumps(value) for value in enum)}) {json.dumps(closing)}"
-        if set(schema) - {"type", "description", "title", "minLength", "maxLength"}:
-            raise UnenforceableArguments("a string argument's constraints cannot be held raw")
-        low, high = schema.get("minLength", 0), schema.get("maxLength", "")
-        if not all(type(n) is int and n >= 0 for n in (low, high) if n != ""):
-            raise UnenforceableArguments("a string argument's length bounds are not counts")
-        escaped = "".join({"\n": "\\n", "/": "\\/"}.get(c, re.escape(c)) for c in closing)
-        return f"/[^<]{{{low},{high}}}{escaped}/"
+    enum = _string_enum(schema)
+    if enum is not None:
+        return f"({' | '.join(json.dumps(value) for value in enum)}) {json.dumps(closing)}"
+    if schema.get("type") == "string":
+        return _free_text(schema, "<", closing)
     if "type" not in schema:
         raise UnenforceableArguments("an argument has no type")
     return f"{json_rule(schema)} {json.dumps(closing)}"
+
+
+def _delimited_value(schema: Any, json_rule: JsonRule, literal: Literal, quote: str) -> str:
+    """A Lark expression of one argument as Gemma's `call:name{key:value,...}` writes it: a
+    string raw between two `quote`s (no `<`, `{` or `}` in it), a number or boolean as JSON."""
+    enum = _string_enum(schema)
+    mark = literal(quote)
+    if enum is not None:
+        return f"{mark} ({' | '.join(json.dumps(value) for value in enum)}) {mark}"
+    if schema.get("type") == "string":
+        if mark.startswith("<["):  # a control token: free text cannot run past it
+            return f"{mark} {_free_text(schema, '<{}', '')} {mark}"
+        return f"{mark} {_free_text(schema, '<{}', quote)}"
+    if schema.get("type") not in ("integer", "number", "boolean"):
+        raise UnenforceableArguments("an argument is not a string, number or boolean")
+    return json_rule(schema)
+
+
+def _string_enum(schema: Any) -> list[str] | None:
+    """A string argument's `enum`; None for any other argument."""
+    if not isinstance(schema, dict):
+        raise UnenforceableArguments("an argument's schema is not an object")
+    enum = schema.get("enum")
+    if not isinstance(enum, list) or not all(isinstance(value, str) for value in enum):
+        return None
+    return enum if schema.get("type", "string") == "string" else None
+
+
+def _free_text(schema: dict[str, Any], excluded: str, closing: str) -> str:
+    """A regular expression of a string argument's raw text (no character of `excluded`, its
+    length held), then `closing`."""
+    if set(schema) - {"type", "description", "title", "minLength", "maxLength"}:
+        raise UnenforceableArguments("a string argument's constraints cannot be held raw")
+    low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+    if not all(type(n) is int and n >= 0 for n in (low, high) if n != ""):
+        raise UnenforceableArguments("a string argument's length bounds are not counts")
+    escaped = "".join({"\n": "\\n", "/": "\\/"}.get(c, re.escape(c)) for c in closing)
+    return f"/[^{re.escape(excluded)}]{{{low},{high}}}{escaped}/"
 
 
 def _joined(items: list[tuple[str, bool]], separator: str) -> str:

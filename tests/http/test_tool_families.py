@@ -1,8 +1,8 @@
 """`tool_choice` required and named on templates whose calls are not JSON in tags, in-process on
 the tiny random model: Llama 3's bare JSON, Mistral's `[TOOL_CALLS]` (a list, or
 `name[ARGS]{...}` with control tokens), LFM2's pythonic calls, Qwen3-Coder's and GLM's XML-like
-parameters, each held by the grammar to valid calls in its own format, whole and streamed; and
-Llama 3's calls and results going back through its template."""
+parameters and Gemma's `call:name{...}`, each held by the grammar to valid calls in its own
+format, whole and streamed; and Llama 3's calls and results going back through its template."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from fastapi.testclient import TestClient
 from tests.http.test_tools import sdk, steer
 from tests.support.tiny import with_control_tokens, write_tiny_llama
 from tests.unit.test_tool_families import (
+    FUNCTION_GEMMA_TOKENS,
+    GEMMA4_TOKENS,
     GLM_TEMPLATE,
     LLAMA3_TEMPLATE,
     MISTRAL_ARGS_TEMPLATE,
@@ -45,6 +47,7 @@ TOOLS = [
 ]
 ASK = [{"role": "user", "content": "weather in paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
+PYTHONIC_CALL = "<|tool_call_start|>[name(key=value)]<|tool_call_end|>"
 MISTRAL_TOKENS = ["[TOOL_CALLS]", "[ARGS]"]
 TEMPLATES = {  # family: (chat template, its control tokens)
     "llama3": (LLAMA3_TEMPLATE, []),
@@ -53,6 +56,13 @@ TEMPLATES = {  # family: (chat template, its control tokens)
     "pythonic": (PYTHONIC_TEMPLATE, ["<|tool_call_start|>", "<|tool_call_end|>"]),
     "qwen3_coder": (QWEN3_CODER_TEMPLATE, []),
     "glm47": (GLM_TEMPLATE, []),
+    **{
+        family: (PYTHONIC_TEMPLATE.replace(PYTHONIC_CALL, " ".join(tokens)), tokens)
+        for family, tokens in [
+            ("function_gemma", FUNCTION_GEMMA_TOKENS),
+            ("gemma4", GEMMA4_TOKENS),
+        ]
+    },
 }
 
 

@@ -102,6 +102,7 @@ def with_context(dir: Path, tokens: int) -> Path:
 def with_control_tokens(dir: Path, tokens: list[str]) -> Path:
     """The model directory `dir` with `tokens` made special tokens of its vocabulary (as
     Mistral's `[TOOL_CALLS]` is), in the ids of the last merged pairs, which go."""
+    assert tokens, "no control tokens to add"
     vocab, merges = _vocab()
     freed = [vocab.pop("".join(pair)) for pair in merges[-len(tokens) :]]
     vocab.update(zip(tokens, freed, strict=True))

@@ -415,3 +415,55 @@ def test_glm_calls_are_held_to_their_form(glm, use, parallel, answer, ok):
 def test_glm_calls_read_back_typed(glm):
     assert read_one(glm, GLM_CALL) == [("note", {"text": "hi there", "count": 3})]
     assert read_one(glm, GLM45_CALL) == [("note", {"text": "hi there", "flag": True})]
+
+
+FUNCTION_GEMMA_TOKENS = ["<start_function_call>", "<end_function_call>", "<escape>"]
+GEMMA4_TOKENS = ["<|tool_call>", "<tool_call|>", '<|"|>']
+
+
+@pytest.fixture(scope="module", params=["function_gemma", "function_gemma as text", "gemma4"])
+def gemma(tmp_path_factory: pytest.TempPathFactory, request) -> Engine:
+    family = request.param.split()[0]
+    tokens = FUNCTION_GEMMA_TOKENS if family == "function_gemma" else GEMMA4_TOKENS
+    template = PYTHONIC_TEMPLATE.replace(
+        "<|tool_call_start|>[name(key=value)]<|tool_call_end|>", " ".join(tokens)
+    )
+    dir = write_tiny_llama(tmp_path_factory.mktemp(family), chat_template=template)
+    if not request.param.endswith("as text"):
+        with_control_tokens(dir, tokens)
+    engine = engine_for(dir)
+    assert tool_calls(engine).format.family == family
+    return engine
+
+
+def gemma_call(engine: Engine, body: str) -> str:
+    """`call:...` between the family's marks, its strings between its quotes (`'` here)."""
+    start, end, quote = (
+        FUNCTION_GEMMA_TOKENS
+        if tool_calls(engine).format.family == "function_gemma"
+        else GEMMA4_TOKENS
+    )
+    return start + body.replace("'", quote) + end
+
+
+@pytest.mark.parametrize(
+    ("use", "parallel", "body", "ok"),
+    [
+        ("required", True, "call:note{text:'hi there',count:3}", True),
+        ("note", True, "call:note{text:'hi',flag:true,count:0}", True),
+        ("note", True, "call:note{count:3}", False),  # text is required
+        ("note", True, "call:note{text:'far too long a note'}", False),
+        ("note", True, "call:note{text:'a}b'}", False),
+        ("get_time", True, "call:get_time{zone:'CET'}", True),
+        ("get_time", True, "call:get_time{zone:'PST'}", False),
+    ],
+)
+def test_gemma_calls_are_held_to_their_form(gemma, use, parallel, body, ok):
+    assert allowed(gemma, use, gemma_call(gemma, body), parallel) is ok
+
+
+def test_gemma_calls_read_back_typed(gemma):
+    answer = gemma_call(gemma, "call:note{text:'hi there',flag:false,count:3}")
+    assert read_one(gemma, answer) == [("note", {"text": "hi there", "flag": False, "count": 3})]
+    two = answer + gemma_call(gemma, "call:get_time{zone:'UTC'}")
+    assert allowed(gemma, "required", two) and not allowed(gemma, "required", two, False)
