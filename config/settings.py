@@ -209,7 +209,8 @@ class Settings(BaseSettings):
         default=1024,
         ge=1,
         description="Generated tokens a request may hold that its client has not taken; past "
-        "it generation stops and the request ends with a `client_not_reading` error.",
+        "it generation stops and the request ends with a `client_not_reading` error (its rows "
+        "pause before, at half of it or 64).",
     )
     log_level: str = Field(
         default="info", description="critical, error, warning, info, debug or trace."

@@ -494,7 +494,7 @@ class InferenceService:
         finally:
             self.worker.abandon(submitted.ticket)  # a no-op once finished
             submitted.prepared.lease.release()
-            if submitted.ticket.overflowed:
+            if submitted.ticket.not_read:
                 # Its reader may never see the error: the connection is cut for not reading.
                 stats.failed = True
                 self.metrics.client_not_reading()

@@ -45,6 +45,8 @@ class GenerationJob:
     params: SamplingParams
     adapters: AdapterSet = BASE_ONLY
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set while its reader takes none of its tokens: its row waits out of the batch.
+    paused: threading.Event = field(default_factory=threading.Event)
     grammar: Grammar | None = None  # what the answer must follow (`response_format`); None: free
 
 

@@ -70,6 +70,7 @@ class Load:
     kv_reserved: int = 0  # bytes, as `kv_reserved()` counts them
     running_adapters: frozenset[str] = frozenset()  # adapter ids of those rows
     waiting_adapters: frozenset[str] = frozenset()  # adapter ids of rows not admitted yet
+    paused: int = 0  # requests with a row paused (their client reads nothing)
 
 
 class Scheduler:
@@ -94,6 +95,9 @@ class Scheduler:
         self.waiting = FairQueue()
         self.prefilling: deque[Group] = deque()
         self.running: list[Row] = []
+        # Rows out of the batch while their client takes none of their tokens, each with its
+        # own KV cache: they keep their slot and compute nothing.
+        self.paused: list[tuple[Row, LayerCaches]] = []
         self._cache: LayerCaches | None = None  # the running rows' batch KV cache, row-aligned
         self._row_adapters = RowAdapterCache()
         # Openings shared by scoring prompts, kept with their scores (off with the prompt cache).
@@ -123,15 +127,16 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.prefilling or self.running)
+        return not (self.waiting or self.prefilling or self.running or self.paused)
 
     @property
     def admitted(self) -> int:
         return len(self._admitted_rows())
 
     def _admitted_rows(self) -> list[Row]:
-        """Every row past admission: prefilling, then running."""
-        return [*(row for group in self.prefilling for row in group.rows), *self.running]
+        """Every row past admission: prefilling, running, then paused."""
+        prefilling = (row for group in self.prefilling for row in group.rows)
+        return [*prefilling, *self.running, *(row for row, _ in self.paused)]
 
     def kv_reserved(self, extra: Sequence[Row] = ()) -> int:
         """Bytes the batch cache may reach with `extra` admitted: every row padded to the
@@ -172,14 +177,19 @@ class Scheduler:
 
     # The step.
 
-    def step(self) -> None:
-        """Admit, prefill one chunk's worth, decode once for every running row."""
+    def step(self) -> bool:
+        """Admit, prefill one chunk's worth, decode once for every running row. False when
+        there was nothing to run: every admitted row is paused and none can be admitted."""
         try:
             self._drop_cancelled()
+            self._pause_and_resume()
             self._admit()
+            if not (self.prefilling or self.running):
+                return False
             self._prefill()
             if self.running:
                 self._decode()
+            return True
         finally:
             self._publish()
 
@@ -190,6 +200,7 @@ class Scheduler:
             kv_reserved=self.kv_reserved(),
             running_adapters=frozenset(i for row in admitted for i in row.adapters.ids),
             waiting_adapters=frozenset(i for row in self.waiting for i in row.adapters.ids),
+            paused=len({id(row.sink) for row, _ in self.paused}),
         )
 
     def _drop_cancelled(self) -> None:
@@ -202,6 +213,31 @@ class Scheduler:
         live = {id(row) for row in _without_cancelled(self.running)}
         if len(live) < len(self.running):
             self._keep([i for i, row in enumerate(self.running) if id(row) in live])
+        if any(row.cancelled for row, _ in self.paused):
+            live = {id(row) for row in _without_cancelled([row for row, _ in self.paused])}
+            self.paused = [(row, cache) for row, cache in self.paused if id(row) in live]
+
+    def _pause_and_resume(self) -> None:
+        """Rows whose client has taken none of their latest tokens (its socket's buffers are
+        full) leave the batch with a copy of their own KV cache; rows whose client has read
+        since come back. A paused row holds its KV cache and its slot, and computes nothing."""
+        back = [(row, cache) for row, cache in self.paused if not row.paused]
+        if back:
+            self.paused = [(row, cache) for row, cache in self.paused if row.paused]
+            for row, cache in back:
+                joined = stepped([c.merge([c]) for c in cache])
+                if self._cache is None:
+                    self._cache = joined
+                else:
+                    for mine, theirs in zip(self._cache, joined, strict=True):
+                        mine.extend(theirs)
+                self.running.append(row)
+        held = {i for i, row in enumerate(self.running) if row.paused}
+        if held and self._cache is not None:
+            for i in sorted(held):
+                own = kept_caches([c.extract(i) for c in self._cache])
+                self.paused.append((self.running[i], own))
+            self._keep([i for i in range(len(self.running)) if i not in held])
 
     # Prefill.
 
@@ -460,10 +496,11 @@ class Scheduler:
         self._fail(self._drop_batch(), error)
 
     def _take_admitted(self) -> list[Row]:
-        """Every admitted row, leaving nothing prefilling or running."""
+        """Every admitted row, leaving nothing prefilling, running or paused."""
         prefilling = [row for group in self.prefilling for row in group.rows]
         self.prefilling.clear()
-        return [*prefilling, *self._drop_batch()]
+        paused, self.paused = [row for row, _ in self.paused], []
+        return [*prefilling, *self._drop_batch(), *paused]
 
     def fail_admitted(self, error: BaseException) -> None:
         """Fail every admitted row (a step failed outside a model call); waiting rows stay."""

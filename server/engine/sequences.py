@@ -72,6 +72,10 @@ class Row:
         return self.job.cancelled.is_set()
 
     @property
+    def paused(self) -> bool:
+        return self.job.paused.is_set()
+
+    @property
     def adapters(self) -> AdapterSet:
         return self.job.adapters
 

@@ -3,9 +3,11 @@
 The event loop never runs MLX code. A request is admitted (or refused with `QueueFull`: its
 tenant already has `max_queue` requests waiting) before any response starts, as one ticket
 holding all of its jobs and its tenant's share; the thread moves tickets into the
-scheduler, steps it, and each ticket's events come back through its own asyncio queue. That
-queue is bounded (`max_unsent`): a reader that stops taking events (a client that reads nothing)
-ends its request with `ClientNotReading` rather than let the events pile up.
+scheduler, steps it, and each ticket's events come back through its own asyncio queue. A reader
+that stops taking events (a client that reads nothing, its socket's buffers full) has its rows
+paused once `PAUSE_AT` wait (up to half `max_unsent`): they leave the batch holding only their
+KV cache, and come back once it has taken half of them. The queue is bounded too (`max_unsent`):
+events that pile up beyond it end the request with `ClientNotReading`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hotlora.server.engine.scheduler import Scheduler
 log = logging.getLogger("hotlora")
 
 _DONE = object()
+PAUSE_AT = 64  # events a request's reader leaves untaken before its rows pause
 T = TypeVar("T")
 
 
@@ -72,6 +75,10 @@ class Ticket:
         self.state = _State.WAITING
         self.max_unsent = max_unsent  # events the queue may hold before the request is ended
         self.overflowed = False  # ended with `ClientNotReading`
+        self.pause_at = max(1, min(PAUSE_AT, max_unsent // 2))
+        self.paused = False  # its rows wait out of the batch for its reader
+        self.pauses = 0  # how many times they did
+        self.read_through = False  # its reader took its last event
         self.started_at: float | None = None  # perf_counter when its first row was admitted
         self._worker = worker
         self._loop = asyncio.get_running_loop()
@@ -82,6 +89,13 @@ class Ticket:
         """Stop every job: a running one within one step, the rest before they start."""
         for job in self.jobs:
             job.cancelled.set()
+        self._worker._wake()  # a paused row leaves at the next step
+
+    @property
+    def not_read(self) -> bool:
+        """Its client stopped taking its answer: it overflowed, or it paused and its reader
+        left before the end."""
+        return self.overflowed or (self.pauses > 0 and not self.read_through)
 
     # The scheduler's side (the worker thread).
 
@@ -141,6 +155,30 @@ class Ticket:
             )
             return
         self.events.put_nowait(item)
+        if not self.paused and self.events.qsize() >= self.pause_at:
+            self._pause()
+
+    def _pause(self) -> None:
+        self.paused = True
+        self.pauses += 1
+        if self.pauses == 1:
+            log.info(
+                "a client has taken none of its request's last %d events (its socket's buffers "
+                "are full): the request's %d rows are paused, holding only their KV cache, "
+                "until it reads; --send-timeout cuts it if it never does",
+                self.pause_at,
+                len(self.jobs),
+            )
+        for job in self.jobs:
+            job.paused.set()
+
+    def taken(self) -> None:
+        """The reader took an event: once it has taken half of those waiting, the rows resume."""
+        if self.paused and self.events.qsize() <= self.pause_at // 2:
+            self.paused = False
+            for job in self.jobs:
+                job.paused.clear()
+            self._worker._wake()
 
 
 @dataclass(frozen=True)
@@ -149,6 +187,7 @@ class LoadSnapshot:
 
     running: int = 0  # requests with a row prefilling or decoding
     waiting: int = 0  # admitted requests none of whose rows has started
+    paused: int = 0  # running requests with rows paused for a client that reads nothing
     kv_usage: float = 0.0  # KV cache the batch reserves over its budget (1: all of it)
     running_adapters: frozenset[str] = frozenset()  # adapter ids of the running requests
     waiting_adapters: frozenset[str] = frozenset()  # adapter ids of rows not admitted yet
@@ -192,6 +231,8 @@ class GenerationWorker:
         self._waiting = 0
         self._waiting_by_tenant: dict[str, int] = {}
         self._stopping = False
+        self._stalled = False  # the last step had nothing to run: wait for news
+        self._news = 0  # wake-ups so far (a step that ran none stalls only if none came)
         self._thread: threading.Thread | None = None
 
     @property
@@ -208,6 +249,7 @@ class GenerationWorker:
         return LoadSnapshot(
             running=load.running,
             waiting=self.waiting,
+            paused=load.paused,
             kv_usage=load.kv_reserved / self.scheduler.kv_cache_bytes,
             running_adapters=load.running_adapters,
             waiting_adapters=load.waiting_adapters,
@@ -274,7 +316,9 @@ class GenerationWorker:
         try:
             while True:
                 item = await ticket.events.get()
+                ticket.taken()
                 if item is _DONE:
+                    ticket.read_through = True
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -290,6 +334,13 @@ class GenerationWorker:
             if ticket.state is _State.WAITING:
                 ticket.state = _State.CANCELLED
                 self._count_waiting(ticket, -1)
+
+    def _wake(self) -> None:
+        """Something may have changed for rows that wait on their readers: step again."""
+        with self._lock:
+            self._news += 1
+            self._stalled = False
+            self._lock.notify()
 
     def _started(self, ticket: Ticket) -> None:
         with self._lock:
@@ -316,9 +367,10 @@ class GenerationWorker:
                         not self._stopping
                         and not self._inbox
                         and not self._errands
-                        and scheduler.idle
+                        and (scheduler.idle or self._stalled)
                     ):
                         self._lock.wait()
+                    self._stalled = False
                     if self._stopping:
                         break
                     arrived = list(self._inbox)
@@ -336,7 +388,12 @@ class GenerationWorker:
                     except Exception:  # noqa: BLE001 - a step must not wait on it
                         log.exception("the hook before a step failed")
                 try:
-                    scheduler.step()
+                    with self._lock:
+                        news = self._news
+                    ran = scheduler.step()
+                    with self._lock:
+                        # Only a step that says it ran nothing waits (not one wrapped in tests).
+                        self._stalled = ran is False and self._news == news
                 except Exception as exc:  # noqa: BLE001 - what ran fails, the worker serves on
                     log.exception("generation step failed")
                     scheduler.fail_admitted(exc)

@@ -420,6 +420,12 @@ class _Gauges(Collector):
             cache_usage,
         )
         yield _gauge("hotlora_adapters_mounted", "Adapters mounted now.", model, mounted)
+        yield _gauge(
+            "hotlora_requests_paused",
+            "Running requests whose rows are paused: their client takes none of their tokens.",
+            model,
+            load.paused,
+        )
         resident = GaugeMetricFamily(
             "hotlora_adapter_resident_bytes",
             "Memory each resident adapter's arrays hold.",

@@ -23,10 +23,9 @@ from tests.support.server_process import ServerProcess, hotlora_spec
 pytestmark = pytest.mark.e2e
 
 REQUEST_TIMEOUT_S = 2
-# Longer than MAX_UNSENT tokens take to make: a client that stops reading has its request ended
-# by the bound, then its connection cut.
+# Long enough to watch a paused request before its connection is cut.
 SEND_TIMEOUT_S = 10
-MAX_UNSENT = 64
+MAX_UNSENT = 64  # its rows pause at 32 untaken events
 ADAPTER = "x"
 
 
@@ -97,7 +96,13 @@ def metric(client: httpx.Client, name: str) -> float:
     return 0.0
 
 
-def test_a_client_that_never_reads_ends_its_request_and_releases_its_adapter(
+def rss_mb(server: ServerProcess) -> float:
+    assert server.proc is not None
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+
+
+def test_a_client_that_never_reads_is_paused_then_ends_and_releases_its_adapter(
     server: ServerProcess,
 ):
     reader = never_reading(server.port, long_stream(server.model_id, adapter=ADAPTER))
@@ -106,12 +111,21 @@ def test_a_client_that_never_reads_ends_its_request_and_releases_its_adapter(
         while in_use(client) != 1:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.2)
-        # Once the socket's buffers are full its rows end, MAX_UNSENT tokens later, and the
-        # connection is cut SEND_TIMEOUT_S after: long before 8 x 2000 tokens are made.
+        # Once the socket's buffers are full its rows pause: the server's memory stops growing
+        # (it holds their KV cache, no more events nor positions).
         deadline = time.monotonic() + 120
+        while metric(client, "hotlora_requests_paused") != 1:
+            assert time.monotonic() < deadline, "the request never paused"
+            time.sleep(0.2)
+        paused_at = rss_mb(server)
+        time.sleep(4)
+        assert metric(client, "hotlora_requests_paused") == 1
+        assert rss_mb(server) - paused_at < 8 * 1024, "memory grew while paused (kB)"
+        # The connection is cut SEND_TIMEOUT_S after the buffers filled: the request ends.
         while in_use(client):
             assert time.monotonic() < deadline, "the adapter is still in use"
             time.sleep(0.5)
+        assert metric(client, "hotlora_requests_paused") == 0
         assert metric(client, "hotlora_client_not_reading_total") == 1
         assert metric(client, "vllm:num_requests_running") == 0
         generated = metric(client, "vllm:generation_tokens_total")
@@ -120,4 +134,6 @@ def test_a_client_that_never_reads_ends_its_request_and_releases_its_adapter(
         time.sleep(2)
         assert metric(client, "vllm:generation_tokens_total") == generated
     reader.close()
-    assert "Traceback" not in server.log(200)
+    log = server.log(200)
+    assert "the request's 8 rows are paused, holding only their KV cache" in log
+    assert "Traceback" not in log

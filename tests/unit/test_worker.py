@@ -17,6 +17,7 @@ from hotlora.server.engine import (
     GenerationWorker,
     QueueFull,
     SamplingParams,
+    Ticket,
     WorkerStopped,
 )
 from hotlora.server.engine.sequences import Row
@@ -125,13 +126,36 @@ def test_stopping_fails_requests_in_flight_and_refuses_new_ones(engine: Engine):
     assert isinstance(asyncio.run(scenario()), WorkerStopped)
 
 
-def test_a_reader_that_takes_nothing_ends_its_request_at_the_bound(engine: Engine):
-    async def scenario() -> tuple[list[object], bool]:
+def test_a_reader_that_takes_nothing_has_its_rows_paused_short_of_the_bound(engine: Engine):
+    async def scenario() -> tuple[Ticket, int, bool]:
         worker = GenerationWorker(engine, max_unsent=8)
         worker.start()
         try:
             ticket = worker.submit([job(500), job(500)])
-            # Nobody reads while the jobs would make 1000 events.
+            # Nobody reads: the rows pause at 4 untaken events, long before 1000 are made.
+            while not ticket.paused:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            paused = len(worker.scheduler.paused)
+            return ticket, paused, any(j.cancelled.is_set() for j in ticket.jobs)
+        finally:
+            await worker.stop()
+
+    ticket, paused, cancelled = asyncio.run(scenario())
+    assert paused == 2 and not cancelled
+    assert not ticket.overflowed and ticket.events.qsize() <= 4 + 2  # one step's beyond
+    assert ticket.not_read
+
+
+def test_events_beyond_the_bound_in_one_step_end_the_request(engine: Engine):
+    """Rows pause once a step's events reach the pause mark; should that one step's events
+    (a request of many choices) reach the bound itself, the request ends."""
+
+    async def scenario() -> tuple[list[object], bool]:
+        worker = GenerationWorker(engine, max_unsent=4)  # pauses at 2; 8 choices make 8
+        worker.start()
+        try:
+            ticket = worker.submit([job(500) for _ in range(8)])
             while not ticket.overflowed:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # what the cancelled jobs still send is dropped
