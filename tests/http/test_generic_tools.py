@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from hotlora.server.api.generic_tools import GENERIC, GenericToolCalls
 from hotlora.server.render.tool_prompt import generic_messages
 
+from tests.http.test_responses_api import events
 from tests.http.test_tools import sdk, steer
 from tests.support.tiny import with_context, write_tiny_llama
 
@@ -285,3 +286,19 @@ def test_parameters_that_cannot_be_held_to_are_400s(client):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "tools" and "tool's parameters" in error["message"]
+
+
+def test_responses_stream_generic_calls_as_function_call_items(client):
+    steer(client, PARALLEL)
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    body = {"model": "tiny", "input": "weather?", "tools": tools, "stream": True}
+    response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    sent = events(response)
+    done = [data["item"] for name, data in sent if name == "response.output_item.done"]
+    assert [(item["type"], item["name"]) for item in done] == [
+        ("function_call", "get_weather"),
+        ("function_call", "get_time"),
+    ]
+    assert json.loads(done[1]["arguments"]) == {"zone": "CET"}
+    assert not [name for name, _ in sent if name == "response.output_text.delta"]
