@@ -43,9 +43,6 @@ def _parse(body: str, tools: Any) -> Any:
     return answer[CALLS_KEY]
 
 
-GENERIC = ToolFormat(CALLS_PREFIX, None, _parse, json_body=True, family="generic")
-
-
 @dataclass(frozen=True)
 class GenericToolCalls(ToolCalls):
     """One request's tools in the generic format: what the answer may be, and how it is read."""
@@ -74,9 +71,6 @@ class GenericToolCalls(ToolCalls):
     def text_allowed(self) -> bool:
         """The answer may be text instead of calls."""
         return self.use == "auto"
-
-    def stream(self) -> ToolCallStream:
-        return GenericCallStream(self)
 
 
 @dataclass
@@ -153,6 +147,11 @@ class GenericCallStream(ToolCallStream):
             log.info("a tool call names no tool of the request; kept as text")
             return None
         return output_calls({"name": call["name"], "arguments": call.get("arguments", {})})
+
+
+GENERIC = ToolFormat(
+    CALLS_PREFIX, None, _parse, json_body=True, family="generic", answer_stream=GenericCallStream
+)
 
 
 def next_object(text: str, at: int, separator: str = ",") -> tuple[int, int] | None:
