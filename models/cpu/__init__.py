@@ -186,9 +186,7 @@ def float32_fallback(model: nn.Module, unpacked: str) -> str:
     from hotlora.models.cpu.weights import float32_bytes, packed_bytes
 
     copy, packed = float32_bytes(model), packed_bytes(model)
-    if unpacked.startswith("--cpu-weights"):
-        fix = "pass --cpu-weights auto or packed"
-    elif unpacked == "--no-cpu-native-kernels":
+    if unpacked == "--no-cpu-native-kernels":
         fix = "drop --no-cpu-native-kernels"
     elif "not built" in unpacked:
         fix = "`make setup` builds the native kernels"
@@ -229,9 +227,9 @@ def prepare_cpu(
     from hotlora.models.cpu.vector_jit import enable_vector_jit
     from hotlora.models.cpu.weights import (
         all_float32,
+        any_quantized,
         choose_cpu_weights,
         has_gpu,
-        quantized,
         to_float32,
     )
 
@@ -245,7 +243,7 @@ def prepare_cpu(
     unpacked = None if weights in ("auto", "packed") else f"--cpu-weights {weights}"
     unpacked = unpacked or packed_unserved(model, batch_kernels)
     choice = choose_cpu_weights(model, weights, float_budget, unpacked=unpacked)
-    if choice.float32 and weights != "float32" and unpacked is not None and quantized(model):
+    if choice.float32 and weights != "float32" and unpacked is not None and any_quantized(model):
         log.warning("%s", float32_fallback(model, unpacked))
     if choice.float32:
         with (converting or _quietly)(choice.reason):

@@ -81,7 +81,7 @@ def _low_precision(model: nn.Module) -> str | None:
     return None
 
 
-def quantized(model: nn.Module) -> bool:
+def any_quantized(model: nn.Module) -> bool:
     """Whether any of the model's parameters is a quantized layer's packed codes."""
     params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     return any(value.dtype == mx.uint32 for _, value in params)
