@@ -89,7 +89,9 @@ class Settings(BaseSettings):
     )
     max_tokens_limit: int = Field(default=4096, gt=0, description="Upper bound on max_tokens.")
     max_n: int = Field(default=8, ge=1, description="Upper bound on a request's `n`.")
-    queue_size: int = Field(default=64, ge=1, description="Waiting requests beyond this get 503.")
+    queue_size: int = Field(
+        default=64, ge=1, description="Waiting requests of one tenant beyond this get 503."
+    )
     prompt_cache_size: int = Field(
         default=8, ge=0, description="Prompt KV caches kept for reuse (per base+adapter set)."
     )
