@@ -14,9 +14,12 @@ meanwhile; llama.cpp's server side by side when `LLAMA_SERVER` names it. `cpu`
 (tests/bench/cpu.py, only when named): hotlora against llama.cpp's server on the same weights,
 the embedded model and a ~0.8B random llama, 1 to 16 streams, prefill, peak RSS, 16 adapters.
 `scoring` (tests/bench/scoring.py): lm-eval-shaped multiple-choice scoring requests per second,
-one adapter alone, and 4 adapters evaluated at once against one after another.
+one adapter alone, and 4 adapters evaluated at once against one after another. `fairness`
+(tests/bench/fairness.py): tenant B's first token, one request at a time, idle and while tenant
+A keeps 64 streams in flight, beside A's queued requests' first token.
 
-    python -m tests.bench [--sections base,adapters,concurrency,prefill,scoring,cpu] [--rounds 5]
+    python -m tests.bench [--sections base,adapters,concurrency,prefill,scoring,fairness,cpu]
+                          [--rounds 5]
                           [--max-tokens 128] [--clients 8] [--concurrency-tokens 96]
                           [--concurrency-rounds 5] [--prefill-tokens 8000] [--prefill-rounds 1]
                           [--cpu-models embedded,1b] [--cpu-streams 1,8,16] [--cpu-tokens 96]
@@ -24,7 +27,8 @@ one adapter alone, and 4 adapters evaluated at once against one after another.
                           [--cpu-adapter-dtype auto|float32|float16] [--cpu-rounds 1]
                           [--cpu-adapter-pairs 4] [--cpu-precisions fast,exact]
                           [--cpu-cache DIR] [--scoring-docs 16] [--scoring-clients 8]
-                          [--scoring-rounds 1] [--model DIR]
+                          [--scoring-rounds 1] [--fairness-flood 64] [--fairness-rounds 5]
+                          [--model DIR]
 
 Exits 0 when a target is missed: this is a measurement, not a test.
 """
@@ -50,6 +54,7 @@ from tests.bench.adapter_decode import run_adapters
 from tests.bench.concurrency import QUESTIONS as CONCURRENT_QUESTIONS
 from tests.bench.concurrency import run_concurrency
 from tests.bench.cpu import CPU_MODELS, Options, run_cpu
+from tests.bench.fairness import run_fairness
 from tests.bench.prefill import run_prefill
 from tests.bench.scoring import run_scoring
 from tests.bench.servers import Sample, hotlora_bench_spec, launch, mlx_lm_spec, stream_chat
@@ -268,6 +273,12 @@ def section_prefill(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     return SectionResult(out.title, [], out.lines)
 
 
+def section_fairness(args: argparse.Namespace, model_dir: Path) -> SectionResult:
+    """Tenant B's first token while tenant A floods the batch, against A's queued requests'."""
+    out = run_fairness(model_dir, server_env(args.home), args.fairness_flood, args.fairness_rounds)
+    return SectionResult(out.title, [], out.lines)
+
+
 def section_scoring(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     """lm-eval-shaped scoring: one adapter alone, 4 adapters at once and one after another."""
     title, lines = run_scoring(
@@ -318,12 +329,13 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], SectionResult]] = {
     "concurrency": section_concurrency,
     "prefill": section_prefill,
     "scoring": section_scoring,
+    "fairness": section_fairness,
     "cpu": section_cpu,
     "adapters-at-scale": section_adapters_at_scale,
 }
 # `cpu` builds a random ~0.8B model and, without LLAMA_SERVER, llama.cpp; `adapters-at-scale`
 # writes 1,000 adapters (~10 GB) and runs for minutes: run only when named.
-DEFAULT_SECTIONS = ("base", "adapters", "concurrency", "prefill", "scoring")
+DEFAULT_SECTIONS = ("base", "adapters", "concurrency", "prefill", "scoring", "fairness")
 
 
 def int_list(text: str) -> list[int]:
@@ -441,6 +453,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Concurrent clients an evaluation in section scoring (lm-eval's num_concurrent).",
     )
     p.add_argument("--scoring-rounds", type=int, default=1, help="Rounds in section scoring.")
+    p.add_argument(
+        "--fairness-flood",
+        type=int,
+        default=64,
+        help="Streams tenant A keeps in flight in section fairness.",
+    )
+    p.add_argument(
+        "--fairness-rounds",
+        type=int,
+        default=5,
+        help="Tenant B's requests, one at a time, per measurement in section fairness.",
+    )
     add_model_args(p)
     p.add_argument(
         "--skip-direct", action="store_true", help="Leave out the in-process stream_generate run."
