@@ -56,7 +56,12 @@ from hotlora.server.engine.next_tokens import (
     processed,
 )
 from hotlora.server.engine.prefill_cost import PrefillCost
-from hotlora.server.engine.scoring import MAX_OPENINGS, ScoredOpenings, scoring_key
+from hotlora.server.engine.scoring import (
+    MAX_OPENINGS,
+    ScoredOpenings,
+    job_scoring_key,
+    scoring_key,
+)
 from hotlora.server.engine.sequences import Group, Row, Sink
 
 log = logging.getLogger("hotlora")
@@ -124,6 +129,7 @@ class Scheduler:
             for position, job in enumerate(jobs)
         ]
         self.waiting.extend(rows, share)
+        self._note_scoring(jobs)
 
     @property
     def idle(self) -> bool:
@@ -329,7 +335,7 @@ class Scheduler:
         scoring = scoring_key(self.engine.base_id, group)
         if scoring is not None:
             # Every prompt position's logits are wanted: a kept scored opening, or nothing.
-            self.scored.note(scoring, prompt, id(group))
+            self.scored.note(scoring, prompt, id(group.rows[0].job))
             cache, rest = None, prompt
             kept = self.scored.fetch(scoring, prompt)
             if kept is not None:
@@ -374,6 +380,16 @@ class Scheduler:
                 mine.extend(theirs)
         self.running.extend(rows)
 
+    def _note_scoring(self, jobs: Sequence[GenerationJob]) -> None:
+        """Remember each scoring prompt as it arrives (once for its `n` choices), so that the
+        first of its question's choices to be prefilled keeps the opening they share."""
+        seen: set[int] = set()
+        for job in jobs:
+            key = job_scoring_key(self.engine.base_id, job)
+            if key is not None and id(job.prompt) not in seen:
+                seen.add(id(job.prompt))
+                self.scored.note(key, job.prompt, id(job))
+
     def _waits_for_opening(self, group: Group) -> bool:
         """Whether a scoring group waits for another of its key being prefilled, which shares
         a longer opening with it than is kept: that one keeps the opening as it joins."""
@@ -387,7 +403,7 @@ class Scheduler:
         ]
         if not self.scored.waits(key, group.prompt, leaders):
             return False
-        self.scored.note(key, group.prompt, id(group))
+        self.scored.note(key, group.prompt, id(group.rows[0].job))
         return True
 
     def _keep_opening(self, group: Group) -> None:
@@ -395,7 +411,9 @@ class Scheduler:
         key = scoring_key(self.engine.base_id, group)
         if key is None or group.cache is None:
             return
-        shared = min(self.scored.shared(key, group.prompt, id(group)), len(group.prompt))
+        shared = min(
+            self.scored.shared(key, group.prompt, id(group.rows[0].job)), len(group.prompt)
+        )
         if shared:
             opening = group.prompt[:shared]
             self.scored.keep(key, opening, group.cache, group.prompt_logprobs)

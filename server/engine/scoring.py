@@ -23,23 +23,28 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from hotlora.server.engine.generate import RankedLogprob, prompt_cache_key
+from hotlora.server.engine.generate import GenerationJob, RankedLogprob, prompt_cache_key
 from hotlora.server.engine.kv_caches import LayerCaches, in_one_buffer, stepped
 from hotlora.server.engine.prompt_heads import MIN_HEAD, shared_prefix
 from hotlora.server.engine.sequences import Group
 
 MAX_OPENINGS = 32  # kept openings, least recently used out first
 MAX_BYTES = 64 << 20  # their KV buffers together
-RECENT = 32  # scoring prompts remembered to find the openings they share
+RECENT = 128  # scoring prompts remembered (from their arrival) to find the openings they share
 
 # The prompt cache key (base model, adapter revisions) and the alternatives per prompt token.
 ScoringKey = tuple[tuple[str, ...], int]
 
 
+def job_scoring_key(base_id: str, job: GenerationJob) -> ScoringKey | None:
+    """What a job's prompt scores are kept under; None when it asks for none."""
+    k = job.params.prompt_logprobs
+    return None if k is None else (prompt_cache_key(base_id, job.adapters), k)
+
+
 def scoring_key(base_id: str, group: Group) -> ScoringKey | None:
     """What a group's prompt scores are kept under; None when it asks for none."""
-    k = group.rows[0].job.params.prompt_logprobs
-    return None if k is None else (prompt_cache_key(base_id, group.adapters), k)
+    return job_scoring_key(base_id, group.rows[0].job)
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,8 @@ class ScoredOpenings:
         return len(self._kept)
 
     def note(self, key: ScoringKey, prompt: Sequence[int], owner: int) -> None:
-        """Remember a scoring prompt (`owner`: its group's id) until the one it shares an
-        opening with keeps that opening."""
+        """Remember a scoring prompt (`owner`: the id of its first job) until the one it shares
+        an opening with keeps that opening."""
         if self.max_size and not any(o == owner for _, _, o in self._recent):
             self._recent.append((key, tuple(prompt), owner))
 

@@ -4,8 +4,9 @@ An evaluation is `--scoring-docs` (16) questions, each a context and 4 choices, 
 lm-eval's `local-completions` model sends a multiple-choice task: one request per choice,
 `{"prompt": context + choice, "echo": true, "logprobs": 1, "max_tokens": 1}`, from
 `--scoring-clients` (8) concurrent clients (its `num_concurrent`). One hotlora server with 4
-random rank-8 adapters mounted runs it for one adapter alone, then 4 evaluations (one adapter
-each) one after another, then 4 at once. Reported: requests per second of each, and the time of
+random rank-8 adapters mounted (and `--max-batch` 4 x the clients) runs it for one adapter
+alone, then 4 evaluations (one adapter each) one after another, then 4 at once. Reported:
+requests per second of each, and the time of
 4 at once against 4 one after another (the ratio; under 1 is faster). Every evaluation has
 questions of its own, so none finds another's scored openings kept.
 
@@ -112,9 +113,13 @@ def run_scoring(
     root = home / "bench-scoring-adapters"
     write_adapters(model_dir, root, ADAPTERS, [RANK] * len(ADAPTERS))
     mounts = [arg for name in ADAPTERS for arg in ("--adapter", f"{name}={name}")]
+    # Room in the batch for every client of 4 evaluations at once (the default, 8, queues them:
+    # 4 at once then take longer than one after another).
+    batch = ("--max-batch", str(len(ADAPTERS) * clients))
     spec = hotlora_spec(
-        "--model", str(model_dir), "--log-level", "warning", "--adapter-root", str(root), *mounts
-    )
+        "--model", str(model_dir), "--log-level", "warning", "--adapter-root", str(root), *mounts,
+        *batch,
+    )  # fmt: skip
     alone: list[float] = []
     serial: list[float] = []
     together: list[float] = []
@@ -143,7 +148,8 @@ def run_scoring(
     serial_s, together_s = statistics.median(serial), statistics.median(together)
     title = (
         f"scoring: lm-eval-shaped multiple choice ({docs} questions x 4 choices, echo + "
-        f"logprobs 1 + max_tokens 1, {clients} clients an evaluation), median of {rounds}"
+        f"logprobs 1 + max_tokens 1, {clients} clients an evaluation, --max-batch {batch[1]}), "
+        f"median of {rounds}"
     )
     lines = [
         f"{'evaluation':<34}{'requests/s':>12}{'seconds':>10}",
