@@ -146,12 +146,13 @@ class _RowsModel(nn.Module):
     rows_mode: bool | str = True  # "all": every call takes the kernel, not batched steps only
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outer = getattr(_running, "rows", False)
+        outer = getattr(_running, "rows", False), getattr(_running, "masks", None)
         _running.rows = self.rows_mode
+        _running.masks = {}  # this call's masks built from no mask or "causal", by shape
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            _running.rows = outer
+            _running.rows, _running.masks = outer
 
 
 _ROWS_MODELS: dict[tuple[type[nn.Module], bool], type[nn.Module]] = {}
@@ -191,6 +192,11 @@ def _any_call_mask(
     batch, _, length, _ = queries.shape
     span = keys.shape[2] if keys.ndim == 4 else 0
     shape = (batch, 1, length, span)
+    # Every layer of a call builds the same mask from no mask or "causal": one array for all.
+    built: dict[tuple[Any, ...], mx.array] | None = getattr(_running, "masks", None)
+    key = (mask, shape) if mask is None or isinstance(mask, str) else None
+    if key is not None and built is not None and key in built:
+        return built[key] if _fits(queries, keys, values, built[key]) else None
     if mask is None:
         mask = mx.array(True)
     elif isinstance(mask, str):
@@ -203,6 +209,8 @@ def _any_call_mask(
         mask = mx.broadcast_to(mask, shape)
     except ValueError:
         return None
+    if key is not None and built is not None:
+        built[key] = mask
     return mask if _fits(queries, keys, values, mask) else None
 
 
