@@ -128,7 +128,7 @@ def install_packed_kernels(
         set_cpu_precision,
         swap_layers,
     )
-    from hotlora.models.cpu.weights import to_packed, widened
+    from hotlora.models.cpu.weights import half_float_layers, to_packed, widened
 
     threads = threads or default_threads()
     loaded = extension.load(threads)
@@ -136,6 +136,8 @@ def install_packed_kernels(
         return RowsKernels(False, loaded)
     if count := widened(model):  # seconds on a large model: say what the wait is
         log.info("packing: widening the codes of %d quantized layers to 4 or 8 bits", count)
+    if halves := half_float_layers(model):
+        log.warning("%s", float32_layers(halves))
     repacked = to_packed(model)
     swapped = swap_layers(model, all_rows=True)
     attention = install_rows_attention(model, all_rows=True)
@@ -178,6 +180,22 @@ def packed_unserved(model: nn.Module, batch_kernels: bool) -> str | None:
     if importlib.util.find_spec(f"{extension.__package__}.{extension._MODULE}") is None:
         return "the native kernels are not built; `make setup` builds them"
     return quantized_unserved(model)
+
+
+def float32_layers(halves: list[tuple[str, int]]) -> str:
+    """The warning for half-precision layers of a packed model, served as float32 copies:
+    which (the largest first), the RAM they cost, and what keeps them packed."""
+    halves = sorted(halves, key=lambda item: -item[1])
+    named = ", ".join(f"{path} ({size / 1e6:.0f} MB)" for path, size in halves[:3])
+    more = f" and {len(halves) - 3} more" if len(halves) > 3 else ""
+    total = sum(size for _, size in halves)
+    return (
+        f"{len(halves)} unquantized float16/bfloat16 layers served as float32 copies beside the "
+        f"packed ones: {named}{more}, {total / 1e6:.0f} MB of RAM in all (half as loaded); to "
+        "keep them packed, quantize them: a GGUF's embedding and output head with llama.cpp's "
+        "llama-quantize --token-embedding-type q8_0 --output-tensor-type q8_0, a float model "
+        "with `hotlora quantize`"
+    )
 
 
 def float32_fallback(model: nn.Module, unpacked: str) -> str:

@@ -202,6 +202,17 @@ class Repacked:
         return f"{', '.join(parts)} (codes +{grown:.0f} MB, {self.seconds:.1f} s)"
 
 
+def half_float_layers(model: nn.Module) -> list[tuple[str, int]]:
+    """The model's unquantized projections and embeddings whose weights are float16 or
+    bfloat16, with the bytes each takes as float32: served beside packed layers, `to_packed`
+    casts them to float32 copies (the float kernels read float32)."""
+    return [
+        (path, 4 * module.weight.size)
+        for path, module in model.named_modules()
+        if type(module) in (nn.Linear, nn.Embedding) and module.weight.dtype in _HALF
+    ]
+
+
 def widened(model: nn.Module) -> int:
     """How many of the model's quantized layers `repack` widens."""
     return sum(

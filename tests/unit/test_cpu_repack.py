@@ -154,3 +154,28 @@ def test_a_layer_no_kernel_takes_costs_a_float32_copy_with_a_warning(tmp_path: P
     assert "model.layers.1.mlp.up_proj is quantized as mxfp4" in warning
     assert "MB of RAM where the packed weights would take" in warning
     assert "--cpu-weights mlx" in warning and "hotlora quantize" in warning
+
+
+@pytest.mark.skipif(extension.unavailable() is not None, reason=f"{extension.unavailable()}")
+def test_half_precision_layers_beside_packed_ones_are_named_with_their_ram(tmp_path: Path, caplog):
+    """A quantized file with a float16 layer (a GGUF's F16 embedding, say) is served packed,
+    that layer as a float32 copy: the WARNING names it and its bytes."""
+    model = FAMILIES["llama"].build("llama", seed=3, tie_word_embeddings=True)
+    model.set_dtype(mx.float16)
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda path, m: (
+            isinstance(m, nn.Linear) and path != "model.layers.0.mlp.down_proj"
+        ),
+    )
+    with caplog.at_level(logging.INFO, logger="hotlora"):
+        setup = serve(model, tmp_path)
+    assert setup.packed
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("2 unquantized float16/bfloat16 layers served as float32 copies")
+    embedding = 4 * VOCAB_SIZE * 64 / 1e6
+    assert f"model.embed_tokens ({embedding:.0f} MB)" in warning
+    assert "model.layers.0.mlp.down_proj" in warning and "--token-embedding-type q8_0" in warning
+    assert model.model.embed_tokens.weight.dtype == mx.float32
