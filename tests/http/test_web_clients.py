@@ -47,9 +47,9 @@ def spy_params(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> list[Samp
     seen: list[SamplingParams] = []
     submit = service.submit
 
-    def spy(prepared):
+    def spy(prepared, *args, **kwargs):
         seen.append(prepared.params)
-        return submit(prepared)
+        return submit(prepared, *args, **kwargs)
 
     monkeypatch.setattr(service, "submit", spy)
     return seen
