@@ -11,6 +11,7 @@ from hotlora.server.api.token_requests import (
     TokenizeResponse,
 )
 from hotlora.server.api.tool_calls import template_message
+from hotlora.server.render.chat_templates import NO_CHAT_TEMPLATE
 from hotlora.server.serving import InferenceService
 
 
@@ -32,7 +33,7 @@ class TokenizingService:
         inference = self.inference
         if request.messages is not None:
             if not getattr(self.tokenizer, "has_chat_template", True):
-                raise InvalidRequest("This model has no chat template; send a 'prompt'.")
+                raise InvalidRequest(f"{NO_CHAT_TEMPLATE}, or send a 'prompt'.")
             messages = [template_message(m) for m in request.messages]
             # Tools are shown as on chat with `tool_choice` auto: by the template, or in the
             # generic format when it cannot show them.
