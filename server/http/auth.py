@@ -73,6 +73,15 @@ def require_admin_key(request: Request) -> None:
     _admit(request, admin=True)
 
 
+def require_metrics_key(request: Request) -> None:
+    """/metrics' check: open, like vLLM's, unless a keys file scopes tenants; then its series
+    (every tenant's name, usage and adapters) are for an admin key alone."""
+    if _tenancy(request).keys.path is None:
+        return
+    if not _tenant(request, admin=True).is_admin:
+        raise Unauthorized("An admin API key is required for /metrics while --keys is set.")
+
+
 def _tenancy(request: Request) -> Tenancy:
     return request.app.state.tenancy
 

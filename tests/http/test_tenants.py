@@ -390,9 +390,19 @@ def test_usage_per_tenant(tenants: TestClient):
     assert rows["acme"]["adapters"]["acme-a"]["prompt_tokens"] == before + used
     own = tenants.get("/v1/usage", headers=auth("acme-admin")).json()["data"]
     assert [row["tenant"] for row in own] == ["acme"]
-    metrics = tenants.get("/metrics").text
+    metrics = tenants.get("/metrics", headers=auth("ops")).text
     assert 'hotlora_tenant_requests_total{adapter="tiny",tenant="acme"}' in metrics
     assert 'hotlora_tenant_errors_total{code="model_not_found",tenant="globex"}' in metrics
+
+
+@pytest.mark.parametrize("who", [None, "acme", "globex", "acme-admin"])
+def test_metrics_need_an_admin_key_while_keys_scope_tenants(tenants: TestClient, who: str | None):
+    """Its series name every tenant and adapter: a user key, a tenant-admin's or none reads
+    nothing of them."""
+    answer = tenants.get("/metrics", headers=auth(who) if who else {})
+    assert answer.status_code == 401, answer.text
+    assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+    assert "globex" not in answer.text and "acme-" not in answer.text
 
 
 def test_access_log_names_the_tenant_and_no_key(
@@ -418,7 +428,9 @@ def limited(
 ) -> tuple[TestClient, str]:
     key = "hl-limited-key"
     path = tmp_path / "keys.toml"
-    path.write_text(entry("small", key, adapters=["*"], **limits))
+    path.write_text(
+        entry("small", key, adapters=["*"], **limits) + entry("ops", KEYS["ops"], role="admin")
+    )
     return make_client(keys=path), key
 
 
@@ -440,7 +452,7 @@ def test_requests_per_minute_429_with_retry_after(make_client, tmp_path: Path):
     assert set(error) == {"message", "type", "param", "code"}
     # Listing counts too, and a limit hit is counted for the tenant.
     assert client.get("/v1/models", headers=headers).status_code == 429
-    assert client.get("/v1/usage").status_code == 401  # no admin key in the file: closed
+    assert client.get("/v1/usage").status_code == 401  # no key: closed
 
 
 def test_tokens_per_minute_429_once_used(make_client, tmp_path: Path):
@@ -453,7 +465,7 @@ def test_tokens_per_minute_429_once_used(make_client, tmp_path: Path):
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["type"] == "tokens"
     assert int(refused.headers["retry-after"]) >= 1
-    metrics = client.get("/metrics").text
+    metrics = client.get("/metrics", headers=auth("ops")).text
     assert 'hotlora_tenant_limited_total{limit="tokens_per_minute",tenant="small"} 1.0' in metrics
 
 
