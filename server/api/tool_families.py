@@ -59,6 +59,8 @@ def parse_llama3(body: str, tools: Any) -> list[dict[str, Any]]:
             break
         start, end = span
         call = json.loads(text[start:end])
+        if not isinstance(call, dict):
+            raise ValueError("not a call")
         arguments = call.get("parameters", call.get("arguments"))
         if set(call) - {"name", "parameters", "arguments", "type"} or not isinstance(
             arguments, dict
@@ -244,7 +246,12 @@ def _properties(parameters: dict[str, Any]) -> list[tuple[str, Any, bool]]:
     if parameters.get("type") != "object" or keys or parameters.get("additionalProperties"):
         raise UnenforceableArguments("its parameters are not a plain object of properties")
     properties = parameters.get("properties") or {}
-    required = set(parameters.get("required") or ())
+    listed = parameters.get("required") or []
+    if not isinstance(properties, dict) or not (
+        isinstance(listed, list) and all(isinstance(key, str) for key in listed)
+    ):
+        raise UnenforceableArguments("its properties are not an object or required a list of names")
+    required = set(listed)
     out = [(key, schema, key in required) for key, schema in properties.items()]
     return sorted(out, key=lambda item: not item[2])
 

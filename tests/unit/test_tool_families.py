@@ -140,7 +140,9 @@ def test_llama3_answers_are_read_whole_and_streamed(llama3):
         LLAMA3_CALL
     )
     assert [c.function.name for c in calls.split(tagged)[1]] == ["get_weather", "get_time"]
-    for answer in ["It is noon.", '{"zone": "UTC"}', '{"name": "nope", "parameters": {}}', "{"]:
+    plain = ["It is noon.", '{"zone": "UTC"}', '{"name": "nope", "parameters": {}}', "{"]
+    plain += ['<|python_tag|>["get_time"]', '"get_time"', "123"]  # JSON, but no call object
+    for answer in plain:
         assert calls.split(answer) == (answer, [])
     stream = calls.stream()
     assert stream.feed(" {") == ("", [])  # may be a call: held to the end
@@ -369,6 +371,9 @@ def test_qwen3_coder_calls_read_back_typed(qwen3_coder):
         {"type": "object", "properties": {"x": {"type": "string", "maxLength": "6}/ | /x"}}},
         {"type": "object", "properties": {"x": {"anyOf": [{"type": "string"}]}}},
         {"anyOf": [{"type": "object"}]},
+        {"type": "object", "properties": [1]},
+        {"type": "object", "properties": {"x": {"type": "string"}}, "required": 5},
+        {"type": "object", "properties": {"x": {"type": "string"}}, "required": [["x"]]},
     ],
 )
 def test_arguments_a_raw_format_cannot_hold_are_refused(qwen3_coder, parameters):
