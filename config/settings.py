@@ -190,6 +190,13 @@ class Settings(BaseSettings):
         description="Open HTTP connections at most; beyond it a new one takes the place of the "
         "oldest that has not sent a whole request, or is closed when all are answering.",
     )
+    max_unfinished_per_address: int = Field(
+        default=32,
+        ge=0,
+        description="Connections one client address may hold without a whole request sent "
+        "(connected, idle between requests, or sending one); its newest takes the place of its "
+        "oldest. 0: no cap, e.g. behind a reverse proxy with a larger keep-alive pool.",
+    )
     keep_alive_timeout: int = Field(
         default=5,
         ge=1,

@@ -101,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level,
         limit_concurrency=settings.max_connections,
+        unfinished_per_peer=settings.max_unfinished_per_address,
         timeout_keep_alive=settings.keep_alive_timeout,
         timeouts=ClientTimeouts(settings.request_timeout, settings.send_timeout),
         **uvicorn_logging(settings),

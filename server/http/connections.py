@@ -2,10 +2,11 @@
 sent a whole request, so that clients holding half-sent requests cannot lock others out.
 
 Before a request's headers are in, nothing says whose it is: no key, no tenant. What is fair
-then is by arrival: one address keeps at most `UNFINISHED_PER_PEER` connections that have not
-sent a whole request (its oldest makes way for its newest), and at `--max-connections` the
-oldest such connection of any address makes way. A connection whose request is in and being
-answered is never closed for another; when every connection is such, the newcomer is closed.
+then is by arrival: one address keeps at most `per_peer` connections that have not sent a whole
+request (its oldest makes way for its newest; `--max-unfinished-per-address`, 0: no cap), and at
+`--max-connections` the oldest such connection of any address makes way. A connection whose
+request is in and being answered is never closed for another; when every connection is such,
+the newcomer is closed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Protocol
 
 log = logging.getLogger("hotlora")
 
-UNFINISHED_PER_PEER = 32  # connections one address may hold without a whole request sent
+UNFINISHED_PER_PEER = 32  # the default of connections one address may hold without a request
 LOG_EVERY_S = 10.0  # one line at most this often, however many connections make way
 
 
@@ -47,17 +48,20 @@ class Holder(Protocol):
         ...
 
 
-def make_room(new: Holder, connections: Collection[Holder], limit: int) -> bool:
+def make_room(
+    new: Holder, connections: Collection[Holder], limit: int, per_peer: int = UNFINISHED_PER_PEER
+) -> bool:
     """Close what must close for `new` to stay; False when nothing can make way and `new` must
-    be refused. `connections` may hold `new` itself and connections already closing."""
+    be refused. `connections` may hold `new` itself and connections already closing;
+    `per_peer`: the unfinished connections one address keeps (0: no cap)."""
     others = [c for c in connections if c is not new and c.open]
     unfinished = sorted(
         (since, i) for i, c in enumerate(others) if (since := c.unfinished_since) is not None
     )
     gone: set[int] = set()
-    if new.peer is not None:
+    if new.peer is not None and per_peer > 0:
         mine = [i for _, i in unfinished if others[i].peer == new.peer]
-        for i in mine[: max(0, len(mine) - UNFINISHED_PER_PEER + 1)]:
+        for i in mine[: max(0, len(mine) - per_peer + 1)]:
             gone.add(i)
             _record.made_way(others[i], "per_peer")
     if len(others) - len(gone) >= limit:
@@ -102,12 +106,12 @@ class _Record:
             peer, most = self.peers.most_common(1)[0]
             log.warning(
                 "closed %d connections that had not sent a whole request, to make room for new "
-                "ones (%d at --max-connections, %d beyond %d from one address; most from %s: "
-                "%d): a client opens connections and does not send its requests",
+                "ones (%d at --max-connections, %d beyond --max-unfinished-per-address from one "
+                "address; most from %s: %d): a client opens connections and does not send its "
+                "requests",
                 sum(self.reasons.values()),
                 self.reasons["limit"],
                 self.reasons["per_peer"],
-                UNFINISHED_PER_PEER,
                 peer,
                 most,
             )

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from hotlora.server.http.connections import make_room
+from hotlora.server.http.connections import UNFINISHED_PER_PEER, make_room
 from hotlora.server.http.error_responses import error_response
 from hotlora.server.http.request_errors import RequestTimeout
 from hotlora.server.runtime import Runtime
@@ -75,11 +75,13 @@ class ServerConfig(uvicorn.Config):
         *,
         timeouts: ClientTimeouts,
         max_connections: int | None = None,
+        unfinished_per_peer: int = UNFINISHED_PER_PEER,
         **kwargs: Any,
     ):
         super().__init__(app, **kwargs)
         self.timeouts = timeouts
         self.max_connections = max_connections
+        self.unfinished_per_peer = unfinished_per_peer
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -103,8 +105,10 @@ class BoundedH11Protocol(H11Protocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ):
         super().__init__(config, server_state, app_state, _loop)
+        self.per_peer = UNFINISHED_PER_PEER
         if isinstance(config, ServerConfig):
             self.timeouts, self.max_connections = config.timeouts, config.max_connections
+            self.per_peer = config.unfinished_per_peer
         else:
             self.timeouts, self.max_connections = ClientTimeouts(), config.limit_concurrency
         self._since = 0.0  # loop time it last began to wait on its client for a request
@@ -116,7 +120,8 @@ class BoundedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._since = self.loop.time()
         limit = self.max_connections
-        if not make_room(self, self.connections, len(self.connections) if limit is None else limit):
+        room = len(self.connections) if limit is None else limit
+        if not make_room(self, self.connections, room, self.per_peer):
             transport.close()
             return
         self.timeout_keep_alive_task = self.loop.call_later(
@@ -319,6 +324,7 @@ def uvicorn_config(
     limit_concurrency, the connection limit hotlora's protocol enforces in place of uvicorn's,
     and timeout_keep_alive); no access log of uvicorn's, since hotlora's names the request id."""
     max_connections = limits.pop("limit_concurrency", None)
+    unfinished_per_peer = limits.pop("unfinished_per_peer", UNFINISHED_PER_PEER)
     return ServerConfig(
         app,
         host=host,
@@ -328,6 +334,7 @@ def uvicorn_config(
         access_log=False,
         timeouts=timeouts,
         max_connections=max_connections,
+        unfinished_per_peer=unfinished_per_peer,
         # Every connection still busy is cut once the drain ends; this bounds the tasks left.
         timeout_graceful_shutdown=_TASKS_AFTER_DRAIN_S,
         **limits,

@@ -85,3 +85,17 @@ def test_the_log_says_it_at_once_then_at_most_every_few_seconds(
             assert make_room(new, [*held, new], limit=1)
             assert not held[0].open
     assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("per_peer", [4, 0])
+def test_the_per_address_cap_is_set_or_off(per_peer: int):
+    """`--max-unfinished-per-address`: a proxy's keep-alive pool shares one address; 0 lets it
+    keep every idle connection, and the connection limit alone makes way."""
+    pool = [Conn("10.0.0.9", float(i)) for i in range(40)]  # idle between requests
+    new = Conn("10.0.0.9", 100.0)
+    assert make_room(new, [*pool, new], limit=1000, per_peer=per_peer)
+    closed = sum(not c.open for c in pool)
+    assert closed == (40 - per_peer + 1 if per_peer else 0)
+    if not per_peer:
+        assert make_room(new, [*pool, new], limit=40, per_peer=0)
+        assert [c.open for c in pool] == [False] + [True] * 39
