@@ -219,7 +219,7 @@ class Settings(BaseSettings):
         ge=1,
         description="Generated tokens a request may hold that its client has not taken; past "
         "it generation stops and the request ends with a `client_not_reading` error (its rows "
-        "pause before, at half of it or 64).",
+        "pause before, at half of it or 64, whichever is less).",
     )
     log_level: str = Field(
         default="info", description="critical, error, warning, info, debug or trace."
