@@ -18,10 +18,11 @@ from hotlora.server.telemetry.log_format import TEXT_FORMAT, JsonFormatter
 
 from tests.http.conftest import wait_ready
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
-from tests.support.tiny import EOS_TOKEN_ID
+from tests.support.tiny import ENDOFTEXT_ID, EOS_TOKEN_ID
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
-NO_EOS = {str(EOS_TOKEN_ID): -100}  # every choice runs to max_tokens
+# Every choice runs to max_tokens: both of the tiny model's end-of-generation tokens held off.
+NO_EOS = {str(EOS_TOKEN_ID): -100, str(ENDOFTEXT_ID): -100}
 SECRET = "sk-test-7f3a9c41d2"
 PROMPT = "my private words about zebras"
 
