@@ -65,3 +65,14 @@ def kept_caches(caches: LayerCaches) -> LayerCaches:
         one.keys, one.values, one.offset = keys, values, cache.offset
         kept.append(one)
     return stepped(kept)
+
+
+def caches_from(keys: Sequence[mx.array], values: Sequence[mx.array]) -> list[KVCache]:
+    """Fresh caches holding kept keys and values [B, heads, S, D], a layer each. Arrays are
+    values: the first write past them makes the cache new arrays, the kept ones untouched."""
+    caches = []
+    for layer_keys, layer_values in zip(keys, values, strict=True):
+        cache = KVCache()
+        cache.keys, cache.values, cache.offset = layer_keys, layer_values, layer_keys.shape[2]
+        caches.append(cache)
+    return caches

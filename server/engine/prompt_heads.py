@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from hotlora.server.engine.kv_caches import LayerCaches, in_one_buffer
+from hotlora.server.engine.kv_caches import LayerCaches, caches_from, in_one_buffer
 
 MIN_HEAD = 8  # a shorter shared opening is not worth an entry
 MAX_HEAD = 4096  # prompts are compared this far: a longer opening is cut to it
@@ -119,13 +119,7 @@ class PromptHeads:
             return None
         self._heads.move_to_end(best)
         kept = self._heads[best]
-        caches = []
-        for keys, values in zip(kept.keys, kept.values, strict=True):
-            cache = KVCache()
-            # Arrays are values: the first write past the head makes the cache new arrays.
-            cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
-            caches.append(cache)
-        return caches, len(best[1])
+        return caches_from(kept.keys, kept.values), len(best[1])
 
     def keep(self, key: tuple[str, ...], head: Sequence[int], caches: LayerCaches) -> None:
         """Keep the first `len(head)` positions of a single row's `caches` (which hold at least

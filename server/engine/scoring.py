@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from hotlora.server.engine.generate import GenerationJob, RankedLogprob, prompt_cache_key
-from hotlora.server.engine.kv_caches import LayerCaches, in_one_buffer, stepped
+from hotlora.server.engine.kv_caches import LayerCaches, caches_from, in_one_buffer, stepped
 from hotlora.server.engine.prompt_heads import MIN_HEAD, shared_prefix
 from hotlora.server.engine.sequences import Group
 
@@ -114,13 +114,7 @@ class ScoredOpenings:
         entry = (key, tuple(prompt[:n]))
         self._kept.move_to_end(entry)
         opening = self._kept[entry]
-        caches = []
-        for keys, values in zip(opening.keys, opening.values, strict=True):
-            cache = KVCache()
-            # Arrays are values: the first write past the opening makes the cache new arrays.
-            cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
-            caches.append(cache)
-        return stepped(caches), list(opening.scores), n
+        return stepped(caches_from(opening.keys, opening.values)), list(opening.scores), n
 
     def keep(
         self,
