@@ -77,8 +77,10 @@ inline void int8_block(const Quantized& q, const QuantizedRows& x, int n, float*
   typename Int8::V acc[R][P];
   for (int r = 0; r < R; r++)
     for (int m = 0; m < P; m++) acc[r][m] = Int8::zero();
+  const uint8_t* ahead = rows[0] + static_cast<size_t>(R) * K * Bits / 8 + kPrefetchBytes;
   for (int b = 0; b < blocks; b++) {
     const int g = b / per_group;
+    prefetch_ahead(ahead + static_cast<size_t>(b) * R * 4 * Bits, R * 4 * Bits);
     typename Int8::Codes codes[R];
     typename Int8::V scale[R];
     for (int r = 0; r < R; r++) {

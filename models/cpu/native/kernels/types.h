@@ -15,6 +15,20 @@ namespace hotlora {
 
 constexpr int kPrefetch = 512;  // floats ahead of the weight rows being read
 
+// How far past the weight rows being multiplied the integer kernels ask for the codes that
+// follow (kernels/int8_matmul.h). A step of a row or a few streams every weight from memory
+// once, and the hardware's prefetch, seeing R rows read side by side, falls behind: asked for
+// ahead, a one-row step's products on the embedded model's layers take ~28% less time on the
+// AVX2 machine (the same bits: nothing is computed otherwise). The float kernels, bound by
+// their arithmetic, gain nothing from it.
+constexpr int kPrefetchBytes = 2048;
+
+// Ask for `bytes` from `at`, a cache line at a time: what one step of a block's loop reads, in
+// the rows ahead.
+inline void prefetch_ahead(const uint8_t* at, int bytes) {
+  for (int line = 0; line < bytes; line += 64) __builtin_prefetch(at + line);
+}
+
 // One pair of operands of a sum of products: rows of x [M, k] and of w [N, k], row-major.
 struct Seg {
   const float* x = nullptr;
