@@ -3,7 +3,8 @@
 `python -m tests.bench.step_profile` loads the embedded model served packed (the native
 quantized kernels) twice, once as served (`fused`: llama's attention and MLP on fused products,
 `hotlora.models.cpu.fused`) and once with those layers given mlx-lm's own classes back
-(`separate`: a product a projection), and for each, for one row and for 16 rows after a short
+(`separate`: a product a projection), its packed products at `--precision` (fast, the
+default, or exact), and for each, for one row and for 16 rows after a short
 context, measures in alternating rounds: the seconds to build a decode step's graph in Python
 (the model call) and to evaluate it; the graph's nodes by primitive (`mx.export_to_dot`); and
 the same step's kernel primitives evaluated on their own, each in a graph of its kind alone (the
@@ -88,7 +89,9 @@ def node_counts(model: nn.Module, rows: int) -> Counter[str]:
     return counts
 
 
-def _kernel_graphs(model: nn.Module, rows: int) -> dict[str, Callable[[], list[mx.array]]]:
+def _kernel_graphs(
+    model: nn.Module, rows: int, int8: bool
+) -> dict[str, Callable[[], list[mx.array]]]:
     """For each kind of kernel primitive, a function that builds the step's calls of it alone,
     on inputs of the step's shapes (already evaluated)."""
     from hotlora.models.cpu import extension
@@ -118,7 +121,9 @@ def _kernel_graphs(model: nn.Module, rows: int) -> dict[str, Callable[[], list[m
     rope = attn.rope
     return {
         "QuantMatmul": lambda: [
-            native.quant_matmul(inputs[id(m)], m.weight, m.scales, m.biases, m.group_size, m.bits)
+            native.quant_matmul(
+                inputs[id(m)], m.weight, m.scales, m.biases, m.group_size, m.bits, int8
+            )
             for m in quantized
         ],
         "RowsAttention": lambda: [native.attention_rows(q, k, v, mask, attn.scale) for _ in layers],
@@ -131,11 +136,13 @@ def _kernel_graphs(model: nn.Module, rows: int) -> dict[str, Callable[[], list[m
     }
 
 
-def kernel_times(model: nn.Module, rows: int, steps: int) -> dict[str, tuple[float, float]]:
+def kernel_times(
+    model: nn.Module, rows: int, steps: int, int8: bool
+) -> dict[str, tuple[float, float]]:
     """Median seconds of each kind of kernel primitive of one step, evaluated alone: wall-clock
     and CPU time."""
     times: dict[str, tuple[float, float]] = {}
-    for name, build in _kernel_graphs(model, rows).items():
+    for name, build in _kernel_graphs(model, rows, int8).items():
         wall, cpu = [], []
         for _ in range(steps):
             outs = build()
@@ -165,10 +172,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--precision", choices=("fast", "exact"), default="fast")
     args = parser.parse_args()
     models = {
-        "fused": load("packed", args.threads),
-        "separate": separate(load("packed", args.threads)),
+        "fused": load("packed", args.threads, args.precision),
+        "separate": separate(load("packed", args.threads, args.precision)),
     }
     keys = ("build_ms", "eval_ms", "build_cpu_ms", "eval_cpu_ms")
     samples: dict[str, dict[int, dict[str, list[float]]]] = {
@@ -182,9 +190,15 @@ def main() -> int:
                 for key, t in zip(keys, step_split(models[variant], rows, args.steps), strict=True):
                     samples[variant][rows][key].append(t)
         for rows in ROWS:  # the kernels alone do not depend on the variant
-            for name, times in kernel_times(models["fused"], rows, args.steps).items():
+            for name, times in kernel_times(
+                models["fused"], rows, args.steps, args.precision == "fast"
+            ).items():
                 kernels[rows].setdefault(name, []).append(times)
-    result: dict[str, Any] = {"rounds": args.rounds, "threads": args.threads}
+    result: dict[str, Any] = {
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "precision": args.precision,
+    }
     for rows in ROWS:
         alone = {
             name: {"ms": _ms([w for w, _ in t]), "cpu_ms": _ms([c for _, c in t])}

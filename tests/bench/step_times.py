@@ -31,8 +31,9 @@ PROMPT_TOKENS = 1250
 CHUNK = 192
 
 
-def load(path: str, threads: int | None) -> nn.Module:
-    """The embedded model as `--cpu-weights path` serves it."""
+def load(path: str, threads: int | None, precision: str = "exact") -> nn.Module:
+    """The embedded model as `--cpu-weights path` serves it, its packed products at
+    `--cpu-precision precision`."""
     from hotlora.models.cpu import prepare_cpu
     from hotlora.models.embedded import ensure_embedded_model
     from hotlora.models.loader import load_model_dir
@@ -47,6 +48,7 @@ def load(path: str, threads: int | None) -> nn.Module:
         batch_kernels=True,
         home=home,
         threads=threads,
+        precision=precision,  # type: ignore[arg-type]
     )
     print(f"{path}: {setup.weights}; {setup.batch_kernels}", file=sys.stderr)
     return model
