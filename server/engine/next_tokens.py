@@ -56,13 +56,14 @@ def _log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def held_off(rows: list[Row], logits: mx.array) -> mx.array:
+def held_off(rows: list[Row], logits: mx.array, ahead: int = 0) -> mx.array:
     """Rows with tokens held off (`allowed_token_ids`, EOS before `min_tokens`) get -inf for
-    them: after the finite check, which an -inf would trip, and before any grammar's mask."""
+    them: after the finite check, which an -inf would trip, and before any grammar's mask.
+    `ahead`: tokens each row takes before these logits' token beyond those it holds now."""
     if not any(row.sampler.masks_tokens for row in rows):
         return logits
     vocab = logits.shape[-1]
-    masks = [row.sampler.mask(row.generated, vocab) for row in rows]
+    masks = [row.sampler.mask(row.generated + ahead, vocab) for row in rows]
     if all(mask is None for mask in masks):
         return logits
     zeros = mx.zeros((vocab,), dtype=mx.float32)

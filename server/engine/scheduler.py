@@ -13,7 +13,10 @@ One loop in the spirit of vLLM's scheduler, on MLX-native batch state (mlx-lm's
    more than one chunk's cost.
 3. Decode: one batched model call for every running row, each row with its own adapter set,
    sampler, PRNG key, stops and `max_tokens`. Finished, stopped and cancelled rows leave at
-   once; prefilled groups join before the next call.
+   once; prefilled groups join before the next call. The next step is launched from this
+   step's tokens before they are read (`decode_step`), so that building it and the rows'
+   bookkeeping overlap this step's evaluation; rows joining, pausing or resuming take the
+   step launched ahead first.
 
 Nothing here knows about HTTP or asyncio: rows report through their `sink`.
 """
@@ -31,6 +34,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from hotlora.adapters import RowAdapterCache, activate
 from hotlora.config.log_text import printable
+from hotlora.server.engine.decode_step import DecodeStep, launch, launches_ahead
 from hotlora.server.engine.fair_share import DEFAULT_SHARE, FairQueue, Share
 from hotlora.server.engine.generate import (
     Delta,
@@ -46,14 +50,6 @@ from hotlora.server.engine.kv_caches import (
     kept_caches,
     new_caches,
     stepped,
-)
-from hotlora.server.engine.next_tokens import (
-    choose,
-    constrained,
-    finite_rows,
-    held_off,
-    log_probabilities,
-    processed,
 )
 from hotlora.server.engine.prefill_cost import PrefillCost
 from hotlora.server.engine.scoring import (
@@ -89,6 +85,7 @@ class Scheduler:
         prefill_chunk: int = 192,
         prefill_context_unit: int = 1024,
         kv_cache_bytes: int = 2 << 30,
+        look_ahead: bool = True,
     ):
         self.engine = engine
         self.model = engine.model
@@ -104,6 +101,9 @@ class Scheduler:
         # own KV cache: they keep their slot and compute nothing.
         self.paused: list[tuple[Row, LayerCaches]] = []
         self._cache: LayerCaches | None = None  # the running rows' batch KV cache, row-aligned
+        # The running rows' next step, launched before their latest tokens were read.
+        self.look_ahead = look_ahead
+        self._ahead: DecodeStep | None = None
         self._row_adapters = RowAdapterCache()
         # Openings shared by scoring prompts, kept with their scores (off with the prompt cache).
         self.scored = ScoredOpenings(MAX_OPENINGS if engine.prompt_cache.max_size else 0)
@@ -227,6 +227,10 @@ class Scheduler:
         """Rows whose client has taken none of their latest tokens (its socket's buffers are
         full) leave the batch with a copy of their own KV cache; rows whose client has read
         since come back. A paused row holds its KV cache and its slot, and computes nothing."""
+        if self._ahead is not None and (
+            any(not row.paused for row, _ in self.paused) or any(r.paused for r in self.running)
+        ):
+            self._settle()  # a row's cache leaves or joins with no step launched past its tokens
         back = [(row, cache) for row, cache in self.paused if not row.paused]
         if back:
             self.paused = [(row, cache) for row, cache in self.paused if row.paused]
@@ -362,6 +366,7 @@ class Scheduler:
         rows = _without_cancelled(group.rows)
         if not rows:
             return
+        self._settle()  # the running rows' step launched ahead did not include these
         if rows[0].job.params.prompt_logprobs is not None:
             reported = (None, *group.prompt_logprobs)
             self._keep_opening(group)
@@ -422,39 +427,53 @@ class Scheduler:
 
     def _decode(self) -> None:
         rows = self.running
+        step, self._ahead = self._ahead, None
+        if step is None:
+            inputs = mx.array([[row.tokens[-1]] for row in rows])  # [B, 1]
+            step = launch(self.model, rows, inputs, self._cache, self._row_adapters)
+        if step.chosen is not None and self.look_ahead and launches_ahead(rows):
+            inputs = step.chosen[:, None]  # [B, 1], not read yet
+            ahead = launch(self.model, rows, inputs, self._cache, self._row_adapters, ahead=1)
+            if ahead.error is not None:  # the next call failed: the batch cache is not whole
+                self._finish(step, store=False)
+                self._fail_running(ahead.error)
+                return
+            self._ahead = ahead
+        self._finish(step)
+
+    def _settle(self) -> None:
+        """Take the step launched ahead now, as a decode step of its own."""
+        step, self._ahead = self._ahead, None
+        if step is not None:
+            self._finish(step)
+
+    def _finish(self, step: DecodeStep, store: bool = True) -> None:
+        """Read a launched step's tokens and advance its rows (the running rows, in order);
+        `store`: keep finished rows' caches for later prompts."""
         if self.on_decode is not None:
-            self.on_decode(len(rows))
-        inputs = mx.array([[row.tokens[-1]] for row in rows])  # [B, 1]
-        try:
-            with activate(self._row_adapters.for_rows([row.adapters for row in rows])):
-                logits = self.model(inputs, cache=self._cache)[:, -1, :]  # [B, vocab]
-        except Exception as exc:  # noqa: BLE001 - the whole batch shared the failed call
-            self._fail_running(exc)
+            self.on_decode(len(step.rows))
+        if step.error is not None or step.chosen is None or step.finite is None:
+            self._fail_running(step.error or RuntimeError("decode step not launched"))
             return
-        logits, failed = processed(rows, logits)
-        finite = finite_rows(logits)  # [B], before masks set tokens to -inf
-        logits = held_off(rows, logits)
-        logits = constrained(rows, logits, failed)
-        logprobs = log_probabilities(rows, logits)  # row index -> [1, vocab]
-        chosen = choose(rows, logits, logprobs, failed)  # [B]
+        failed = step.failed
         try:
-            mx.eval(chosen, finite, [row.sampler.key for row in rows], self._cache_state())
+            mx.eval(step.pending)
         except Exception as exc:  # noqa: BLE001
             self._fail_running(exc)
             return
-        for i, ok in enumerate(cast(list[bool], finite.tolist())):
+        for i, ok in enumerate(cast(list[bool], step.finite.tolist())):
             if not ok:
                 failed.setdefault(i, NonFiniteLogits())
-        tokens = cast(list[int], chosen.tolist())
+        tokens = cast(list[int], step.chosen.tolist())
         keep = []
-        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+        for i, (row, token) in enumerate(zip(step.rows, tokens, strict=True)):
             if i in failed:
                 self._fail([row], failed[i])
-            elif row.advance(token, self._sampled(row, token, logprobs, i)):
+            elif row.advance(token, self._sampled(row, token, step.logprobs, i)):
                 keep.append(i)
-            else:
+            elif store:
                 self._store(row, i)
-        if len(keep) < len(rows):
+        if len(keep) < len(step.rows):
             self._keep(keep)
 
     def _sampled(
@@ -475,6 +494,10 @@ class Scheduler:
             # Kept beyond this step: one buffer, evaluated now.
             cache = kept_caches([c.extract(index) for c in self._cache])
             offset = cache[0].offset if cache else 0
+            if offset > len(row.tokens) and can_trim_prompt_cache(cache):
+                # A step launched ahead took the token that ended it, which it does not keep
+                trim_prompt_cache(cache, offset - len(row.tokens))
+                offset = len(row.tokens)
             key = prompt_cache_key(self.engine.base_id, row.adapters)
             if row.head:
                 self.engine.prompt_heads.keep(key, row.tokens[: row.head], cache)
@@ -489,6 +512,8 @@ class Scheduler:
             self._drop_batch()
             return
         self.running = [self.running[i] for i in keep]
+        if self._ahead is not None:
+            self._ahead = self._ahead.rows_at(keep)
         if self._cache is not None:
             for c in self._cache:
                 c.filter(keep)
@@ -496,6 +521,7 @@ class Scheduler:
     def _drop_batch(self) -> list[Row]:
         """Empty the decode batch; returns the rows it held."""
         rows, self.running, self._cache = self.running, [], None
+        self._ahead = None
         if not self.prefilling:
             self._row_adapters.clear()  # drop side-by-side copies of adapters
         return rows

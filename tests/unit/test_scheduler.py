@@ -65,7 +65,7 @@ def solo(engine: Engine, jobs: Sequence[GenerationJob]) -> Recorder:
 
 def test_rows_join_a_running_batch_and_leave_it_when_done(setup):
     engine, _ = setup
-    scheduler = Scheduler(engine, max_batch=4)
+    scheduler = Scheduler(engine, max_batch=4, look_ahead=False)
     first, second = Recorder(), Recorder()
     scheduler.add([job(PROMPTS[0], max_tokens=3)], first)
     scheduler.step()
@@ -76,6 +76,32 @@ def test_rows_join_a_running_batch_and_leave_it_when_done(setup):
     scheduler.step()  # the first row's third token: it leaves at once
     assert first.finished() == Finished("length", 3, 3, 0)
     assert len(scheduler.running) == 1
+    while not scheduler.idle:
+        scheduler.step()
+    assert second.finished() == Finished("length", 5, 6, 0)
+    assert first.text() == solo(engine, [job(PROMPTS[0], max_tokens=3)]).text()
+    assert second.text() == solo(engine, [job(PROMPTS[1], max_tokens=6)]).text()
+
+
+def test_a_row_joining_takes_the_step_launched_ahead_first(setup):
+    """With the next step launched before its tokens are read, a row joining makes the
+    running rows take that step first: the first row's second and third tokens come in the
+    step the newcomer joins, which decodes in it too."""
+    engine, _ = setup
+    scheduler = Scheduler(engine, max_batch=4)
+    first, second = Recorder(), Recorder()
+    scheduler.add([job(PROMPTS[0], max_tokens=3)], first)
+    scheduler.step()
+    assert [row.generated for row in scheduler.running] == [1]
+    scheduler.add([job(PROMPTS[1], max_tokens=6)], second)
+    scheduler.step()
+    assert first.finished() == Finished("length", 3, 3, 0)
+    assert [row.generated for row in scheduler.running] == [1]  # the newcomer
+    while not scheduler.idle:
+        scheduler.step()
+    assert second.finished() == Finished("length", 5, 6, 0)
+    assert first.text() == solo(engine, [job(PROMPTS[0], max_tokens=3)]).text()
+    assert second.text() == solo(engine, [job(PROMPTS[1], max_tokens=6)]).text()
     while not scheduler.idle:
         scheduler.step()
     assert second.finished() == Finished("length", 5, 6, 0)

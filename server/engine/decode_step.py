@@ -1,0 +1,98 @@
+"""A decode step launched: one batched model call and its rows' next tokens, evaluating while
+the worker's thread goes on.
+
+The scheduler launches step t+1 from step t's tokens before it reads them (`Scheduler._decode`,
+as mlx-lm's `generate_step` does for one row): building a step's graph (~3 ms on the CPU for
+the embedded model) and the rows' bookkeeping (detokenizing, stop strings, events) then overlap
+the evaluation of the step before. Every path is batch invariant, so a row's results depend on
+its own inputs alone: a step launched for rows of which some then finish, stop or are cancelled
+is still right, to the bit, for the others, which keep their entries (`DecodeStep.rows_at`).
+A sampling row's key is split lazily at each launch, so its tokens are the same with or without
+the step launched ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from hotlora.adapters import RowAdapterCache, activate
+from hotlora.server.engine.next_tokens import (
+    choose,
+    constrained,
+    finite_rows,
+    held_off,
+    log_probabilities,
+    processed,
+)
+from hotlora.server.engine.sequences import Row
+
+
+@dataclass
+class DecodeStep:
+    """One decode step's rows (in the batch's order) and their results, lazy until read."""
+
+    rows: list[Row]
+    chosen: mx.array | None = None  # [B] each row's next token
+    finite: mx.array | None = None  # [B] whether each row's logits were all finite
+    logprobs: dict[int, mx.array] = field(default_factory=dict)  # row index -> [1, vocab]
+    failed: dict[int, Exception] = field(default_factory=dict)  # row index -> its error
+    error: BaseException | None = None  # the model call failed: every row shares it
+    pending: list[Any] = field(default_factory=list)  # what it evaluates: results, keys, cache
+
+    def rows_at(self, keep: Sequence[int]) -> DecodeStep:
+        """The step of these rows only (indices into `rows`, in order)."""
+        if self.chosen is None or self.finite is None:
+            return DecodeStep([self.rows[i] for i in keep], error=self.error)
+        index = mx.array(list(keep), dtype=mx.int32)
+        chosen, finite = self.chosen[index], self.finite[index]
+        return DecodeStep(
+            [self.rows[i] for i in keep],
+            chosen,
+            finite,
+            {new: self.logprobs[old] for new, old in enumerate(keep) if old in self.logprobs},
+            {new: self.failed[old] for new, old in enumerate(keep) if old in self.failed},
+            pending=[chosen, finite, *self.pending[2:]],
+        )
+
+
+def launch(
+    model: nn.Module,
+    rows: list[Row],
+    inputs: mx.array,
+    cache: Any,
+    row_adapters: RowAdapterCache,
+    ahead: int = 0,
+) -> DecodeStep:
+    """Build the decode step of `rows` from `inputs` [B, 1] and start evaluating it.
+
+    `ahead`: the tokens each row will have taken, beyond those it holds now, before this step's
+    token (1 for a step launched from the previous step's tokens before they are read): the
+    rows' token masks (`min_tokens`) count them."""
+    try:
+        with activate(row_adapters.for_rows([row.adapters for row in rows])):
+            logits = model(inputs, cache=cache)[:, -1, :]  # [B, vocab]
+    except Exception as exc:  # noqa: BLE001 - the whole batch shared the failed call
+        return DecodeStep(rows, error=exc)
+    logits, failed = processed(rows, logits)
+    finite = finite_rows(logits)  # [B], before masks set tokens to -inf
+    logits = held_off(rows, logits, ahead)
+    logits = constrained(rows, logits, failed)
+    logprobs = log_probabilities(rows, logits)  # row index -> [1, vocab]
+    chosen = choose(rows, logits, logprobs, failed)  # [B]
+    pending = [chosen, finite, [row.sampler.key for row in rows], [c.state for c in cache]]
+    mx.async_eval(pending)
+    return DecodeStep(rows, chosen, finite, logprobs, failed, pending=pending)
+
+
+def launches_ahead(rows: Sequence[Row]) -> bool:
+    """Whether the next step of `rows` may be launched from this step's tokens before they are
+    read: no row's logits processors or grammar need its latest token in Python, and some row
+    may go on past this step (else the step ahead would be thrown away)."""
+    return all(not row.sampler.processors and row.constraint is None for row in rows) and any(
+        row.generated + 1 < row.job.params.max_tokens for row in rows
+    )
