@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,6 +43,7 @@ from hotlora.server.tokenizing import TokenizingService
 
 log = logging.getLogger("hotlora")
 
+PHASE_NOTICE_SECONDS = 2.0  # a start-up phase running this long logs that it is under way
 _LAST_WRITE_S = 5.0  # after the drain, how long ended requests get to write their answer
 
 
@@ -133,13 +135,24 @@ class Runtime:
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
-        """Time one start-up phase; the log and GET /metrics report how long it took."""
+        """Time one start-up phase; the log and GET /metrics report how long it took. A phase
+        still running after PHASE_NOTICE_SECONDS says so in the log, once."""
         began = time.perf_counter()
-        yield
+        notice = threading.Timer(PHASE_NOTICE_SECONDS, self._under_way, (name,))
+        notice.daemon = True
+        notice.start()
+        try:
+            yield
+        finally:
+            notice.cancel()
         took = time.perf_counter() - began
         self.phases[name] = took
         fields = {"phase": name, "seconds": round(took, 3)}
         log.info("start-up: %s took %.2fs", name, took, extra={"fields": fields})
+
+    @staticmethod
+    def _under_way(phase: str) -> None:
+        log.info("still starting: %s under way after %gs", phase, PHASE_NOTICE_SECONDS)
 
     def _imports_model(self) -> bool:
         """The embedded model or a GGUF file is served and not imported yet: this start

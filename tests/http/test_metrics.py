@@ -307,6 +307,20 @@ def test_start_up_reports_each_phase(make_client, root: Path, caplog):
     assert value(m, "hotlora_adapter_mounts_total") == 1
 
 
+def test_a_start_up_phase_still_running_says_so_once(make_client, root: Path, caplog, monkeypatch):
+    from hotlora.server import runtime
+
+    monkeypatch.setattr(runtime, "PHASE_NOTICE_SECONDS", 0.001)
+    caplog.set_level(logging.INFO, logger="hotlora")
+    make_client(adapter_root=root, startup_adapters={"a": "a"})
+    messages = [r.getMessage() for r in caplog.records if r.name == "hotlora"]
+    notices = [m for m in messages if m.startswith("still starting:")]
+    phases = [m.split("start-up: ")[1].split(" took")[0] for m in messages if " took " in m]
+    assert "still starting: model load under way after 0.001s" in notices
+    assert len(notices) == len(set(notices)) and len(notices) <= len(phases)
+    assert {n.split(": ")[1].split(" under way")[0] for n in notices} <= set(phases)
+
+
 def test_request_histograms_follow_usage_and_phases(client: TestClient):
     one = usage(
         client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "logit_bias": NO_EOS})
