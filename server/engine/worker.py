@@ -5,9 +5,10 @@ tenant already has `max_queue` requests waiting) before any response starts, as 
 holding all of its jobs and its tenant's share; the thread moves tickets into the
 scheduler, steps it, and each ticket's events come back through its own asyncio queue. A reader
 that stops taking events (a client that reads nothing, its socket's buffers full) has its rows
-paused once `PAUSE_AT` wait (up to half `max_unsent`): they leave the batch holding only their
-KV cache, and come back once it has taken half of them. The queue is bounded too (`max_unsent`):
-events that pile up beyond it end the request with `ClientNotReading`.
+paused once `PAUSE_AT` wait (up to half `max_unsent`; the step under way and the one launched
+ahead of it add theirs before the rows leave): they leave the batch holding only their KV cache,
+and come back once it has taken half of them. The queue is bounded too (`max_unsent`): events
+that pile up beyond it end the request with `ClientNotReading`.
 """
 
 from __future__ import annotations
