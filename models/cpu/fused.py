@@ -3,7 +3,9 @@
 MLX's CPU backend pays to schedule each operation of a step, and at a few rows that is much of
 a step's time; each product also wakes the kernels' threads. `FusedAttention` computes a
 layer's q, k and v projections as one primitive (`quant_matmul_heads`) that writes them in the
-attention's [B, heads, L, head_dim] layout, so the three reshapes and transposes go too, and
+attention's [B, heads, L, head_dim] layout, so the three reshapes and transposes go too, rotates
+q and k there by the layer's RoPE when it is the native one (`NativeRoPE`, the same bits as its
+own two calls), and
 takes the attention's output in the layout the output projection reads (`attention_rows_merged`),
 without the transpose and reshape back. `FusedMLP` computes gate and up as one primitive.
 `FusedBlock`, the decoder layer holding both, reads its sublayers as the module's items. Every
@@ -33,7 +35,7 @@ from mlx_lm.models import llama
 
 from hotlora.models.cpu import extension
 from hotlora.models.cpu.attention import merged_rows_attention
-from hotlora.models.cpu.layers import PackedLinear
+from hotlora.models.cpu.layers import NativeRoPE, PackedLinear
 
 # The gathered kernel's operands of the residuals a projection adds: the batch's plan (its
 # adapters' pairs and each row's entries) and the projection's slot number in those pairs.
@@ -56,13 +58,17 @@ class FusedProjection(Protocol):
 
 
 def fused_products(
-    x: mx.array, projections: Sequence[nn.Module], heads: list[int]
+    x: mx.array,
+    projections: Sequence[nn.Module],
+    heads: list[int],
+    rope: tuple[NativeRoPE, mx.array] | None = None,
 ) -> list[mx.array] | None:
     """`projection(x)` for each of `projections` as one primitive, or None when the fused path
     does not take them (see the module's docstring). x [B, L, K] float32; output j is
     [B, heads[j], L, out_j / heads[j]] (the attention's layout), or [B, L, out_j] for 0. A
     projection whose adapters apply gets their residuals in the same call, the same bits as its
-    LoRA slot's own call."""
+    LoRA slot's own call. `rope`: a RoPE and its positions (`NativeRoPE.positions`) that the
+    first two outputs (q and k) are rotated by in the same call, its bits."""
     native = extension.native
     if native is None or x.ndim != 3 or x.dtype != mx.float32 or x.size == 0:
         return None
@@ -96,7 +102,13 @@ def fused_products(
         next(iter(plans.values()), None),
         [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
         first.int8_activations,
+        *(() if rope is None else _rope_arguments(*rope)),
     )
+
+
+def _rope_arguments(rope: NativeRoPE, positions: mx.array) -> tuple[Any, ...]:
+    """`quant_matmul_heads`'s offset, roped, dims, traditional, base and scale for q and k."""
+    return positions, 2, rope.dims, rope.traditional, rope.base, rope.scale
 
 
 class FusedAttention(llama.Attention):
@@ -106,18 +118,22 @@ class FusedAttention(llama.Attention):
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         projections = [self["q_proj"], self["k_proj"], self["v_proj"]]  # items: see above
         kv_heads = self.n_kv_heads or self.n_heads  # ModelArgs sets it; None reads as all
-        qkv = fused_products(x, projections, [self.n_heads, kv_heads, kv_heads])
+        heads = [self.n_heads, kv_heads, kv_heads]
+        rope = self["rope"]
+        offset = 0 if cache is None else cache.offset
+        rotated = None  # q and k rotated in the product's call: see `fused_products`
+        if type(rope) is NativeRoPE and rope.dims % 2 == 0 and 0 < rope.dims <= self.head_dim:
+            positions = NativeRoPE.positions(offset, x.shape[0])
+            rotated = None if positions is None else (rope, positions)
+        qkv = fused_products(x, projections, heads, rotated)
         if qkv is None:
             return super().__call__(x, mask, cache)
         queries, keys, values = qkv  # [B, heads, L, head_dim] each
-        rope = self["rope"]
+        if rotated is None:
+            queries = rope(queries, offset=offset)
+            keys = rope(keys, offset=offset)
         if cache is not None:
-            queries = rope(queries, offset=cache.offset)
-            keys = rope(keys, offset=cache.offset)
             keys, values = cache.update_and_fetch(keys, values)
-        else:
-            queries = rope(queries)
-            keys = rope(keys)
         output = merged_rows_attention(queries, keys, values, cache, self.scale, mask)
         if output is None:  # the architecture module's own attention function
             batch, length, _ = x.shape

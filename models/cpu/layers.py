@@ -267,20 +267,28 @@ class NativeRoPE(nn.RoPE):
     position for all rows or one per row: MLX's results to the bit, so every call takes it."""
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        if isinstance(offset, int) and -(2**31) <= offset < 2**31:
-            offset = mx.array([offset], dtype=mx.int32)
         native = extension.native
-        if (
-            native is not None
-            and x.ndim == 4
-            and x.size
-            and x.dtype == mx.float32
-            and isinstance(offset, mx.array)
-            and offset.dtype == mx.int32
-            and offset.shape in ((1,), (x.shape[0],))
-        ):
-            return native.rope_rows(x, offset, self.dims, self.traditional, self.base, self.scale)
+        if native is not None and x.ndim == 4 and x.size and x.dtype == mx.float32:
+            positions = self.positions(offset, x.shape[0])
+            if positions is not None:
+                return native.rope_rows(
+                    x, positions, self.dims, self.traditional, self.base, self.scale
+                )
         return super().__call__(x, offset)  # type: ignore[arg-type]  # mlx-lm passes arrays
+
+    @staticmethod
+    def positions(offset: int | mx.array, batch: int) -> mx.array | None:
+        """The native kernels' positions for `batch` rows at `offset`: int32, one for all rows
+        or one per row; None where they do not take it."""
+        if isinstance(offset, int) and -(2**31) <= offset < 2**31:
+            return mx.array([offset], dtype=mx.int32)
+        if (
+            isinstance(offset, mx.array)
+            and offset.dtype == mx.int32
+            and offset.shape in ((1,), (batch,))
+        ):
+            return offset
+        return None
 
 
 _ROWS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {

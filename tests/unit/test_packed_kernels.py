@@ -410,6 +410,48 @@ def test_products_together_add_each_rows_residuals_to_the_gathered_kernels_bits(
     assert not mx.array_equal(outputs[0], plain[0]).item()  # the residuals are there
 
 
+@pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (2, 5)])
+@pytest.mark.parametrize(("dims", "traditional"), [(16, False), (16, True), (8, False)])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_q_and_k_rotated_in_the_products_call_are_rope_rows_bits(
+    isa: str, rows: int, length: int, dims: int, traditional: bool, per_row: bool
+):
+    """The first two outputs (q and k) rotated as the product writes them: rope_rows of the
+    unrotated outputs, to the bit, at one position for all rows or one per row; the others as
+    they were."""
+    x = mx.random.normal((rows, length, 128), key=mx.random.key(7 * rows + length))
+    layers = [quantized(n, 128, 4, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
+    weights = [[layer[i] for layer in layers] for i in range(3)]
+    offset = mx.array([5 + 3 * r for r in range(rows)] if per_row else [11], dtype=mx.int32)
+    plain = native.quant_matmul_heads(x, *weights, HEADS, 32, 4)
+    rope = (dims, traditional, 10000.0, 0.5)
+    rotated = native.quant_matmul_heads(
+        x, *weights, HEADS, 32, 4, None, [], False, offset, 2, *rope
+    )
+    for j, (got, was) in enumerate(zip(rotated, plain, strict=True)):
+        want = native.rope_rows(was, offset, *rope) if j < 2 else was
+        assert mx.array_equal(got, want).item(), j
+    assert not mx.array_equal(rotated[0], plain[0]).item()
+
+
+def test_products_together_refuse_a_rotation_that_does_not_fit():
+    x = mx.ones((2, 1, 128))
+    layers = [quantized(n, 128, 4, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
+    w = [[layer[i] for layer in layers] for i in range(3)]
+    one = mx.array([3], dtype=mx.int32)
+    with pytest.raises(ValueError, match="an int32 offset, one or one per row"):
+        native.quant_matmul_heads(x, *w, HEADS, 32, 4, None, [], False, None, 2, 16)
+    with pytest.raises(ValueError, match="an int32 offset, one or one per row"):
+        three = mx.array([1, 2, 3], dtype=mx.int32)
+        native.quant_matmul_heads(x, *w, HEADS, 32, 4, None, [], False, three, 2, 16)
+    with pytest.raises(ValueError, match="even dims <= its head width"):
+        native.quant_matmul_heads(x, *w, HEADS, 32, 4, None, [], False, one, 2, 15)
+    with pytest.raises(ValueError, match="even dims <= its head width"):
+        native.quant_matmul_heads(x, *w, [0, 2, 2, 0], 32, 4, None, [], False, one, 2, 16)
+    with pytest.raises(ValueError, match="roped counts leading outputs"):
+        native.quant_matmul_heads(x, *w, HEADS, 32, 4, None, [], False, one, 5, 16)
+
+
 def test_products_together_refuse_plans_that_do_not_fit():
     (w, s, b, _), pairs = (
         quantized(16, 64, 4, 32, mx.float16, seed=9),

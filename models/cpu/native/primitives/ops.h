@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "lora_plans.h"
@@ -32,7 +33,9 @@ std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<
                                           const std::vector<mx::array>& biases,
                                           const std::vector<int>& heads, int group_size, int bits,
                                           std::shared_ptr<RowPlan> plan, std::vector<int> slots,
-                                          bool int8);
+                                          bool int8, std::optional<mx::array> offset, int roped,
+                                          int rope_dims, bool rope_traditional, float rope_base,
+                                          float rope_scale);
 
 // primitives/norms.cpp: MLX's RMSNorm and RoPE to the bit, each one primitive.
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps);

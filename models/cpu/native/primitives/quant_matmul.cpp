@@ -18,6 +18,7 @@
 #include "mlx/ops.h"
 #include "primitives/common.h"
 #include "primitives/ops.h"
+#include "primitives/rope.h"
 #include "thread_pool.h"
 
 namespace hotlora {
@@ -197,26 +198,35 @@ class QuantMatmulGather : public CpuPrimitive {
 // output j is [B, heads_j, L, N_j / heads_j] (the attention's layout, with the reshape and
 // transpose that would make it done here), or [B, L, N_j] where heads_j is 0. At L = 1 the two
 // layouts are the same bytes; otherwise the products (and residuals) go to a scratch buffer in
-// rows' order first.
+// rows' order first. With a `rope`, the first `roped` outputs (a layer's q and k) are then
+// rotated in place at their rows' positions, as RowsRoPE rotates them (primitives/rope.h), to its
+// bits: the attention's q and k without two more primitives a layer.
 class QuantMatmulHeads : public CpuPrimitive {
  public:
   // slots[j]: output j's LoRA slot, whose residuals `plan` adds (-1: none; slots is empty when
   // no output has one).
   QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads,
-                   std::shared_ptr<const RowPlan> plan, std::vector<int> slots, bool int8)
+                   std::shared_ptr<const RowPlan> plan, std::vector<int> slots, bool int8,
+                   Rope rope, int roped)
       : CpuPrimitive(stream),
         bits_(bits),
         group_(group),
         heads_(std::move(heads)),
         plan_(std::move(plan)),
         slots_(std::move(slots)),
-        int8_(int8) {}
+        int8_(int8),
+        rope_(rope),
+        roped_(roped) {}
 
-  // inputs: x, then w, scales and biases of each output.
+  // inputs: x, then w, scales and biases of each output, then the rows' positions (int32, one
+  // per row or one for all) when `roped` > 0.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
     const int count = static_cast<int>(outputs.size());
+    const int32_t* positions = roped_ > 0 ? inputs.back().data<int32_t>() : nullptr;
+    const int64_t position_stride =
+        roped_ > 0 && inputs.back().size() != 1 ? inputs.back().strides()[0] : 0;
     std::vector<Quantized> weights;
     std::vector<int> widths, offsets{0};
     for (int j = 0; j < count; j++) {
@@ -237,7 +247,8 @@ class QuantMatmulHeads : public CpuPrimitive {
     }
     encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, plan = plan_,
                       slots = slots_, heads = heads_, M, L, K, group = group_, bits = bits_,
-                      int8 = int8_, kernel = active_kernel()]() mutable {
+                      int8 = int8_, kernel = active_kernel(), rope = rope_, roped = roped_,
+                      inv_freqs = rope_.frequencies(), positions, position_stride]() mutable {
       const float* xp = source.get();
       const int count = static_cast<int>(weights.size());
       // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
@@ -270,13 +281,17 @@ class QuantMatmulHeads : public CpuPrimitive {
               std::copy_n(scratch[j].data() + (static_cast<size_t>(b) * L + l) * N + h * D, D,
                           outs[j] + ((static_cast<size_t>(b) * H + h) * L + l) * D);
       }
+      for (int j = 0; j < roped; j++) {
+        const int H = heads[j], D = widths[j] / H;
+        rope.apply(outs[j], outs[j], M / L, H, L, D, positions, position_stride, inv_freqs);
+      }
     });
   }
   const char* name() const override { return "QuantMatmulHeads"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulHeads&>(other);
     return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_ && plan_ == o.plan_ &&
-           slots_ == o.slots_ && int8_ == o.int8_;
+           slots_ == o.slots_ && int8_ == o.int8_ && rope_ == o.rope_ && roped_ == o.roped_;
   }
 
  private:
@@ -286,6 +301,8 @@ class QuantMatmulHeads : public CpuPrimitive {
   std::shared_ptr<const RowPlan> plan_;
   std::vector<int> slots_;
   bool int8_;
+  Rope rope_;
+  int roped_;
 };
 
 }  // namespace
@@ -318,13 +335,16 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
 // `quant_matmul` of x [B, L, K] by each of `ws` (w, scales, biases triplets, one quantization)
 // as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L, N_j] for heads 0,
 // plus each row's own adapters' residuals at slots[j] where `plan` is given and slots[j] >= 0
-// (slots: one for each output, or empty).
+// (slots: one for each output, or empty); the first `roped` outputs rotated by `rope` at
+// positions offset[b] + l (offset: int32, one per row or one for all).
 std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
                                           const std::vector<mx::array>& scales,
                                           const std::vector<mx::array>& biases,
                                           const std::vector<int>& heads, int group_size, int bits,
                                           std::shared_ptr<RowPlan> plan, std::vector<int> slots,
-                                          bool int8) {
+                                          bool int8, std::optional<mx::array> offset, int roped,
+                                          int rope_dims, bool rope_traditional, float rope_base,
+                                          float rope_scale) {
   if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
       heads.size() != ws.size() || (!slots.empty() && slots.size() != ws.size()))
     throw std::invalid_argument(
@@ -345,11 +365,26 @@ std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<
     inputs.insert(inputs.end(), {ws[j], scales[j], biases[j]});
     if (!slots.empty() && slots[j] >= 0) check_plan("quant_matmul_heads", x, N, *plan, slots[j]);
   }
+  const Rope rope{rope_dims, rope_traditional, rope_base, rope_scale};
+  if (roped < 0 || roped > static_cast<int>(ws.size()))
+    throw std::invalid_argument("quant_matmul_heads: roped counts leading outputs");
+  if (roped > 0) {
+    if (!offset || offset->dtype() != mx::int32 || offset->ndim() != 1 ||
+        (offset->size() != 1 && static_cast<int>(offset->size()) != B))
+      throw std::invalid_argument(
+          "quant_matmul_heads: expected an int32 offset, one or one per row, to rotate by");
+    for (int j = 0; j < roped; j++)
+      if (heads[j] == 0 || rope_dims <= 0 || rope_dims % 2 != 0 ||
+          rope_dims > ws[j].shape(0) / heads[j])
+        throw std::invalid_argument(
+            "quant_matmul_heads: a rotated output needs heads and even dims <= its head width");
+    inputs.push_back(*offset);
+  }
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays(
       std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
       std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads, std::move(plan),
-                                         std::move(slots), int8),
+                                         std::move(slots), int8, rope, roped),
       std::move(inputs));
 }
 
