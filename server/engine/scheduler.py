@@ -526,9 +526,6 @@ class Scheduler:
             self._row_adapters.clear()  # drop side-by-side copies of adapters
         return rows
 
-    def _cache_state(self) -> list[Any]:
-        return [c.state for c in self._cache] if self._cache else []
-
     # Failure.
 
     def _fail(self, rows: list[Row], error: BaseException) -> None:
