@@ -42,21 +42,25 @@ class DecodeStep:
     logprobs: dict[int, mx.array] = field(default_factory=dict)  # row index -> [1, vocab]
     failed: dict[int, Exception] = field(default_factory=dict)  # row index -> its error
     error: BaseException | None = None  # the model call failed: every row shares it
-    pending: list[Any] = field(default_factory=list)  # what it evaluates: results, keys, cache
+    state: list[Any] = field(default_factory=list)  # the rows' keys and the cache it updates
+
+    @property
+    def pending(self) -> list[Any]:
+        """What reading the step waits for: its results, its rows' keys and the cache."""
+        return [self.chosen, self.finite, self.state]
 
     def rows_at(self, keep: Sequence[int]) -> DecodeStep:
         """The step of these rows only (indices into `rows`, in order)."""
         if self.chosen is None or self.finite is None:
             return DecodeStep([self.rows[i] for i in keep], error=self.error)
         index = mx.array(list(keep), dtype=mx.int32)
-        chosen, finite = self.chosen[index], self.finite[index]
         return DecodeStep(
             [self.rows[i] for i in keep],
-            chosen,
-            finite,
+            self.chosen[index],
+            self.finite[index],
             {new: self.logprobs[old] for new, old in enumerate(keep) if old in self.logprobs},
             {new: self.failed[old] for new, old in enumerate(keep) if old in self.failed},
-            pending=[chosen, finite, *self.pending[2:]],
+            state=self.state,
         )
 
 
@@ -84,9 +88,10 @@ def launch(
     logits = constrained(rows, logits, failed)
     logprobs = log_probabilities(rows, logits)  # row index -> [1, vocab]
     chosen = choose(rows, logits, logprobs, failed)  # [B]
-    pending = [chosen, finite, [row.sampler.key for row in rows], [c.state for c in cache]]
-    mx.async_eval(pending)
-    return DecodeStep(rows, chosen, finite, logprobs, failed, pending=pending)
+    state = [[row.sampler.key for row in rows], [c.state for c in cache]]
+    step = DecodeStep(rows, chosen, finite, logprobs, failed, state=state)
+    mx.async_eval(step.pending)
+    return step
 
 
 def launches_ahead(rows: Sequence[Row]) -> bool:
