@@ -248,7 +248,8 @@ class QuantMatmulHeads : public CpuPrimitive {
     encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, plan = plan_,
                       slots = slots_, heads = heads_, M, L, K, group = group_, bits = bits_,
                       int8 = int8_, kernel = active_kernel(), rope = rope_, roped = roped_,
-                      inv_freqs = rope_.frequencies(), positions, position_stride]() mutable {
+                      inv_freqs = roped_ > 0 ? rope_.frequencies() : std::vector<float>{},
+                      positions, position_stride]() mutable {
       const float* xp = source.get();
       const int count = static_cast<int>(weights.size());
       // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
