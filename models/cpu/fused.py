@@ -5,12 +5,11 @@ a step's time; each product also wakes the kernels' threads. `FusedAttention` co
 layer's q, k and v projections as one primitive (`quant_matmul_heads`) that writes them in the
 attention's [B, heads, L, head_dim] layout, so the three reshapes and transposes go too, rotates
 q and k there by the layer's RoPE when it is the native one (`NativeRoPE`, the same bits as its
-own two calls), and
-takes the attention's output in the layout the output projection reads (`attention_rows_merged`),
-without the transpose and reshape back. `FusedMLP` computes gate and up as one primitive.
-`FusedBlock`, the decoder layer holding both, reads its sublayers as the module's items. Every
-product is the packed kernel's, on the same rows, so the results are the same bits as the
-separate layers' (in any batch and any chunking, as those are).
+own two calls), and takes the attention's output in the layout the output projection reads
+(`attention_rows_merged`), without the transpose and reshape back. `FusedMLP` computes gate and
+up as one primitive. `FusedBlock`, the decoder layer holding both, reads its sublayers as the
+module's items. Every product is the packed kernel's, on the same rows, so the results are the
+same bits as the separate layers' (in any batch and any chunking, as those are).
 
 A layer takes the fused path when its projections are packed (`PackedLinear`) with one
 quantization and no bias. While an adapter set is active (one for the batch, or one per row),
