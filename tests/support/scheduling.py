@@ -1,10 +1,32 @@
-"""Driving the batching scheduler step by step in unit tests: a recording sink and a runner."""
+"""Driving the batching scheduler step by step in unit tests: prompts of the tiny model, greedy
+jobs, a recording sink and a runner."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hotlora.server.engine import Delta, Event, Finished, GenerationJob, SampledToken, Scheduler
+from hotlora.adapters import AdapterSet
+from hotlora.server.engine import (
+    Delta,
+    Event,
+    Finished,
+    GenerationJob,
+    SampledToken,
+    SamplingParams,
+    Scheduler,
+)
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33], [40, 41, 42, 43, 44, 45]]
+
+
+def job(
+    prompt: list[int], max_tokens: int = 8, adapter: AdapterSet | None = None, **params
+) -> GenerationJob:
+    """A greedy job (unless `params` say otherwise) for `prompt`, under `adapter` if given."""
+    sampling = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **params})
+    if adapter is None:
+        return GenerationJob(prompt, sampling)
+    return GenerationJob(prompt, sampling, adapter)
 
 
 class Recorder:

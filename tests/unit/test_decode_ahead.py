@@ -16,26 +16,17 @@ from hotlora.server.engine import (
     Engine,
     Finished,
     GenerationJob,
-    SamplingParams,
     Scheduler,
     decode_step,
 )
 from hotlora.server.engine import scheduler as scheduler_module
 
-from tests.support.scheduling import Recorder, run
-
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33], [40, 41, 42, 43, 44, 45]]
+from tests.support.scheduling import PROMPTS, Recorder, job, run
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Engine:
     return Engine(load_model_dir(tiny_model_dir), base_id="tiny", prompt_cache_size=0)
-
-
-def job(prompt: list[int], max_tokens: int = 8, **params) -> GenerationJob:
-    return GenerationJob(
-        prompt, SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **params})
-    )
 
 
 def answers(sink: Recorder) -> tuple[str, Finished | None, list[tuple[int, float]]]:

@@ -20,16 +20,13 @@ from hotlora.server.engine import (
     Engine,
     Finished,
     GenerationJob,
-    SamplingParams,
     Scheduler,
 )
 from hotlora.server.engine.kv_caches import KV_STEP
 from hotlora.server.engine.next_tokens import finite_rows
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
-from tests.support.scheduling import Recorder, run
-
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33], [40, 41, 42, 43, 44, 45]]
+from tests.support.scheduling import PROMPTS, Recorder, job, run
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +47,6 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def adapters(manager: AdapterManager, spec: str) -> AdapterSet:
     return manager.resolve(parse_adapter_spec(spec))
-
-
-def job(prompt: list[int], max_tokens: int = 8, adapter: AdapterSet | None = None, **params):
-    sampling = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **params})
-    if adapter is None:
-        return GenerationJob(prompt, sampling)
-    return GenerationJob(prompt, sampling, adapter)
 
 
 def solo(engine: Engine, jobs: Sequence[GenerationJob]) -> Recorder:
