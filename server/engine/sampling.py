@@ -48,15 +48,18 @@ class SamplingParams:
 
 
 class RowSampler:
-    """One row's sampling: its processors, the filter chain, its token masks and the key it
-    splits per token. `eos`: the tokens that end the answer (EOS unless ignored, stop ids)."""
+    """One row's sampling: its `logit_bias`, its processors, the filter chain, its token masks
+    and the key it splits per token. `eos`: the tokens that end the answer (EOS unless ignored,
+    stop ids)."""
 
     def __init__(self, params: SamplingParams, eos: frozenset[int] = frozenset()):
         # Below this, 1/temperature overflows the scaled log-probabilities: it is argmax anyway.
         self.greedy = params.temperature < GREEDY_BELOW
         self.temperature = params.temperature
+        # (token, value) pairs added to the logits before the processors, as mlx-lm's first
+        # processor adds them; unlike the penalties it needs none of the tokens so far.
+        self.bias = params.logit_bias
         self.processors: list[LogitsProcessor] = make_logits_processors(
-            logit_bias=dict(params.logit_bias) or None,
             repetition_penalty=params.repetition_penalty,
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
+from mlx_lm.sample_utils import make_logits_processors
 
 from hotlora.models.loader import load_model_dir
 from hotlora.server.engine import (
@@ -20,6 +23,8 @@ from hotlora.server.engine import (
     decode_step,
 )
 from hotlora.server.engine import scheduler as scheduler_module
+from hotlora.server.engine.next_tokens import processed
+from hotlora.server.engine.sampling import RowSampler
 
 from tests.support.scheduling import PROMPTS, Recorder, job, run
 
@@ -159,3 +164,40 @@ def test_rows_whose_processors_or_grammar_need_each_token_launch_nothing_ahead(e
     ]
     run(Scheduler(engine, max_batch=4), requests)
     assert launches.ahead == 0
+
+
+def biased_batch() -> list[list[GenerationJob]]:
+    """Rows with and without `logit_bias`, one also with a penalty after its bias."""
+    return [
+        [job(PROMPTS[0], max_tokens=8, logit_bias=((62, 5.0), (119, -100.0)))],
+        [job(PROMPTS[1], max_tokens=8)],
+        [job(PROMPTS[2], max_tokens=8, logit_bias=((3, 2.5),), logprobs=True, top_logprobs=2)],
+        [job(PROMPTS[3], max_tokens=8, logit_bias=((50, 4.0),), repetition_penalty=1.3)],
+    ]
+
+
+def test_rows_with_a_logit_bias_launch_ahead_and_answer_as_mlx_lm_biases_them(engine, monkeypatch):
+    launches = Launches(monkeypatch)
+    ahead = run(Scheduler(engine, max_batch=8), biased_batch()[:3])
+    assert launches.ahead > 3
+    plain = run(Scheduler(engine, max_batch=8, look_ahead=False), biased_batch()[:3])
+    assert [answers(s) for s in ahead] == [answers(s) for s in plain]
+    # The bias changes the answer: the favoured token is taken, the banned one never.
+    unbiased = run(Scheduler(engine, max_batch=1), [[job(PROMPTS[0], max_tokens=8)]])[0]
+    assert ahead[0].text() != unbiased.text()
+    # mlx-lm's processors, the bias first, on the same logits give the same bits as the batch's
+    # one scatter, beside a row with a penalty after its bias.
+    requests = [jobs[0] for jobs in biased_batch()]
+    rows = [SimpleNamespace(sampler=RowSampler(r.params), tokens=r.prompt) for r in requests]
+    logits = mx.random.normal((len(rows), 128), key=mx.random.key(3))
+    got, failed = processed(rows, logits)
+    assert not failed
+    for i, (row, request) in enumerate(zip(rows, requests, strict=True)):
+        params = request.params
+        want = logits[i : i + 1]
+        for processor in make_logits_processors(
+            logit_bias=dict(params.logit_bias) or None,
+            repetition_penalty=params.repetition_penalty,
+        ):
+            want = processor(mx.array(row.tokens), want)
+        assert mx.array_equal(got[i : i + 1], want).item()
