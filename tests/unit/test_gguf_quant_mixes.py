@@ -1,11 +1,15 @@
-"""Real quant mixes: the embedded model requantized by llama.cpp's own `llama-quantize` to
-Q4_K_M, Q5_K_M, Q6_K, Q3_K_M and Q4_0, each imported and served packed (a float32 copy fails
-the test), its tensors as models/README.md's GGUF table says, its logits held to the exact
-path's rule and the default path's.
+"""Real quant mixes: the embedded model and the bench's random llama (at a test's size)
+requantized by llama.cpp's own `llama-quantize` to Q4_K_M, Q5_K_M, Q6_K, Q3_K_M and Q4_0, each
+imported and served packed (a float32 copy fails the test), its tensors as models/README.md's
+GGUF table says, its logits held to the exact path's rule and the default path's.
 
-The files are what llama.cpp writes for SmolLM2's 576-wide rows: its K-quant mixes fall back to
-Q5_0/Q5_1 (widened to 8-bit codes at load), Q8_0 for the embedding and tied head, Q6_K for the
-rows that fit K-quant blocks (requantized at import to 8 bits: MLX has no group of 16). The
+The embedded model's files are what llama.cpp writes for SmolLM2's 576-wide rows: its K-quant
+mixes fall back to Q5_0/Q5_1 (widened to 8-bit codes at load), Q8_0 for the embedding and tied
+head, Q6_K for the rows that fit K-quant blocks (requantized at import to 8 bits: MLX has no
+group of 16). The random llama's rows (512 and 1,536 wide) split into K-quant blocks of 256, so
+its mixes are the K-quants themselves: Q4_K and Q5_K (MLX groups of 32, exact; Q5_K widened at
+load), Q3_K and Q6_K (requantized). Its bfloat16 run is measured here (seconds at this size); the
+embedded model's is recorded (minutes). The
 exact path is held against the import's own values in float32, which are llama.cpp's for every
 type but Q6_K/Q3_K/Q2_K; those are checked tensor by tensor against the GGUF's dequantized
 values, within half an 8-bit step. Needs `llama-quantize` (tests/bench/llama_cpp.py: found or
@@ -48,6 +52,7 @@ from hotlora.models.loader import load_model_dir
 
 from tests.bench.cpu import Options
 from tests.bench.llama_cpp import ensure_llama_quantize, quantize_gguf
+from tests.bench.random_llama import Shape, ensure_random_llama
 from tests.support.fidelity import (
     LOGIT_TOLERANCE,
     Distance,
@@ -62,6 +67,10 @@ if (_why := extension.unavailable()) is not None:
 # Building llama-quantize in a llama.cpp tree whose libraries the bench built: seconds.
 QUANTIZE_BUILD_S = 180
 MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q4_0")
+# The bench's random llama (tests/bench/random_llama.py, the ~0.8B one of section `cpu` at
+# hidden 2048) at a size whose bfloat16 run takes seconds, its widths multiples of 256.
+RANDOM_LLAMA = Shape(hidden=512, layers=4, ffn=1536, heads=8, kv_heads=2)
+SOURCES = ("embedded", "random-llama")
 CONVERSATIONS = [
     [
         {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
@@ -110,6 +119,7 @@ class Records(logging.Handler):
 class Mix:
     """One file, imported and served on both paths, and what each gave."""
 
+    source: str
     kind: str
     gguf: Path
     model_dir: Path
@@ -120,6 +130,14 @@ class Mix:
     exact_logits: mx.array
     fast_logits: mx.array
     fast_alone: list[mx.array]
+    bfloat16: Distance | None  # mlx-lm's bfloat16 run, where measured here
+
+    @property
+    def bound(self) -> Distance:
+        """The default path's bound: the bfloat16 run's distance, measured or recorded."""
+        if self.bfloat16 is not None:
+            return self.bfloat16
+        return BFLOAT16.get(self.kind, CLOSEST)
 
 
 def serve(model_dir: Path, home: Path, precision: str) -> tuple[nn.Module, CpuSetup]:
@@ -150,13 +168,29 @@ def quantizer() -> Path:
     pytest.skip("; ".join(reasons))
 
 
-@pytest.fixture(scope="module", params=MIXES)
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Path:
+    """The random llama's GGUF (Q4_1), built with the embedded model's tokenizer."""
+    cache = tmp_path_factory.mktemp("random-llama")
+    return ensure_random_llama(
+        cache, RANDOM_LLAMA, embedded_model_dir, embedded_gguf_path(), progress=lambda _: None
+    ).gguf
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(source, kind) for source in SOURCES for kind in MIXES],
+    ids=lambda param: "-".join(param),
+)
 def mix(
     request: pytest.FixtureRequest, quantizer: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mix]:
-    kind = request.param
-    tmp = tmp_path_factory.mktemp(kind.lower())
-    gguf = quantize_gguf(quantizer, embedded_gguf_path(), tmp / f"{kind}.gguf", kind)
+    source, kind = request.param
+    tmp = tmp_path_factory.mktemp(f"{source}-{kind.lower()}")
+    original_gguf = (
+        embedded_gguf_path() if source == "embedded" else request.getfixturevalue("random_llama")
+    )
+    gguf = quantize_gguf(quantizer, original_gguf, tmp / f"{kind}.gguf", kind)
     model_dir = import_gguf(gguf, tmp / kind)
     original = llama.scaled_dot_product_attention
     llama.scaled_dot_product_attention = mlx_lm_base.scaled_dot_product_attention
@@ -175,8 +209,24 @@ def mix(
         fast, _ = serve(model_dir, tmp / "home", "fast")
         fast_logits = forward(fast, tokens)
         alone = [forward(fast, tokens[i : i + 1])[0] for i in range(len(rows))]
+        bfloat16 = None
+        if source != "embedded":
+            run = load_model_dir(model_dir).model
+            run.set_dtype(mx.bfloat16)
+            bfloat16 = distance(forward(run, tokens), reference)
         yield Mix(
-            kind, gguf, model_dir, exact, setup, logs, reference, exact_logits, fast_logits, alone
+            source,
+            kind,
+            gguf,
+            model_dir,
+            exact,
+            setup,
+            logs,
+            reference,
+            exact_logits,
+            fast_logits,
+            alone,
+            bfloat16,
         )
     finally:
         logger.removeHandler(records)
@@ -242,16 +292,20 @@ def test_it_is_served_packed_without_a_float32_copy(mix: Mix):
     floats = [p for p, m in mix.exact.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
     assert not floats
     assert setup.batch_kernels is not None
-    fallback = {"Q4_K_M": "Q5_0", "Q5_K_M": "Q5_1", "Q3_K_M": "Q5_0"}
-    if mix.kind in fallback:  # llama.cpp's fallback for rows K-quant blocks cannot split
+    # 5-bit codes (Q5_0 and Q5_1, llama.cpp's fallback for rows K-quant blocks cannot split;
+    # Q5_K) are widened to 8 bits at load; nothing else is.
+    kinds = {Q(info.type) for info in read_header(mix.gguf).tensors.values()}
+    if any(EXACT_BITS.get(kind) == 5 for kind in kinds):
         assert "from 5 to 8 bits" in setup.batch_kernels, setup.batch_kernels
     else:
         assert "codes widened at load: none" in setup.batch_kernels, setup.batch_kernels
+    if mix.source == "random-llama" and mix.kind != "Q4_0":  # its rows split into K-quant blocks
+        assert kinds & {Q.Q4_K, Q.Q5_K, Q.Q3_K, Q.Q6_K} and not kinds & {Q.Q5_0, Q.Q5_1}, kinds
 
 
 def test_the_exact_path_keeps_the_float32_logits_of_the_imported_values(mix: Mix):
     diff = relative_difference(mix.exact_logits, mix.reference)
-    print(f"\n{mix.kind}: exact path, max |d| / max |logit| {diff:.2e}")
+    print(f"\n{mix.source} {mix.kind}: exact path, max |d| / max |logit| {diff:.2e}")
     assert diff <= LOGIT_TOLERANCE
 
 
@@ -260,11 +314,12 @@ def test_the_default_path_keeps_its_rule(mix: Mix):
     for row, alone in enumerate(mix.fast_alone):
         assert mx.array_equal(alone, mix.fast_logits[row]).item()
     fast = distance(mix.fast_logits, mix.reference)
-    print(f"\n{mix.kind}: int8 activations: {fast}")
+    print(f"\n{mix.source} {mix.kind}: int8 activations: {fast}")
     assert fast.largest > 1e-4  # the int8 path, not the float one under another name
-    bound = BFLOAT16.get(mix.kind, CLOSEST)
-    print(f"{mix.kind}: mlx-lm bfloat16 (recorded, or the closest recorded): {bound}")
-    over = OVER.get(mix.kind, {})
+    bound = mix.bound
+    how = "measured" if mix.bfloat16 is not None else "recorded, or the closest recorded"
+    print(f"{mix.source} {mix.kind}: mlx-lm bfloat16 ({how}): {bound}")
+    over = OVER.get(mix.kind, {}) if mix.source == "embedded" else {}
     for figure in ("median", "p99", "largest", "kl_mean", "kl_max"):
         limit = over.get(figure, getattr(bound, figure))
         assert getattr(fast, figure) <= limit * 1.02, (figure, fast, bound)
