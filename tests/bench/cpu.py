@@ -6,6 +6,9 @@ For each model of `--cpu-models`, each server in turn, alone on the machine:
   once into `--cpu-cache`; its rows of 576 values fall back to Q5_0, so most layers are 5-bit,
   widened to 8 bits at hotlora's load); hotlora imports that file, llama.cpp serves it. No
   adapter rows on it (its base rows are the comparison).
+- `bigvocab`: a random-weight llama of Gemma 3 270M's size and vocabulary (hidden 640, 18
+  layers, ffn 2048, heads 10/2, vocabulary 262,144: its tied embedding and head, 168 M weights,
+  are two thirds of the model and the most read a decoded token), built as `1b` is.
 - `1b`: a ~0.8B random-weight llama (hidden 2048, 16 layers, ffn 5632, heads 32/4, vocabulary
   49,152 with the embedded model's tokenizer) built once into `--cpu-cache`: a 4-bit (group 32)
   mlx-lm directory for hotlora and a Q4_1 GGUF of the same 4-bit weights for llama.cpp
@@ -62,7 +65,9 @@ from tests.bench.random_llama import Shape, ensure_random_llama
 from tests.bench.servers import Sample, hotlora_bench_spec, launch
 from tests.support.server_process import ServerProcess, ServerSpec
 
-CPU_MODELS = ("embedded", "q4km", "1b")
+CPU_MODELS = ("embedded", "q4km", "1b", "bigvocab")
+# Gemma 3 270M's sizes as a llama: its vocabulary, hidden width, layers and MLP.
+BIG_VOCAB = Shape(hidden=640, layers=18, ffn=2048, heads=10, kv_heads=2, vocab=262144)
 WARMUP_TOKENS = 8
 ADAPTER_WARMUPS = 2  # untimed rounds of adapter rows and of base-only rows before the pairs
 WARMUP_PROMPT_TOKENS = 300
@@ -429,7 +434,7 @@ def model_pair(name: str, home: Path, cache: Path) -> tuple[str, Path, Path]:
             ensure_gguf_model(gguf, home, progress=print),
             gguf,
         )
-    shape = Shape()
+    shape = BIG_VOCAB if name == "bigvocab" else Shape()
     built = ensure_random_llama(cache, shape, embedded, embedded_gguf_path())
     return f"random llama ({shape.name}, GGUF Q4_1 of the same codes)", built.model_dir, built.gguf
 

@@ -5,7 +5,10 @@ of 32 as mlx-lm's converter does. MLX's affine 4-bit group (value = scale * q + 
 bias float16) is exactly GGUF's Q4_1 block (value = d * q + m, d and m float16), so the GGUF
 repacks the very same 4-bit codes and float16 factors: both servers read identical weights, not
 two quantizations of one float model. q/k rows are permuted for llama.cpp's rotary layout as
-its converter does. The tokenizer is the embedded model's (vocabulary 49,152), copied into both.
+its converter does. The tokenizer is the embedded model's (vocabulary 49,152), copied into both;
+a larger vocabulary (`Shape.vocab`) pads it with tokens `<unused{i}>` that no text encodes to
+(in the BPE vocabulary without merges, and in the GGUF's token list as normal tokens), so that
+both servers take and decode every id of the model's embedding and head.
 """
 
 from __future__ import annotations
@@ -131,16 +134,28 @@ def random_weights(shape: Shape, seed: int = 0) -> dict[str, mx.array]:
     return dict(tree_flatten(model.parameters()))
 
 
+def padding(first: int, vocab: int) -> list[str]:
+    """The tokens that pad a vocabulary of `first` tokens to `vocab`."""
+    return [f"<unused{i}>" for i in range(vocab - first)]
+
+
 def write_model_dir(
     weights: dict[str, mx.array], shape: Shape, dest: Path, tokenizer_dir: Path
 ) -> Path:
-    """The mlx-lm directory: model.safetensors, config.json and the tokenizer's files."""
+    """The mlx-lm directory: model.safetensors, config.json and the tokenizer's files, its
+    vocabulary padded to the model's."""
     dest.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(shape.config(), indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copyfile(tokenizer_dir / name, dest / name)
+    tokenizer = json.loads((dest / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first = max([*vocab.values(), *(t["id"] for t in tokenizer["added_tokens"])]) + 1
+    if first < shape.vocab:
+        vocab.update({token: first + i for i, token in enumerate(padding(first, shape.vocab))})
+        (dest / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     return dest
 
 
@@ -191,8 +206,15 @@ def write_gguf(
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_vocab_size(shape.vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    extra = padding(len(tokens), shape.vocab)
     for key, add in GGUF_TOKENIZER_KEYS.items():
-        if key in metadata:
+        if key == "tokenizer.ggml.tokens":
+            writer.add_token_list([*tokens, *extra])
+        elif key == "tokenizer.ggml.token_type":
+            normal = [int(gguf.TokenType.NORMAL)] * len(extra)
+            writer.add_token_types([*metadata[key], *normal])
+        elif key in metadata:
             add(writer, metadata[key])
     paths = sorted({key.rpartition(".")[0] for key in weights})
     for path in paths:

@@ -265,3 +265,25 @@ def test_rss_watch_sees_this_process():
     watch.stop.set()
     watch.join()
     assert watch.peak_mb() >= 64 and block.sum() == 64 << 20
+
+
+def test_a_larger_vocabulary_pads_both_tokenizers_with_tokens_no_text_encodes_to(
+    tmp_path: Path, embedded_model_dir: Path
+):
+    """A model whose vocabulary outgrows the embedded tokenizer's (section `cpu`'s `bigvocab`):
+    both forms' tokenizers hold every id of its embedding, text encodes as before, and a padded
+    id decodes to its token."""
+    shape = Shape(hidden=64, layers=1, ffn=128, heads=4, kv_heads=2, context=512, vocab=49_300)
+    weights = random_weights(shape, seed=5)
+    model_dir = write_model_dir(weights, shape, tmp_path / "mlx", embedded_model_dir)
+    header = read_header(write_gguf(weights, shape, tmp_path / "big.gguf", embedded_gguf_path()))
+    tokens = header.metadata["tokenizer.ggml.tokens"]
+    assert len(tokens) == len(header.metadata["tokenizer.ggml.token_type"]) == shape.vocab
+    assert tokens[SMALL.vocab] == "<unused0>" and tokens[-1] == "<unused147>"
+    padded, original = load_model_dir(model_dir).tokenizer, load_model_dir(embedded_model_dir)
+    text = "The capital of France is Paris. <unused3> is not a token of any text."
+    assert padded.encode(text) == original.tokenizer.encode(text)
+    assert padded.decode([SMALL.vocab + 7]) == "<unused7>"
+    assert len(padded.vocab) == shape.vocab
+    imported = import_gguf(tmp_path / "big.gguf", tmp_path / "imported")
+    assert load_model_dir(imported).tokenizer.decode([shape.vocab - 1]) == "<unused147>"
