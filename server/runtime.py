@@ -16,6 +16,7 @@ from hotlora.adapters import AdapterManager, Budget, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.cpu import prepare_cpu
+from hotlora.models.cpu.weights import has_gpu
 from hotlora.models.embedded import (
     embedded_model_path,
     ensure_embedded_model,
@@ -228,6 +229,7 @@ class Runtime:
             prefill_context_unit=self.settings.prefill_context_unit,
             kv_cache_bytes=self.settings.kv_cache_bytes,
             before_step=self.adapters.yield_to_loads,
+            look_ahead=decodes_ahead(self.settings.decode_ahead),
         )
         self.inference = InferenceService(
             self.worker,
@@ -382,3 +384,11 @@ def kept_adapter_dtype(asked: str, packed: bool) -> mx.Dtype:
     float32 is asked; float32 elsewhere (MLX's own layers would convert float16 back at every
     call)."""
     return mx.float16 if packed and asked != "float32" else mx.float32
+
+
+def decodes_ahead(asked: str) -> bool:
+    """Whether the scheduler launches each decode step before reading the last one's tokens,
+    for `--decode-ahead asked`: auto launches ahead where the model runs on a GPU (the host
+    builds a step while the device computes the one before) and not on the CPU, whose cores the
+    step's kernels already keep busy."""
+    return asked == "on" or (asked == "auto" and has_gpu())

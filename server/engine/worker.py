@@ -211,6 +211,7 @@ class GenerationWorker:
         prefill_context_unit: int = 1024,
         kv_cache_bytes: int = 2 << 30,
         before_step: Callable[[], None] | None = None,
+        look_ahead: bool = True,
     ):
         self.engine = engine
         # Run before each step: the adapter manager's `yield_to_loads`, so that a request's
@@ -224,6 +225,7 @@ class GenerationWorker:
             prefill_chunk=prefill_chunk,
             prefill_context_unit=prefill_context_unit,
             kv_cache_bytes=kv_cache_bytes,
+            look_ahead=look_ahead,
         )
         self._lock = threading.Condition()
         self._inbox: deque[Ticket] = deque()

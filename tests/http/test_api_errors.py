@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 from fastapi.testclient import TestClient
 
+from hotlora.models.cpu.weights import has_gpu
 from hotlora.server.engine.sampling import RowSampler
 
 from tests.support.sse import sse_events
@@ -250,3 +251,15 @@ def test_empty_keys_are_refused():
 
     with pytest.raises(ValidationError, match="must not be empty"):
         Settings(api_key="")
+
+
+def test_decode_ahead_reaches_the_scheduler_and_changes_no_answer(make_client):
+    body = {**CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 2}
+    answers = {}
+    for asked, launches in (("auto", has_gpu()), ("on", True), ("off", False)):
+        client = make_client(decode_ahead=asked)
+        assert client.app.state.runtime.worker.scheduler.look_ahead is launches, asked
+        choices = client.post("/v1/chat/completions", json=body).json()["choices"]
+        answers[asked] = [choice["message"]["content"] for choice in choices]
+    assert answers["on"] == answers["off"] == answers["auto"]
+    assert all(answers["on"])
