@@ -58,7 +58,8 @@ class RowSampler:
         self.temperature = params.temperature
         # (token, value) pairs added to the logits before the processors, as mlx-lm's first
         # processor adds them; unlike the penalties it needs none of the tokens so far.
-        self.bias = params.logit_bias
+        # Ids given twice ("5" and "05") keep the last value, as a dict of them does.
+        self.bias = tuple(dict(params.logit_bias).items())
         self.processors: list[LogitsProcessor] = make_logits_processors(
             repetition_penalty=params.repetition_penalty,
             presence_penalty=params.presence_penalty,

@@ -176,7 +176,10 @@ def biased_batch() -> list[list[GenerationJob]]:
     ]
 
 
-def test_rows_with_a_logit_bias_launch_ahead_and_answer_as_mlx_lm_biases_them(engine, monkeypatch):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_rows_with_a_logit_bias_launch_ahead_and_answer_as_mlx_lm_biases_them(
+    engine, monkeypatch, dtype
+):
     launches = Launches(monkeypatch)
     ahead = run(Scheduler(engine, max_batch=8), biased_batch()[:3])
     assert launches.ahead > 3
@@ -189,7 +192,7 @@ def test_rows_with_a_logit_bias_launch_ahead_and_answer_as_mlx_lm_biases_them(en
     # one scatter, beside a row with a penalty after its bias.
     requests = [jobs[0] for jobs in biased_batch()]
     rows = [SimpleNamespace(sampler=RowSampler(r.params), tokens=r.prompt) for r in requests]
-    logits = mx.random.normal((len(rows), 128), key=mx.random.key(3))
+    logits = mx.random.normal((len(rows), 128), key=mx.random.key(3)).astype(dtype)
     got, failed = processed(rows, logits)
     assert not failed
     for i, (row, request) in enumerate(zip(rows, requests, strict=True)):
@@ -200,4 +203,15 @@ def test_rows_with_a_logit_bias_launch_ahead_and_answer_as_mlx_lm_biases_them(en
             repetition_penalty=params.repetition_penalty,
         ):
             want = processor(mx.array(row.tokens), want)
+        assert got.dtype == want.dtype == dtype
         assert mx.array_equal(got[i : i + 1], want).item()
+
+
+def test_a_token_biased_twice_keeps_the_last_value_as_a_dict_of_them_does():
+    """ "5" and "05" name one token: its last value holds, added once, as mlx-lm's dict does."""
+    params = job(PROMPTS[0], logit_bias=((5, 100.0), (9, 1.0), (5, -100.0))).params
+    row = SimpleNamespace(sampler=RowSampler(params), tokens=[1])
+    got, _ = processed([row], mx.zeros((1, 16)))
+    want = make_logits_processors(logit_bias=dict(params.logit_bias))[0](None, mx.zeros((1, 16)))
+    assert mx.array_equal(got, want).item()
+    assert got[0, 5].item() == -100.0 and got[0, 9].item() == 1.0
