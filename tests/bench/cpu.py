@@ -6,9 +6,10 @@ For each model of `--cpu-models`, each server in turn, alone on the machine:
   once into `--cpu-cache`; its rows of 576 values fall back to Q5_0, so most layers are 5-bit,
   widened to 8 bits at hotlora's load); hotlora imports that file, llama.cpp serves it. No
   adapter rows on it (its base rows are the comparison).
-- `bigvocab`: a random-weight llama of Gemma 3 270M's size and vocabulary (hidden 640, 18
-  layers, ffn 2048, heads 10/2, vocabulary 262,144: its tied embedding and head, 168 M weights,
-  are two thirds of the model and the most read a decoded token), built as `1b` is.
+- `bigvocab`: a random-weight llama of Gemma 3 270M's hidden width, layers, MLP and vocabulary
+  (hidden 640, 18 layers, ffn 2048, vocabulary 262,144; llama's attention, heads 10/2 of 64):
+  its tied embedding and head, 168 M weights, are two thirds of the model and the most read a
+  decoded token; built as `1b` is.
 - `1b`: a ~0.8B random-weight llama (hidden 2048, 16 layers, ffn 5632, heads 32/4, vocabulary
   49,152 with the embedded model's tokenizer) built once into `--cpu-cache`: a 4-bit (group 32)
   mlx-lm directory for hotlora and a Q4_1 GGUF of the same 4-bit weights for llama.cpp

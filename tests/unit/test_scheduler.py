@@ -172,7 +172,7 @@ def test_a_long_prompt_s_chunks_shrink_as_its_context_grows_and_streams_decode_b
         scheduler.step()
         # One token a step; two in the step the waiting row joins in (the step launched ahead
         # is taken first, as a step of its own).
-        assert len(running.events) >= before + 1, "the running row stalled"
+        assert before + 1 <= len(running.events) <= before + 2, "the running row stalled"
     kinds = [kind for kind, _, _ in calls.calls]
     assert "prefill, prefill" not in ", ".join(kinds), "two chunks without a decode between"
     chunks = [(tokens, context) for kind, tokens, context in calls.calls if kind == "prefill"]
