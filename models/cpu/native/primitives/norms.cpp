@@ -66,11 +66,10 @@ class RowsRoPE : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const int B = x.shape(0), N = x.shape(1), T = x.shape(2), D = x.shape(3);
-    const int32_t* offset = inputs[1].data<int32_t>();  // one per row, or one for all
-    const int64_t offset_stride = inputs[1].size() == 1 ? 0 : inputs[1].strides()[0];
+    const RopeOffsets offset(inputs[1]);  // one per row, or one for all
     dispatch_rows(stream(), inputs, 1, outputs[0],
                   [=, rope = rope_, inv_freqs = rope_.frequencies()](auto& operands, float* op) {
-      rope.apply(operands[0].get(), op, B, N, T, D, offset, offset_stride, inv_freqs);
+      rope.apply(operands[0].get(), op, B, N, T, D, offset, inv_freqs);
     });
   }
   const char* name() const override { return "RowsRoPE"; }

@@ -224,9 +224,7 @@ class QuantMatmulHeads : public CpuPrimitive {
     const auto& x = inputs[0];
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
     const int count = static_cast<int>(outputs.size());
-    const int32_t* positions = roped_ > 0 ? inputs.back().data<int32_t>() : nullptr;
-    const int64_t position_stride =
-        roped_ > 0 && inputs.back().size() != 1 ? inputs.back().strides()[0] : 0;
+    const RopeOffsets positions = roped_ > 0 ? RopeOffsets(inputs.back()) : RopeOffsets();
     std::vector<Quantized> weights;
     std::vector<int> widths, offsets{0};
     for (int j = 0; j < count; j++) {
@@ -245,11 +243,11 @@ class QuantMatmulHeads : public CpuPrimitive {
       encoder.set_output_array(out);
       outs.push_back(out.data<float>());
     }
-    encoder.dispatch([source = RowMajor(x), weights, widths, offsets, outs, plan = plan_,
-                      slots = slots_, heads = heads_, M, L, K, group = group_, bits = bits_,
-                      int8 = int8_, kernel = active_kernel(), rope = rope_, roped = roped_,
-                      inv_freqs = roped_ > 0 ? rope_.frequencies() : std::vector<float>{},
-                      positions, position_stride]() mutable {
+    encoder.dispatch(
+        [source = RowMajor(x), weights, widths, offsets, outs, plan = plan_, slots = slots_,
+         heads = heads_, M, L, K, group = group_, bits = bits_, int8 = int8_,
+         kernel = active_kernel(), rope = rope_, roped = roped_,
+         inv_freqs = roped_ > 0 ? rope_.frequencies() : std::vector<float>{}, positions]() mutable {
       const float* xp = source.get();
       const int count = static_cast<int>(weights.size());
       // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
@@ -284,7 +282,7 @@ class QuantMatmulHeads : public CpuPrimitive {
       }
       for (int j = 0; j < roped; j++) {
         const int H = heads[j], D = widths[j] / H;
-        rope.apply(outs[j], outs[j], M / L, H, L, D, positions, position_stride, inv_freqs);
+        rope.apply(outs[j], outs[j], M / L, H, L, D, positions, inv_freqs);
       }
     });
   }

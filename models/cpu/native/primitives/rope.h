@@ -8,9 +8,21 @@
 #include <cstdint>
 #include <vector>
 
+#include "mlx/array.h"
 #include "mlx/backend/cpu/simd/math.h"
 
 namespace hotlora {
+
+// The rows' first positions an offset array holds (int32, one per row or one for all).
+struct RopeOffsets {
+  const int32_t* at = nullptr;
+  int64_t stride = 0;  // between rows' offsets; 0: one for all
+
+  RopeOffsets() = default;
+  explicit RopeOffsets(const mlx::core::array& offset)
+      : at(offset.data<int32_t>()), stride(offset.size() == 1 ? 0 : offset.strides()[0]) {}
+  int32_t operator[](int b) const { return at[b * stride]; }
+};
 
 // A RoPE's settings: the first `dims` features rotated in pairs (i, i + dims / 2), or (2i, 2i + 1)
 // when traditional, by angle position * base^(-i / (dims / 2)), positions scaled by `scale`.
@@ -32,15 +44,14 @@ struct Rope {
     return inv;
   }
 
-  // x [B, N, T, D] rotated into `out` (which may be x) at positions (offset[b] + t) * scale;
-  // offset: one per row `offset_stride` apart, or one for all (stride 0).
-  void apply(const float* x, float* out, int B, int N, int T, int D, const int32_t* offset,
-             int64_t offset_stride, const std::vector<float>& inv_freqs) const {
+  // x [B, N, T, D] rotated into `out` (which may be x) at positions (offset[b] + t) * scale.
+  void apply(const float* x, float* out, int B, int N, int T, int D, RopeOffsets offset,
+             const std::vector<float>& inv_freqs) const {
     const int half = dims / 2;
     std::vector<float> cos_t(half), sin_t(half);
     for (int b = 0; b < B; b++) {
       for (int t = 0; t < T; t++) {
-        const int32_t start = offset[b * offset_stride];
+        const int32_t start = offset[b];
         const float position = (static_cast<float>(t) + static_cast<float>(start)) * scale;
         for (int i = 0; i < half; i++) {
           const float theta = position * inv_freqs[i];
