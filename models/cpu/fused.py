@@ -80,11 +80,11 @@ def fused_products(
     # object's own lookup, ~2 us a read, and a step makes hundreds.
     weights = [layer["weight"] for layer, _ in found]
     scales = [layer["scales"] for layer, _ in found]
-    for (layer, _), layer_scales in zip(found, scales, strict=True):
+    for (layer, _), layer_weight, layer_scales in zip(found, weights, scales, strict=True):
         if layer.bits != first.bits or layer.group_size != first.group_size:
             return None
-        if layer_scales.dtype != scales[0].dtype:
-            return None
+        if layer_scales.dtype != scales[0].dtype or layer_weight.dtype != weights[0].dtype:
+            return None  # one dtype of scales, one layout of codes
         if layer.int8_activations != first.int8_activations:
             return None
     plans = {id(operands[0]): operands[0] for _, operands in found if operands is not None}

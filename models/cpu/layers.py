@@ -36,7 +36,13 @@ import mlx.nn as nn
 from mlx_lm.models import gemma, gemma2, gemma3_text
 
 from hotlora.models.cpu import extension
-from hotlora.models.cpu.weights import KERNEL_BITS, served_bits
+from hotlora.models.cpu.weights import (
+    KERNEL_BITS,
+    deinterleave_rows8,
+    interleave_rows8,
+    interleaved_rows,
+    served_bits,
+)
 from hotlora.models.module_classes import swap_classes
 
 
@@ -176,7 +182,41 @@ def _quant_rows(x: mx.array, layer: PackedLinear | PackedEmbedding) -> mx.array:
     )
 
 
-class PackedLinear(nn.QuantizedLinear):
+class Interleaving(nn.Module):
+    """What a packed layer does to take the interleaved integer kernel: its codes laid out by
+    `weights.interleave_rows8`, or back as MLX packs them."""
+
+    bits: int
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the codes are laid out for the interleaved integer kernel (uint8: MLX's own
+        operations refuse them, nothing reads them as MLX's packing by mistake)."""
+        return self["weight"].dtype == mx.uint8
+
+    def interleave(self, on: bool) -> None:
+        """Lay the codes out for the interleaved integer kernel, or back as MLX packs them; a
+        layer the kernel does not take in that layout (not 4 bits, rows not in eights, no such
+        kernel here) keeps MLX's."""
+        native = extension.native
+        if on == self.interleaved or (
+            on
+            and (
+                native is None
+                or not native.interleaves()
+                or self.bits != 4
+                or self["weight"].shape[0] % 8
+            )
+        ):
+            return
+        change = interleave_rows8 if on else deinterleave_rows8
+        packed = change(self["weight"], self["scales"], self["biases"])
+        for key, value in zip(("weight", "scales", "biases"), packed, strict=True):
+            self[key] = mx.contiguous(value)
+        mx.eval(self["weight"], self["scales"], self["biases"])
+
+
+class PackedLinear(nn.QuantizedLinear, Interleaving):
     """`nn.QuantizedLinear` whose every float32 call goes through the quantized kernel: with
     `int8_activations` (`--cpu-precision fast`), each row's activations quantized to int8 in
     blocks of 32 and integer dot products; else float32 products with the dequantized weights."""
@@ -194,12 +234,16 @@ class PackedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if not float32_input(x):
-            return super().__call__(x)
+            if not self.interleaved:
+                return super().__call__(x)
+            if x.size == 0:
+                return mx.zeros((*x.shape[:-1], self["weight"].shape[0]), dtype=x.dtype)
+            return self(x.astype(mx.float32)).astype(x.dtype)
         y = _quant_rows(x, self)
         return y + self.bias if "bias" in self else y
 
 
-class PackedEmbedding(nn.QuantizedEmbedding):
+class PackedEmbedding(nn.QuantizedEmbedding, Interleaving):
     """`nn.QuantizedEmbedding` whose lookup gives float32 rows (dequantized as MLX does, in
     float32) and whose use as the output layer goes through the quantized kernel (int8
     activations as `PackedLinear`'s)."""
@@ -208,10 +252,16 @@ class PackedEmbedding(nn.QuantizedEmbedding):
 
     def __call__(self, x: mx.array) -> mx.array:
         assert self.biases is not None  # the affine mode's
-        scales = self.scales[x].astype(mx.float32)
-        biases = self.biases[x].astype(mx.float32)
+        if self.interleaved:
+            weight, scales, biases = interleaved_rows(self.weight, self.scales, self.biases, x)
+        else:
+            weight, scales, biases = self.weight[x], self.scales[x], self.biases[x]
         return mx.dequantize(
-            self.weight[x], scales, biases, group_size=self.group_size, bits=self.bits
+            weight,
+            scales.astype(mx.float32),
+            biases.astype(mx.float32),
+            group_size=self.group_size,
+            bits=self.bits,
         )
 
     def as_linear(self, x: mx.array) -> mx.array:
@@ -227,11 +277,14 @@ CpuPrecision = Literal["fast", "exact"]
 def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
     """Make every packed layer of the model take `precision`'s products; returns how many.
     One precision for the whole model, set before it serves: a row's bits then depend on its
-    own values alone, as on either path."""
+    own values alone, as on either path. On int8 activations the 4-bit projections whose rows
+    come in eights take the interleaved layout where the kernel reads it (`interleave_rows8`:
+    the same bytes, about half the operations a weight); float32 ones take MLX's packing back."""
     int8 = precision == "fast"
     layers = [m for _, m in model.named_modules() if isinstance(m, PackedLinear | PackedEmbedding)]
     for layer in layers:
         layer.int8_activations = int8
+        layer.interleave(int8)
     return len(layers)
 
 

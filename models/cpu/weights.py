@@ -265,6 +265,64 @@ def to_packed(model: nn.Module) -> Repacked:
     return repacked
 
 
+def interleave_rows8(
+    weight: mx.array, scales: mx.array, biases: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A 4-bit layer's packed weight (uint32 [N, K / 8], N a multiple of 8), scales and biases
+    laid out for the integer products' interleaved kernel (`int8_rows8_range`,
+    models/cpu/native/kernels/int8_matmul.h): the codes as uint8 [N, K / 2], eight rows' block
+    of 32 codes 128 bytes together, byte 32j + 4i + k holding row i's code 8j + k in its low half
+    and its code 8j + 4 + k in its high half; the scales and biases [N, K / group], each group's
+    eight rows side by side. The same bytes, reordered: `deinterleave_rows8` undoes it."""
+    n, k = weight.shape[0], weight.shape[1] * 8
+    codes = unpack_codes(weight, 4).reshape(n // 8, 8, k // 32, 4, 2, 4)  # G, i, b, j, half, k
+    low = codes[..., 0, :].transpose(0, 2, 3, 1, 4)  # G, b, j, i, k
+    high = codes[..., 1, :].transpose(0, 2, 3, 1, 4)
+    packed = (low | (high << 4)).reshape(n, k // 2)
+    return packed, _eights(scales, n), _eights(biases, n)
+
+
+def deinterleave_rows8(
+    weight: mx.array, scales: mx.array, biases: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`interleave_rows8` undone: MLX's packing of the same codes, scales and biases."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    eights = weight.reshape(n // 8, k // 32, 4, 8, 4)  # G, b, j, i, k
+    codes = mx.stack([eights & 15, eights >> 4], axis=-2)  # G, b, j, i, half, k
+    codes = codes.transpose(0, 3, 1, 2, 4, 5).reshape(n, k)
+    return pack_codes(codes, 4), _rows(scales, n), _rows(biases, n)
+
+
+def interleaved_rows(
+    weight: mx.array, scales: mx.array, biases: mx.array, ids: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows `ids` (integers of any shape) of a layer laid out by `interleave_rows8`, in MLX's
+    packing: an embedding's lookup, without a second copy of its weights."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    eights, row = ids // 8, (ids % 8).reshape(*ids.shape, 1, 1, 1, 1)
+    blocks = weight.reshape(n // 8, k // 32, 4, 8, 4)[eights]  # [..., b, j, i, k]
+    picked = mx.take_along_axis(blocks, mx.broadcast_to(row, (*ids.shape, k // 32, 4, 1, 4)), -2)
+    codes = mx.stack([picked & 15, picked >> 4], axis=-2).reshape(*ids.shape, k)  # b, j, half, k
+    row = row.reshape(*ids.shape, 1, 1)
+
+    def params(a: mx.array) -> mx.array:
+        grouped = a.reshape(n // 8, -1, 8)[eights]  # [..., groups, i]
+        index = mx.broadcast_to(row, (*grouped.shape[:-1], 1))
+        return mx.take_along_axis(grouped, index, -1).squeeze(-1)
+
+    return pack_codes(codes, 4), params(scales), params(biases)
+
+
+def _eights(params: mx.array, n: int) -> mx.array:
+    """Scales or biases [N, groups] with each group's eight rows side by side."""
+    return params.reshape(n // 8, 8, -1).transpose(0, 2, 1).reshape(n, -1)
+
+
+def _rows(params: mx.array, n: int) -> mx.array:
+    """`_eights` undone: a row's scales or biases together again."""
+    return params.reshape(n // 8, -1, 8).transpose(0, 2, 1).reshape(n, -1)
+
+
 def to_float32(model: nn.Module) -> None:
     """Dequantize every quantized layer and cast every float parameter to float32, in place."""
     dequantize_model(model)

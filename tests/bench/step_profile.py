@@ -105,7 +105,7 @@ def _kernel_graphs(
     ]
     norms = [m for _, m in model.named_modules() if isinstance(m, NativeRMSNorm)]
     inputs = {
-        id(m): mx.random.normal((rows, 1, m.weight.shape[1] * 32 // m.bits)) for m in quantized
+        id(m): mx.random.normal((rows, 1, m.scales.shape[1] * m.group_size)) for m in quantized
     }
     attn = layers[0].self_attn
     heads, kv_heads = attn.n_heads, attn.n_kv_heads

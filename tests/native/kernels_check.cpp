@@ -225,16 +225,63 @@ void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group,
   }
 }
 
-// x [M, K] quantized to int8 (kernels/quantize_rows.h) @ dequantize(w).T by the integer kernel,
-// weight rows in two ranges as the primitives' threads split them.
+// 4-bit weights [N, K] (N a multiple of 8) with their rows interleaved by eight, as the integer
+// kernel's `int8_rows8_range` reads them (kernels/int8_matmul.h).
+struct InterleavedWeights {
+  std::vector<uint8_t> codes, scales, biases;
+  Quantized q;
+};
+
+InterleavedWeights interleaved(const QuantWeights& w, int N) {
+  const Quantized& plain = w.q;
+  const int K = plain.K, blocks = K / 32, groups = K / plain.group;
+  const int width = plain.dtype == 0 ? 4 : 2;
+  InterleavedWeights out;
+  out.codes.resize(static_cast<size_t>(N) * K / 2);
+  out.scales.resize(w.scales.size());
+  out.biases.resize(w.biases.size());
+  const auto code = [&](int n, int k) {
+    const size_t bit = (static_cast<size_t>(n) * K + k) * 4;
+    return static_cast<uint8_t>(w.words[bit / 32] >> (bit % 32) & 15);
+  };
+  for (int G = 0; G < N / 8; G++)
+    for (int i = 0; i < 8; i++) {
+      for (int b = 0; b < blocks; b++)
+        for (int j = 0; j < 4; j++)
+          for (int k = 0; k < 4; k++)
+            out.codes[(static_cast<size_t>(G) * blocks + b) * 128 + 32 * j + 4 * i + k] =
+                code(8 * G + i, 32 * b + 8 * j + k) |
+                static_cast<uint8_t>(code(8 * G + i, 32 * b + 8 * j + 4 + k) << 4);
+      for (int g = 0; g < groups; g++) {
+        const size_t from = (static_cast<size_t>(8 * G + i) * groups + g) * width;
+        const size_t to = ((static_cast<size_t>(G) * groups + g) * 8 + i) * width;
+        std::memcpy(out.scales.data() + to, w.scales.data() + from, width);
+        std::memcpy(out.biases.data() + to, w.biases.data() + from, width);
+      }
+    }
+  out.q = Quantized{reinterpret_cast<const uint32_t*>(out.codes.data()),
+                    out.scales.data(),
+                    out.biases.data(),
+                    K,
+                    4,
+                    plain.group,
+                    plain.dtype,
+                    true};
+  return out;
+}
+
+// x [M, K] quantized to int8 (kernels/quantize_rows.h) @ dequantize(w).T by the integer kernel
+// (the interleaved one for `q.rows8`), weight rows in two ranges as the primitives' threads split
+// them.
 std::vector<float> int8_product(const Kernel& kernel, const Quantized& q, const float* x, int M,
                                 int N) {
-  Int8Rows rows(x, M, q.K, q.group, q.bits);
+  Int8Rows rows(x, M, q.K, q.group, hotlora::halves_first(q));
   rows.quantize(0, M);
   std::vector<float> out(static_cast<size_t>(M) * N);
-  const int split = N / 2 - N / 2 % 4;
-  kernel.int8(q, rows.rows(), out.data(), M, N, 0, split);
-  kernel.int8(q, rows.rows(), out.data(), M, N, split, N);
+  const int split = N / 2 - N / 2 % 8;
+  const auto product = q.rows8 ? kernel.int8_rows8 : kernel.int8;
+  product(q, rows.rows(), out.data(), M, N, 0, split);
+  product(q, rows.rows(), out.data(), M, N, split, N);
   return out;
 }
 
@@ -246,7 +293,7 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
   auto x = normal(static_cast<size_t>(M) * K);
   for (int k = 0; k < K; k += 97) x[k] = 0.0f;                // zeros among the values
   std::fill_n(x.begin() + K / 2, std::min(32, K / 2), 0.0f);  // a block of zeros: d = 0
-  Int8Rows quantized_x(x.data(), M, K, group, bits);
+  Int8Rows quantized_x(x.data(), M, K, group, bits == 4);
   quantized_x.quantize(0, M);
   const QuantizedRows rows = quantized_x.rows();
   std::vector<double> values(x.size());  // the quantized rows, in value order
@@ -278,6 +325,17 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
   for (int m = 0; m < M; m++) {
     const auto alone = int8_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K, 1, N);
     check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
+  }
+  if (bits != 4 || N % 8 != 0 || kernel.int8_rows8 == nullptr) return;
+  // The same product on the rows interleaved by eight: the same values, other float roundings.
+  const auto rows8 = interleaved(w, N);
+  const auto out8 = int8_product(kernel, rows8.q, x.data(), M, N);
+  std::snprintf(what, sizeof what, "interleaved 4-bit product on int8 rows (group %d, dtype %d)",
+                group, dtype);
+  check_close(kernel.isa, what, out8, want, magnitude, M, K, N);
+  for (int m = 0; m < M; m++) {
+    const auto alone = int8_product(kernel, rows8.q, x.data() + static_cast<size_t>(m) * K, 1, N);
+    check_row_bits(kernel.isa, what, out8, alone, M, K, N, m);
   }
 }
 
@@ -410,11 +468,13 @@ int main() {
         for (int group : {32, 64, 128})
           for (int dtype : {0, 1, 2})
             for (int R : {0, 6}) check_quant(kernel, M, 384, 37, bits, group, dtype, R), checks++;
-    // The integer products: rows of x in the kernel's blocks and alone, K of several groups.
+    // The integer products: rows of x in the kernel's blocks and alone, K of several groups;
+    // weight rows in eights (the interleaved layout's too, where the kernel has it) or not.
     for (int M : {1, 3, 9})
       for (int bits : {4, 8})
         for (int group : {32, 64, 128})
-          for (int dtype : {0, 1, 2}) check_int8(kernel, M, 384, 37, bits, group, dtype), checks++;
+          for (int dtype : {0, 1, 2})
+            for (int N : {37, 40}) check_int8(kernel, M, 384, N, bits, group, dtype), checks++;
     // An adapter's ranks below, at and past each ISA's vector (4, 8 or 16 lanes).
     for (int K : {7, 100, 576})
       for (int r = 1; r <= 40; r++) check_low_rank(kernel, K, r), checks++;

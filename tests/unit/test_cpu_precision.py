@@ -121,3 +121,33 @@ def test_a_tiny_model_on_int8_activations_is_no_further_than_bfloat16(name: str)
     fast, bfloat16, _ = runs(build, FAMILY_TOKENS)
     report(name, fast, bfloat16)
     assert fast.within(bfloat16), (fast, bfloat16)
+
+
+def test_the_fast_path_interleaves_4_bit_rows_and_the_exact_path_takes_mlxs_packing_back(
+    embedded_model_dir: Path,
+):
+    """Every 4-bit layer of the embedded model (its rows come in eights) takes the interleaved
+    layout on int8 activations, the same bytes reordered; the exact path gets MLX's packing
+    back to the bit, and its logits with it."""
+    from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear, set_cpu_precision
+
+    model = load_model_dir(embedded_model_dir).model
+    install_packed_kernels(model, threads=2, precision="exact")
+    layers = [m for _, m in model.named_modules() if isinstance(m, PackedLinear | PackedEmbedding)]
+    original = [(m.weight, m.scales, m.biases) for m in layers]
+    tokens = FAMILY_TOKENS[:1, :16]
+    exact = forward(model, tokens)
+    set_cpu_precision(model, "fast")
+    four_bits = [m for m in layers if m.bits == 4]
+    assert four_bits and all(m.interleaved and m.weight.dtype == mx.uint8 for m in four_bits)
+    assert not any(m.interleaved for m in layers if m.bits != 4)
+    for m, (weight, _, _) in zip(layers, original, strict=True):
+        assert m.weight.nbytes == weight.nbytes  # reordered, not copied
+    fast = forward(model, tokens)
+    assert not mx.array_equal(fast, exact).item()
+    set_cpu_precision(model, "exact")
+    for m, arrays in zip(layers, original, strict=True):
+        assert not m.interleaved
+        for got, want in zip((m.weight, m.scales, m.biases), arrays, strict=True):
+            assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+    assert mx.array_equal(forward(model, tokens), exact).item()

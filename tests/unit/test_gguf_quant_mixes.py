@@ -89,6 +89,7 @@ POSITIONS = 32
 BFLOAT16 = {
     "Q4_K_M": Distance(0.1543, 0.3268, 0.3268, 0.156, 1.46, 0.906),
     "Q4_0": Distance(0.1352, 0.3429, 0.3429, 0.177, 0.695, 0.781),
+    "Q3_K_M": Distance(0.1370, 0.3316, 0.3316, 0.193, 0.901, 0.781),
 }
 CLOSEST = Distance(
     *(min(getattr(d, f) for d in BFLOAT16.values()) for f in Distance.__dataclass_fields__)

@@ -31,6 +31,7 @@ from hotlora.models.cpu.fused import (
     uninstall_fused,
 )
 from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear
+from hotlora.models.cpu.weights import deinterleave_rows8, interleave_rows8, interleaved_rows
 
 from tests.support.adapter_builders import (
     BASE_ID,
@@ -133,6 +134,84 @@ def test_a_rows_result_is_the_same_whatever_the_other_rows_and_their_shape(isa: 
         assert mx.array_equal(mx.concatenate(parts), whole).item(), size
     prompt = native.quant_matmul(x.reshape(4, 50, 576), packed, scales, biases, 32, 4)
     assert mx.array_equal(prompt.reshape(200, 1536), whole).item()
+
+
+# The integer products on 4-bit rows interleaved by eight (`interleave_rows8`).
+
+
+def interleaved(n: int, k: int, group: int, dtype: mx.Dtype, seed: int):
+    """4-bit weights [n, k] in MLX's packing and interleaved: (packed, scales, biases) each."""
+    packed, scales, biases, _ = quantized(n, k, 4, group, dtype, seed)
+    return (packed, scales, biases), interleave_rows8(packed, scales, biases)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+def test_interleaved_rows_give_the_integer_product_of_mlxs_packing(
+    isa: str, group: int, dtype: mx.Dtype
+):
+    """The same integer sums, scaled and added in another order: MLX's layout's result within
+    float32 rounding, every row count, and a row's bits the same alone and in any batch."""
+    plain, rows8 = interleaved(72, 384, group, dtype, seed=group)
+    assert rows8[0].dtype == mx.uint8 and rows8[0].shape == (72, 192)
+    x = mx.random.normal((200, 384), key=mx.random.key(group))
+    whole = native.quant_matmul(x, *rows8, group, 4, True)
+    reference = native.quant_matmul(x, *plain, group, 4, True)
+    scale = mx.abs(reference).max().item()
+    assert mx.abs(whole - reference).max().item() < 1e-5 * scale
+    assert not mx.array_equal(whole, reference).item()  # another order of float sums
+    for size in (1, 2, 3, 4, 5, 7, 16, 33):
+        parts = [
+            native.quant_matmul(x[i : i + size], *rows8, group, 4, True)
+            for i in range(0, 200, size)
+        ]
+        assert mx.array_equal(mx.concatenate(parts), whole).item(), size
+    prompt = native.quant_matmul(x.reshape(4, 50, 384), *rows8, group, 4, True)
+    assert mx.array_equal(prompt.reshape(200, 72), whole).item()
+
+
+def test_interleaved_rows_undo_and_look_up_as_mlxs_packing():
+    plain, rows8 = interleaved(48, 256, 64, mx.float16, seed=5)
+    for got, want in zip(deinterleave_rows8(*rows8), plain, strict=True):
+        assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+    ids = mx.array([[0, 7, 8, 47], [13, 13, 40, 1]])
+    for got, want in zip(interleaved_rows(*rows8, ids), [a[ids] for a in plain], strict=True):
+        assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (16, 1), (2, 5)])
+def test_interleaved_products_together_and_gathered_are_each_products_bits(
+    isa: str, rows: int, length: int
+):
+    """q, k, v and a fourth product as one primitive, and one product with each row's
+    residuals, on interleaved weights: each output is its own product's bits, as for MLX's
+    packing."""
+    x = mx.random.normal((rows, length, 128), key=mx.random.key(rows * length))
+    layers = [interleaved(n, 128, 32, mx.float16, seed=n)[1] for n in (64, 32, 32, 96)]
+    weights = [[layer[i] for layer in layers] for i in range(3)]
+    outputs = native.quant_matmul_heads(x, *weights, HEADS, 32, 4, None, [], True)
+    for layer, h, got in zip(layers, HEADS, outputs, strict=True):
+        alone = heads_layout(native.quant_matmul(x, *layer, 32, 4, True), h)
+        assert mx.array_equal(got, alone).item(), h
+    pairs = gather_operands(128, 64, RANKS, seed=1)
+    adapters = [native.adapter_pairs([(pairs[2 * i], pairs[2 * i + 1])]) for i in range(4)]
+    batch = native.row_plan(adapters, *plan(row_entries(rows)))
+    gathered = native.quant_matmul_gather(x, *layers[0], 32, 4, batch, 0, True)
+    together = native.quant_matmul_heads(x, *weights, HEADS, 32, 4, batch, [0, -1, -1, -1], True)
+    assert mx.array_equal(together[0], heads_layout(gathered, HEADS[0])).item()
+
+
+def test_interleaved_rows_are_refused_where_their_kernel_does_not_read_them():
+    plain, rows8 = interleaved(16, 128, 32, mx.float16, seed=2)
+    x = mx.ones((1, 128))
+    with pytest.raises(ValueError, match="interleaved"):
+        native.quant_matmul(x, *rows8, 32, 4)  # float32 activations: MLX's packing only
+    odd = (mx.zeros((12, 64), dtype=mx.uint8), rows8[1][:12], rows8[2][:12])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        native.quant_matmul(x, *odd, 32, 4, True)
+    mixed = [[plain[i], rows8[i]] for i in range(3)]
+    with pytest.raises(ValueError, match="share a layout"):
+        native.quant_matmul_heads(x[None], *mixed, [0, 0], 32, 4, None, [], True)
 
 
 def gather_operands(k: int, n: int, ranks: tuple[int, ...], seed: int) -> list[mx.array]:

@@ -126,3 +126,86 @@ void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, i
       int8_rows<bits, 1>(q, x.row(m, q.K, q.group), out + static_cast<size_t>(m) * N, N, n0, n1);
   });
 }
+
+// The same product for 4-bit weights whose rows are interleaved by eight at load
+// (`Quantized::rows8`), so that one vector's eight 32-bit lanes are eight weight rows and a
+// block's integer sums of those rows come out in one vector, not one each: about half the
+// operations a weight. Weight rows 8G..8G+7 (G a group of eight), block b of 32 codes, take 128
+// bytes at (G * K / 32 + b) * 128: byte 32j + 4i + k holds row 8G+i's code 8j+k in its low half
+// and its code 8j+4+k in its high half (j, k < 4, i < 8). Their scales and biases, group g, are
+// the eight at (G * K / group + g) * 8. x's rows are quantized in plain order. Each output of a
+// row is then, in this order: the blocks in order, each (scale * d) * its integer sum added in
+// one float lane; the groups in order, each bias * the group's sum of x's quantized values.
+// That sequence depends on the row's own values alone, as the other layout's does.
+template <class I, int Dtype, int P>
+inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, float* out,
+                             int ldo) {
+  const int K = q.K, blocks = K / 32, groups = K / q.group, per_group = q.group / 32;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(G) * blocks * 128;
+  const size_t params = static_cast<size_t>(G) * groups * 8;
+  typename I::V acc[P];
+  for (int m = 0; m < P; m++) acc[m] = I::zero();
+  typename I::V scale = I::zero();
+  for (int b = 0; b < blocks; b++) {
+    if (b % per_group == 0) scale = I::template load8<Dtype>(q.scales, params + b / per_group * 8);
+    const uint8_t* codes = w + static_cast<size_t>(b) * 128;
+    prefetch_ahead(codes + kPrefetchBytes, 128);
+    typename I::Codes sums[P];
+    for (int m = 0; m < P; m++) sums[m] = I::zero16();
+    for (int j = 0; j < 4; j++) {
+      const typename I::Codes v = I::load_bytes(codes + 32 * j);
+      const typename I::Codes low = I::low4(v), high = I::high4(v);
+      for (int m = 0; m < P; m++) {
+        const int8_t* xq = x.q + static_cast<size_t>(m) * K + b * 32 + 8 * j;
+        sums[m] = I::add16(sums[m], I::add16(I::pairs4(low, I::broadcast4(xq)),
+                                             I::pairs4(high, I::broadcast4(xq + 4))));
+      }
+    }
+    for (int m = 0; m < P; m++) {
+      const typename I::V d = I::set1(x.d[static_cast<size_t>(m) * blocks + b]);
+      acc[m] = I::fma(I::lane_sums(sums[m]), I::mul(scale, d), acc[m]);
+    }
+  }
+  for (int g = 0; g < groups; g++) {
+    const typename I::V bias = I::template load8<Dtype>(q.biases, params + g * 8);
+    for (int m = 0; m < P; m++)
+      acc[m] = I::fma(bias, I::set1(x.sums[static_cast<size_t>(m) * groups + g]), acc[m]);
+  }
+  for (int m = 0; m < P; m++) I::store(out + static_cast<size_t>(m) * ldo, acc[m]);
+}
+
+// out[:, n0:n1] (n0 and n1 multiples of 8) of x @ dequantize(q).T for weights interleaved by
+// eight (`int8_rows8_block`); out is [M, N]. Rows of x kRows8P at a time, then one at a time:
+// each output's operations are the same either way.
+template <class I = Int8>
+void int8_rows8_range(const Quantized& q, const QuantizedRows& x, float* out, int M, int N, int n0,
+                      int n1) {
+  constexpr int P = I::kRows8P;
+  const auto run = [&](auto dtype) {
+    int m = 0;
+    for (; m + P <= M; m += P)
+      for (int G = n0 / 8; G < n1 / 8; G++)
+        int8_rows8_block<I, dtype, P>(q, x.row(m, q.K, q.group), G,
+                                      out + static_cast<size_t>(m) * N + 8 * G, N);
+    for (; m < M; m++)
+      for (int G = n0 / 8; G < n1 / 8; G++)
+        int8_rows8_block<I, dtype, 1>(q, x.row(m, q.K, q.group), G,
+                                      out + static_cast<size_t>(m) * N + 8 * G, N);
+  };
+  if (q.dtype == 0)
+    run(std::integral_constant<int, 0>{});
+  else if (q.dtype == 1)
+    run(std::integral_constant<int, 1>{});
+  else
+    run(std::integral_constant<int, 2>{});
+}
+
+// The table's entry for the interleaved products: null where the ISA's integer traits have none
+// (a template, so that the branch not taken is not compiled for them).
+template <class I = Int8>
+constexpr Int8Range int8_rows8_entry() {
+  if constexpr (requires { I::kRows8; })
+    return &int8_rows8_range<I>;
+  else
+    return nullptr;
+}

@@ -27,7 +27,8 @@ inline float round_to_int(float v) {
 // block in order), in float32, so that the biases multiply the same values the codes do: the
 // product is then that of the quantized row, whose errors the weights' own spread around zero
 // keeps small (an exact sum of x beside them would leave the codes' errors uncompensated).
-inline void quantize_row(const float* x, int K, int group, int bits, const QuantizedRows& out) {
+// `halves`: a block's codes evens first, then odds (`halves_first`), else in plain order.
+inline void quantize_row(const float* x, int K, int group, bool halves, const QuantizedRows& out) {
   int8_t* q = const_cast<int8_t*>(out.q);
   float* d = const_cast<float*>(out.d);
   for (int b = 0; b < K / 32; b++) {
@@ -38,7 +39,7 @@ inline void quantize_row(const float* x, int K, int group, int bits, const Quant
     d[b] = scale;
     int8_t* qb = q + static_cast<size_t>(b) * 32;
     for (int i = 0; i < 32; i++) {
-      const int at = bits == 4 ? (i % 2) * 16 + i / 2 : i;  // 4 bits: evens, then odds
+      const int at = halves ? (i % 2) * 16 + i / 2 : i;  // evens, then odds
       qb[at] = static_cast<int8_t>(round_to_int(xb[i] * inverse));
     }
   }
@@ -53,27 +54,33 @@ inline void quantize_row(const float* x, int K, int group, int bits, const Quant
   }
 }
 
+// Whether the integer products of q read a block's activations evens first, then odds: MLX's
+// 4-bit packing, a byte's low half then its high half (kernels/int8_matmul.h).
+inline bool halves_first(const Quantized& q) { return q.bits == 4 && !q.rows8; }
+
 // M rows of x [M, K] quantized, held for the products that read them: `quantize` fills rows
 // [m0, m1), so that threads may share the rows.
 class Int8Rows {
  public:
-  Int8Rows(const float* x, int M, int K, int group, int bits)
+  Int8Rows(const float* x, int M, int K, int group, bool halves)
       : x_(x),
         K_(K),
         group_(group),
-        bits_(bits),
+        halves_(halves),
         q_(static_cast<size_t>(M) * K),
         d_(static_cast<size_t>(M) * (K / 32)),
         sums_(static_cast<size_t>(M) * (K / group)) {}
   void quantize(int m0, int m1) {
     for (int m = m0; m < m1; m++)
-      quantize_row(x_ + static_cast<size_t>(m) * K_, K_, group_, bits_, rows().row(m, K_, group_));
+      quantize_row(x_ + static_cast<size_t>(m) * K_, K_, group_, halves_,
+                   rows().row(m, K_, group_));
   }
   QuantizedRows rows() const { return {q_.data(), d_.data(), sums_.data()}; }
 
  private:
   const float* x_;
-  int K_, group_, bits_;
+  int K_, group_;
+  bool halves_;
   std::vector<int8_t> q_;
   std::vector<float> d_, sums_;
 };

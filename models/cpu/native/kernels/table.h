@@ -18,7 +18,8 @@ struct Kernel {
   Attend attend;
   Softmax softmax;
   QuantRange quant;
-  Int8Range int8;  // the quantized product on int8 activations (kernels/int8_matmul.h)
+  Int8Range int8;        // the quantized product on int8 activations (kernels/int8_matmul.h)
+  Int8Range int8_rows8;  // the same for 4-bit rows interleaved by eight; null: none
   Residuals<float> residuals;
   LowRank<float> low_rank;  // a row's activations of one adapter (kernels/lora_gather.h)
   Residuals<uint16_t> residuals_half;
@@ -27,11 +28,11 @@ struct Kernel {
 
 // An ISA's entry from its namespace's kernels (kernels/*.h built there), named `isa` and run
 // where `supported()` finds the CPU's features: what each kernels/isa/<name>.cpp returns.
-#define HOTLORA_KERNEL(isa, supported)                                                         \
-  Kernel {                                                                                     \
-    isa, supported, rows_matmul_range, attend, softmax_rows, quant_matmul_range,               \
-        int8_matmul_range, add_residuals<float>, low_rank_row<float>, add_residuals<uint16_t>, \
-        low_rank_row<uint16_t>                                                                 \
+#define HOTLORA_KERNEL(isa, supported)                                                    \
+  Kernel {                                                                                \
+    isa, supported, rows_matmul_range, attend, softmax_rows, quant_matmul_range,          \
+        int8_matmul_range, int8_rows8_entry(), add_residuals<float>, low_rank_row<float>, \
+        add_residuals<uint16_t>, low_rank_row<uint16_t>                                   \
   }
 
 // Each ISA's entry, in kernels/isa/<name>.cpp; on another architecture it is not defined.

@@ -47,14 +47,17 @@ struct Quantized {
   const void* biases = nullptr;
   int K = 0, bits = 4, group = 32;
   int dtype = 0;  // 0: float32, 1: float16, 2: bfloat16
+  // 4-bit codes with rows interleaved by eight (kernels/int8_matmul.h's int8_rows8_range),
+  // read by the integer products only; else MLX's packing, a row after another.
+  bool rows8 = false;
 };
 
 // Rows of activations quantized to int8 for the integer products (kernels/int8_matmul.h; made by
 // kernels/quantize_rows.h): each row of K values in blocks of 32, the int8 codes of a block and
 // its scale d (a value ~ d * code), and for each group of the weights the sum over its blocks of
-// d * the block's codes' sum: the quantized values' sum, which the biases multiply. At 4 bits a
-// block's codes are stored evens first, then odds: the order in which a packed byte's low and
-// high halves give the weights'.
+// d * the block's codes' sum: the quantized values' sum, which the biases multiply. For MLX's
+// 4-bit packing a block's codes are stored evens first, then odds: the order in which a packed
+// byte's low and high halves give the weights' (kernels/quantize_rows.h's `halves_first`).
 struct QuantizedRows {
   const int8_t* q = nullptr;    // [M, K]
   const float* d = nullptr;     // [M, K / 32]

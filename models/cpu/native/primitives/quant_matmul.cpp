@@ -24,8 +24,9 @@
 namespace hotlora {
 namespace {
 
-// A packed weight's operands as the kernel reads them (w [N, K * bits / 32] uint32, scales and
-// biases [N, K / group]), each row-contiguous, else refused in `name`'s words.
+// A packed weight's operands as the kernel reads them (w [N, K * bits / 32] uint32, or uint8
+// [N, K * bits / 8] for 4-bit rows interleaved by eight, scales and biases [N, K / group]), each
+// row-contiguous, else refused in `name`'s words.
 Quantized packed_weight(const mx::array& w, const mx::array& scales, const mx::array& biases, int K,
                         int bits, int group, const char* name) {
   for (const auto* a : {&w, &scales, &biases})
@@ -33,7 +34,8 @@ Quantized packed_weight(const mx::array& w, const mx::array& scales, const mx::a
       throw std::invalid_argument(std::string(name) + ": the weights must be row-contiguous");
   const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
   return Quantized{
-      w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), K, bits, group, dtype};
+      w.data<uint32_t>(),    scales.data<void>(), biases.data<void>(), K, bits, group, dtype,
+      w.dtype() == mx::uint8};
 }
 
 // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
@@ -45,16 +47,19 @@ int tile_floats(int M) { return M <= 16 ? 8192 : 32768; }
 // that follows.
 class PackedProducts {
  public:
-  PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, int bits, bool int8)
+  // `halves`: the weights' products read x's int8 codes evens first (`halves_first`).
+  PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, bool int8,
+                 bool halves)
       : kernel_(kernel), x_(x), M_(M) {
     if (!int8) return;
-    rows_.emplace(x, M, K, group, bits);
+    rows_.emplace(x, M, K, group, halves);
     parallel_rows(
         M, 8, [this](int m0, int m1) { rows_->quantize(m0, m1); }, 1);
   }
 
   // out[:, n0:n1] of x @ dequantize(q).T; out is [M, N]. On any thread of the pool.
   void range(const Quantized& q, float* out, int N, int n0, int n1) const {
+    if (q.rows8) return kernel_->int8_rows8(q, rows_->rows(), out, M_, N, n0, n1);
     if (rows_) return kernel_->int8(q, rows_->rows(), out, M_, N, n0, n1);
     const int floats = tile_floats(M_);
     thread_local std::vector<float> tile;
@@ -62,9 +67,11 @@ class PackedProducts {
     kernel_->quant(q, x_, out, M_, N, n0, n1, tile.data(), floats);
   }
 
-  // out [M, N] = x @ dequantize(q).T, the columns split over the pool's threads.
+  // out [M, N] = x @ dequantize(q).T, the columns split over the pool's threads (in multiples of
+  // 8, interleaved rows' groups).
   void all(const Quantized& q, float* out, int N) const {
-    parallel_rows(N, 64, [&](int n0, int n1) { range(q, out, N, n0, n1); });
+    parallel_rows(
+        N, 64, [&](int n0, int n1) { range(q, out, N, n0, n1); }, 8);
   }
 
  private:
@@ -93,7 +100,7 @@ class QuantMatmul : public CpuPrimitive {
         packed_weight(inputs[1], inputs[2], inputs[3], K, bits_, group_, "quant_matmul");
     dispatch_rows(stream(), inputs, 1, outputs[0],
                   [=, int8 = int8_, kernel = active_kernel()](auto& operands, float* op) {
-      PackedProducts(kernel, operands[0].get(), M, K, q.group, q.bits, int8).all(q, op, N);
+      PackedProducts(kernel, operands[0].get(), M, K, q.group, int8, halves_first(q)).all(q, op, N);
     });
   }
   const char* name() const override { return "QuantMatmul"; }
@@ -108,9 +115,10 @@ class QuantMatmul : public CpuPrimitive {
   bool int8_;
 };
 
-// Refuses what the kernels do not take: kernels/quant_types.h lists the bits and groups.
+// Refuses what the kernels do not take: kernels/quant_types.h lists the bits and groups; 4-bit
+// rows interleaved by eight (uint8 w) go to the integer products only.
 void check_quantized(const mx::array& x, const mx::array& w, const mx::array& scales,
-                     const mx::array& biases, int group, int bits) {
+                     const mx::array& biases, int group, int bits, bool int8) {
   if (active_kernel() == nullptr)
     throw std::invalid_argument("quant_matmul: the CPU lacks AVX2 and FMA");
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
@@ -124,12 +132,22 @@ void check_quantized(const mx::array& x, const mx::array& w, const mx::array& sc
   if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16)
     throw std::invalid_argument("quant_matmul: float32, float16 or bfloat16 scales only");
   const int K = x.shape(-1);
+  if (w.dtype() == mx::uint8) {
+    if (bits != 4 || !int8 || active_kernel()->int8_rows8 == nullptr || w.ndim() != 2 ||
+        w.shape(0) % 8 != 0 || K % group != 0 || static_cast<int64_t>(w.shape(1)) * 2 != K ||
+        biases.dtype() != dtype || scales.shape() != mx::Shape{w.shape(0), K / group} ||
+        biases.shape() != scales.shape())
+      throw std::invalid_argument(
+          "quant_matmul: rows interleaved by eight (uint8 w [N, K / 2], N a multiple of 8) are "
+          "4-bit, read by the integer products (int8) of a kernel that has them, only");
+    return;
+  }
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || K % group != 0 ||
       static_cast<int64_t>(w.shape(1)) * 32 / bits != K || biases.dtype() != dtype ||
       scales.shape() != mx::Shape{w.shape(0), K / group} || biases.shape() != scales.shape())
     throw std::invalid_argument(
-        "quant_matmul: expected x [..., K], w [N, K * bits / 32] uint32, and scales and "
-        "biases [N, K / group] of one dtype");
+        "quant_matmul: expected x [..., K], w [N, K * bits / 32] uint32 (or interleaved "
+        "uint8), and scales and biases [N, K / group] of one dtype");
 }
 
 // The integer products hold a weight row's scales and biases on the stack: K up to 65536.
@@ -171,7 +189,7 @@ class QuantMatmulGather : public CpuPrimitive {
       RowResiduals residuals(kernel, xp, M, K);  // from x as it is, in float32
       residuals.add(*plan, slot, N, op);
       if (!residuals.empty()) residuals.activations();
-      PackedProducts(kernel, xp, M, K, q.group, q.bits, int8).all(q, op, N);
+      PackedProducts(kernel, xp, M, K, q.group, int8, halves_first(q)).all(q, op, N);
       if (!residuals.empty()) residuals.residuals();
     });
   }
@@ -245,8 +263,8 @@ class QuantMatmulHeads : public CpuPrimitive {
     }
     encoder.dispatch(
         [source = RowMajor(x), weights, widths, offsets, outs, plan = plan_, slots = slots_,
-         heads = heads_, M, L, K, group = group_, bits = bits_, int8 = int8_,
-         kernel = active_kernel(), rope = rope_, roped = roped_,
+         heads = heads_, M, L, K, group = group_, int8 = int8_, kernel = active_kernel(),
+         rope = rope_, roped = roped_,
          inv_freqs = roped_ > 0 ? rope_.frequencies() : std::vector<float>{}, positions]() mutable {
       const float* xp = source.get();
       const int count = static_cast<int>(weights.size());
@@ -262,14 +280,18 @@ class QuantMatmulHeads : public CpuPrimitive {
       for (size_t j = 0; j < slots.size(); j++)
         if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
       if (!residuals.empty()) residuals.activations();
-      const PackedProducts packed(kernel, xp, M, K, group, bits, int8);  // x quantized once
-      parallel_rows(offsets.back(), 64, [&](int n0, int n1) {
+      const PackedProducts packed(kernel, xp, M, K, group, int8,
+                                  halves_first(weights[0]));  // x quantized once
+      parallel_rows(
+          offsets.back(), 64,
+          [&](int n0, int n1) {
         for (int j = 0; j < count; j++) {
           const int a = std::max(n0, offsets[j]) - offsets[j];
           const int b = std::min(n1, offsets[j + 1]) - offsets[j];
           if (a < b) packed.range(weights[j], products[j], widths[j], a, b);
         }
-      });
+          },
+          8);
       if (!residuals.empty()) residuals.residuals();
       for (int j = 0; j < count; j++) {
         if (scratch[j].empty()) continue;
@@ -308,7 +330,7 @@ class QuantMatmulHeads : public CpuPrimitive {
 
 mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                        const mx::array& biases, int group_size, int bits, bool int8) {
-  check_quantized(x, w, scales, biases, group_size, bits);
+  check_quantized(x, w, scales, biases, group_size, bits, int8);
   check_int8(x, int8);
   return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits, int8);
 }
@@ -317,7 +339,7 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits,
                               std::shared_ptr<RowPlan> plan, int slot, bool int8) {
-  check_quantized(x, w, scales, biases, group_size, bits);
+  check_quantized(x, w, scales, biases, group_size, bits, int8);
   check_int8(x, int8);
   const int N = w.shape(0);
   if (!plan) throw std::invalid_argument("quant_matmul_gather: expected a plan");
@@ -356,7 +378,10 @@ std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<
   std::vector<mx::Shape> shapes;
   const int B = x.shape(0), L = x.shape(1);
   for (size_t j = 0; j < ws.size(); j++) {
-    check_quantized(x, ws[j], scales[j], biases[j], group_size, bits);
+    check_quantized(x, ws[j], scales[j], biases[j], group_size, bits, int8);
+    if (ws[j].dtype() != ws[0].dtype())
+      throw std::invalid_argument(
+          "quant_matmul_heads: the weights must share a layout (all interleaved or none)");
     const int N = ws[j].shape(0), H = heads[j];
     if (H < 0 || (H > 0 && N % H != 0))
       throw std::invalid_argument("quant_matmul_heads: heads must divide the weight's rows");

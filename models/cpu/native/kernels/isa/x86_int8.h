@@ -59,4 +59,40 @@ struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight r
       pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
+
+  // The products of 4-bit weights whose rows are interleaved by eight (kernels/int8_matmul.h's
+  // int8_rows8_range): a 32-bit lane a weight row, its four bytes four codes.
+  static constexpr bool kRows8 = true;
+  static constexpr int kRows8P = 4;  // rows of x at once
+  static Codes load_bytes(const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static Codes low4(Codes v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+  static Codes high4(Codes v) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+  }
+  // Four int8 activations in every lane.
+  static Codes broadcast4(const int8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, sizeof four);
+    return _mm256_set1_epi32(four);
+  }
+  // Each lane's four codes times its four activations, summed in two 16-bit halves (at most
+  // 2 * 15 * 127 each, so that eight such sums still fit 16 bits).
+  static Codes pairs4(Codes codes, Codes x) { return _mm256_maddubs_epi16(codes, x); }
+  static Codes add16(Codes a, Codes b) { return _mm256_add_epi16(a, b); }
+  static Codes zero16() { return _mm256_setzero_si256(); }
+  // Each lane's two 16-bit halves added, as a float (exact).
+  static V lane_sums(Codes halves) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(halves, _mm256_set1_epi16(1)));
+  }
+  // Eight scales or biases of `dtype` (Quantized::dtype), exactly as float32.
+  template <int Dtype>
+  static V load8(const void* p, size_t at) {
+    if constexpr (Dtype == 0) return _mm256_loadu_ps(static_cast<const float*>(p) + at);
+    const auto* halves = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at);
+    if constexpr (Dtype == 1) return _mm256_cvtph_ps(_mm_loadu_si128(halves));
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(halves)), 16));
+  }
 };
