@@ -190,27 +190,27 @@ class Interleaving(nn.Module):
 
     @property
     def interleaved(self) -> bool:
-        """Whether the codes are laid out for the interleaved integer kernel (uint8: MLX's own
-        operations refuse them, nothing reads them as MLX's packing by mistake)."""
-        return self["weight"].dtype == mx.uint8
+        """Whether the codes are laid out for the interleaved integer kernel (uint8 or int8: MLX's
+        own operations refuse them, nothing reads them as MLX's packing by mistake)."""
+        return self["weight"].dtype in (mx.uint8, mx.int8)
 
     def interleave(self, on: bool) -> None:
         """Lay the codes out for the interleaved integer kernel, or back as MLX packs them; a
-        layer the kernel does not take in that layout (not 4 bits, rows not in eights, no such
-        kernel here) keeps MLX's."""
+        layer the kernel does not take in that layout (not 4 or 8 bits, rows not in eights, no
+        such kernel here) keeps MLX's."""
         native = extension.native
         if on == self.interleaved or (
             on
             and (
                 native is None
                 or not native.interleaves()
-                or self.bits != 4
+                or self.bits not in (4, 8)
                 or self["weight"].shape[0] % 8
             )
         ):
             return
         change = interleave_rows8 if on else deinterleave_rows8
-        packed = change(self["weight"], self["scales"], self["biases"])
+        packed = change(self["weight"], self["scales"], self["biases"], self.bits)
         for key, value in zip(("weight", "scales", "biases"), packed, strict=True):
             self[key] = mx.contiguous(value)
         mx.eval(self["weight"], self["scales"], self["biases"])
@@ -253,7 +253,9 @@ class PackedEmbedding(nn.QuantizedEmbedding, Interleaving):
     def __call__(self, x: mx.array) -> mx.array:
         assert self.biases is not None  # the affine mode's
         if self.interleaved:
-            weight, scales, biases = interleaved_rows(self.weight, self.scales, self.biases, x)
+            weight, scales, biases = interleaved_rows(
+                self.weight, self.scales, self.biases, self.bits, x
+            )
         else:
             weight, scales, biases = self.weight[x], self.scales[x], self.biases[x]
         return mx.dequantize(
@@ -277,7 +279,7 @@ CpuPrecision = Literal["fast", "exact"]
 def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
     """Make every packed layer of the model take `precision`'s products; returns how many.
     One precision for the whole model, set before it serves: a row's bits then depend on its
-    own values alone, as on either path. On int8 activations the 4-bit projections whose rows
+    own values alone, as on either path. On int8 activations the 4- and 8-bit layers whose rows
     come in eights take the interleaved layout where the kernel reads it (`interleave_rows8`:
     the same bytes, about half the operations a weight); float32 ones take MLX's packing back."""
     int8 = precision == "fast"

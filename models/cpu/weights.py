@@ -266,43 +266,64 @@ def to_packed(model: nn.Module) -> Repacked:
 
 
 def interleave_rows8(
-    weight: mx.array, scales: mx.array, biases: mx.array
+    weight: mx.array, scales: mx.array, biases: mx.array, bits: int
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """A 4-bit layer's packed weight (uint32 [N, K / 8], N a multiple of 8), scales and biases
-    laid out for the integer products' interleaved kernel (`int8_rows8_range`,
-    models/cpu/native/kernels/int8_matmul.h): the codes as uint8 [N, K / 2], eight rows' block
-    of 32 codes 128 bytes together, byte 32j + 4i + k holding row i's code 8j + k in its low half
-    and its code 8j + 4 + k in its high half; the scales and biases [N, K / group], each group's
-    eight rows side by side. The same bytes, reordered: `deinterleave_rows8` undoes it."""
-    n, k = weight.shape[0], weight.shape[1] * 8
-    codes = unpack_codes(weight, 4).reshape(n // 8, 8, k // 32, 4, 2, 4)  # G, i, b, j, half, k
-    low = codes[..., 0, :].transpose(0, 2, 3, 1, 4)  # G, b, j, i, k
-    high = codes[..., 1, :].transpose(0, 2, 3, 1, 4)
-    packed = (low | (high << 4)).reshape(n, k // 2)
+    """A 4- or 8-bit layer's packed weight (uint32 [N, K * bits / 32], N a multiple of 8), scales
+    and biases laid out for the integer products' interleaved kernel (`int8_rows8_range`,
+    models/cpu/native/kernels/int8_matmul.h): eight rows' block of 32 codes `4 * bits` bytes
+    together, one 32-bit lane a row: at 4 bits byte 32j + 4i + k holds row i's code 8j + k in
+    its low half and its code 8j + 4 + k in its high half, at 8 bits row i's code 4j + k; the
+    scales and biases [N, K / group], each group's eight rows side by side. 8-bit codes stay
+    uint8 where all are under 64 (widened 5- and 6-bit ones), else they become int8 q - 128.
+    The same bytes, reordered: `deinterleave_rows8` undoes it."""
+    n = weight.shape[0]
+    k = weight.shape[1] * 32 // bits
+    codes = unpack_codes(weight, bits)
+    if bits == 4:
+        halves = codes.reshape(n // 8, 8, k // 32, 4, 2, 4)  # G, i, b, j, half, k
+        low = halves[..., 0, :].transpose(0, 2, 3, 1, 4)  # G, b, j, i, k
+        high = halves[..., 1, :].transpose(0, 2, 3, 1, 4)
+        packed = (low | (high << 4)).reshape(n, k // 2)
+    else:
+        packed = codes.reshape(n // 8, 8, k // 32, 8, 4).transpose(0, 2, 3, 1, 4).reshape(n, k)
+        if mx.any(packed >= 64).item():
+            packed = (packed ^ 0x80).view(mx.int8)
     return packed, _eights(scales, n), _eights(biases, n)
 
 
 def deinterleave_rows8(
-    weight: mx.array, scales: mx.array, biases: mx.array
+    weight: mx.array, scales: mx.array, biases: mx.array, bits: int
 ) -> tuple[mx.array, mx.array, mx.array]:
     """`interleave_rows8` undone: MLX's packing of the same codes, scales and biases."""
-    n, k = weight.shape[0], weight.shape[1] * 2
-    eights = weight.reshape(n // 8, k // 32, 4, 8, 4)  # G, b, j, i, k
-    codes = mx.stack([eights & 15, eights >> 4], axis=-2)  # G, b, j, i, half, k
-    codes = codes.transpose(0, 3, 1, 2, 4, 5).reshape(n, k)
-    return pack_codes(codes, 4), _rows(scales, n), _rows(biases, n)
+    n = weight.shape[0]
+    k = weight.shape[1] * 8 // bits
+    if bits == 4:
+        eights = weight.reshape(n // 8, k // 32, 4, 8, 4)  # G, b, j, i, k
+        codes = mx.stack([eights & 15, eights >> 4], axis=-2)  # G, b, j, i, half, k
+        codes = codes.transpose(0, 3, 1, 2, 4, 5).reshape(n, k)
+    else:
+        unsigned = weight.view(mx.uint8) ^ 0x80 if weight.dtype == mx.int8 else weight
+        codes = unsigned.reshape(n // 8, k // 32, 8, 8, 4).transpose(0, 3, 1, 2, 4).reshape(n, k)
+    return pack_codes(codes, bits), _rows(scales, n), _rows(biases, n)
 
 
 def interleaved_rows(
-    weight: mx.array, scales: mx.array, biases: mx.array, ids: mx.array
+    weight: mx.array, scales: mx.array, biases: mx.array, bits: int, ids: mx.array
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Rows `ids` (integers of any shape) of a layer laid out by `interleave_rows8`, in MLX's
     packing: an embedding's lookup, without a second copy of its weights."""
-    n, k = weight.shape[0], weight.shape[1] * 2
+    n = weight.shape[0]
+    k = weight.shape[1] * 8 // bits
     eights, row = ids // 8, (ids % 8).reshape(*ids.shape, 1, 1, 1, 1)
-    blocks = weight.reshape(n // 8, k // 32, 4, 8, 4)[eights]  # [..., b, j, i, k]
-    picked = mx.take_along_axis(blocks, mx.broadcast_to(row, (*ids.shape, k // 32, 4, 1, 4)), -2)
-    codes = mx.stack([picked & 15, picked >> 4], axis=-2).reshape(*ids.shape, k)  # b, j, half, k
+    lanes = 4 if bits == 4 else 8  # the block's vectors
+    blocks = weight.reshape(n // 8, k // 32, lanes, 8, 4)[eights]  # [..., b, j, i, k]
+    at = mx.broadcast_to(row, (*ids.shape, k // 32, lanes, 1, 4))
+    picked = mx.take_along_axis(blocks, at, -2)
+    if bits == 4:
+        codes = mx.stack([picked & 15, picked >> 4], axis=-2).reshape(*ids.shape, k)
+    else:
+        unsigned = picked.view(mx.uint8) ^ 0x80 if weight.dtype == mx.int8 else picked
+        codes = unsigned.reshape(*ids.shape, k)
     row = row.reshape(*ids.shape, 1, 1)
 
     def params(a: mx.array) -> mx.array:
@@ -310,7 +331,7 @@ def interleaved_rows(
         index = mx.broadcast_to(row, (*grouped.shape[:-1], 1))
         return mx.take_along_axis(grouped, index, -1).squeeze(-1)
 
-    return pack_codes(codes, 4), params(scales), params(biases)
+    return pack_codes(codes, bits), params(scales), params(biases)
 
 
 def _eights(params: mx.array, n: int) -> mx.array:

@@ -225,8 +225,9 @@ void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group,
   }
 }
 
-// 4-bit weights [N, K] (N a multiple of 8) with their rows interleaved by eight, as the integer
-// kernel's `int8_rows8_range` reads them (kernels/int8_matmul.h).
+// Weights [N, K] (N a multiple of 8) with their rows interleaved by eight, as the integer
+// kernel's `int8_rows8_range` reads them (kernels/int8_matmul.h): 8-bit codes as they are where
+// all are under 64, else as signed q - 128.
 struct InterleavedWeights {
   std::vector<uint8_t> codes, scales, biases;
   Quantized q;
@@ -234,24 +235,33 @@ struct InterleavedWeights {
 
 InterleavedWeights interleaved(const QuantWeights& w, int N) {
   const Quantized& plain = w.q;
-  const int K = plain.K, blocks = K / 32, groups = K / plain.group;
-  const int width = plain.dtype == 0 ? 4 : 2;
+  const int K = plain.K, bits = plain.bits, blocks = K / 32, groups = K / plain.group;
+  const int width = plain.dtype == 0 ? 4 : 2, block_bytes = 32 * bits;
   InterleavedWeights out;
-  out.codes.resize(static_cast<size_t>(N) * K / 2);
+  out.codes.resize(static_cast<size_t>(N) * K * bits / 8);
   out.scales.resize(w.scales.size());
   out.biases.resize(w.biases.size());
   const auto code = [&](int n, int k) {
-    const size_t bit = (static_cast<size_t>(n) * K + k) * 4;
-    return static_cast<uint8_t>(w.words[bit / 32] >> (bit % 32) & 15);
+    const size_t bit = (static_cast<size_t>(n) * K + k) * bits;
+    return static_cast<uint8_t>(w.words[bit / 32] >> (bit % 32) & ((1u << bits) - 1));
   };
+  bool small = true;
+  for (int n = 0; n < N; n++)
+    for (int k = 0; k < K; k++) small = small && code(n, k) < 64;
+  const bool signed_codes = bits == 8 && !small;
   for (int G = 0; G < N / 8; G++)
     for (int i = 0; i < 8; i++) {
       for (int b = 0; b < blocks; b++)
-        for (int j = 0; j < 4; j++)
-          for (int k = 0; k < 4; k++)
-            out.codes[(static_cast<size_t>(G) * blocks + b) * 128 + 32 * j + 4 * i + k] =
-                code(8 * G + i, 32 * b + 8 * j + k) |
-                static_cast<uint8_t>(code(8 * G + i, 32 * b + 8 * j + 4 + k) << 4);
+        for (int j = 0; j < block_bytes / 32; j++)
+          for (int k = 0; k < 4; k++) {
+            const size_t at =
+                (static_cast<size_t>(G) * blocks + b) * block_bytes + 32 * j + 4 * i + k;
+            if (bits == 4)
+              out.codes[at] = code(8 * G + i, 32 * b + 8 * j + k) |
+                              static_cast<uint8_t>(code(8 * G + i, 32 * b + 8 * j + 4 + k) << 4);
+            else
+              out.codes[at] = code(8 * G + i, 32 * b + 4 * j + k) ^ (signed_codes ? 0x80 : 0);
+          }
       for (int g = 0; g < groups; g++) {
         const size_t from = (static_cast<size_t>(8 * G + i) * groups + g) * width;
         const size_t to = ((static_cast<size_t>(G) * groups + g) * 8 + i) * width;
@@ -263,10 +273,11 @@ InterleavedWeights interleaved(const QuantWeights& w, int N) {
                     out.scales.data(),
                     out.biases.data(),
                     K,
-                    4,
+                    bits,
                     plain.group,
                     plain.dtype,
-                    true};
+                    true,
+                    signed_codes};
   return out;
 }
 
@@ -326,12 +337,12 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
     const auto alone = int8_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K, 1, N);
     check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
   }
-  if (bits != 4 || N % 8 != 0 || kernel.int8_rows8 == nullptr) return;
+  if (N % 8 != 0 || kernel.int8_rows8 == nullptr) return;
   // The same product on the rows interleaved by eight: the same values, other float roundings.
   const auto rows8 = interleaved(w, N);
   const auto out8 = int8_product(kernel, rows8.q, x.data(), M, N);
-  std::snprintf(what, sizeof what, "interleaved 4-bit product on int8 rows (group %d, dtype %d)",
-                group, dtype);
+  std::snprintf(what, sizeof what, "interleaved %d-bit product on int8 rows (group %d, dtype %d)",
+                bits, group, dtype);
   check_close(kernel.isa, what, out8, want, magnitude, M, K, N);
   for (int m = 0; m < M; m++) {
     const auto alone = int8_product(kernel, rows8.q, x.data() + static_cast<size_t>(m) * K, 1, N);

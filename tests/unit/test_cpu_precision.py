@@ -123,12 +123,12 @@ def test_a_tiny_model_on_int8_activations_is_no_further_than_bfloat16(name: str)
     assert fast.within(bfloat16), (fast, bfloat16)
 
 
-def test_the_fast_path_interleaves_4_bit_rows_and_the_exact_path_takes_mlxs_packing_back(
+def test_the_fast_path_interleaves_the_rows_and_the_exact_path_takes_mlxs_packing_back(
     embedded_model_dir: Path,
 ):
-    """Every 4-bit layer of the embedded model (its rows come in eights) takes the interleaved
-    layout on int8 activations, the same bytes reordered; the exact path gets MLX's packing
-    back to the bit, and its logits with it."""
+    """Every packed layer of the embedded model (4 and 8 bits, rows in eights) takes the
+    interleaved layout on int8 activations, the same bytes reordered; the exact path gets MLX's
+    packing back to the bit, and its logits with it."""
     from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear, set_cpu_precision
 
     model = load_model_dir(embedded_model_dir).model
@@ -138,9 +138,10 @@ def test_the_fast_path_interleaves_4_bit_rows_and_the_exact_path_takes_mlxs_pack
     tokens = FAMILY_TOKENS[:1, :16]
     exact = forward(model, tokens)
     set_cpu_precision(model, "fast")
-    four_bits = [m for m in layers if m.bits == 4]
-    assert four_bits and all(m.interleaved and m.weight.dtype == mx.uint8 for m in four_bits)
-    assert not any(m.interleaved for m in layers if m.bits != 4)
+    assert {m.bits for m in layers} == {4, 8}  # Q4_1's layers, Q8_0's embedding and tied head
+    assert all(m.interleaved for m in layers)
+    for m in layers:  # 4-bit codes unsigned; Q8_0's, of every value, signed
+        assert m.weight.dtype == (mx.uint8 if m.bits == 4 else mx.int8)
     for m, (weight, _, _) in zip(layers, original, strict=True):
         assert m.weight.nbytes == weight.nbytes  # reordered, not copied
     fast = forward(model, tokens)

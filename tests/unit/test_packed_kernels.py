@@ -31,7 +31,12 @@ from hotlora.models.cpu.fused import (
     uninstall_fused,
 )
 from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear
-from hotlora.models.cpu.weights import deinterleave_rows8, interleave_rows8, interleaved_rows
+from hotlora.models.cpu.weights import (
+    deinterleave_rows8,
+    interleave_rows8,
+    interleaved_rows,
+    pack_codes,
+)
 
 from tests.support.adapter_builders import (
     BASE_ID,
@@ -139,43 +144,59 @@ def test_a_rows_result_is_the_same_whatever_the_other_rows_and_their_shape(isa: 
 # The integer products on 4-bit rows interleaved by eight (`interleave_rows8`).
 
 
-def interleaved(n: int, k: int, group: int, dtype: mx.Dtype, seed: int):
-    """4-bit weights [n, k] in MLX's packing and interleaved: (packed, scales, biases) each."""
-    packed, scales, biases, _ = quantized(n, k, 4, group, dtype, seed)
-    return (packed, scales, biases), interleave_rows8(packed, scales, biases)
+# The widths of the interleaved layouts: 4 bits, 8 bits with every code under 64 (widened 5-
+# and 6-bit codes, kept unsigned), and 8 bits of any code (stored as signed q - 128).
+WIDTHS = {"4": (4, 16), "8-small": (8, 64), "8": (8, 256)}
+LAYOUTS = {"4": mx.uint8, "8-small": mx.uint8, "8": mx.int8}
 
 
+def interleaved(n: int, k: int, group: int, dtype: mx.Dtype, seed: int, width: str = "4"):
+    """Weights [n, k] of `width` in MLX's packing and interleaved: (packed, scales, biases) each.
+    8-small: codes below 64, as a 5- or 6-bit layer's widened to 8 bits."""
+    bits, levels = WIDTHS[width]
+    packed, scales, biases, _ = quantized(n, k, bits, group, dtype, seed)
+    if levels < 2**bits:
+        codes = mx.random.randint(0, levels, (n, k), key=mx.random.key(seed)).astype(mx.uint8)
+        packed = pack_codes(codes, bits)
+    return (packed, scales, biases), interleave_rows8(packed, scales, biases, bits)
+
+
+@pytest.mark.parametrize("width", list(WIDTHS))
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
 def test_interleaved_rows_give_the_integer_product_of_mlxs_packing(
-    isa: str, group: int, dtype: mx.Dtype
+    isa: str, width: str, group: int, dtype: mx.Dtype
 ):
     """The same integer sums, scaled and added in another order: MLX's layout's result within
     float32 rounding, every row count, and a row's bits the same alone and in any batch."""
-    plain, rows8 = interleaved(72, 384, group, dtype, seed=group)
-    assert rows8[0].dtype == mx.uint8 and rows8[0].shape == (72, 192)
+    bits = WIDTHS[width][0]
+    plain, rows8 = interleaved(72, 384, group, dtype, seed=group, width=width)
+    assert rows8[0].dtype == LAYOUTS[width] and rows8[0].shape == (72, 384 * bits // 8)
     x = mx.random.normal((200, 384), key=mx.random.key(group))
-    whole = native.quant_matmul(x, *rows8, group, 4, True)
-    reference = native.quant_matmul(x, *plain, group, 4, True)
+    whole = native.quant_matmul(x, *rows8, group, bits, True)
+    reference = native.quant_matmul(x, *plain, group, bits, True)
     scale = mx.abs(reference).max().item()
     assert mx.abs(whole - reference).max().item() < 1e-5 * scale
     assert not mx.array_equal(whole, reference).item()  # another order of float sums
     for size in (1, 2, 3, 4, 5, 7, 16, 33):
         parts = [
-            native.quant_matmul(x[i : i + size], *rows8, group, 4, True)
+            native.quant_matmul(x[i : i + size], *rows8, group, bits, True)
             for i in range(0, 200, size)
         ]
         assert mx.array_equal(mx.concatenate(parts), whole).item(), size
-    prompt = native.quant_matmul(x.reshape(4, 50, 384), *rows8, group, 4, True)
+    prompt = native.quant_matmul(x.reshape(4, 50, 384), *rows8, group, bits, True)
     assert mx.array_equal(prompt.reshape(200, 72), whole).item()
 
 
-def test_interleaved_rows_undo_and_look_up_as_mlxs_packing():
-    plain, rows8 = interleaved(48, 256, 64, mx.float16, seed=5)
-    for got, want in zip(deinterleave_rows8(*rows8), plain, strict=True):
+@pytest.mark.parametrize("width", list(WIDTHS))
+def test_interleaved_rows_undo_and_look_up_as_mlxs_packing(width: str):
+    bits = WIDTHS[width][0]
+    plain, rows8 = interleaved(48, 256, 64, mx.float16, seed=5, width=width)
+    for got, want in zip(deinterleave_rows8(*rows8, bits), plain, strict=True):
         assert got.dtype == want.dtype and mx.array_equal(got, want).item()
     ids = mx.array([[0, 7, 8, 47], [13, 13, 40, 1]])
-    for got, want in zip(interleaved_rows(*rows8, ids), [a[ids] for a in plain], strict=True):
+    looked_up = interleaved_rows(*rows8, bits, ids)
+    for got, want in zip(looked_up, [a[ids] for a in plain], strict=True):
         assert mx.array_equal(got, want).item()
 
 
@@ -209,6 +230,9 @@ def test_interleaved_rows_are_refused_where_their_kernel_does_not_read_them():
     odd = (mx.zeros((12, 64), dtype=mx.uint8), rows8[1][:12], rows8[2][:12])
     with pytest.raises(ValueError, match="multiple of 8"):
         native.quant_matmul(x, *odd, 32, 4, True)
+    signed = (mx.zeros((16, 64), dtype=mx.int8), rows8[1], rows8[2])
+    with pytest.raises(ValueError, match="signed 8-bit"):
+        native.quant_matmul(x, *signed, 32, 4, True)  # signed codes are 8-bit ones
     mixed = [[plain[i], rows8[i]] for i in range(3)]
     with pytest.raises(ValueError, match="share a layout"):
         native.quant_matmul_heads(x[None], *mixed, [0, 0], 32, 4, None, [], True)

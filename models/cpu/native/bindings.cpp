@@ -62,7 +62,7 @@ NB_MODULE(_rows_matmul, m) {
   m.def("isa", &active_isa, "The vector instructions the kernel uses.");
   m.def(
       "interleaves", [] { return active_kernel() && active_kernel()->int8_rows8; },
-      "Whether the kernel's integer products read 4-bit rows interleaved by eight.");
+      "Whether the kernel's integer products read rows interleaved by eight.");
   m.def("use_isa", &use_kernel, "name"_a,
         "Use the avx512vbmi, avx512, avx2 or neon kernel for later products; False if the CPU "
         "lacks it.");

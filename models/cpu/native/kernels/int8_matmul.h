@@ -127,47 +127,75 @@ void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, i
   });
 }
 
-// The same product for 4-bit weights whose rows are interleaved by eight at load
-// (`Quantized::rows8`), so that one vector's eight 32-bit lanes are eight weight rows and a
-// block's integer sums of those rows come out in one vector, not one each: about half the
-// operations a weight. Weight rows 8G..8G+7 (G a group of eight), block b of 32 codes, take 128
-// bytes at (G * K / 32 + b) * 128: byte 32j + 4i + k holds row 8G+i's code 8j+k in its low half
-// and its code 8j+4+k in its high half (j, k < 4, i < 8). Their scales and biases, group g, are
+// The same product for weights whose rows are interleaved by eight at load (`Quantized::rows8`),
+// so that one vector's eight 32-bit lanes are eight weight rows and a block's integer sums of
+// those rows come out in one vector, not one each: about half the operations a weight. Weight
+// rows 8G..8G+7 (G a group of eight), block b of 32 codes, take 32 * bits bytes at
+// (G * K / 32 + b) * 32 * bits. At 4 bits byte 32j + 4i + k holds row 8G+i's code 8j+k in its low
+// half and its code 8j+4+k in its high half (j, k < 4, i < 8); at 8 bits byte 32j + 4i + k holds
+// row 8G+i's code 4j+k (j < 8), as it is (every code under 64) or, `signed_codes`, as q - 128
+// with the group's bias then taken as bias + 128 * scale. Their scales and biases, group g, are
 // the eight at (G * K / group + g) * 8. x's rows are quantized in plain order. Each output of a
 // row is then, in this order: the blocks in order, each (scale * d) * its integer sum added in
 // one float lane; the groups in order, each bias * the group's sum of x's quantized values.
 // That sequence depends on the row's own values alone, as the other layout's does.
-template <class I, int Dtype, int P>
+enum class Rows8 { kBits4, kSmall8, kSigned8 };
+
+// One block's integer sums of the eight rows for a row of x (`xq`, its block's 32 codes).
+template <class I, Rows8 Kind>
+inline typename I::Codes rows8_sums(const uint8_t* codes, const int8_t* xq) {
+  if constexpr (Kind == Rows8::kBits4) {
+    typename I::Codes sums = I::zero16();
+    for (int j = 0; j < 4; j++) {
+      const typename I::Codes v = I::load_bytes(codes + 32 * j);
+      sums = I::add16(sums, I::add16(I::pairs4(I::low4(v), I::broadcast4(xq + 8 * j)),
+                                     I::pairs4(I::high4(v), I::broadcast4(xq + 8 * j + 4))));
+    }
+    return I::widen(sums);
+  } else if constexpr (Kind == Rows8::kSmall8) {
+    typename I::Codes sums = I::zero32();
+    for (int j = 0; j < 8; j += 2)
+      sums = I::add32(
+          sums, I::widen(I::add16(
+                    I::pairs4(I::load_bytes(codes + 32 * j), I::broadcast4(xq + 4 * j)),
+                    I::pairs4(I::load_bytes(codes + 32 * j + 32), I::broadcast4(xq + 4 * j + 4)))));
+    return sums;
+  } else {
+    typename I::Codes sums = I::zero32();
+    for (int j = 0; j < 8; j++) {
+      const typename I::Codes c = I::load_bytes(codes + 32 * j);
+      sums = I::add32(
+          sums, I::widen(I::pairs4(I::magnitudes(c), I::signs_of(I::broadcast4(xq + 4 * j), c))));
+    }
+    return sums;
+  }
+}
+
+template <class I, Rows8 Kind, int Dtype, int P>
 inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, float* out,
                              int ldo) {
+  constexpr int kBlockBytes = Kind == Rows8::kBits4 ? 128 : 256;
   const int K = q.K, blocks = K / 32, groups = K / q.group, per_group = q.group / 32;
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(G) * blocks * 128;
+  const uint8_t* w =
+      reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(G) * blocks * kBlockBytes;
   const size_t params = static_cast<size_t>(G) * groups * 8;
   typename I::V acc[P];
   for (int m = 0; m < P; m++) acc[m] = I::zero();
   typename I::V scale = I::zero();
   for (int b = 0; b < blocks; b++) {
     if (b % per_group == 0) scale = I::template load8<Dtype>(q.scales, params + b / per_group * 8);
-    const uint8_t* codes = w + static_cast<size_t>(b) * 128;
-    prefetch_ahead(codes + kPrefetchBytes, 128);
-    typename I::Codes sums[P];
-    for (int m = 0; m < P; m++) sums[m] = I::zero16();
-    for (int j = 0; j < 4; j++) {
-      const typename I::Codes v = I::load_bytes(codes + 32 * j);
-      const typename I::Codes low = I::low4(v), high = I::high4(v);
-      for (int m = 0; m < P; m++) {
-        const int8_t* xq = x.q + static_cast<size_t>(m) * K + b * 32 + 8 * j;
-        sums[m] = I::add16(sums[m], I::add16(I::pairs4(low, I::broadcast4(xq)),
-                                             I::pairs4(high, I::broadcast4(xq + 4))));
-      }
-    }
+    const uint8_t* codes = w + static_cast<size_t>(b) * kBlockBytes;
+    prefetch_ahead(codes + kPrefetchBytes, kBlockBytes);
     for (int m = 0; m < P; m++) {
-      const typename I::V d = I::set1(x.d[static_cast<size_t>(m) * blocks + b]);
-      acc[m] = I::fma(I::lane_sums(sums[m]), I::mul(scale, d), acc[m]);
+      const size_t at = static_cast<size_t>(m) * blocks + b;
+      const typename I::V sums = I::to_float(rows8_sums<I, Kind>(codes, x.q + at * 32));
+      acc[m] = I::fma(sums, I::mul(scale, I::set1(x.d[at])), acc[m]);
     }
   }
   for (int g = 0; g < groups; g++) {
-    const typename I::V bias = I::template load8<Dtype>(q.biases, params + g * 8);
+    typename I::V bias = I::template load8<Dtype>(q.biases, params + g * 8);
+    if constexpr (Kind == Rows8::kSigned8)
+      bias = I::fma(I::set1(128.0f), I::template load8<Dtype>(q.scales, params + g * 8), bias);
     for (int m = 0; m < P; m++)
       acc[m] = I::fma(bias, I::set1(x.sums[static_cast<size_t>(m) * groups + g]), acc[m]);
   }
@@ -181,23 +209,31 @@ template <class I = Int8>
 void int8_rows8_range(const Quantized& q, const QuantizedRows& x, float* out, int M, int N, int n0,
                       int n1) {
   constexpr int P = I::kRows8P;
-  const auto run = [&](auto dtype) {
+  const auto run = [&](auto kind, auto dtype) {
     int m = 0;
     for (; m + P <= M; m += P)
       for (int G = n0 / 8; G < n1 / 8; G++)
-        int8_rows8_block<I, dtype, P>(q, x.row(m, q.K, q.group), G,
-                                      out + static_cast<size_t>(m) * N + 8 * G, N);
+        int8_rows8_block<I, kind, dtype, P>(q, x.row(m, q.K, q.group), G,
+                                            out + static_cast<size_t>(m) * N + 8 * G, N);
     for (; m < M; m++)
       for (int G = n0 / 8; G < n1 / 8; G++)
-        int8_rows8_block<I, dtype, 1>(q, x.row(m, q.K, q.group), G,
-                                      out + static_cast<size_t>(m) * N + 8 * G, N);
+        int8_rows8_block<I, kind, dtype, 1>(q, x.row(m, q.K, q.group), G,
+                                            out + static_cast<size_t>(m) * N + 8 * G, N);
   };
-  if (q.dtype == 0)
-    run(std::integral_constant<int, 0>{});
-  else if (q.dtype == 1)
-    run(std::integral_constant<int, 1>{});
+  const auto with_dtype = [&](auto kind) {
+    if (q.dtype == 0)
+      run(kind, std::integral_constant<int, 0>{});
+    else if (q.dtype == 1)
+      run(kind, std::integral_constant<int, 1>{});
+    else
+      run(kind, std::integral_constant<int, 2>{});
+  };
+  if (q.bits == 4)
+    with_dtype(std::integral_constant<Rows8, Rows8::kBits4>{});
+  else if (q.signed_codes)
+    with_dtype(std::integral_constant<Rows8, Rows8::kSigned8>{});
   else
-    run(std::integral_constant<int, 2>{});
+    with_dtype(std::integral_constant<Rows8, Rows8::kSmall8>{});
 }
 
 // The table's entry for the interleaved products: null where the ISA's integer traits have none

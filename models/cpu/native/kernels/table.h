@@ -19,7 +19,7 @@ struct Kernel {
   Softmax softmax;
   QuantRange quant;
   Int8Range int8;        // the quantized product on int8 activations (kernels/int8_matmul.h)
-  Int8Range int8_rows8;  // the same for 4-bit rows interleaved by eight; null: none
+  Int8Range int8_rows8;  // the same for rows interleaved by eight; null: none
   Residuals<float> residuals;
   LowRank<float> low_rank;  // a row's activations of one adapter (kernels/lora_gather.h)
   Residuals<uint16_t> residuals_half;

@@ -47,9 +47,11 @@ struct Quantized {
   const void* biases = nullptr;
   int K = 0, bits = 4, group = 32;
   int dtype = 0;  // 0: float32, 1: float16, 2: bfloat16
-  // 4-bit codes with rows interleaved by eight (kernels/int8_matmul.h's int8_rows8_range),
-  // read by the integer products only; else MLX's packing, a row after another.
+  // Codes with rows interleaved by eight (kernels/int8_matmul.h's int8_rows8_range), read by
+  // the integer products only; else MLX's packing, a row after another. At 8 bits the codes
+  // are under 64 as they are, or (`signed_codes`) stored as q - 128.
   bool rows8 = false;
+  bool signed_codes = false;
 };
 
 // Rows of activations quantized to int8 for the integer products (kernels/int8_matmul.h; made by

@@ -25,17 +25,18 @@ namespace hotlora {
 namespace {
 
 // A packed weight's operands as the kernel reads them (w [N, K * bits / 32] uint32, or uint8
-// [N, K * bits / 8] for 4-bit rows interleaved by eight, scales and biases [N, K / group]), each
-// row-contiguous, else refused in `name`'s words.
+// [N, K * bits / 8] for rows interleaved by eight, int8 for signed 8-bit codes so interleaved;
+// scales and biases [N, K / group]), each row-contiguous, else refused in `name`'s words.
 Quantized packed_weight(const mx::array& w, const mx::array& scales, const mx::array& biases, int K,
                         int bits, int group, const char* name) {
   for (const auto* a : {&w, &scales, &biases})
     if (!a->flags().row_contiguous)
       throw std::invalid_argument(std::string(name) + ": the weights must be row-contiguous");
   const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
+  const bool rows8 = w.dtype() == mx::uint8 || w.dtype() == mx::int8;
   return Quantized{
-      w.data<uint32_t>(),    scales.data<void>(), biases.data<void>(), K, bits, group, dtype,
-      w.dtype() == mx::uint8};
+      w.data<uint32_t>(),   scales.data<void>(), biases.data<void>(), K, bits, group, dtype, rows8,
+      w.dtype() == mx::int8};
 }
 
 // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
@@ -115,8 +116,8 @@ class QuantMatmul : public CpuPrimitive {
   bool int8_;
 };
 
-// Refuses what the kernels do not take: kernels/quant_types.h lists the bits and groups; 4-bit
-// rows interleaved by eight (uint8 w) go to the integer products only.
+// Refuses what the kernels do not take: kernels/quant_types.h lists the bits and groups; rows
+// interleaved by eight (uint8 or int8 w) go to the integer products only.
 void check_quantized(const mx::array& x, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, int group, int bits, bool int8) {
   if (active_kernel() == nullptr)
@@ -132,14 +133,16 @@ void check_quantized(const mx::array& x, const mx::array& w, const mx::array& sc
   if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16)
     throw std::invalid_argument("quant_matmul: float32, float16 or bfloat16 scales only");
   const int K = x.shape(-1);
-  if (w.dtype() == mx::uint8) {
-    if (bits != 4 || !int8 || active_kernel()->int8_rows8 == nullptr || w.ndim() != 2 ||
-        w.shape(0) % 8 != 0 || K % group != 0 || static_cast<int64_t>(w.shape(1)) * 2 != K ||
+  if (w.dtype() == mx::uint8 || w.dtype() == mx::int8) {
+    if ((bits != 4 && bits != 8) || (w.dtype() == mx::int8 && bits != 8) || !int8 ||
+        active_kernel()->int8_rows8 == nullptr || w.ndim() != 2 || w.shape(0) % 8 != 0 ||
+        K % group != 0 || static_cast<int64_t>(w.shape(1)) * 8 / bits != K ||
         biases.dtype() != dtype || scales.shape() != mx::Shape{w.shape(0), K / group} ||
         biases.shape() != scales.shape())
       throw std::invalid_argument(
-          "quant_matmul: rows interleaved by eight (uint8 w [N, K / 2], N a multiple of 8) are "
-          "4-bit, read by the integer products (int8) of a kernel that has them, only");
+          "quant_matmul: rows interleaved by eight (uint8 w [N, K * bits / 8], int8 for signed "
+          "8-bit codes, N a multiple of 8) are 4 or 8 bits, read by the integer products (int8) "
+          "of a kernel that has them, only");
     return;
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || K % group != 0 ||

@@ -77,15 +77,21 @@ struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight r
     std::memcpy(&four, p, sizeof four);
     return _mm256_set1_epi32(four);
   }
-  // Each lane's four codes times its four activations, summed in two 16-bit halves (at most
-  // 2 * 15 * 127 each, so that eight such sums still fit 16 bits).
+  // Each lane's four codes times its four activations, summed in two 16-bit halves: at most
+  // 2 * 15 * 127 each for 4-bit codes (eight such sums fit 16 bits), 2 * 63 * 127 for 8-bit
+  // codes under 64 (two fit), 2 * 128 * 127 for signed ones (one).
   static Codes pairs4(Codes codes, Codes x) { return _mm256_maddubs_epi16(codes, x); }
   static Codes add16(Codes a, Codes b) { return _mm256_add_epi16(a, b); }
   static Codes zero16() { return _mm256_setzero_si256(); }
-  // Each lane's two 16-bit halves added, as a float (exact).
-  static V lane_sums(Codes halves) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(halves, _mm256_set1_epi16(1)));
-  }
+  // Each lane's two 16-bit halves added into one 32-bit sum.
+  static Codes widen(Codes halves) { return _mm256_madd_epi16(halves, _mm256_set1_epi16(1)); }
+  static Codes add32(Codes a, Codes b) { return _mm256_add_epi32(a, b); }
+  static Codes zero32() { return _mm256_setzero_si256(); }
+  static V to_float(Codes sums) { return _mm256_cvtepi32_ps(sums); }  // exact: |sums| < 2^24
+  // Signed codes' products with x: a code's magnitude times x with the code's sign (vpsignb),
+  // so that vpmaddubsw's unsigned operand is the magnitude.
+  static Codes magnitudes(Codes codes) { return _mm256_sign_epi8(codes, codes); }
+  static Codes signs_of(Codes x, Codes codes) { return _mm256_sign_epi8(x, codes); }
   // Eight scales or biases of `dtype` (Quantized::dtype), exactly as float32.
   template <int Dtype>
   static V load8(const void* p, size_t at) {
