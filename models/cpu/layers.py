@@ -287,6 +287,7 @@ def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
     for layer in layers:
         layer.int8_activations = int8
         layer.interleave(int8)
+    mx.clear_cache()  # the buffers the layouts were made in, MLX's to reuse, back to the system
     return len(layers)
 
 

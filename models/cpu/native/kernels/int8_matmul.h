@@ -185,7 +185,7 @@ inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, 
   for (int b = 0; b < blocks; b++) {
     if (b % per_group == 0) scale = I::template load8<Dtype>(q.scales, params + b / per_group * 8);
     const uint8_t* codes = w + static_cast<size_t>(b) * kBlockBytes;
-    prefetch_ahead(codes + kPrefetchBytes, kBlockBytes);
+    prefetch_ahead(codes + kRows8PrefetchBytes, kBlockBytes);
     for (int m = 0; m < P; m++) {
       const size_t at = static_cast<size_t>(m) * blocks + b;
       const typename I::V sums = I::to_float(rows8_sums<I, Kind>(codes, x.q + at * 32));
