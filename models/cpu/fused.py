@@ -8,7 +8,9 @@ q and k there by the layer's RoPE when it is the native one (`NativeRoPE`, the s
 own two calls), and takes the attention's output in the layout the output projection reads
 (`attention_rows_merged`), without the transpose and reshape back. `FusedMLP` computes gate and
 up as one primitive. `FusedBlock`, the decoder layer holding both, reads its sublayers as the
-module's items. Every product is the packed kernel's, on the same rows, so the results are the
+module's items and hands each its norm (`after_norm`), which the products' call applies to its
+input first where the norm is the native one (`NativeRMSNorm`, its bits): a layer's two norms
+take no primitive of their own. Every product is the packed kernel's, on the same rows, so the results are the
 same bits as the separate layers' (in any batch and any chunking, as those are).
 
 A layer takes the fused path when its projections are packed (`PackedLinear`) with one
@@ -34,7 +36,7 @@ from mlx_lm.models import llama
 
 from hotlora.models.cpu import extension
 from hotlora.models.cpu.attention import merged_rows_attention
-from hotlora.models.cpu.layers import NativeRoPE, PackedLinear
+from hotlora.models.cpu.layers import NativeRMSNorm, NativeRoPE, PackedLinear
 
 # The gathered kernel's operands of the residuals a projection adds: the batch's plan (its
 # adapters' pairs and each row's entries) and the projection's slot number in those pairs.
@@ -61,13 +63,16 @@ def fused_products(
     projections: Sequence[nn.Module],
     heads: list[int],
     rope: tuple[NativeRoPE, mx.array] | None = None,
+    norm: nn.Module | None = None,
 ) -> list[mx.array] | None:
     """`projection(x)` for each of `projections` as one primitive, or None when the fused path
     does not take them (see the module's docstring). x [B, L, K] float32; output j is
     [B, heads[j], L, out_j / heads[j]] (the attention's layout), or [B, L, out_j] for 0. A
     projection whose adapters apply gets their residuals in the same call, the same bits as its
     LoRA slot's own call. `rope`: a RoPE and its positions (`NativeRoPE.positions`) that the
-    first two outputs (q and k) are rotated by in the same call, its bits."""
+    first two outputs (q and k) are rotated by in the same call, its bits. `norm`: a
+    `NativeRMSNorm` of float32 weights that x goes through first, in the same call, its bits
+    (None where the norm is another kind: the caller applies it)."""
     native = extension.native
     if native is None or x.ndim != 3 or x.dtype != mx.float32 or x.size == 0:
         return None
@@ -101,13 +106,30 @@ def fused_products(
         next(iter(plans.values()), None),
         [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
         first.int8_activations,
-        *(() if rope is None else _rope_arguments(*rope)),
+        **({} if rope is None else _rope_arguments(*rope)),
+        **({} if norm is None else {"norm": norm["weight"], "norm_eps": norm.eps}),
     )
 
 
-def _rope_arguments(rope: NativeRoPE, positions: mx.array) -> tuple[Any, ...]:
+def _rope_arguments(rope: NativeRoPE, positions: mx.array) -> dict[str, Any]:
     """`quant_matmul_heads`'s offset, roped, dims, traditional, base and scale for q and k."""
-    return positions, 2, rope.dims, rope.traditional, rope.base, rope.scale
+    return {
+        "offset": positions,
+        "roped": 2,
+        "rope_dims": rope.dims,
+        "rope_traditional": rope.traditional,
+        "rope_base": rope.base,
+        "rope_scale": rope.scale,
+    }
+
+
+def takes_norm(norm: nn.Module, x: mx.array) -> bool:
+    """Whether the fused products can apply `norm` to x themselves: the native RMSNorm on float32
+    weights, the width of x."""
+    if type(norm) is not NativeRMSNorm:
+        return False
+    weight = norm["weight"]
+    return weight.dtype == mx.float32 and weight.shape == (x.shape[-1],)
 
 
 class FusedAttention(llama.Attention):
@@ -115,6 +137,14 @@ class FusedAttention(llama.Attention):
     the attention's output in the output projection's; otherwise mlx-lm's own call."""
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        return self.after_norm(x, None, mask, cache)
+
+    def after_norm(
+        self, x: mx.array, norm: nn.Module | None, mask: mx.array | None, cache: Any
+    ) -> mx.array:
+        """`self(norm(x), mask, cache)`, the norm in the products' call where they take it."""
+        if norm is not None and not takes_norm(norm, x):
+            x, norm = norm(x), None
         projections = [self["q_proj"], self["k_proj"], self["v_proj"]]  # items: see above
         kv_heads = self.n_kv_heads or self.n_heads  # ModelArgs sets it; None reads as all
         heads = [self.n_heads, kv_heads, kv_heads]
@@ -124,9 +154,9 @@ class FusedAttention(llama.Attention):
         if type(rope) is NativeRoPE and rope.dims % 2 == 0 and 0 < rope.dims <= self.head_dim:
             positions = NativeRoPE.positions(offset, x.shape[0])
             rotated = None if positions is None else (rope, positions)
-        qkv = fused_products(x, projections, heads, rotated)
+        qkv = fused_products(x, projections, heads, rotated, norm)
         if qkv is None:
-            return super().__call__(x, mask, cache)
+            return super().__call__(x if norm is None else norm(x), mask, cache)
         queries, keys, values = qkv  # [B, heads, L, head_dim] each
         if rotated is None:
             queries = rope(queries, offset=offset)
@@ -147,20 +177,28 @@ class FusedMLP(llama.MLP):
     """mlx-lm's llama MLP with gate and up as one product; otherwise mlx-lm's own call."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        pair = fused_products(x, [self["gate_proj"], self["up_proj"]], [0, 0])
+        return self.after_norm(x, None)
+
+    def after_norm(self, x: mx.array, norm: nn.Module | None) -> mx.array:
+        """`self(norm(x))`, the norm in the products' call where they take it."""
+        if norm is not None and not takes_norm(norm, x):
+            x, norm = norm(x), None
+        pair = fused_products(x, [self["gate_proj"], self["up_proj"]], [0, 0], norm=norm)
         if pair is None:
-            return super().__call__(x)
+            return super().__call__(x if norm is None else norm(x))
         gate, up = pair
         return self["down_proj"](llama.swiglu(gate, up))
 
 
 class FusedBlock(llama.TransformerBlock):
     """mlx-lm's llama decoder layer, its sublayers read as the module's items (see
-    `fused_products`); the same operations in the same order."""
+    `fused_products`), each norm inside the products it feeds where they take it; the same
+    operations in the same order."""
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
-        h = x + self["self_attn"](self["input_layernorm"](x), mask, cache)
-        return h + self["mlp"](self["post_attention_layernorm"](h))
+        attention, mlp = self["self_attn"], self["mlp"]
+        h = x + attention.after_norm(x, self["input_layernorm"], mask, cache)
+        return h + mlp.after_norm(h, self["post_attention_layernorm"])
 
 
 _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {

@@ -615,6 +615,31 @@ def test_products_together_are_each_products_bits_in_the_attentions_layout(
         assert mx.array_equal(got, alone).item(), h
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (2, 5)])
+def test_products_together_after_a_norm_are_the_normed_inputs_products_bits(
+    isa: str, int8: bool, rows: int, length: int
+):
+    """A layer's RMSNorm inside the products' call: each output is the products' of
+    rms_norm_rows(x) to the bit, with residuals and a rotation too."""
+    x = mx.random.normal((rows, length, 128), key=mx.random.key(rows + 7 * length)) * 3
+    weight = mx.random.uniform(0.5, 1.5, (128,), key=mx.random.key(3))
+    layers = [quantized(n, 128, 4, 32, mx.float16, seed=n)[:3] for n in (64, 32, 32, 96)]
+    weights = [[layer[i] for layer in layers] for i in range(3)]
+    pairs = gather_operands(128, 64, RANKS, seed=1)
+    adapters = [native.adapter_pairs([(pairs[2 * i], pairs[2 * i + 1])]) for i in range(4)]
+    batch = native.row_plan(adapters, *plan(row_entries(rows)))
+    rope = {"offset": mx.array([5], dtype=mx.int32), "roped": 2, "rope_dims": 16}
+    common = (*weights, HEADS, 32, 4, batch, [0, -1, -1, -1], int8)
+    normed = native.rms_norm_rows(x, weight, 1e-5)
+    want = native.quant_matmul_heads(normed, *common, **rope)
+    got = native.quant_matmul_heads(x, *common, **rope, norm=weight, norm_eps=1e-5)
+    for a, b in zip(got, want, strict=True):
+        assert mx.array_equal(a, b).item()
+    with pytest.raises(ValueError, match="norm weight"):
+        native.quant_matmul_heads(x, *common, norm=weight[:64])
+
+
 def test_the_attentions_merged_output_is_its_output_with_the_heads_side_by_side(isa: str):
     keys = mx.random.split(mx.random.key(11), 3)
     q = mx.random.normal((2, 4, 3, 16), key=keys[0])

@@ -15,13 +15,14 @@
 #include "mlx/ops.h"
 #include "primitives/common.h"
 #include "primitives/ops.h"
+#include "primitives/rms_norm.h"
 #include "primitives/rope.h"
 
 namespace hotlora {
 namespace {
 
-// x * rsqrt(mean(x^2) + eps) * weight over the last axis of x [..., D]; weight [D]. The squares
-// are summed in order, as MLX's CPU reduction sums them.
+// x * rsqrt(mean(x^2) + eps) * weight over the last axis of x [..., D]; weight [D]
+// (primitives/rms_norm.h).
 class RowsRMSNorm : public CpuPrimitive {
  public:
   RowsRMSNorm(mx::Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
@@ -31,21 +32,8 @@ class RowsRMSNorm : public CpuPrimitive {
     dispatch_rows(stream(), inputs, 2, outputs[0], [M, D, eps = eps_](auto& operands, float* op) {
       const float* xp = operands[0].get();
       const float* wp = operands[1].get();
-      const float inverse_d = static_cast<float>(1.0 / D);  // MLX's mean: the sum times 1 / D
-      for (int m = 0; m < M; m++) {
-        const float* x = xp + static_cast<size_t>(m) * D;
-        float sum = 0.0f;
-        for (int d = 0; d < D; d++) {
-          const float square = x[d] * x[d];
-          sum += square;
-        }
-        const float scale = 1.0f / std::sqrt(sum * inverse_d + eps);
-        float* o = op + static_cast<size_t>(m) * D;
-        for (int d = 0; d < D; d++) {
-          const float normed = x[d] * scale;
-          o[d] = normed * wp[d];
-        }
-      }
+      for (int m = 0; m < M; m++)
+        rms_norm_row(xp + static_cast<size_t>(m) * D, wp, D, eps, op + static_cast<size_t>(m) * D);
     });
   }
   const char* name() const override { return "RowsRMSNorm"; }

@@ -28,14 +28,12 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits,
                               std::shared_ptr<RowPlan> plan, int slot, bool int8);
-std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
-                                          const std::vector<mx::array>& scales,
-                                          const std::vector<mx::array>& biases,
-                                          const std::vector<int>& heads, int group_size, int bits,
-                                          std::shared_ptr<RowPlan> plan, std::vector<int> slots,
-                                          bool int8, std::optional<mx::array> offset, int roped,
-                                          int rope_dims, bool rope_traditional, float rope_base,
-                                          float rope_scale);
+std::vector<mx::array> quant_matmul_heads(
+    const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size, int bits,
+    std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
+    std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
+    float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps);
 
 // primitives/norms.cpp: MLX's RMSNorm and RoPE to the bit, each one primitive.
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps);

@@ -18,6 +18,7 @@
 #include "mlx/ops.h"
 #include "primitives/common.h"
 #include "primitives/ops.h"
+#include "primitives/rms_norm.h"
 #include "primitives/rope.h"
 #include "thread_pool.h"
 
@@ -221,14 +222,16 @@ class QuantMatmulGather : public CpuPrimitive {
 // layouts are the same bytes; otherwise the products (and residuals) go to a scratch buffer in
 // rows' order first. With a `rope`, the first `roped` outputs (a layer's q and k) are then
 // rotated in place at their rows' positions, as RowsRoPE rotates them (primitives/rope.h), to its
-// bits: the attention's q and k without two more primitives a layer.
+// bits: the attention's q and k without two more primitives a layer. With a `norm`, x's rows are
+// first normalized as RowsRMSNorm does (primitives/rms_norm.h), to its bits: the layer's norm
+// before its attention or MLP without a primitive of its own.
 class QuantMatmulHeads : public CpuPrimitive {
  public:
   // slots[j]: output j's LoRA slot, whose residuals `plan` adds (-1: none; slots is empty when
   // no output has one).
   QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads,
                    std::shared_ptr<const RowPlan> plan, std::vector<int> slots, bool int8,
-                   Rope rope, int roped)
+                   Rope rope, int roped, std::optional<float> norm_eps)
       : CpuPrimitive(stream),
         bits_(bits),
         group_(group),
@@ -237,15 +240,17 @@ class QuantMatmulHeads : public CpuPrimitive {
         slots_(std::move(slots)),
         int8_(int8),
         rope_(rope),
-        roped_(roped) {}
+        roped_(roped),
+        norm_eps_(norm_eps) {}
 
   // inputs: x, then w, scales and biases of each output, then the rows' positions (int32, one
-  // per row or one for all) when `roped` > 0.
+  // per row or one for all) when `roped` > 0, then the norm's weight [K] with a `norm_eps`.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
     const int count = static_cast<int>(outputs.size());
-    const RopeOffsets positions = roped_ > 0 ? RopeOffsets(inputs.back()) : RopeOffsets();
+    const int count_in = 1 + 3 * count;
+    const RopeOffsets positions = roped_ > 0 ? RopeOffsets(inputs[count_in]) : RopeOffsets();
     std::vector<Quantized> weights;
     std::vector<int> widths, offsets{0};
     for (int j = 0; j < count; j++) {
@@ -265,11 +270,20 @@ class QuantMatmulHeads : public CpuPrimitive {
       outs.push_back(out.data<float>());
     }
     encoder.dispatch(
-        [source = RowMajor(x), weights, widths, offsets, outs, plan = plan_, slots = slots_,
+        [source = RowMajor(x), norm = norm_eps_ ? RowMajor(inputs.back()) : RowMajor(x),
+         norm_eps = norm_eps_, weights, widths, offsets, outs, plan = plan_, slots = slots_,
          heads = heads_, M, L, K, group = group_, int8 = int8_, kernel = active_kernel(),
          rope = rope_, roped = roped_,
          inv_freqs = roped_ > 0 ? rope_.frequencies() : std::vector<float>{}, positions]() mutable {
       const float* xp = source.get();
+      std::vector<float> normed;  // x's rows normalized, where a norm comes first
+      if (norm_eps) {
+        normed.resize(static_cast<size_t>(M) * K);
+        for (int m = 0; m < M; m++)
+          rms_norm_row(xp + static_cast<size_t>(m) * K, norm.get(), K, *norm_eps,
+                       normed.data() + static_cast<size_t>(m) * K);
+        xp = normed.data();
+      }
       const int count = static_cast<int>(weights.size());
       // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
       std::vector<std::vector<float>> scratch(count);
@@ -315,7 +329,8 @@ class QuantMatmulHeads : public CpuPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantMatmulHeads&>(other);
     return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_ && plan_ == o.plan_ &&
-           slots_ == o.slots_ && int8_ == o.int8_ && rope_ == o.rope_ && roped_ == o.roped_;
+           slots_ == o.slots_ && int8_ == o.int8_ && rope_ == o.rope_ && roped_ == o.roped_ &&
+           norm_eps_ == o.norm_eps_;
   }
 
  private:
@@ -327,6 +342,7 @@ class QuantMatmulHeads : public CpuPrimitive {
   bool int8_;
   Rope rope_;
   int roped_;
+  std::optional<float> norm_eps_;
 };
 
 }  // namespace
@@ -360,15 +376,14 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
 // as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L, N_j] for heads 0,
 // plus each row's own adapters' residuals at slots[j] where `plan` is given and slots[j] >= 0
 // (slots: one for each output, or empty); the first `roped` outputs rotated by `rope` at
-// positions offset[b] + l (offset: int32, one per row or one for all).
-std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<mx::array>& ws,
-                                          const std::vector<mx::array>& scales,
-                                          const std::vector<mx::array>& biases,
-                                          const std::vector<int>& heads, int group_size, int bits,
-                                          std::shared_ptr<RowPlan> plan, std::vector<int> slots,
-                                          bool int8, std::optional<mx::array> offset, int roped,
-                                          int rope_dims, bool rope_traditional, float rope_base,
-                                          float rope_scale) {
+// positions offset[b] + l (offset: int32, one per row or one for all); with a `norm` weight [K],
+// x's rows normalized first as rms_norm_rows(x, norm, norm_eps) does, to its bits.
+std::vector<mx::array> quant_matmul_heads(
+    const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size, int bits,
+    std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
+    std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
+    float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps) {
   if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
       heads.size() != ws.size() || (!slots.empty() && slots.size() != ws.size()))
     throw std::invalid_argument(
@@ -407,11 +422,17 @@ std::vector<mx::array> quant_matmul_heads(const mx::array& x, const std::vector<
             "quant_matmul_heads: a rotated output needs heads and even dims <= its head width");
     inputs.push_back(*offset);
   }
+  if (norm) {
+    if (norm->dtype() != mx::float32 || norm->ndim() != 1 || norm->shape(0) != x.shape(-1))
+      throw std::invalid_argument("quant_matmul_heads: expected a float32 norm weight [K]");
+    inputs.push_back(*norm);
+  }
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays(
       std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
       std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads, std::move(plan),
-                                         std::move(slots), int8, rope, roped),
+                                         std::move(slots), int8, rope, roped,
+                                         norm ? std::optional<float>(norm_eps) : std::nullopt),
       std::move(inputs));
 }
 
