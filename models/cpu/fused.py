@@ -7,11 +7,12 @@ attention's [B, heads, L, head_dim] layout, so the three reshapes and transposes
 q and k there by the layer's RoPE when it is the native one (`NativeRoPE`, the same bits as its
 own two calls), and takes the attention's output in the layout the output projection reads
 (`attention_rows_merged`), without the transpose and reshape back. `FusedMLP` computes gate and
-up as one primitive. `FusedBlock`, the decoder layer holding both, reads its sublayers as the
-module's items and hands each its norm (`after_norm`), which the products' call applies to its
-input first where the norm is the native one (`NativeRMSNorm`, its bits): a layer's two norms
-take no primitive of their own. Every product is the packed kernel's, on the same rows, so the results are the
-same bits as the separate layers' (in any batch and any chunking, as those are).
+up as one primitive, its activation (`llama.swiglu`, its bits) in the same call. `FusedBlock`,
+the decoder layer holding both, reads its sublayers as the module's items and hands each its
+norm (`after_norm`), which the products' call applies to its input first where the norm is the
+native one (`NativeRMSNorm`, its bits): a layer's two norms take no primitive of their own.
+Every product is the packed kernel's, on the same rows, so the results are the same bits as the
+separate layers' (in any batch and any chunking, as those are).
 
 A layer takes the fused path when its projections are packed (`PackedLinear`) with one
 quantization and no bias. While an adapter set is active (one for the batch, or one per row),
@@ -64,6 +65,7 @@ def fused_products(
     heads: list[int],
     rope: tuple[NativeRoPE, mx.array] | None = None,
     norm: nn.Module | None = None,
+    glu: bool = False,
 ) -> list[mx.array] | None:
     """`projection(x)` for each of `projections` as one primitive, or None when the fused path
     does not take them (see the module's docstring). x [B, L, K] float32; output j is
@@ -72,7 +74,8 @@ def fused_products(
     LoRA slot's own call. `rope`: a RoPE and its positions (`NativeRoPE.positions`) that the
     first two outputs (q and k) are rotated by in the same call, its bits. `norm`: a
     `NativeRMSNorm` of float32 weights that x goes through first, in the same call, its bits
-    (None where the norm is another kind: the caller applies it)."""
+    (None where the norm is another kind: the caller applies it). `glu`: gate and up give one
+    output, `llama.swiglu` of the two, its bits."""
     native = extension.native
     if native is None or x.ndim != 3 or x.dtype != mx.float32 or x.size == 0:
         return None
@@ -108,6 +111,7 @@ def fused_products(
         first.int8_activations,
         **({} if rope is None else _rope_arguments(*rope)),
         **({} if norm is None else {"norm": norm["weight"], "norm_eps": norm.eps}),
+        glu=glu,
     )
 
 
@@ -183,11 +187,11 @@ class FusedMLP(llama.MLP):
         """`self(norm(x))`, the norm in the products' call where they take it."""
         if norm is not None and not takes_norm(norm, x):
             x, norm = norm(x), None
-        pair = fused_products(x, [self["gate_proj"], self["up_proj"]], [0, 0], norm=norm)
-        if pair is None:
+        projections = [self["gate_proj"], self["up_proj"]]
+        activated = fused_products(x, projections, [0, 0], norm=norm, glu=True)
+        if activated is None:
             return super().__call__(x if norm is None else norm(x))
-        gate, up = pair
-        return self["down_proj"](llama.swiglu(gate, up))
+        return self["down_proj"](activated[0])
 
 
 class FusedBlock(llama.TransformerBlock):

@@ -214,6 +214,7 @@ class Interleaving(nn.Module):
         for key, value in zip(("weight", "scales", "biases"), packed, strict=True):
             self[key] = mx.contiguous(value)
         mx.eval(self["weight"], self["scales"], self["biases"])
+        mx.clear_cache()  # the buffers it was made in, back to the system before the next layer
 
 
 class PackedLinear(nn.QuantizedLinear, Interleaving):
@@ -287,7 +288,6 @@ def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
     for layer in layers:
         layer.int8_activations = int8
         layer.interleave(int8)
-    mx.clear_cache()  # the buffers the layouts were made in, MLX's to reuse, back to the system
     return len(layers)
 
 

@@ -275,20 +275,36 @@ def interleave_rows8(
     its low half and its code 8j + 4 + k in its high half, at 8 bits row i's code 4j + k; the
     scales and biases [N, K / group], each group's eight rows side by side. 8-bit codes stay
     uint8 where all are under 64 (widened 5- and 6-bit ones), else they become int8 q - 128.
-    The same bytes, reordered: `deinterleave_rows8` undoes it."""
+    The same bytes, reordered: `deinterleave_rows8` undoes it. Made a few MB of rows at a time,
+    each evaluated before the next, so that a large layer (an output head) takes little more
+    memory than itself while it changes layout."""
+    n, row_bytes = weight.shape[0], weight.shape[1] * 4
+    signed = bits == 8 and mx.any(weight.view(mx.uint8) >= 64).item()
+    step = max(8, (_INTERLEAVE_BYTES // row_bytes) // 8 * 8)
+    parts = []
+    for at in range(0, n, step):
+        part = _interleaved_codes(weight[at : at + step], bits, bool(signed))
+        mx.eval(part)
+        parts.append(part)
+    packed = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    return packed, _eights(scales, n), _eights(biases, n)
+
+
+_INTERLEAVE_BYTES = 8 << 20  # the rows of a layer changed at once
+
+
+def _interleaved_codes(weight: mx.array, bits: int, signed: bool) -> mx.array:
+    """`interleave_rows8`'s codes for rows of a layer (a multiple of 8 of them)."""
     n = weight.shape[0]
     k = weight.shape[1] * 32 // bits
-    codes = unpack_codes(weight, bits)
+    packed = weight.view(mx.uint8)  # 4 bits: codes 2p and 2p + 1 in byte p's halves
     if bits == 4:
-        halves = codes.reshape(n // 8, 8, k // 32, 4, 2, 4)  # G, i, b, j, half, k
+        halves = mx.stack([packed & 15, packed >> 4], axis=-1).reshape(n // 8, 8, k // 32, 4, 2, 4)
         low = halves[..., 0, :].transpose(0, 2, 3, 1, 4)  # G, b, j, i, k
         high = halves[..., 1, :].transpose(0, 2, 3, 1, 4)
-        packed = (low | (high << 4)).reshape(n, k // 2)
-    else:
-        packed = codes.reshape(n // 8, 8, k // 32, 8, 4).transpose(0, 2, 3, 1, 4).reshape(n, k)
-        if mx.any(packed >= 64).item():
-            packed = (packed ^ 0x80).view(mx.int8)
-    return packed, _eights(scales, n), _eights(biases, n)
+        return (low | (high << 4)).reshape(n, k // 2)
+    codes = packed.reshape(n // 8, 8, k // 32, 8, 4).transpose(0, 2, 3, 1, 4).reshape(n, k)
+    return (codes ^ 0x80).view(mx.int8) if signed else codes
 
 
 def deinterleave_rows8(

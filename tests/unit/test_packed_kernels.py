@@ -640,6 +640,35 @@ def test_products_together_after_a_norm_are_the_normed_inputs_products_bits(
         native.quant_matmul_heads(x, *common, norm=weight[:64])
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (2, 5)])
+def test_gate_and_up_together_give_mlx_lms_swiglu_of_their_products_bits(
+    isa: str, int8: bool, rows: int, length: int
+):
+    """An MLP's gate and up as one call with their activation: mlx_lm's swiglu (MLX's compiled
+    SiLU, then the product) of the two products, to the bit, residuals and a norm included;
+    inputs from small to large enough that exp overflows."""
+    scale = mx.array([1e-3, 1.0, 30.0, 300.0])[mx.arange(rows * length) % 4]
+    x = mx.random.normal((rows, length, 128), key=mx.random.key(rows + length))
+    x = x * scale.reshape(rows, length, 1)
+    weight = mx.random.uniform(0.5, 1.5, (128,), key=mx.random.key(4))
+    layers = [quantized(96, 128, 4, 32, mx.float16, seed=n)[:3] for n in (1, 2)]
+    weights = [[layer[i] for layer in layers] for i in range(3)]
+    pairs = gather_operands(128, 96, RANKS, seed=2)
+    adapters = [native.adapter_pairs([(pairs[2 * i], pairs[2 * i + 1])]) for i in range(4)]
+    batch = native.row_plan(adapters, *plan(row_entries(rows)))
+    common = (*weights, [0, 0], 32, 4, batch, [0, -1], int8)
+    for norm in ({}, {"norm": weight, "norm_eps": 1e-5}):  # the norm evens the scales out
+        gate, up = native.quant_matmul_heads(x, *common, **norm)
+        (got,) = native.quant_matmul_heads(x, *common, **norm, glu=True)
+        want = llama.swiglu(gate, up)
+        assert got.shape == want.shape and mx.array_equal(got, want).item(), norm
+        if not norm and rows * length >= 4:
+            assert mx.isinf(mx.exp(mx.abs(gate))).any().item()
+    with pytest.raises(ValueError, match="glu"):
+        native.quant_matmul_heads(x, *weights, [4, 0], 32, 4, None, [], int8, glu=True)
+
+
 def test_the_attentions_merged_output_is_its_output_with_the_heads_side_by_side(isa: str):
     keys = mx.random.split(mx.random.key(11), 3)
     q = mx.random.normal((2, 4, 3, 16), key=keys[0])

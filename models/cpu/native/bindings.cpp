@@ -49,7 +49,7 @@ NB_MODULE(_rows_matmul, m) {
         "group_size"_a, "bits"_a, "plan"_a.none() = nb::none(), "slots"_a = std::vector<int>{},
         "int8"_a = false, "offset"_a.none() = nb::none(), "roped"_a = 0, "rope_dims"_a = 0,
         "rope_traditional"_a = false, "rope_base"_a = 10000.0f, "rope_scale"_a = 1.0f,
-        "norm"_a.none() = nb::none(), "norm_eps"_a = 1e-5f);
+        "norm"_a.none() = nb::none(), "norm_eps"_a = 1e-5f, "glu"_a = false);
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "plan"_a, "slot"_a, "int8"_a = false);
   m.def("all_finite", &all_finite, "arrays"_a);

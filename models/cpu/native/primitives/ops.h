@@ -33,7 +33,7 @@ std::vector<mx::array> quant_matmul_heads(
     const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size, int bits,
     std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
     std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
-    float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps);
+    float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps, bool glu);
 
 // primitives/norms.cpp: MLX's RMSNorm and RoPE to the bit, each one primitive.
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps);

@@ -4,6 +4,7 @@
 // active Kernel's `quant` (kernels/quant_matmul.h) or, on int8 activations, its `int8`
 // (kernels/int8_matmul.h), through PackedProducts, and its gathered LoRA's (RowResiduals).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "kernels/quant_types.h"
 #include "kernels/quantize_rows.h"
 #include "lora_plans.h"
+#include "mlx/backend/cpu/simd/math.h"
 #include "mlx/ops.h"
 #include "primitives/common.h"
 #include "primitives/ops.h"
@@ -38,6 +40,14 @@ Quantized packed_weight(const mx::array& w, const mx::array& scales, const mx::a
   return Quantized{
       w.data<uint32_t>(),   scales.data<void>(), biases.data<void>(), K, bits, group, dtype, rows8,
       w.dtype() == mx::int8};
+}
+
+// mlx_lm's swiglu, SiLU(gate) * up: MLX's Sigmoid (1 / (1 + exp(|x|)), then 1 - that for x >= 0,
+// with MLX's own exp), gate times it, times up: one rounding an operation, MLX's bits.
+inline float swiglu(float gate, float up) {
+  const float y = 1.0f / (1.0f + mx::simd::exp(mx::simd::Simd<float, 1>(std::abs(gate))).value);
+  const float sigmoid = gate < 0.0f ? y : 1.0f - y;
+  return (gate * sigmoid) * up;
 }
 
 // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
@@ -224,14 +234,15 @@ class QuantMatmulGather : public CpuPrimitive {
 // rotated in place at their rows' positions, as RowsRoPE rotates them (primitives/rope.h), to its
 // bits: the attention's q and k without two more primitives a layer. With a `norm`, x's rows are
 // first normalized as RowsRMSNorm does (primitives/rms_norm.h), to its bits: the layer's norm
-// before its attention or MLP without a primitive of its own.
+// before its attention or MLP without a primitive of its own. With `glu`, a gate and an up
+// product give one output, mlx_lm's swiglu of the two to its bits: the MLP's activation too.
 class QuantMatmulHeads : public CpuPrimitive {
  public:
   // slots[j]: output j's LoRA slot, whose residuals `plan` adds (-1: none; slots is empty when
   // no output has one).
   QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads,
                    std::shared_ptr<const RowPlan> plan, std::vector<int> slots, bool int8,
-                   Rope rope, int roped, std::optional<float> norm_eps)
+                   Rope rope, int roped, std::optional<float> norm_eps, bool glu)
       : CpuPrimitive(stream),
         bits_(bits),
         group_(group),
@@ -241,14 +252,16 @@ class QuantMatmulHeads : public CpuPrimitive {
         int8_(int8),
         rope_(rope),
         roped_(roped),
-        norm_eps_(norm_eps) {}
+        norm_eps_(norm_eps),
+        glu_(glu) {}
 
   // inputs: x, then w, scales and biases of each output, then the rows' positions (int32, one
   // per row or one for all) when `roped` > 0, then the norm's weight [K] with a `norm_eps`.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
-    const int count = static_cast<int>(outputs.size());
+    const int count =
+        static_cast<int>(inputs.size() - 1 - (roped_ > 0) - norm_eps_.has_value()) / 3;
     const int count_in = 1 + 3 * count;
     const RopeOffsets positions = roped_ > 0 ? RopeOffsets(inputs[count_in]) : RopeOffsets();
     std::vector<Quantized> weights;
@@ -271,9 +284,9 @@ class QuantMatmulHeads : public CpuPrimitive {
     }
     encoder.dispatch(
         [source = RowMajor(x), norm = norm_eps_ ? RowMajor(inputs.back()) : RowMajor(x),
-         norm_eps = norm_eps_, weights, widths, offsets, outs, plan = plan_, slots = slots_,
-         heads = heads_, M, L, K, group = group_, int8 = int8_, kernel = active_kernel(),
-         rope = rope_, roped = roped_,
+         norm_eps = norm_eps_, glu = glu_, weights, widths, offsets, outs, plan = plan_,
+         slots = slots_, heads = heads_, M, L, K, group = group_, int8 = int8_,
+         kernel = active_kernel(), rope = rope_, roped = roped_,
          inv_freqs = roped_ > 0 ? rope_.frequencies() : std::vector<float>{}, positions]() mutable {
       const float* xp = source.get();
       std::vector<float> normed;  // x's rows normalized, where a norm comes first
@@ -287,11 +300,13 @@ class QuantMatmulHeads : public CpuPrimitive {
       const int count = static_cast<int>(weights.size());
       // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
       std::vector<std::vector<float>> scratch(count);
-      std::vector<float*> products(outs);
+      std::vector<float*> products(count);
       for (int j = 0; j < count; j++)
-        if (heads[j] > 0 && L > 1) {
+        if (glu || (heads[j] > 0 && L > 1)) {
           scratch[j].resize(static_cast<size_t>(M) * widths[j]);
           products[j] = scratch[j].data();
+        } else {
+          products[j] = outs[j];
         }
       RowResiduals residuals(kernel, xp, M, K);
       for (size_t j = 0; j < slots.size(); j++)
@@ -310,6 +325,11 @@ class QuantMatmulHeads : public CpuPrimitive {
           },
           8);
       if (!residuals.empty()) residuals.residuals();
+      if (glu) {  // the one output: SiLU(gate) * up
+        const size_t n = static_cast<size_t>(M) * widths[0];
+        for (size_t i = 0; i < n; i++) outs[0][i] = swiglu(products[0][i], products[1][i]);
+        return;
+      }
       for (int j = 0; j < count; j++) {
         if (scratch[j].empty()) continue;
         const int H = heads[j], N = widths[j], D = N / H, B = M / L;
@@ -330,7 +350,7 @@ class QuantMatmulHeads : public CpuPrimitive {
     const auto& o = static_cast<const QuantMatmulHeads&>(other);
     return bits_ == o.bits_ && group_ == o.group_ && heads_ == o.heads_ && plan_ == o.plan_ &&
            slots_ == o.slots_ && int8_ == o.int8_ && rope_ == o.rope_ && roped_ == o.roped_ &&
-           norm_eps_ == o.norm_eps_;
+           norm_eps_ == o.norm_eps_ && glu_ == o.glu_;
   }
 
  private:
@@ -343,6 +363,7 @@ class QuantMatmulHeads : public CpuPrimitive {
   Rope rope_;
   int roped_;
   std::optional<float> norm_eps_;
+  bool glu_;
 };
 
 }  // namespace
@@ -377,13 +398,14 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
 // plus each row's own adapters' residuals at slots[j] where `plan` is given and slots[j] >= 0
 // (slots: one for each output, or empty); the first `roped` outputs rotated by `rope` at
 // positions offset[b] + l (offset: int32, one per row or one for all); with a `norm` weight [K],
-// x's rows normalized first as rms_norm_rows(x, norm, norm_eps) does, to its bits.
+// x's rows normalized first as rms_norm_rows(x, norm, norm_eps) does, to its bits; with `glu`
+// (two outputs of one width, no heads), one output [B, L, N]: SiLU(first) * second (`swiglu`).
 std::vector<mx::array> quant_matmul_heads(
     const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
     const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size, int bits,
     std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
     std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
-    float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps) {
+    float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps, bool glu) {
   if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
       heads.size() != ws.size() || (!slots.empty() && slots.size() != ws.size()))
     throw std::invalid_argument(
@@ -407,6 +429,11 @@ std::vector<mx::array> quant_matmul_heads(
     inputs.insert(inputs.end(), {ws[j], scales[j], biases[j]});
     if (!slots.empty() && slots[j] >= 0) check_plan("quant_matmul_heads", x, N, *plan, slots[j]);
   }
+  if (glu && (ws.size() != 2 || heads[0] != 0 || heads[1] != 0 ||
+              ws[0].shape(0) != ws[1].shape(0) || roped > 0))
+    throw std::invalid_argument(
+        "quant_matmul_heads: glu takes a gate and an up of one width, without heads or rotation");
+  if (glu) shapes = {mx::Shape{B, L, ws[0].shape(0)}};
   const Rope rope{rope_dims, rope_traditional, rope_base, rope_scale};
   if (roped < 0 || roped > static_cast<int>(ws.size()))
     throw std::invalid_argument("quant_matmul_heads: roped counts leading outputs");
@@ -429,10 +456,10 @@ std::vector<mx::array> quant_matmul_heads(
   }
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays(
-      std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
+      std::move(shapes), std::vector<mx::Dtype>(glu ? 1 : ws.size(), mx::float32),
       std::make_shared<QuantMatmulHeads>(s, bits, group_size, heads, std::move(plan),
                                          std::move(slots), int8, rope, roped,
-                                         norm ? std::optional<float>(norm_eps) : std::nullopt),
+                                         norm ? std::optional<float>(norm_eps) : std::nullopt, glu),
       std::move(inputs));
 }
 
