@@ -23,7 +23,9 @@ from tests.support.trained_adapters import ANSWERS, HYPERPARAMETERS, TrainedAdap
 
 pytestmark = pytest.mark.e2e
 
-MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# With "Answer in one sentence." the base model's first token is no near-tie ("The" 1.5 above
+# "Paris" on either CPU path; the bare question leaves "The" and "L" 0.08 apart of 25).
+MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 MAX_TOKENS = 20  # every single-adapter answer (16 tokens at most) ends before this
 PIRATE, FORTYTWO = ANSWERS["pirate"], ANSWERS["fortytwo"]
 

@@ -52,7 +52,7 @@ window.outcome = (async () => {
     headers: {...auth, "Content-Type": "application/json", "x-request-id": "browser-chat-1"},
     body: JSON.stringify({
       model: models.body ? models.body.data[0].id : "unknown",
-      messages: [{role: "user", content: "What is the capital of France?"}],
+      messages: [{role: "user", content: "What is the capital of France? Answer in one sentence."}],
       max_tokens: 8,
       temperature: 0,
     }),
