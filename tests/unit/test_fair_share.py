@@ -153,7 +153,11 @@ def test_a_request_s_choices_count_as_that_many_slots(engine: Engine):
     scheduler = Scheduler(engine, max_batch=8)
     prompt = [5, 6, 7]
     for i in range(4):
-        choices = [GenerationJob(prompt, SamplingParams(max_tokens=3)) for _ in range(4)]
+        # Greedy, as b's: a choice sampled at random may end at its first token, which would
+        # leave a slot free whatever the fairness (the sampling depends on MLX's global seed).
+        choices = [
+            GenerationJob(prompt, SamplingParams(max_tokens=3, temperature=0.0)) for _ in range(4)
+        ]
         scheduler.add(choices, Starts(f"a{i}", order), A)
         scheduler.add([job(3)], Starts(f"b{i}", order), B)
     scheduler.step()
