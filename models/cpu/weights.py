@@ -270,7 +270,7 @@ def interleave_rows8(
 ) -> tuple[mx.array, mx.array, mx.array]:
     """A 4- or 8-bit layer's packed weight (uint32 [N, K * bits / 32], N a multiple of 8), scales
     and biases laid out for the integer products' interleaved kernel (`int8_rows8_range`,
-    models/cpu/native/kernels/int8_matmul.h): eight rows' block of 32 codes `4 * bits` bytes
+    models/cpu/native/kernels/int8_matmul.h): eight rows' block of 32 codes `32 * bits` bytes
     together, one 32-bit lane a row: at 4 bits byte 32j + 4i + k holds row i's code 8j + k in
     its low half and its code 8j + 4 + k in its high half, at 8 bits row i's code 4j + k; the
     scales and biases [N, K / group], each group's eight rows side by side. 8-bit codes stay
