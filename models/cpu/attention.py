@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -191,12 +191,21 @@ def _any_call_mask(
         return None
     batch, _, length, _ = queries.shape
     span = keys.shape[2] if keys.ndim == 4 else 0
-    shape = (batch, 1, length, span)
-    # Every layer of a call builds the same mask from no mask or "causal": one array for all.
-    built: dict[tuple[Any, ...], mx.array] | None = getattr(_running, "masks", None)
-    key = (mask, shape) if mask is None or isinstance(mask, str) else None
-    if key is not None and built is not None and key in built:
-        return built[key] if _fits(queries, keys, values, built[key]) else None
+    built = _call_mask(mask, (batch, 1, length, span))
+    return built if built is not None and _fits(queries, keys, values, built) else None
+
+
+def _call_mask(mask: Any, shape: tuple[int, int, int, int]) -> mx.array | None:
+    """The call's mask (None, "causal" or a bool array) as a bool [B, 1, L, S] of `shape`, or
+    None where it is another kind or does not broadcast to it."""
+    span, length = shape[3], shape[2]
+    # Every layer of a call builds the same mask from the call's: one array for all. An array
+    # is known by its id while the call holds it (and the entry too).
+    built: dict[tuple[Any, ...], Any] | None = getattr(_running, "masks", None)
+    given = mask
+    key = (mask if mask is None or isinstance(mask, str) else id(mask), shape)
+    if built is not None and key in built:
+        return cast(mx.array, built[key][1])
     if mask is None:
         mask = mx.array(True)
     elif isinstance(mask, str):
@@ -209,9 +218,24 @@ def _any_call_mask(
         mask = mx.broadcast_to(mask, shape)
     except ValueError:
         return None
-    if key is not None and built is not None:
-        built[key] = mask
-    return mask if _fits(queries, keys, values, mask) else None
+    if built is not None:
+        built[key] = (given, mask)
+    return mask
+
+
+def call_shared() -> dict[tuple[Any, ...], Any] | None:
+    """What the layers of an installed model's running call share, by key (its masks, a decode
+    step's cache offsets); None outside such a call."""
+    return cast(dict[tuple[Any, ...], Any] | None, getattr(_running, "masks", None))
+
+
+def step_mask(mask: Any, batch: int, span: int) -> mx.array | None:
+    """The attention kernel's bool mask [B, 1, 1, S] for a decode step (one token a row) of a
+    model whose every call takes the kernel (a model of quantized kernels), from the call's
+    mask; None where that model is not running or the mask is another kind."""
+    if getattr(_running, "rows", False) != "all":
+        return None
+    return _call_mask(mask, (batch, 1, 1, span))
 
 
 def _fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> bool:

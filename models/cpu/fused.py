@@ -12,7 +12,9 @@ the decoder layer holding both, reads its sublayers as the module's items and ha
 norm (`after_norm`), which the products' call applies to its input first where the norm is the
 native one (`NativeRMSNorm`, its bits): a layer's two norms take no primitive of their own.
 Every product is the packed kernel's, on the same rows, so the results are the same bits as the
-separate layers' (in any batch and any chunking, as those are).
+separate layers' (in any batch and any chunking, as those are). A decode step's call of the
+layer is one primitive (`layer_step`, the native `decoder_layer`): those calls, the KV cache's
+write, the attention and the residual adds in one task, to their bits.
 
 A layer takes the fused path when its projections are packed (`PackedLinear`) with one
 quantization and no bias. While an adapter set is active (one for the batch, or one per row),
@@ -34,9 +36,10 @@ from typing import Any, Protocol, cast, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from hotlora.models.cpu import extension
-from hotlora.models.cpu.attention import merged_rows_attention
+from hotlora.models.cpu.attention import call_shared, merged_rows_attention, step_mask
 from hotlora.models.cpu.layers import NativeRMSNorm, NativeRoPE, PackedLinear
 
 # The gathered kernel's operands of the residuals a projection adds: the batch's plan (its
@@ -197,12 +200,135 @@ class FusedMLP(llama.MLP):
 class FusedBlock(llama.TransformerBlock):
     """mlx-lm's llama decoder layer, its sublayers read as the module's items (see
     `fused_products`), each norm inside the products it feeds where they take it; the same
-    operations in the same order."""
+    operations in the same order. A decode step's call is one primitive where `layer_step`
+    takes it."""
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        stepped = layer_step(self, x, mask, cache)
+        if stepped is not None:
+            return stepped
         attention, mlp = self["self_attn"], self["mlp"]
         h = x + attention.after_norm(x, self["input_layernorm"], mask, cache)
         return h + mlp.after_norm(h, self["post_attention_layernorm"])
+
+
+# A decoder layer's projections in `decoder_layer`'s order, and its four calls of them.
+_LAYER_PROJECTIONS = (
+    ("self_attn", "q_proj"),
+    ("self_attn", "k_proj"),
+    ("self_attn", "v_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+    ("mlp", "down_proj"),
+)
+_LAYER_CALLS = ((0, 3), (3, 4), (4, 6), (6, 7))
+
+
+def layer_step(block: FusedBlock, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
+    """`block(x, mask, cache)` for a decode step (one token a row) as one primitive
+    (`decoder_layer`), or None where it does not take the call: x float32 [B, 1, D], mlx-lm's
+    `KVCache` or `BatchKVCache` of float32 with room for the step, the native norms and RoPE,
+    and each call of projections (q, k and v; o; gate and up; down) fused as `fused_products`
+    fuses them, adapters included. The primitive computes what the layer's separate calls do, to
+    their bits, and writes the step's keys and values into the cache as its update does."""
+    native = extension.native
+    if native is None or x.ndim != 3 or x.shape[1] != 1 or x.dtype != mx.float32:
+        return None
+    kind = type(cache)
+    if kind is KVCache:
+        at = offset = cache.offset
+    elif kind is BatchKVCache:
+        at, offset = cache._idx, cache.offset
+    else:
+        return None
+    keys, values = cache.keys, cache.values
+    if keys is None or at >= keys.shape[2] or keys.dtype != mx.float32:
+        return None
+    if values.dtype != mx.float32:
+        return None
+    attention = block["self_attn"]
+    norm1, norm2 = block["input_layernorm"], block["post_attention_layernorm"]
+    rope = attention["rope"]
+    if not (takes_norm(norm1, x) and takes_norm(norm2, x)) or type(rope) is not NativeRoPE:
+        return None
+    if rope.dims % 2 or not 0 < rope.dims <= attention.head_dim:
+        return None
+    batch = x.shape[0]
+    positions = NativeRoPE.positions(offset, batch)
+    kernel_mask = step_mask(mask, batch, at + 1)
+    if positions is None or kernel_mask is None:
+        return None
+    parts = [cast(FusedProjection, block[m][p]).fused_part(x) for m, p in _LAYER_PROJECTIONS]
+    if any(part is None for part in parts):
+        return None
+    found = cast(list[FusedPart], parts)
+    plans = {id(operands[0]): operands[0] for _, operands in found if operands is not None}
+    if len(plans) > 1:  # one active batch plans every projection of a step
+        return None
+    layers = [layer for layer, _ in found]
+    weights = [layer["weight"] for layer in layers]  # items: see `fused_products`
+    scales = [layer["scales"] for layer in layers]
+    for first, end in _LAYER_CALLS:
+        lead = layers[first]
+        for j in range(first + 1, end):
+            if (layers[j].bits, layers[j].group_size, layers[j].int8_activations) != (
+                lead.bits,
+                lead.group_size,
+                lead.int8_activations,
+            ):
+                return None
+            if scales[j].dtype != scales[first].dtype or weights[j].dtype != weights[first].dtype:
+                return None
+    calls = [layers[first] for first, _ in _LAYER_CALLS]
+    kv_heads = attention.n_kv_heads or attention.n_heads
+    out = native.decoder_layer(
+        x,
+        weights,
+        scales,
+        [layer["biases"] for layer in layers],
+        [layer.bits for layer in calls],
+        [layer.group_size for layer in calls],
+        [layer.int8_activations for layer in calls],
+        norm1["weight"],
+        norm2["weight"],
+        norm1.eps,
+        norm2.eps,
+        keys,
+        values,
+        at,
+        kernel_mask,
+        positions,
+        attention.n_heads,
+        kv_heads,
+        attention.scale,
+        rope.dims,
+        rope.traditional,
+        rope.base,
+        rope.scale,
+        next(iter(plans.values()), None),
+        [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
+    )
+    # The call made cache.keys and cache.values the updated arrays; the cache's count follows.
+    if kind is KVCache:
+        cache.offset += 1
+    else:
+        cache.offset = _next_offsets(offset)
+        cache._idx += 1
+    return cast(mx.array, out)
+
+
+def _next_offsets(offsets: mx.array) -> mx.array:
+    """offsets + 1, computed once a call: the layers' batch caches of one model call hold the same
+    offsets (mlx-lm merges, extends, filters and trims them layer by layer alike, and builds
+    every layer's mask from the first's), so they share the first layer's next ones."""
+    shared = call_shared()
+    if shared is None:
+        return offsets + 1
+    key = ("next offsets",)
+    if key not in shared:
+        shared[key] = offsets + 1
+    return cast(mx.array, shared[key])
 
 
 _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {

@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
@@ -22,7 +23,7 @@ from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters
 from hotlora.adapters.backends import gathered
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.projections import find_targets, replace_module
-from hotlora.models.cpu import extension, install_packed_kernels, prepare_cpu
+from hotlora.models.cpu import extension, fused, install_packed_kernels, prepare_cpu
 from hotlora.models.cpu.fused import (
     FusedAttention,
     FusedBlock,
@@ -809,41 +810,187 @@ def step_products(model: nn.Module, tmp_path: Path, rows: int) -> dict[str, int]
     return {
         name: text.count(f'label ="{name}"') + text.count(f'label="{name}"')
         for name in (
-            "QuantMatmul", "QuantMatmulHeads", "QuantMatmulGather", "Transpose"
+            "DecoderLayer", "QuantMatmul", "QuantMatmulHeads", "QuantMatmulGather", "Transpose",
+            "SliceUpdate",
         )
     }  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_decode_steps_layer_takes_two_fused_products_and_two_alone(packed, tmp_path, rows):
-    """q, k and v as one product, gate and up as another, o and down alone, and no transposes
-    around the attention: the step's graph has those products and no more."""
+def test_a_decode_steps_layer_is_one_primitive(packed, tmp_path, rows):
+    """A decode step's decoder layer is one primitive (its products, norms, RoPE, cache write,
+    attention and residuals): the step's graph has one a layer, the output layer's product,
+    and none of the separate calls."""
     model, _ = packed
-    layers = len(model.layers)
     assert step_products(model, tmp_path, rows) == {
-        "QuantMatmul": 2 * layers + 1,  # o_proj and down_proj, then the tied output layer
-        "QuantMatmulHeads": 2 * layers,
+        "DecoderLayer": len(model.layers),
+        "QuantMatmul": 1,  # the tied output layer
+        "QuantMatmulHeads": 0,
         "QuantMatmulGather": 0,
         "Transpose": 0,
+        "SliceUpdate": 0,
     }
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_under_adapters_the_base_products_stay_fused(packed, tmp_path, rows):
-    """A decode step whose rows each have their own adapters: q, k and v still one product,
-    gate and up another, each adding its rows' residuals in the same call; o and down take the
-    gathered kernel alone."""
+def test_under_adapters_a_decode_steps_layer_stays_one_primitive(packed, tmp_path, rows):
+    """A decode step whose rows each have their own adapters: each layer still one primitive,
+    which adds its rows' residuals to each projection's product."""
     model, manager = packed
-    layers = len(model.layers)
     sets = [adapter_set(manager, spec) for spec in ("a", "b", "a+b")[:rows]]
     with activate(RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]):
         counted = step_products(model, tmp_path, rows)
-    assert counted == {
-        "QuantMatmul": 1,  # the tied output layer
+    assert counted["DecoderLayer"] == len(model.layers)
+    assert counted["QuantMatmul"] == 1  # the tied output layer
+    assert counted["QuantMatmulHeads"] == counted["QuantMatmulGather"] == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_without_the_layer_primitive_a_layer_takes_two_fused_products_and_two_alone(
+    packed, tmp_path, monkeypatch, rows
+):
+    """Where a step's layer is not one primitive (a prompt's chunks, a cache without room),
+    q, k and v are one product, gate and up another, o and down alone, and no transposes
+    around the attention; under adapters o and down take the gathered kernel alone."""
+    model, manager = packed
+    monkeypatch.setattr(fused, "layer_step", lambda *_: None)
+    layers = len(model.layers)
+    assert step_products(model, tmp_path, rows) == {
+        "DecoderLayer": 0,
+        "QuantMatmul": 2 * layers + 1,  # o_proj and down_proj, then the tied output layer
         "QuantMatmulHeads": 2 * layers,
-        "QuantMatmulGather": 2 * layers,  # o_proj and down_proj
+        "QuantMatmulGather": 0,
         "Transpose": 0,
+        "SliceUpdate": 2 * layers,
     }
+    sets = [adapter_set(manager, spec) for spec in ("a", "b", "a+b")[:rows]]
+    with activate(RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]):
+        counted = step_products(model, tmp_path, rows)
+    assert (counted["QuantMatmulHeads"], counted["QuantMatmulGather"]) == (2 * layers, 2 * layers)
+
+
+def decode_steps(
+    model: nn.Module, rows: int, batch: AdapterSet | RowAdapters, grow_by: int
+) -> tuple[list[mx.array], Any]:
+    """Left-padded prompts prefilled, then twelve decode steps, the cache growing `grow_by`
+    positions at a time (so that some steps find it full): each step's logits, and the cache."""
+    prompts = [PROMPTS[row % len(PROMPTS)] for row in range(rows)]
+    longest = max(map(len, prompts))
+    if rows == 1:
+        cache: Any = make_prompt_cache(model)
+        tokens = mx.array(prompts)
+    else:
+        pads = [longest - len(p) for p in prompts]
+        cache = [BatchKVCache(pads) for _ in model.layers]
+        tokens = mx.array([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)])
+    for layer_cache in cache:
+        layer_cache.step = grow_by
+    out = []
+    with activate(batch):
+        model(tokens, cache=cache)
+        for step in range(12):
+            out.append(model(mx.full((rows, 1), 3 + 7 * step), cache=cache))
+            mx.async_eval(out[-1])  # the next step built while this one runs, as served
+    mx.eval(out)
+    return out, cache
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("specs", [("",), ("a+b", "b", "")])
+def test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits(
+    packed, monkeypatch, rows, specs
+):
+    """Decode steps alone (mlx-lm's KVCache) and batched (its left-padded BatchKVCache), on the
+    base and with each row's own adapters, the cache growing as they go: a layer as one
+    primitive gives the logits of its separate calls, to the bit, and the same cache."""
+    model, manager = packed
+    sets = [adapter_set(manager, specs[row % len(specs)]) for row in range(rows)]
+    batch = RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]
+    one, one_cache = decode_steps(model, rows, batch, grow_by=5)
+    with monkeypatch.context() as patched:
+        patched.setattr(fused, "layer_step", lambda *_: None)
+        separate, separate_cache = decode_steps(model, rows, batch, grow_by=5)
+    for step, (got, want) in enumerate(zip(one, separate, strict=True)):
+        assert mx.array_equal(got, want).item(), step
+    for got_layer, want_layer in zip(one_cache, separate_cache, strict=True):
+        got_state, want_state = got_layer.state, want_layer.state
+        assert mx.array_equal(got_state[0], want_state[0]).item()  # keys
+        assert mx.array_equal(got_state[1], want_state[1]).item()  # values
+        if rows > 1:
+            assert mx.array_equal(got_state[2], want_state[2]).item()  # each row's offset
+        assert got_layer.offset is not None
+    assert getattr(one_cache[0], "_idx", None) == getattr(separate_cache[0], "_idx", None)
+
+
+def test_a_decode_step_writes_no_cache_array_another_holds(packed):
+    """The layer primitive writes the step's keys and values into the cache's buffer only where
+    nothing else holds it (as MLX's own update does): an array that still reads the cache as it
+    was keeps its values."""
+    model, _ = packed
+    cache = [BatchKVCache([0, 2]) for _ in model.layers]
+    model(mx.array([[4, 5, 6, 7], [0, 0, 8, 9]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    before = mx.array(np.array(cache[0].keys))  # a copy of the buffer's values
+    held = cache[0].keys[:, :, :]  # a view that holds the buffer as it is
+    logits = model(mx.full((2, 1), 3), cache=cache)
+    mx.eval(logits, held)
+    assert cache[0].keys.shape == before.shape  # written in place of the buffer: room was left
+    assert mx.array_equal(held, before).item()
+    assert not mx.array_equal(cache[0].keys, before).item()  # the step's keys are in
+
+
+def test_a_layer_step_that_does_not_fit_is_refused(packed):
+    """decoder_layer refuses a mask or a position that does not fit the cache, and leaves the
+    cache's arrays as they were."""
+    model, _ = packed
+    cache = make_prompt_cache(model)
+    model(mx.array([[4, 5, 6, 7]]), cache=cache)
+    layer, layer_cache = model.layers[0], cache[0]
+    keys, values = layer_cache.keys, layer_cache.values
+    attention, mlp = layer.self_attn, layer.mlp
+    slots = [getattr(attention, f"{n}_proj") for n in "qkvo"] + [
+        getattr(mlp, f"{n}_proj") for n in ("gate", "up", "down")
+    ]
+    projections = [slot["base"] for slot in slots]  # the packed layers under the LoRA slots
+    rope = attention.rope
+    x = mx.zeros((1, 1, layer.input_layernorm.weight.shape[0]))
+
+    def call(at: int, span: int) -> mx.array:
+        return native.decoder_layer(
+            x,
+            [p.weight for p in projections],
+            [p.scales for p in projections],
+            [p.biases for p in projections],
+            [4] * 4,
+            [p.group_size for p in projections[:4]],
+            [p.int8_activations for p in projections[:4]],
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            1e-5,
+            1e-5,
+            keys,
+            values,
+            at,
+            mx.ones((1, 1, 1, span), dtype=mx.bool_),
+            mx.array([at], dtype=mx.int32),
+            attention.n_heads,
+            attention.n_kv_heads,
+            attention.scale,
+            rope.dims,
+            rope.traditional,
+            rope.base,
+            rope.scale,
+            None,
+            [],
+        )
+
+    kept = keys
+    with pytest.raises(ValueError, match="mask"):
+        call(4, 4)  # the mask must reach the written position
+    with pytest.raises(ValueError, match="room"):
+        call(keys.shape[2], keys.shape[2] + 1)  # past the buffer
+    assert layer_cache.keys is kept and mx.array_equal(layer_cache.keys, keys).item()
+    assert call(4, 5).shape == x.shape  # the same arguments that fit are taken
 
 
 def test_fused_layers_give_the_separate_layers_bits_and_yield_to_adapters(packed):

@@ -80,10 +80,12 @@ int RowResiduals::bound(int N, int spans, int part) {
 }
 
 void check_plan(const char* name, const mx::array& x, int N, const RowPlan& plan, int slot) {
+  check_plan(name, x.size() / x.shape(-1), x.shape(-1), N, plan, slot);
+}
+
+void check_plan(const char* name, int64_t M, int K, int N, const RowPlan& plan, int slot) {
   if (active_kernel() == nullptr)
     throw std::invalid_argument(std::string(name) + ": no vector kernel for this CPU");
-  const int K = x.shape(-1);
-  const int64_t M = x.size() / K;
   if (M % plan.rows() != 0)
     throw std::invalid_argument(std::string(name) +
                                 ": the plan's rows must divide x's rows evenly");

@@ -121,6 +121,8 @@ class RowResiduals {
 // Checks that a plan serves x's M rows (its rows divide them evenly) and that each of its
 // adapters' pairs at `slot` takes x's K inputs to N outputs.
 void check_plan(const char* name, const mx::array& x, int N, const RowPlan& plan, int slot);
+// The same for M rows of K inputs.
+void check_plan(const char* name, int64_t M, int K, int N, const RowPlan& plan, int slot);
 
 // An adapter's pairs for the gathered kernels: pairs[slot] is (a [K, r], b [r, N]), both float32
 // or both float16, row-major, or None where it has no weights. Each is evaluated here.

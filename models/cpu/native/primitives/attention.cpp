@@ -9,37 +9,13 @@
 #include <vector>
 
 #include "mlx/ops.h"
+#include "primitives/attention.h"
 #include "primitives/common.h"
 #include "primitives/ops.h"
 #include "thread_pool.h"
 
 namespace hotlora {
 namespace {
-
-// A KV cache's keys or values [B, heads, S, D] for `attention_rows`: read in place when each
-// position's D floats are contiguous (a slice of the cache), else from a packed copy.
-class CacheView {
- public:
-  explicit CacheView(const mx::array& a)
-      : source_(a), data_(a.data<float>()), strides_(a.strides()), in_place_(a.strides(3) == 1) {
-    if (!in_place_) {
-      strides_[3] = 1, strides_[2] = a.shape(3);
-      strides_[1] = strides_[2] * a.shape(2), strides_[0] = strides_[1] * a.shape(1);
-    }
-  }
-  // In the task, once the data is there.
-  void prepare() {
-    if (!in_place_) data_ = source_.get();
-  }
-  const float* at(int b, int h) const { return data_ + b * strides_[0] + h * strides_[1]; }
-  int64_t step() const { return strides_[2]; }
-
- private:
-  RowMajor source_;
-  const float* data_;
-  mx::Strides strides_;
-  bool in_place_;
-};
 
 // softmax(q * scale . k^T over the keys the mask shows) . v, each query token on its own: a
 // batched decode step's attention, each row on its own keys, in one primitive where MLX's CPU
@@ -56,42 +32,15 @@ class RowsAttention : public CpuPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
-    const auto& mask = inputs[3];
     const int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
     const int Hkv = inputs[1].shape(1), S = inputs[1].shape(2), Dv = inputs[2].shape(3);
-    const int G = H / Hkv;
-    const bool* visible = mask.data<bool>();
-    const int64_t mask_row = mask.strides(0), mask_token = mask.strides(2);
-    const int64_t mask_step = mask.strides(3);
     dispatch_rows(stream(), inputs, 1, outputs[0],
                   [=, scale = scale_, merged = merged_, keys = CacheView(inputs[1]),
-                   values = CacheView(inputs[2]),
+                   values = CacheView(inputs[2]), mask = KeyMask(inputs[3]),
                    attend = active_kernel()->attend](auto& operands, float* op) mutable {
-      const float* qp = operands[0].get();
       keys.prepare(), values.prepare();
-      const auto body = [&](int u0, int u1) {
-        std::vector<float> scaled(static_cast<size_t>(G) * D), scores(static_cast<size_t>(G) * S);
-        std::vector<float> out(static_cast<size_t>(G) * Dv);
-        for (int u = u0; u < u1; u++) {
-          const int b = u / (Hkv * L), h = u / L % Hkv, l = u % L;
-          const size_t first = static_cast<size_t>(b) * H + static_cast<size_t>(h) * G;
-          for (int g = 0; g < G; g++) {
-            const float* qh = qp + ((first + g) * L + l) * D;
-            for (int d = 0; d < D; d++) scaled[static_cast<size_t>(g) * D + d] = qh[d] * scale;
-          }
-          attend(scaled.data(), G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(),
-                 Dv, visible + b * mask_row + l * mask_token, mask_step, S, scores.data(),
-                 out.data());
-          for (int g = 0; g < G; g++) {
-            const size_t head = static_cast<size_t>(h) * G + g;
-            const size_t at = merged ? ((static_cast<size_t>(b) * L + l) * H + head) * Dv
-                                     : ((first + g) * L + l) * Dv;
-            std::copy_n(out.data() + static_cast<size_t>(g) * Dv, Dv, op + at);
-          }
-        }
-      };
-      // A query token's KV head a unit: no blocks of 4 to keep.
-      parallel_rows(B * Hkv * L, 1, body, /*align=*/1);
+      attend_rows(attend, operands[0].get(), B, H, L, D, keys, values, Hkv, S, Dv, mask, scale,
+                  merged, op);
     });
   }
   const char* name() const override { return "RowsAttention"; }
@@ -149,9 +98,9 @@ class MaskedSoftmax : public CpuPrimitive {
     const int rows = static_cast<int>(scores.size() / S);
     mx::Shape shape = scores.shape();
     mx::Strides mask_strides = mask.strides();
-    encoder.dispatch(
-        [source = RowMajor(scores), visible = mask.data<bool>(), op = out.data<float>(), shape,
-         mask_strides, ndim, S, rows, in_place, softmax = active_kernel()->softmax]() mutable {
+    queue_task(stream(), [source = RowMajor(scores), visible = mask.data<bool>(),
+                          op = out.data<float>(), shape, mask_strides, ndim, S, rows, in_place,
+                          softmax = active_kernel()->softmax]() mutable {
       const float* sp = in_place ? op : source.get();
       const int64_t mask_step = mask_strides[ndim - 1];
       const auto body = [&](int r0, int r1) {
@@ -179,6 +128,34 @@ class MaskedSoftmax : public CpuPrimitive {
 };
 
 }  // namespace
+
+void attend_rows(Attend attend, const float* q, int B, int H, int L, int D, const CacheView& keys,
+                 const CacheView& values, int Hkv, int S, int Dv, const KeyMask& mask, float scale,
+                 bool merged, float* op) {
+  const int G = H / Hkv;
+  const auto body = [&](int u0, int u1) {
+    std::vector<float> scaled(static_cast<size_t>(G) * D), scores(static_cast<size_t>(G) * S);
+    std::vector<float> out(static_cast<size_t>(G) * Dv);
+    for (int u = u0; u < u1; u++) {
+      const int b = u / (Hkv * L), h = u / L % Hkv, l = u % L;
+      const size_t first = static_cast<size_t>(b) * H + static_cast<size_t>(h) * G;
+      for (int g = 0; g < G; g++) {
+        const float* qh = q + ((first + g) * L + l) * D;
+        for (int d = 0; d < D; d++) scaled[static_cast<size_t>(g) * D + d] = qh[d] * scale;
+      }
+      attend(scaled.data(), G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(), Dv,
+             mask.visible + b * mask.row + l * mask.token, mask.step, S, scores.data(), out.data());
+      for (int g = 0; g < G; g++) {
+        const size_t head = static_cast<size_t>(h) * G + g;
+        const size_t at = merged ? ((static_cast<size_t>(b) * L + l) * H + head) * Dv
+                                 : ((first + g) * L + l) * Dv;
+        std::copy_n(out.data() + static_cast<size_t>(g) * Dv, Dv, op + at);
+      }
+    }
+  };
+  // A query token's KV head a unit: no blocks of 4 to keep.
+  parallel_rows(B * Hkv * L, 1, body, /*align=*/1);
+}
 
 mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v,
                          const mx::array& mask, float scale) {

@@ -10,6 +10,7 @@
 #include "kernels/table.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "mlx/scheduler.h"
 
 namespace hotlora {
 
@@ -55,6 +56,17 @@ class RowMajor {
   std::vector<float> packed_;
 };
 
+// Queues a primitive's task on its stream, after the work queued there before it, as MLX's command
+// encoder does, but not counted among the scheduler's active tasks: an evaluation waits while
+// more than ten of those (a hundred dispatches of the encoder) are queued, which would hold a
+// decode step's evaluation until the step before has nearly run and leave its next step's graph
+// unbuilt meanwhile. Each of these tasks is a large part of a step; MLX's own operations and the
+// task it queues after every primitive still count.
+template <typename Task>
+void queue_task(const mx::Stream& stream, Task&& task) {
+  mx::scheduler::enqueue(stream, std::forward<Task>(task));
+}
+
 // Shared by the primitives: the output's allocation, and body(operands, out) queued on
 // the stream with the first `floats` inputs as RowMajor operands.
 template <typename Body>
@@ -65,7 +77,7 @@ void dispatch_rows(const mx::Stream& stream, const std::vector<mx::array>& input
   for (const auto& input : inputs) encoder.set_input_array(input);
   encoder.set_output_array(out);
   std::vector<RowMajor> operands(inputs.begin(), inputs.begin() + floats);
-  encoder.dispatch([operands = std::move(operands), op = out.data<float>(), body]() mutable {
+  queue_task(stream, [operands = std::move(operands), op = out.data<float>(), body]() mutable {
     body(operands, op);
   });
 }

@@ -20,78 +20,13 @@
 #include "mlx/ops.h"
 #include "primitives/common.h"
 #include "primitives/ops.h"
+#include "primitives/products.h"
 #include "primitives/rms_norm.h"
 #include "primitives/rope.h"
 #include "thread_pool.h"
 
 namespace hotlora {
 namespace {
-
-// A packed weight's operands as the kernel reads them (w [N, K * bits / 32] uint32, or uint8
-// [N, K * bits / 8] for rows interleaved by eight, int8 for signed 8-bit codes so interleaved;
-// scales and biases [N, K / group]), each row-contiguous, else refused in `name`'s words.
-Quantized packed_weight(const mx::array& w, const mx::array& scales, const mx::array& biases, int K,
-                        int bits, int group, const char* name) {
-  for (const auto* a : {&w, &scales, &biases})
-    if (!a->flags().row_contiguous)
-      throw std::invalid_argument(std::string(name) + ": the weights must be row-contiguous");
-  const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
-  const bool rows8 = w.dtype() == mx::uint8 || w.dtype() == mx::int8;
-  return Quantized{
-      w.data<uint32_t>(),   scales.data<void>(), biases.data<void>(), K, bits, group, dtype, rows8,
-      w.dtype() == mx::int8};
-}
-
-// mlx_lm's swiglu, SiLU(gate) * up: MLX's Sigmoid (1 / (1 + exp(|x|)), then 1 - that for x >= 0,
-// with MLX's own exp), gate times it, times up: one rounding an operation, MLX's bits.
-inline float swiglu(float gate, float up) {
-  const float y = 1.0f / (1.0f + mx::simd::exp(mx::simd::Simd<float, 1>(std::abs(gate))).value);
-  const float sigmoid = gate < 0.0f ? y : 1.0f - y;
-  return (gate * sigmoid) * up;
-}
-
-// A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.
-int tile_floats(int M) { return M <= 16 ? 8192 : 32768; }
-
-// The products of x's M rows by packed weights of one quantization (`group`, `bits`): the active
-// kernel's float product (`quant`, kernels/quant_matmul.h) on x as it is, or with `int8` its
-// integer product (kernels/int8_matmul.h) on x's rows quantized once here, for every weight
-// that follows.
-class PackedProducts {
- public:
-  // `halves`: the weights' products read x's int8 codes evens first (`halves_first`).
-  PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, bool int8,
-                 bool halves)
-      : kernel_(kernel), x_(x), M_(M) {
-    if (!int8) return;
-    rows_.emplace(x, M, K, group, halves);
-    parallel_rows(
-        M, 8, [this](int m0, int m1) { rows_->quantize(m0, m1); }, 1);
-  }
-
-  // out[:, n0:n1] of x @ dequantize(q).T; out is [M, N]. On any thread of the pool.
-  void range(const Quantized& q, float* out, int N, int n0, int n1) const {
-    if (q.rows8) return kernel_->int8_rows8(q, rows_->rows(), out, M_, N, n0, n1);
-    if (rows_) return kernel_->int8(q, rows_->rows(), out, M_, N, n0, n1);
-    const int floats = tile_floats(M_);
-    thread_local std::vector<float> tile;
-    tile.resize(std::max<size_t>(floats, 4 * static_cast<size_t>(q.K)));
-    kernel_->quant(q, x_, out, M_, N, n0, n1, tile.data(), floats);
-  }
-
-  // out [M, N] = x @ dequantize(q).T, the columns split over the pool's threads (in multiples of
-  // 8, interleaved rows' groups).
-  void all(const Quantized& q, float* out, int N) const {
-    parallel_rows(
-        N, 64, [&](int n0, int n1) { range(q, out, N, n0, n1); }, 8);
-  }
-
- private:
-  const Kernel* kernel_;
-  const float* x_;
-  int M_;
-  std::optional<Int8Rows> rows_;
-};
 
 // `x @ dequantize(w, scales, biases).T` for MLX's affine-quantized weights, any number of rows:
 // a request alone, a batched decode step, a prefill chunk. The weights stay packed in memory;
@@ -135,6 +70,15 @@ void check_quantized(const mx::array& x, const mx::array& w, const mx::array& sc
     throw std::invalid_argument("quant_matmul: the CPU lacks AVX2 and FMA");
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
     throw std::invalid_argument("quant_matmul: x must be float32 [..., K]");
+  check_packed(x.shape(-1), w, scales, biases, group, bits, int8);
+}
+
+}  // namespace
+
+void check_packed(int K, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                  int group, int bits, bool int8) {
+  if (active_kernel() == nullptr)
+    throw std::invalid_argument("quant_matmul: the CPU lacks AVX2 and FMA");
   if (!quant_bits_served(bits))
     throw std::invalid_argument("quant_matmul: " + served_words(quant_bits_array(QuantTypes{})) +
                                 " bits only");
@@ -143,7 +87,6 @@ void check_quantized(const mx::array& x, const mx::array& w, const mx::array& sc
   const auto dtype = scales.dtype();
   if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16)
     throw std::invalid_argument("quant_matmul: float32, float16 or bfloat16 scales only");
-  const int K = x.shape(-1);
   if (w.dtype() == mx::uint8 || w.dtype() == mx::int8) {
     if ((bits != 4 && bits != 8) || (w.dtype() == mx::int8 && bits != 8) || !int8 ||
         active_kernel()->int8_rows8 == nullptr || w.ndim() != 2 || w.shape(0) % 8 != 0 ||
@@ -163,6 +106,8 @@ void check_quantized(const mx::array& x, const mx::array& w, const mx::array& sc
         "quant_matmul: expected x [..., K], w [N, K * bits / 32] uint32 (or interleaved "
         "uint8), and scales and biases [N, K / group] of one dtype");
 }
+
+namespace {
 
 // The integer products hold a weight row's scales and biases on the stack: K up to 65536.
 void check_int8(const mx::array& x, bool int8) {
@@ -262,17 +207,18 @@ class QuantMatmulHeads : public CpuPrimitive {
     const int K = x.shape(-1), M = static_cast<int>(x.size() / K), L = x.shape(1);
     const int count =
         static_cast<int>(inputs.size() - 1 - (roped_ > 0) - norm_eps_.has_value()) / 3;
-    const int count_in = 1 + 3 * count;
-    const RopeOffsets positions = roped_ > 0 ? RopeOffsets(inputs[count_in]) : RopeOffsets();
-    std::vector<Quantized> weights;
-    std::vector<int> widths, offsets{0};
+    HeadsProducts call;
     for (int j = 0; j < count; j++) {
       const int at = 1 + 3 * j;
-      const int N = inputs[at].shape(0);
-      weights.push_back(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], K, bits_, group_,
-                                      "quant_matmul_heads"));
-      widths.push_back(N);
-      offsets.push_back(offsets.back() + N);
+      call.add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], K, bits_, group_,
+                             "quant_matmul_heads"),
+               inputs[at].shape(0), heads_[j]);
+    }
+    call.group = group_, call.int8 = int8_, call.plan = plan_, call.slots = slots_;
+    call.rope = rope_, call.roped = roped_, call.norm_eps = norm_eps_, call.glu = glu_;
+    if (roped_ > 0) {
+      call.positions = RopeOffsets(inputs[1 + 3 * count]);
+      call.inv_freqs = rope_.frequencies();
     }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& input : inputs) encoder.set_input_array(input);
@@ -282,67 +228,10 @@ class QuantMatmulHeads : public CpuPrimitive {
       encoder.set_output_array(out);
       outs.push_back(out.data<float>());
     }
-    encoder.dispatch(
-        [source = RowMajor(x), norm = norm_eps_ ? RowMajor(inputs.back()) : RowMajor(x),
-         norm_eps = norm_eps_, glu = glu_, weights, widths, offsets, outs, plan = plan_,
-         slots = slots_, heads = heads_, M, L, K, group = group_, int8 = int8_,
-         kernel = active_kernel(), rope = rope_, roped = roped_,
-         inv_freqs = roped_ > 0 ? rope_.frequencies() : std::vector<float>{}, positions]() mutable {
-      const float* xp = source.get();
-      std::vector<float> normed;  // x's rows normalized, where a norm comes first
-      if (norm_eps) {
-        normed.resize(static_cast<size_t>(M) * K);
-        for (int m = 0; m < M; m++)
-          rms_norm_row(xp + static_cast<size_t>(m) * K, norm.get(), K, *norm_eps,
-                       normed.data() + static_cast<size_t>(m) * K);
-        xp = normed.data();
-      }
-      const int count = static_cast<int>(weights.size());
-      // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
-      std::vector<std::vector<float>> scratch(count);
-      std::vector<float*> products(count);
-      for (int j = 0; j < count; j++)
-        if (glu || (heads[j] > 0 && L > 1)) {
-          scratch[j].resize(static_cast<size_t>(M) * widths[j]);
-          products[j] = scratch[j].data();
-        } else {
-          products[j] = outs[j];
-        }
-      RowResiduals residuals(kernel, xp, M, K);
-      for (size_t j = 0; j < slots.size(); j++)
-        if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
-      if (!residuals.empty()) residuals.activations();
-      const PackedProducts packed(kernel, xp, M, K, group, int8,
-                                  halves_first(weights[0]));  // x quantized once
-      parallel_rows(
-          offsets.back(), 64,
-          [&](int n0, int n1) {
-        for (int j = 0; j < count; j++) {
-          const int a = std::max(n0, offsets[j]) - offsets[j];
-          const int b = std::min(n1, offsets[j + 1]) - offsets[j];
-          if (a < b) packed.range(weights[j], products[j], widths[j], a, b);
-        }
-          },
-          8);
-      if (!residuals.empty()) residuals.residuals();
-      if (glu) {  // the one output: SiLU(gate) * up
-        const size_t n = static_cast<size_t>(M) * widths[0];
-        for (size_t i = 0; i < n; i++) outs[0][i] = swiglu(products[0][i], products[1][i]);
-        return;
-      }
-      for (int j = 0; j < count; j++) {
-        if (scratch[j].empty()) continue;
-        const int H = heads[j], N = widths[j], D = N / H, B = M / L;
-        for (int b = 0; b < B; b++)  // [B, L, H, D] to [B, H, L, D]
-          for (int l = 0; l < L; l++)
-            for (int h = 0; h < H; h++)
-              std::copy_n(scratch[j].data() + (static_cast<size_t>(b) * L + l) * N + h * D, D,
-                          outs[j] + ((static_cast<size_t>(b) * H + h) * L + l) * D);
-      }
-      for (int j = 0; j < roped; j++) {
-        const int H = heads[j], D = widths[j] / H;
-        rope.apply(outs[j], outs[j], M / L, H, L, D, positions, inv_freqs);
-      }
+    queue_task(stream(),
+               [source = RowMajor(x), norm = norm_eps_ ? RowMajor(inputs.back()) : RowMajor(x),
+                call = std::move(call), outs, M, L, K, kernel = active_kernel()]() mutable {
+      call.run(kernel, source.get(), call.norm_eps ? norm.get() : nullptr, M, L, K, outs);
     });
   }
   const char* name() const override { return "QuantMatmulHeads"; }
@@ -367,6 +256,65 @@ class QuantMatmulHeads : public CpuPrimitive {
 };
 
 }  // namespace
+
+void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm, int M, int L,
+                        int K, const std::vector<float*>& outs) const {
+  const float* xp = x;
+  std::vector<float> normed;  // x's rows normalized, where a norm comes first
+  if (norm_eps) {
+    normed.resize(static_cast<size_t>(M) * K);
+    for (int m = 0; m < M; m++)
+      rms_norm_row(x + static_cast<size_t>(m) * K, norm, K, *norm_eps,
+                   normed.data() + static_cast<size_t>(m) * K);
+    xp = normed.data();
+  }
+  const int count = static_cast<int>(weights.size());
+  // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
+  std::vector<std::vector<float>> scratch(count);
+  std::vector<float*> products(count);
+  for (int j = 0; j < count; j++)
+    if (glu || (heads[j] > 0 && L > 1)) {
+      scratch[j].resize(static_cast<size_t>(M) * widths[j]);
+      products[j] = scratch[j].data();
+    } else {
+      products[j] = outs[j];
+    }
+  RowResiduals residuals(kernel, xp, M, K);
+  for (size_t j = 0; j < slots.size(); j++)
+    if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
+  if (!residuals.empty()) residuals.activations();
+  const PackedProducts packed(kernel, xp, M, K, group, int8,
+                              halves_first(weights[0]));  // x quantized once
+  parallel_rows(
+      offsets.back(), 64,
+      [&](int n0, int n1) {
+    for (int j = 0; j < count; j++) {
+      const int a = std::max(n0, offsets[j]) - offsets[j];
+      const int b = std::min(n1, offsets[j + 1]) - offsets[j];
+      if (a < b) packed.range(weights[j], products[j], widths[j], a, b);
+    }
+      },
+      8);
+  if (!residuals.empty()) residuals.residuals();
+  if (glu) {  // the one output: SiLU(gate) * up
+    const size_t n = static_cast<size_t>(M) * widths[0];
+    for (size_t i = 0; i < n; i++) outs[0][i] = swiglu(products[0][i], products[1][i]);
+    return;
+  }
+  for (int j = 0; j < count; j++) {
+    if (scratch[j].empty()) continue;
+    const int H = heads[j], N = widths[j], D = N / H, B = M / L;
+    for (int b = 0; b < B; b++)  // [B, L, H, D] to [B, H, L, D]
+      for (int l = 0; l < L; l++)
+        for (int h = 0; h < H; h++)
+          std::copy_n(scratch[j].data() + (static_cast<size_t>(b) * L + l) * N + h * D, D,
+                      outs[j] + ((static_cast<size_t>(b) * H + h) * L + l) * D);
+  }
+  for (int j = 0; j < roped; j++) {
+    const int H = heads[j], D = widths[j] / H;
+    rope.apply(outs[j], outs[j], M / L, H, L, D, positions, inv_freqs);
+  }
+}
 
 mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                        const mx::array& biases, int group_size, int bits, bool int8) {

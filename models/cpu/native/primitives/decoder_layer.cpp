@@ -1,0 +1,241 @@
+// A llama decoder layer's decode step as one primitive (DecoderLayer): the calls a step of the
+// fused layer (models/cpu/fused.py) makes, one task where it takes eleven primitives.
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lora_plans.h"
+#include "primitives/attention.h"
+#include "primitives/common.h"
+#include "primitives/ops.h"
+#include "primitives/products.h"
+#include "primitives/rope.h"
+
+namespace hotlora {
+namespace {
+
+// The layer's four calls of products, in order, and how many weights each computes together.
+constexpr int kCalls = 4;
+constexpr int kWeights[kCalls] = {3, 1, 2, 1};  // q k v; o; gate up; down
+constexpr int kProjections = 7;
+
+// A KV cache's keys or values with this step's rows written in: the input's buffer where MLX
+// would let an update take it over (as SliceUpdate does), else a row-major copy made in the task.
+struct CacheWrite {
+  const float* from;
+  float* to;
+  mx::Shape shape;
+  mx::Strides strides;  // the input's
+  bool copy;
+
+  CacheWrite(const mx::array& in, mx::array& out)
+      : from(in.data<float>()), shape(in.shape()), strides(in.strides()) {
+    copy = !(in.flags().row_contiguous && in.is_donatable());
+    if (copy)
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    else
+      out.copy_shared_buffer(in);
+    to = out.data<float>();
+  }
+
+  // In the task: the copy where there is one, then rows [B, H, 1, D] in at position `at`.
+  void write(const float* rows, int at) const {
+    const int B = shape[0], H = shape[1], S = shape[2], D = shape[3];
+    if (copy)
+      for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+          for (int s = 0; s < S; s++) {
+            const float* in = from + b * strides[0] + h * strides[1] + s * strides[2];
+            float* o = to + ((static_cast<size_t>(b) * H + h) * S + s) * D;
+            for (int d = 0; d < D; d++) o[d] = in[d * strides[3]];
+          }
+    for (int b = 0; b < B; b++)
+      for (int h = 0; h < H; h++)
+        std::copy_n(rows + (static_cast<size_t>(b) * H + h) * D, D,
+                    to + ((static_cast<size_t>(b) * H + h) * S + at) * D);
+  }
+};
+
+// One decode step (one token a row) of mlx-lm's llama decoder layer with its fused sublayers:
+//   q, k, v = rope(norm1(x) @ [Wq, Wk, Wv])    (QuantMatmulHeads with norm and rope)
+//   cache[:, :, at] = k, v                     (two SliceUpdates)
+//   h = x + attention(q, cache[:, :, :at + 1]) @ Wo
+//   out = h + swiglu(norm2(h) @ [Wg, Wu]) @ Wd
+// each part computed by the same code as the primitive that computes it alone (HeadsProducts,
+// attend_rows), in the same order, so the bits are those of the eleven primitives; a row's
+// adapters' residuals added where the plan's slots say, as there. The cache's keys and values
+// come out as outputs: the inputs' buffers taken over where MLX would let an update take them
+// (row-contiguous, nothing else holding them), else copies.
+class DecoderLayer : public CpuPrimitive {
+ public:
+  struct Settings {
+    int bits[kCalls], group[kCalls];
+    bool int8[kCalls];
+    int heads, kv_heads, at;
+    float scale, eps1, eps2;
+    Rope rope;
+    std::shared_ptr<const RowPlan> plan;
+    std::vector<int> slots;  // each projection's LoRA slot (-1: none), or empty
+
+    bool operator==(const Settings& o) const {
+      return std::equal(bits, bits + kCalls, o.bits) &&
+             std::equal(group, group + kCalls, o.group) &&
+             std::equal(int8, int8 + kCalls, o.int8) && heads == o.heads &&
+             kv_heads == o.kv_heads && at == o.at && scale == o.scale && eps1 == o.eps1 &&
+             eps2 == o.eps2 && rope == o.rope && plan == o.plan && slots == o.slots;
+    }
+  };
+
+  DecoderLayer(mx::Stream stream, Settings settings)
+      : CpuPrimitive(stream), settings_(std::move(settings)) {}
+
+  // inputs: x [B, 1, D]; w, scales, biases of q, k, v, o, gate, up, down; the norms' weights;
+  // keys [B, Hkv, S, Dk], values [B, Hkv, S, Dv]; mask [B, 1, 1, at + 1] bool; positions int32.
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const Settings& s = settings_;
+    const auto& x = inputs[0];
+    const int B = x.shape(0), D = x.shape(2);
+    const int first = 1 + 3 * kProjections;
+    const auto& keys = inputs[first + 2];
+    const auto& values = inputs[first + 3];
+    const int Dk = keys.shape(3), Dv = values.shape(3), F = inputs[1 + 3 * 4].shape(0);
+    const int widths[kCalls] = {D, s.heads * Dv, D, F};  // each call's input
+    std::array<HeadsProducts, kCalls> calls;
+    for (int c = 0, p = 0; c < kCalls; c++) {
+      for (int j = 0; j < kWeights[c]; j++, p++) {
+        const int at = 1 + 3 * p;
+        const int heads = c == 0 ? (p == 0 ? s.heads : s.kv_heads) : 0;
+        calls[c].add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], widths[c], s.bits[c],
+                                   s.group[c], "decoder_layer"),
+                     inputs[at].shape(0), heads);
+        if (!s.slots.empty()) calls[c].slots.push_back(s.slots[p]);
+      }
+      calls[c].group = s.group[c], calls[c].int8 = s.int8[c], calls[c].plan = s.plan;
+    }
+    calls[0].rope = s.rope, calls[0].roped = 2, calls[0].inv_freqs = s.rope.frequencies();
+    calls[0].positions = RopeOffsets(inputs[first + 5]);
+    calls[0].norm_eps = s.eps1;
+    calls[2].norm_eps = s.eps2, calls[2].glu = true;
+
+    // Each output holds a list of the inputs of its own (MLX's make_arrays), and the cache's arrays
+    // can be taken over only when held once: the other outputs' lists, which MLX drops unread
+    // once this returns, go now.
+    for (auto& output : outputs)
+      if (&output.inputs() != &inputs) output.inputs().clear();
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    CacheWrite key_cache(keys, outputs[1]), value_cache(values, outputs[2]);
+    queue_task(stream(), [source = RowMajor(x), norm1 = RowMajor(inputs[first]),
+                          norm2 = RowMajor(inputs[first + 1]), calls = std::move(calls), key_cache,
+                          value_cache, keys = CacheView(outputs[1]), values = CacheView(outputs[2]),
+                          mask = KeyMask(inputs[first + 4]), op = out.data<float>(), B, D, Dk, Dv,
+                          F, H = s.heads, Hkv = s.kv_heads, at = s.at, scale = s.scale,
+                          kernel = active_kernel()]() mutable {
+      const float* xp = source.get();
+      std::vector<float> q(static_cast<size_t>(B) * H * Dk), k(static_cast<size_t>(B) * Hkv * Dk),
+          v(static_cast<size_t>(B) * Hkv * Dv);
+      calls[0].run(kernel, xp, norm1.get(), B, 1, D, {q.data(), k.data(), v.data()});
+      key_cache.write(k.data(), at);
+      value_cache.write(v.data(), at);
+      std::vector<float> attended(static_cast<size_t>(B) * H * Dv);
+      keys.prepare(), values.prepare();
+      attend_rows(kernel->attend, q.data(), B, H, 1, Dk, keys, values, Hkv, at + 1, Dv, mask, scale,
+                  /*merged=*/true, attended.data());
+      const size_t n = static_cast<size_t>(B) * D;
+      std::vector<float> h(n), activated(static_cast<size_t>(B) * F);
+      calls[1].run(kernel, attended.data(), nullptr, B, 1, H * Dv, {h.data()});
+      for (size_t i = 0; i < n; i++) h[i] = xp[i] + h[i];  // the residual stream: MLX's Add
+      calls[2].run(kernel, h.data(), norm2.get(), B, 1, D, {activated.data()});
+      calls[3].run(kernel, activated.data(), nullptr, B, 1, F, {op});
+      for (size_t i = 0; i < n; i++) op[i] = h[i] + op[i];
+    });
+  }
+  const char* name() const override { return "DecoderLayer"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return settings_ == static_cast<const DecoderLayer&>(other).settings_;
+  }
+
+ private:
+  Settings settings_;
+};
+
+void check_shape(bool fits, const char* what) {
+  if (!fits) throw std::invalid_argument(std::string("decoder_layer: expected ") + what);
+}
+
+}  // namespace
+
+std::vector<mx::array> decoder_layer(
+    const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases, const std::vector<int>& bits,
+    const std::vector<int>& groups, const std::vector<bool>& int8, const mx::array& norm1,
+    const mx::array& norm2, float eps1, float eps2, const mx::array& keys, const mx::array& values,
+    int at, const mx::array& mask, const mx::array& positions, int heads, int kv_heads, float scale,
+    int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
+    std::shared_ptr<RowPlan> plan, std::vector<int> slots) {
+  check_shape(ws.size() == kProjections && scales.size() == kProjections &&
+                  biases.size() == kProjections && bits.size() == kCalls &&
+                  groups.size() == kCalls && int8.size() == kCalls &&
+                  (slots.empty() || slots.size() == kProjections),
+              "the weights, scales and biases of q, k, v, o, gate, up and down, and the bits, "
+              "groups and int8 of their four calls");
+  check_shape(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(1) == 1 && x.shape(2) > 0,
+              "x float32 [B, 1, D]");
+  const int B = x.shape(0), D = x.shape(2);
+  check_shape(keys.ndim() == 4 && values.ndim() == 4 && keys.dtype() == mx::float32 &&
+                  values.dtype() == mx::float32 && keys.shape(0) == B && values.shape(0) == B &&
+                  keys.shape(1) == kv_heads && values.shape(1) == kv_heads &&
+                  keys.shape(2) == values.shape(2) && 0 <= at && at < keys.shape(2),
+              "float32 keys [B, Hkv, S, Dk] and values [B, Hkv, S, Dv] with room at `at`");
+  const int Dk = keys.shape(3), Dv = values.shape(3);
+  check_shape(kv_heads > 0 && heads % kv_heads == 0, "heads a multiple of the KV heads");
+  check_shape(mask.dtype() == mx::bool_ && mask.shape() == mx::Shape{B, 1, 1, at + 1},
+              "a bool mask [B, 1, 1, at + 1]");
+  check_shape(positions.dtype() == mx::int32 && positions.ndim() == 1 &&
+                  (positions.size() == 1 || static_cast<int>(positions.size()) == B),
+              "int32 positions, one or one per row");
+  check_shape(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= Dk,
+              "even RoPE dims up to the head's width");
+  for (const auto* norm : {&norm1, &norm2})
+    check_shape(norm->dtype() == mx::float32 && norm->shape() == mx::Shape{D},
+                "float32 norm weights [D]");
+  const int F = ws[4].shape(0);
+  const int rows[kProjections] = {heads * Dk, kv_heads * Dk, kv_heads * Dv, D, F, F, D};
+  const int inputs_of[kProjections] = {D, D, D, heads * Dv, D, D, F};
+  const int call_of[kProjections] = {0, 0, 0, 1, 2, 2, 3};
+  if (!plan) slots.clear();
+  std::vector<mx::array> inputs{x};
+  for (int p = 0; p < kProjections; p++) {
+    const int c = call_of[p];
+    check_packed(inputs_of[p], ws[p], scales[p], biases[p], groups[c], bits[c], int8[c]);
+    check_shape(ws[p].shape(0) == rows[p],
+                "q [H * Dk], k [Hkv * Dk], v [Hkv * Dv], o [D], gate and up [F], down [D] rows");
+    if (p > 0 && call_of[p - 1] == c)
+      check_shape(ws[p].dtype() == ws[p - 1].dtype(), "one layout of codes a call");
+    if (!slots.empty() && slots[p] >= 0)
+      check_plan("decoder_layer", B, inputs_of[p], rows[p], *plan, slots[p]);
+    check_shape(!int8[c] || inputs_of[p] <= 65536, "inputs up to 65536 wide on int8 activations");
+    inputs.insert(inputs.end(), {ws[p], scales[p], biases[p]});
+  }
+  inputs.insert(inputs.end(), {norm1, norm2, keys, values, mask, positions});
+  DecoderLayer::Settings settings{};
+  for (int c = 0; c < kCalls; c++)
+    settings.bits[c] = bits[c], settings.group[c] = groups[c], settings.int8[c] = int8[c];
+  settings.heads = heads, settings.kv_heads = kv_heads, settings.at = at;
+  settings.scale = scale, settings.eps1 = eps1, settings.eps2 = eps2;
+  settings.rope = Rope{rope_dims, rope_traditional, rope_base, rope_scale};
+  settings.plan = std::move(plan), settings.slots = std::move(slots);
+  const auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays(
+      {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+      std::make_shared<DecoderLayer>(s, std::move(settings)), std::move(inputs));
+}
+
+}  // namespace hotlora
