@@ -148,7 +148,7 @@ class _RowsModel(nn.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         outer = getattr(_running, "rows", False), getattr(_running, "masks", None)
         _running.rows = self.rows_mode
-        _running.masks = {}  # this call's masks built from no mask or "causal", by shape
+        _running.masks = {}  # what this call's layers share: `call_shared`
         try:
             return super().__call__(*args, **kwargs)
         finally:

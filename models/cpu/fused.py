@@ -91,13 +91,8 @@ def fused_products(
     # object's own lookup, ~2 us a read, and a step makes hundreds.
     weights = [layer["weight"] for layer, _ in found]
     scales = [layer["scales"] for layer, _ in found]
-    for (layer, _), layer_weight, layer_scales in zip(found, weights, scales, strict=True):
-        if layer.bits != first.bits or layer.group_size != first.group_size:
-            return None
-        if layer_scales.dtype != scales[0].dtype or layer_weight.dtype != weights[0].dtype:
-            return None  # one dtype of scales, one layout of codes
-        if layer.int8_activations != first.int8_activations:
-            return None
+    if not _one_quantization([layer for layer, _ in found], weights, scales):
+        return None
     plans = {id(operands[0]): operands[0] for _, operands in found if operands is not None}
     if len(plans) > 1:  # one active batch plans every projection of a call
         return None
@@ -115,6 +110,21 @@ def fused_products(
         **({} if rope is None else _rope_arguments(*rope)),
         **({} if norm is None else {"norm": norm["weight"], "norm_eps": norm.eps}),
         glu=glu,
+    )
+
+
+def _one_quantization(
+    layers: Sequence[PackedLinear], weights: Sequence[mx.array], scales: Sequence[mx.array]
+) -> bool:
+    """Whether packed layers (their weights and scales read as items) can be one call of
+    products: one quantization and precision, one dtype of scales, one layout of codes."""
+    first = layers[0]
+    return all(
+        (layer.bits, layer.group_size, layer.int8_activations)
+        == (first.bits, first.group_size, first.int8_activations)
+        and layer_scales.dtype == scales[0].dtype
+        and layer_weight.dtype == weights[0].dtype
+        for layer, layer_weight, layer_scales in zip(layers, weights, scales, strict=True)
     )
 
 
@@ -269,17 +279,8 @@ def layer_step(block: FusedBlock, x: mx.array, mask: Any, cache: Any) -> mx.arra
     layers = [layer for layer, _ in found]
     weights = [layer["weight"] for layer in layers]  # items: see `fused_products`
     scales = [layer["scales"] for layer in layers]
-    for first, end in _LAYER_CALLS:
-        lead = layers[first]
-        for j in range(first + 1, end):
-            if (layers[j].bits, layers[j].group_size, layers[j].int8_activations) != (
-                lead.bits,
-                lead.group_size,
-                lead.int8_activations,
-            ):
-                return None
-            if scales[j].dtype != scales[first].dtype or weights[j].dtype != weights[first].dtype:
-                return None
+    if not all(_one_quantization(layers[a:b], weights[a:b], scales[a:b]) for a, b in _LAYER_CALLS):
+        return None
     calls = [layers[first] for first, _ in _LAYER_CALLS]
     kv_heads = attention.n_kv_heads or attention.n_heads
     out = native.decoder_layer(

@@ -9,7 +9,6 @@
 #include <nanobind/stl/vector.h>
 
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "adapter_checks.h"
@@ -53,29 +52,11 @@ NB_MODULE(_rows_matmul, m) {
         "norm"_a.none() = nb::none(), "norm_eps"_a = 1e-5f, "glu"_a = false);
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "plan"_a, "slot"_a, "int8"_a = false);
-  m.def(
-      "decoder_layer",
-      [](const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
-         const std::vector<mx::array>& biases, const std::vector<int>& bits,
-         const std::vector<int>& groups, const std::vector<bool>& int8, const mx::array& norm1,
-         const mx::array& norm2, float eps1, float eps2, mx::array& keys, mx::array& values, int at,
-         const mx::array& mask, const mx::array& positions, int heads, int kv_heads, float scale,
-         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-         std::shared_ptr<RowPlan> plan, std::vector<int> slots) {
-    auto outs =
-        decoder_layer(x, ws, scales, biases, bits, groups, int8, norm1, norm2, eps1, eps2, keys,
-                      values, at, mask, positions, heads, kv_heads, scale, rope_dims,
-                      rope_traditional, rope_base, rope_scale, std::move(plan), std::move(slots));
-    // The cache's arrays become the updated ones in place, as `keys[...] = k` makes them.
-    keys.overwrite_descriptor(outs[1]);
-    values.overwrite_descriptor(outs[2]);
-    return outs[0];
-      },
-      "x"_a, "ws"_a, "scales"_a, "biases"_a, "bits"_a, "groups"_a, "int8"_a, "norm1"_a, "norm2"_a,
-      "eps1"_a, "eps2"_a, "keys"_a, "values"_a, "at"_a, "mask"_a, "positions"_a, "heads"_a,
-      "kv_heads"_a, "scale"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a, "rope_scale"_a,
-      "plan"_a.none(), "slots"_a,
-      "A llama decoder layer's decode step; keys and values become the cache after its write.");
+  m.def("decoder_layer", &decoder_layer, "x"_a, "ws"_a, "scales"_a, "biases"_a, "bits"_a,
+        "groups"_a, "int8"_a, "norm1"_a, "norm2"_a, "eps1"_a, "eps2"_a, "keys"_a, "values"_a,
+        "at"_a, "mask"_a, "positions"_a, "heads"_a, "kv_heads"_a, "scale"_a, "rope_dims"_a,
+        "rope_traditional"_a, "rope_base"_a, "rope_scale"_a, "plan"_a.none(), "slots"_a,
+        "A llama decoder layer's decode step; keys and values become the cache after its write.");
   m.def("all_finite", &all_finite, "arrays"_a);
   m.def("to_half", &to_half, "arrays"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);

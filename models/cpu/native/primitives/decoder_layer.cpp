@@ -172,14 +172,15 @@ void check_shape(bool fits, const char* what) {
 
 }  // namespace
 
-std::vector<mx::array> decoder_layer(
-    const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
-    const std::vector<mx::array>& biases, const std::vector<int>& bits,
-    const std::vector<int>& groups, const std::vector<bool>& int8, const mx::array& norm1,
-    const mx::array& norm2, float eps1, float eps2, const mx::array& keys, const mx::array& values,
-    int at, const mx::array& mask, const mx::array& positions, int heads, int kv_heads, float scale,
-    int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-    std::shared_ptr<RowPlan> plan, std::vector<int> slots) {
+mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
+                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                        const std::vector<int>& bits, const std::vector<int>& groups,
+                        const std::vector<bool>& int8, const mx::array& norm1,
+                        const mx::array& norm2, float eps1, float eps2, mx::array& keys,
+                        mx::array& values, int at, const mx::array& mask,
+                        const mx::array& positions, int heads, int kv_heads, float scale,
+                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
+                        std::shared_ptr<RowPlan> plan, std::vector<int> slots) {
   check_shape(ws.size() == kProjections && scales.size() == kProjections &&
                   biases.size() == kProjections && bits.size() == kCalls &&
                   groups.size() == kCalls && int8.size() == kCalls &&
@@ -233,9 +234,14 @@ std::vector<mx::array> decoder_layer(
   settings.rope = Rope{rope_dims, rope_traditional, rope_base, rope_scale};
   settings.plan = std::move(plan), settings.slots = std::move(slots);
   const auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array::make_arrays(
+  auto outs = mx::array::make_arrays(
       {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayer>(s, std::move(settings)), std::move(inputs));
+  // The cache's arrays become the updated ones in place, as `keys[...] = k` makes them; the
+  // primitive holds the arrays they were.
+  keys.overwrite_descriptor(outs[1]);
+  values.overwrite_descriptor(outs[2]);
+  return outs[0];
 }
 
 }  // namespace hotlora

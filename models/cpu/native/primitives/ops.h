@@ -39,15 +39,17 @@ std::vector<mx::array> quant_matmul_heads(
 // q, k, v, o, gate, up and down projections are packed (their four calls' bits, groups and int8),
 // with its norms, RoPE, KV cache (this step's keys and values written at `at`), attention and
 // residual stream, to the bits of the primitives that compute each part alone; returns the
-// layer's output and the cache's keys and values after the write.
-std::vector<mx::array> decoder_layer(
-    const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
-    const std::vector<mx::array>& biases, const std::vector<int>& bits,
-    const std::vector<int>& groups, const std::vector<bool>& int8, const mx::array& norm1,
-    const mx::array& norm2, float eps1, float eps2, const mx::array& keys, const mx::array& values,
-    int at, const mx::array& mask, const mx::array& positions, int heads, int kv_heads, float scale,
-    int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-    std::shared_ptr<RowPlan> plan, std::vector<int> slots);
+// layer's output, and makes `keys` and `values` the cache's arrays after the write, in place, as
+// `keys[...] = k` makes them.
+mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
+                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                        const std::vector<int>& bits, const std::vector<int>& groups,
+                        const std::vector<bool>& int8, const mx::array& norm1,
+                        const mx::array& norm2, float eps1, float eps2, mx::array& keys,
+                        mx::array& values, int at, const mx::array& mask,
+                        const mx::array& positions, int heads, int kv_heads, float scale,
+                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
+                        std::shared_ptr<RowPlan> plan, std::vector<int> slots);
 
 // primitives/norms.cpp: MLX's RMSNorm and RoPE to the bit, each one primitive.
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps);
