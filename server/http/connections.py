@@ -11,6 +11,7 @@ the newcomer is closed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -21,6 +22,16 @@ log = logging.getLogger("hotlora")
 
 UNFINISHED_PER_PEER = 32  # the default of connections one address may hold without a request
 LOG_EVERY_S = 10.0  # one line at most this often, however many connections make way
+
+# The order connections begin to wait on their clients. Not the event loop's clock: uvloop's
+# `time()` is read once a loop iteration (in milliseconds), so connections taken in one
+# iteration would tie and the oldest among them be any.
+_waits = itertools.count()
+
+
+def waiting_order() -> int:
+    """A number larger than every one given before: when a connection begins to wait."""
+    return next(_waits)
 
 
 class Holder(Protocol):
@@ -37,10 +48,10 @@ class Holder(Protocol):
         ...
 
     @property
-    def unfinished_since(self) -> float | None:
-        """Since when (loop time) it holds its place without a whole request sent: connected
-        or answered and silent since, or part of a request sent; None while a request is in
-        and being answered."""
+    def unfinished_since(self) -> int | None:
+        """Since when (a `waiting_order()`) it holds its place without a whole request sent:
+        connected or answered and silent since, or part of a request sent; None while a
+        request is in and being answered."""
         ...
 
     def make_way(self) -> None:

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from hotlora.server.http.connections import UNFINISHED_PER_PEER, make_room
+from hotlora.server.http.connections import UNFINISHED_PER_PEER, make_room, waiting_order
 from hotlora.server.http.error_responses import error_response
 from hotlora.server.http.request_errors import RequestTimeout
 from hotlora.server.runtime import Runtime
@@ -111,14 +111,14 @@ class BoundedH11Protocol(H11Protocol):
             self.per_peer = config.unfinished_per_peer
         else:
             self.timeouts, self.max_connections = ClientTimeouts(), config.limit_concurrency
-        self._since = 0.0  # loop time it last began to wait on its client for a request
+        self._since = 0  # when (`waiting_order()`) it last began to wait for a request
         self._reading: asyncio.TimerHandle | None = None  # the request timeout, while one arrives
         self._writing: asyncio.TimerHandle | None = None  # the send timeout, while writes wait
         self._unsent = 0  # bytes waiting in the transport when the send timer was last set
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._since = self.loop.time()
+        self._since = waiting_order()
         limit = self.max_connections
         room = len(self.connections) if limit is None else limit
         if not make_room(self, self.connections, room, self.per_peer):
@@ -129,7 +129,7 @@ class BoundedH11Protocol(H11Protocol):
         )
 
     def on_response_complete(self) -> None:
-        self._since = self.loop.time()
+        self._since = waiting_order()
         super().on_response_complete()
 
     # Room at the limit: what `make_room` reads and calls.
@@ -143,7 +143,7 @@ class BoundedH11Protocol(H11Protocol):
         return self.client[0] if self.client else None
 
     @property
-    def unfinished_since(self) -> float | None:
+    def unfinished_since(self) -> int | None:
         cycle, state = self.cycle, self.conn.their_state
         if state is h11.IDLE:
             answering = cycle is not None and not cycle.response_complete

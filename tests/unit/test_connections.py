@@ -3,19 +3,23 @@ refused."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 
 import pytest
+from uvicorn.server import ServerState
 
 from hotlora.server.http import connections
 from hotlora.server.http.connections import UNFINISHED_PER_PEER, make_room
+from hotlora.server.http.lifecycle import BoundedH11Protocol, ClientTimeouts, ServerConfig
 
 
 @dataclass(eq=False)
 class Conn:
     peer: str | None
-    unfinished_since: float | None  # None: answering a request
+    unfinished_since: int | None  # None: answering a request
     open: bool = True
 
     def make_way(self) -> None:
@@ -29,22 +33,22 @@ def fresh_record(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_at_the_limit_the_oldest_unfinished_connection_makes_way():
-    held = [Conn("10.0.0.1", 5.0), Conn("10.0.0.2", None), Conn("10.0.0.3", 2.0)]
-    new = Conn("10.0.0.9", 9.0)
+    held = [Conn("10.0.0.1", 5), Conn("10.0.0.2", None), Conn("10.0.0.3", 2)]
+    new = Conn("10.0.0.9", 9)
     assert make_room(new, [*held, new], limit=3)
     assert [c.open for c in held] == [True, True, False]  # 10.0.0.3 waited longest
 
 
 def test_below_the_limit_nothing_is_closed():
-    held = [Conn("10.0.0.1", 5.0), Conn("10.0.0.3", 2.0)]
-    new = Conn("10.0.0.9", 9.0)
+    held = [Conn("10.0.0.1", 5), Conn("10.0.0.3", 2)]
+    new = Conn("10.0.0.9", 9)
     assert make_room(new, [*held, new], limit=3)
     assert all(c.open for c in held)
 
 
 def test_connections_already_closing_hold_no_place():
-    held = [Conn("10.0.0.1", 1.0, open=False), Conn("10.0.0.2", None), Conn("10.0.0.3", 2.0)]
-    new = Conn("10.0.0.9", 9.0)
+    held = [Conn("10.0.0.1", 1, open=False), Conn("10.0.0.2", None), Conn("10.0.0.3", 2)]
+    new = Conn("10.0.0.9", 9)
     assert make_room(new, [*held, new], limit=3)
     assert held[2].open
 
@@ -53,7 +57,7 @@ def test_a_newcomer_is_refused_when_every_connection_is_answering(
     caplog: pytest.LogCaptureFixture,
 ):
     held = [Conn(f"10.0.0.{i}", None) for i in range(3)]
-    new = Conn("10.0.0.9", 9.0)
+    new = Conn("10.0.0.9", 9)
     with caplog.at_level(logging.WARNING, logger="hotlora"):
         assert not make_room(new, [*held, new], limit=3)
     assert all(c.open for c in held)
@@ -63,10 +67,10 @@ def test_a_newcomer_is_refused_when_every_connection_is_answering(
 def test_one_address_holds_a_bounded_number_of_unfinished_connections(
     caplog: pytest.LogCaptureFixture,
 ):
-    mine = [Conn("10.0.0.1", float(i)) for i in range(UNFINISHED_PER_PEER)]
+    mine = [Conn("10.0.0.1", i) for i in range(UNFINISHED_PER_PEER)]
     busy = [Conn("10.0.0.1", None) for _ in range(4)]  # answering: not counted
-    others = [Conn("10.0.0.2", -1.0)]  # older, but another address's
-    new = Conn("10.0.0.1", 100.0)
+    others = [Conn("10.0.0.2", -1)]  # older, but another address's
+    new = Conn("10.0.0.1", 100)
     with caplog.at_level(logging.WARNING, logger="hotlora"):
         assert make_room(new, [*others, *busy, *mine, new], limit=1000)
     assert [c.open for c in mine] == [False] + [True] * (UNFINISHED_PER_PEER - 1)
@@ -80,8 +84,8 @@ def test_the_log_says_it_at_once_then_at_most_every_few_seconds(
 ):
     with caplog.at_level(logging.WARNING, logger="hotlora"):
         for i in range(50):
-            held = [Conn("10.0.0.1", float(i))]
-            new = Conn("10.0.0.2", 100.0)
+            held = [Conn("10.0.0.1", i)]
+            new = Conn("10.0.0.2", 100)
             assert make_room(new, [*held, new], limit=1)
             assert not held[0].open
     assert len(caplog.records) == 1
@@ -91,11 +95,59 @@ def test_the_log_says_it_at_once_then_at_most_every_few_seconds(
 def test_the_per_address_cap_is_set_or_off(per_peer: int):
     """`--max-unfinished-per-address`: a proxy's keep-alive pool shares one address; 0 lets it
     keep every idle connection, and the connection limit alone makes way."""
-    pool = [Conn("10.0.0.9", float(i)) for i in range(40)]  # idle between requests
-    new = Conn("10.0.0.9", 100.0)
+    pool = [Conn("10.0.0.9", i) for i in range(40)]  # idle between requests
+    new = Conn("10.0.0.9", 100)
     assert make_room(new, [*pool, new], limit=1000, per_peer=per_peer)
     closed = sum(not c.open for c in pool)
     assert closed == (40 - per_peer + 1 if per_peer else 0)
     if not per_peer:
         assert make_room(new, [*pool, new], limit=40, per_peer=0)
         assert [c.open for c in pool] == [False] + [True] * 39
+
+
+def test_connections_taken_in_one_loop_iteration_make_way_oldest_first():
+    """uvloop reads its clock once a loop iteration: connections accepted together must still
+    be told apart by their arrival, so that the oldest make way and never the newest."""
+    uvloop = pytest.importorskip("uvloop")
+    per_peer, count = 4, 24
+    config = ServerConfig(
+        _no_app, timeouts=ClientTimeouts(), max_connections=1000, unfinished_per_peer=per_peer
+    )
+    loop = uvloop.new_event_loop()
+    state = ServerState()
+    try:
+        server = loop.run_until_complete(
+            loop.create_server(
+                lambda: BoundedH11Protocol(config, state, {}, loop), "127.0.0.1", 0, backlog=64
+            )
+        )
+        port = server.sockets[0].getsockname()[1]
+        # Connected and half-sent while the loop is stopped: all wait in the backlog, and the
+        # loop then takes them in one iteration.
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+        for client in clients:
+            client.sendall(b"GET / HTTP/1.1\r\nHo")
+        loop.run_until_complete(asyncio.sleep(0.2))
+        orders = sorted(c.unfinished_since for c in state.connections)
+        assert len(set(orders)) == len(orders) == per_peer  # the others closed
+        assert [_closed(c) for c in clients] == [True] * (count - per_peer) + [False] * per_peer
+        for client in clients:
+            client.close()
+        server.close()
+        loop.run_until_complete(server.wait_closed())
+    finally:
+        loop.close()
+
+
+async def _no_app(scope: object, receive: object, send: object) -> None:
+    raise AssertionError("no request is ever whole")
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.settimeout(0.2)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
