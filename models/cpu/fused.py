@@ -143,10 +143,14 @@ def _rope_arguments(rope: NativeRoPE, positions: mx.array) -> dict[str, Any]:
 def takes_norm(norm: nn.Module, x: mx.array) -> bool:
     """Whether the fused products can apply `norm` to x themselves: the native RMSNorm on float32
     weights, the width of x."""
+    return _takes_norm(norm, x.shape[-1])
+
+
+def _takes_norm(norm: nn.Module, width: int) -> bool:
     if type(norm) is not NativeRMSNorm:
         return False
     weight = norm["weight"]
-    return weight.dtype == mx.float32 and weight.shape == (x.shape[-1],)
+    return weight.dtype == mx.float32 and weight.shape == (width,)
 
 
 class FusedAttention(llama.Attention):
@@ -257,18 +261,6 @@ def layer_step(block: FusedBlock, x: mx.array, mask: Any, cache: Any) -> mx.arra
         return None
     if values.dtype != mx.float32:
         return None
-    attention = block["self_attn"]
-    norm1, norm2 = block["input_layernorm"], block["post_attention_layernorm"]
-    rope = attention["rope"]
-    if not (takes_norm(norm1, x) and takes_norm(norm2, x)) or type(rope) is not NativeRoPE:
-        return None
-    if rope.dims % 2 or not 0 < rope.dims <= attention.head_dim:
-        return None
-    batch = x.shape[0]
-    positions = NativeRoPE.positions(offset, batch)
-    kernel_mask = step_mask(mask, batch, at + 1)
-    if positions is None or kernel_mask is None:
-        return None
     parts = [cast(FusedProjection, block[m][p]).fused_part(x) for m, p in _LAYER_PROJECTIONS]
     if any(part is None for part in parts):
         return None
@@ -277,36 +269,23 @@ def layer_step(block: FusedBlock, x: mx.array, mask: Any, cache: Any) -> mx.arra
     if len(plans) > 1:  # one active batch plans every projection of a step
         return None
     layers = [layer for layer, _ in found]
-    weights = [layer["weight"] for layer in layers]  # items: see `fused_products`
-    scales = [layer["scales"] for layer in layers]
-    if not all(_one_quantization(layers[a:b], weights[a:b], scales[a:b]) for a, b in _LAYER_CALLS):
+    arguments = _LayerArguments.of(block, layers, x.shape[-1])
+    if arguments is None:
         return None
-    calls = [layers[first] for first, _ in _LAYER_CALLS]
-    kv_heads = attention.n_kv_heads or attention.n_heads
+    batch = x.shape[0]
+    positions = _step_positions(offset, batch)
+    kernel_mask = step_mask(mask, batch, at + 1)
+    if positions is None or kernel_mask is None:
+        return None
     out = native.decoder_layer(
         x,
-        weights,
-        scales,
-        [layer["biases"] for layer in layers],
-        [layer.bits for layer in calls],
-        [layer.group_size for layer in calls],
-        [layer.int8_activations for layer in calls],
-        norm1["weight"],
-        norm2["weight"],
-        norm1.eps,
-        norm2.eps,
+        *arguments.weights,
         keys,
         values,
         at,
         kernel_mask,
         positions,
-        attention.n_heads,
-        kv_heads,
-        attention.scale,
-        rope.dims,
-        rope.traditional,
-        rope.base,
-        rope.scale,
+        *arguments.attention,
         next(iter(plans.values()), None),
         [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
     )
@@ -317,6 +296,103 @@ def layer_step(block: FusedBlock, x: mx.array, mask: Any, cache: Any) -> mx.arra
         cache.offset = _next_offsets(offset)
         cache._idx += 1
     return cast(mx.array, out)
+
+
+class _LayerArguments:
+    """What `decoder_layer` takes of a block that stays from step to step: its packed layers'
+    weights and quantization, its norms, its attention's shape and RoPE. Gathered and checked
+    once, kept on the block while its layers, their weights and precision, and its norms and
+    RoPE are the same objects (a precision set again, or weights loaded, gather them anew)."""
+
+    def __init__(self, block: FusedBlock, layers: list[PackedLinear], width: int):
+        attention = block["self_attn"]
+        self.norms = (block["input_layernorm"], block["post_attention_layernorm"])
+        self.rope = attention["rope"]
+        self.layers = tuple(layers)
+        self.codes = tuple(layer["weight"] for layer in layers)  # items: see `fused_products`
+        self.int8 = tuple(layer.int8_activations for layer in layers)
+        self.norm_weights = tuple(norm["weight"] for norm in self.norms)
+        self.width = width
+        self.takes = self._takes(layers, attention.head_dim)
+        if not self.takes:
+            return
+        scales = [layer["scales"] for layer in layers]
+        calls = [layers[first] for first, _ in _LAYER_CALLS]
+        norm1, norm2 = self.norms
+        rope = self.rope
+        self.weights = (
+            list(self.codes),
+            scales,
+            [layer["biases"] for layer in layers],
+            [layer.bits for layer in calls],
+            [layer.group_size for layer in calls],
+            [layer.int8_activations for layer in calls],
+            norm1["weight"],
+            norm2["weight"],
+            norm1.eps,
+            norm2.eps,
+        )
+        self.attention = (
+            attention.n_heads,
+            attention.n_kv_heads or attention.n_heads,
+            attention.scale,
+            rope.dims,
+            rope.traditional,
+            rope.base,
+            rope.scale,
+        )
+
+    def _takes(self, layers: list[PackedLinear], head_dim: int) -> bool:
+        rope = self.rope
+        if not all(_takes_norm(norm, self.width) for norm in self.norms):
+            return False
+        if type(rope) is not NativeRoPE or rope.dims % 2 or not 0 < rope.dims <= head_dim:
+            return False
+        scales = [layer["scales"] for layer in layers]
+        codes = list(self.codes)
+        return all(_one_quantization(layers[a:b], codes[a:b], scales[a:b]) for a, b in _LAYER_CALLS)
+
+    @classmethod
+    def of(
+        cls, block: FusedBlock, layers: list[PackedLinear], width: int
+    ) -> _LayerArguments | None:
+        """The block's arguments for `layers` (this call's packed layers) and inputs `width`
+        wide, gathered anew where what they were gathered from changed; None where the layer
+        does not take the primitive."""
+        kept: _LayerArguments | None = block.__dict__.get("_layer_arguments")
+        if kept is None or not kept.holds(block, layers, width):
+            kept = cls(block, layers, width)
+            block.__dict__["_layer_arguments"] = kept
+        return kept if kept.takes else None
+
+    def holds(self, block: FusedBlock, layers: list[PackedLinear], width: int) -> bool:
+        norm1, norm2 = self.norms
+        return (
+            width == self.width
+            and block["input_layernorm"] is norm1
+            and block["post_attention_layernorm"] is norm2
+            and block["self_attn"]["rope"] is self.rope
+            and norm1["weight"] is self.norm_weights[0]
+            and norm2["weight"] is self.norm_weights[1]
+            and all(
+                layer is kept and layer["weight"] is codes and layer.int8_activations == int8
+                for layer, kept, codes, int8 in zip(
+                    layers, self.layers, self.codes, self.int8, strict=True
+                )
+            )
+        )
+
+
+def _step_positions(offset: int | mx.array, batch: int) -> mx.array | None:
+    """`NativeRoPE.positions` for a decode step, made once a call: every layer's cache of one
+    call is at the same offset (see `_next_offsets`)."""
+    shared = call_shared()
+    if shared is None:
+        return NativeRoPE.positions(offset, batch)
+    key = ("positions", offset if isinstance(offset, int) else id(offset), batch)
+    if key not in shared:
+        shared[key] = (offset, NativeRoPE.positions(offset, batch))
+    return cast(mx.array | None, shared[key][1])
 
 
 def _next_offsets(offsets: mx.array) -> mx.array:

@@ -31,7 +31,7 @@ from hotlora.models.cpu.fused import (
     install_fused,
     uninstall_fused,
 )
-from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear
+from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear, set_cpu_precision
 from hotlora.models.cpu.weights import (
     deinterleave_rows8,
     interleave_rows8,
@@ -920,6 +920,25 @@ def test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits(
             assert mx.array_equal(got_state[2], want_state[2]).item()  # each row's offset
         assert got_layer.offset is not None
     assert getattr(one_cache[0], "_idx", None) == getattr(separate_cache[0], "_idx", None)
+
+
+def test_a_precision_set_again_reaches_the_layer_primitive(packed, monkeypatch):
+    """The layer primitive's arguments are gathered once a block and kept from step to step;
+    a precision set again (new layouts of the codes, other products) is taken at the next step:
+    its logits are the separate calls' at that precision, to the bit."""
+    model, manager = packed
+    base = adapter_set(manager, "")
+    steps = {}
+    for precision in ("exact", "fast", "exact"):
+        set_cpu_precision(model, precision)
+        one, _ = decode_steps(model, 1, base, grow_by=16)
+        with monkeypatch.context() as patched:
+            patched.setattr(fused, "layer_step", lambda *_: None)
+            separate, _ = decode_steps(model, 1, base, grow_by=16)
+        for step, (got, want) in enumerate(zip(one, separate, strict=True)):
+            assert mx.array_equal(got, want).item(), (precision, step)
+        steps.setdefault(precision, one)
+    assert not mx.array_equal(steps["exact"][-1], steps["fast"][-1]).item()
 
 
 def test_a_decode_step_writes_no_cache_array_another_holds(packed):
