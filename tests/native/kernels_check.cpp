@@ -362,8 +362,8 @@ void check_attention(const Kernel& kernel, int G, int D, int S, int shown) {
     for (int s = 0; s < S; s++)
       if (!visible[s]) v[static_cast<size_t>(s) * D] = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> scores(static_cast<size_t>(G) * S), out(static_cast<size_t>(G) * D);
-  kernel.attend(q.data(), G, D, k.data(), D, v.data(), D, D,
-                reinterpret_cast<const bool*>(visible.data()), 1, S, scores.data(), out.data());
+  kernel.attend(q.data(), 1, G, D, k.data(), D, v.data(), D, D,
+                reinterpret_cast<const bool*>(visible.data()), 1, 0, S, scores.data(), out.data());
   std::vector<double> want(out.size()), magnitude(out.size());
   for (int g = 0; g < G; g++) {
     std::vector<double> weight(S, 0.0);
@@ -390,6 +390,32 @@ void check_attention(const Kernel& kernel, int G, int D, int S, int shown) {
     if (!(std::abs(out[i] - want[i]) <= 1e-5 * magnitude[i] + 1e-6))
       fail(kernel.isa, "attention (M: heads, K: head size, N: positions)", G, D, S,
            static_cast<int>(i) / D, static_cast<int>(i) % D, out[i], want[i]);
+}
+
+// attend's T query tokens at once (a prompt chunk's, each seeing the positions up to its own,
+// one of them none when `blind`), G heads each: every token's result the bits of its call alone.
+void check_attention_tokens(const Kernel& kernel, int T, int G, int D, int S, bool blind) {
+  const auto q = normal(static_cast<size_t>(T) * G * D), k = normal(static_cast<size_t>(S) * D);
+  const auto v = normal(static_cast<size_t>(S) * D);
+  std::vector<char> visible(static_cast<size_t>(T) * S);
+  for (int t = 0; t < T; t++)
+    for (int s = 0; s < S; s++)
+      visible[static_cast<size_t>(t) * S + s] = s <= S - T + t && s % 5 != 3 && !(blind && t == 1);
+  const auto* flags = reinterpret_cast<const bool*>(visible.data());
+  std::vector<float> scores(static_cast<size_t>(T) * G * S), out(static_cast<size_t>(T) * G * D);
+  kernel.attend(q.data(), T, G, D, k.data(), D, v.data(), D, D, flags, 1, S, S, scores.data(),
+                out.data());
+  std::vector<float> alone(static_cast<size_t>(G) * D);
+  for (int t = 0; t < T; t++) {
+    kernel.attend(q.data() + static_cast<size_t>(t) * G * D, 1, G, D, k.data(), D, v.data(), D, D,
+                  flags + static_cast<size_t>(t) * S, 1, 0, S, scores.data(), alone.data());
+    for (int i = 0; i < G * D; i++) {
+      const float got = out[static_cast<size_t>(t) * G * D + i];
+      if (std::memcmp(&got, &alone[i], sizeof got) != 0)
+        fail(kernel.isa, "attention of several tokens against each alone (M: tokens, K: heads)", T,
+             G, S, t, i, got, alone[i]);
+    }
+  }
 }
 
 // A float16 near v (its bits; truncated, normal or zero) and the float it holds exactly: the
@@ -494,6 +520,12 @@ int main() {
       for (int D : {64, 7})
         for (int S : {1, 13, 300})
           for (int shown : {2, 1, 0}) check_attention(kernel, G, D, S, shown), checks++;
+    // A prompt chunk's tokens together: each head count's tiles of tokens, then what is left.
+    for (int T : {2, 3, 4, 7})
+      for (int G : {1, 2, 3, 4, 5})
+        for (int S : {9, 300})
+          for (bool blind : {false, true})
+            check_attention_tokens(kernel, T, G, 64, S, blind), checks++;
     std::printf(
         "%s: %d products (integer ones included), low-rank activations and attentions right, "
         "each row's product the same bits alone and in its batch\n",

@@ -131,9 +131,9 @@ inline void weigh_values(const float* p, int G, int S, const float* v, int64_t v
 // `Attend`). A hidden position weighs exactly zero and its value is not read (a NaN there stays
 // out, where MLX's 0 * NaN would spread it). A row that sees no key at all weighs every
 // position alike, as MLX's softmax over scores that are all the lowest float does.
-inline void attend(const float* q, int G, int D, const float* k, int64_t k_step, const float* v,
-                   int64_t v_step, int Dv, const bool* visible, int64_t visible_step, int S,
-                   float* scores, float* out) {
+inline void attend_token(const float* q, int G, int D, const float* k, int64_t k_step,
+                         const float* v, int64_t v_step, int Dv, const bool* visible,
+                         int64_t visible_step, int S, float* scores, float* out) {
   bool any = false;
   for (int s = 0; s < S && !any; s++) any = visible[s * visible_step];
   if (!any) {
@@ -149,4 +149,130 @@ inline void attend(const float* q, int G, int D, const float* k, int64_t k_step,
   });
   softmax_rows(scores, G, S);
   weigh_values(scores, G, S, v, v_step, Dv, visible, visible_step, out);
+}
+
+// The query tokens a tile of GN heads takes together: TN * GN accumulators, at most 12 (AVX2
+// has 16 vector registers).
+template <int GN>
+constexpr int kTileTokens = GN == 4 ? 3 : 4;
+
+// scores[t, g, s] = q[t, g] . k[s] for TN tokens of GN query heads, q [TN, G, D] from the tile's
+// first head (tokens `q_token` floats apart), scores `s_token` floats a token apart: each key
+// read once for the tile. Each score is `group_scores`' sum, in its order: the same bits.
+template <int GN, int TN>
+inline void tile_scores(const float* q, int64_t q_token, int D, const float* k, int64_t k_step,
+                        const bool* visible, int64_t visible_step, int64_t token_step, int S,
+                        float* scores, int64_t s_token) {
+  const int full = D - D % Isa::kLanes;
+  for (int s = 0; s < S; s++) {
+    const float* ks = k + s * k_step;
+    typename Isa::V acc[TN][GN];
+    for (int t = 0; t < TN; t++)
+      for (int g = 0; g < GN; g++) acc[t][g] = Isa::zero();
+    int d = 0;
+    for (; d < full; d += Isa::kLanes) {
+      const typename Isa::V kv = Isa::load(ks + d);
+      for (int t = 0; t < TN; t++)
+        for (int g = 0; g < GN; g++)
+          acc[t][g] = Isa::fma(Isa::load(q + t * q_token + g * D + d), kv, acc[t][g]);
+    }
+    if (d < D) {
+      const typename Isa::V kv = Isa::load_first(ks + d, D - d);
+      for (int t = 0; t < TN; t++)
+        for (int g = 0; g < GN; g++)
+          acc[t][g] = Isa::fma(Isa::load_first(q + t * q_token + g * D + d, D - d), kv, acc[t][g]);
+    }
+    for (int t = 0; t < TN; t++) {
+      const bool seen = visible[t * token_step + s * visible_step];
+      for (int g = 0; g < GN; g++)
+        scores[t * s_token + static_cast<int64_t>(g) * S + s] =
+            seen ? Isa::sum(acc[t][g]) : kLowest;
+    }
+  }
+}
+
+// out[t, g] = sum over the positions token t sees of p[t, g, s] * v[s], for TN tokens of GN
+// heads: `group_values`' sums, in its order, each value read once for the tile.
+template <int GN, int TN>
+inline void tile_values(const float* p, int64_t p_token, int S, const float* v, int64_t v_step,
+                        int Dv, const bool* visible, int64_t visible_step, int64_t token_step,
+                        float* out, int64_t out_token) {
+  for (int d = 0; d < Dv; d += Isa::kLanes) {
+    const int n = std::min(Isa::kLanes, Dv - d);
+    typename Isa::V acc[TN][GN];
+    for (int t = 0; t < TN; t++)
+      for (int g = 0; g < GN; g++) acc[t][g] = Isa::zero();
+    for (int s = 0; s < S; s++) {
+      const float* vs = v + s * v_step + d;
+      const typename Isa::V vv = n == Isa::kLanes ? Isa::load(vs) : Isa::load_first(vs, n);
+      for (int t = 0; t < TN; t++) {
+        if (!visible[t * token_step + s * visible_step]) continue;
+        for (int g = 0; g < GN; g++)
+          acc[t][g] =
+              Isa::fma(Isa::set1(p[t * p_token + static_cast<int64_t>(g) * S + s]), vv, acc[t][g]);
+      }
+    }
+    for (int t = 0; t < TN; t++)
+      for (int g = 0; g < GN; g++) {
+        float lanes[Isa::kLanes];
+        Isa::store(lanes, acc[t][g]);
+        std::copy(lanes, lanes + n, out + t * out_token + static_cast<int64_t>(g) * Dv + d);
+      }
+  }
+}
+
+// part(t0, TN) over T tokens, TN of them (a compile-time constant, up to kTileTokens<GN>) at a
+// time.
+template <int GN, typename Part>
+inline void by_tokens(int T, Part part) {
+  for (int t0 = 0; t0 < T; t0 += kTileTokens<GN>) {
+    switch (std::min(kTileTokens<GN>, T - t0)) {
+      case 1: part(t0, std::integral_constant<int, 1>{}); break;
+      case 2: part(t0, std::integral_constant<int, 2>{}); break;
+      case 3: part(t0, std::integral_constant<int, 3>{}); break;
+      default: part(t0, std::integral_constant<int, kTileTokens<GN>>{}); break;
+    }
+  }
+}
+
+// `attend_token` for T query tokens of one row at once: q [T, G, D], scores T * G * S floats of
+// scratch, out [T, G, Dv]; token t's mask flags start `token_step` flags after token t - 1's. A
+// prompt chunk's tokens read each key and value once for up to four of them; every token's
+// scores, softmax and weighted values are its own, in `attend_token`'s order, so its result is
+// the same bits as alone (a token that sees no key at all takes `attend_token` itself).
+inline void attend(const float* q, int T, int G, int D, const float* k, int64_t k_step,
+                   const float* v, int64_t v_step, int Dv, const bool* visible,
+                   int64_t visible_step, int64_t token_step, int S, float* scores, float* out) {
+  bool each_sees = T > 1;
+  for (int t = 0; t < T && each_sees; t++) {
+    bool any = false;
+    for (int s = 0; s < S && !any; s++) any = visible[t * token_step + s * visible_step];
+    each_sees = any;
+  }
+  if (!each_sees) {
+    for (int t = 0; t < T; t++)
+      attend_token(q + static_cast<size_t>(t) * G * D, G, D, k, k_step, v, v_step, Dv,
+                   visible + t * token_step, visible_step, S, scores,
+                   out + static_cast<size_t>(t) * G * Dv);
+    return;
+  }
+  const int64_t q_token = static_cast<int64_t>(G) * D, s_token = static_cast<int64_t>(G) * S;
+  const int64_t out_token = static_cast<int64_t>(G) * Dv;
+  by_heads(G, [&](int g0, auto heads) {
+    constexpr int GN = decltype(heads)::value;
+    by_tokens<GN>(T, [&](int t0, auto tokens) {
+      tile_scores<GN, decltype(tokens)::value>(q + t0 * q_token + g0 * D, q_token, D, k, k_step,
+                                               visible + t0 * token_step, visible_step, token_step,
+                                               S, scores + t0 * s_token + g0 * S, s_token);
+    });
+  });
+  softmax_rows(scores, T * G, S);
+  by_heads(G, [&](int g0, auto heads) {
+    constexpr int GN = decltype(heads)::value;
+    by_tokens<GN>(T, [&](int t0, auto tokens) {
+      tile_values<GN, decltype(tokens)::value>(
+          scores + t0 * s_token + g0 * S, s_token, S, v, v_step, Dv, visible + t0 * token_step,
+          visible_step, token_step, out + t0 * out_token + g0 * Dv, out_token);
+    });
+  });
 }

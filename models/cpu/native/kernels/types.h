@@ -77,10 +77,11 @@ struct QuantizedRows {
 
 // out[:, n0:n1] of main.x @ main.w.T (+ extra.x @ extra.w.T); out is [M, N] (kernels/matmul.h).
 using Range = void (*)(const Seg& main, const Seg& extra, float* out, int M, int N, int n0, int n1);
-// One query token's attention for the query heads that share a KV head (kernels/attention.h).
-using Attend = void (*)(const float* q, int G, int D, const float* k, int64_t k_step,
+// The attention of T query tokens of one row for the query heads that share a KV head
+// (kernels/attention.h).
+using Attend = void (*)(const float* q, int T, int G, int D, const float* k, int64_t k_step,
                         const float* v, int64_t v_step, int Dv, const bool* visible,
-                        int64_t visible_step, int S, float* scores, float* out);
+                        int64_t visible_step, int64_t token_step, int S, float* scores, float* out);
 // Each of G rows of S scores replaced by its softmax (kernels/attention.h).
 using Softmax = void (*)(float* scores, int G, int S);
 // out[:, n0:n1] of x @ dequantize(q).T, with `tile_floats` floats of scratch at `tile`

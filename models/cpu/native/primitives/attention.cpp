@@ -127,34 +127,43 @@ class MaskedSoftmax : public CpuPrimitive {
   static constexpr float kLowestScore = -std::numeric_limits<float>::max();  // MLX's finfo.min
 };
 
+// The query tokens of a prompt chunk one call of the kernel's `attend` takes together.
+constexpr int kQueryTile = 4;
+
 }  // namespace
 
 void attend_rows(Attend attend, const float* q, int B, int H, int L, int D, const CacheView& keys,
                  const CacheView& values, int Hkv, int S, int Dv, const KeyMask& mask, float scale,
                  bool merged, float* op) {
   const int G = H / Hkv;
+  const int tiles = (L + kQueryTile - 1) / kQueryTile;  // a prompt chunk's tokens, in fours
   const auto body = [&](int u0, int u1) {
-    std::vector<float> scaled(static_cast<size_t>(G) * D), scores(static_cast<size_t>(G) * S);
-    std::vector<float> out(static_cast<size_t>(G) * Dv);
+    const size_t most = static_cast<size_t>(kQueryTile) * G;  // query vectors of a unit
+    std::vector<float> scaled(most * D), scores(most * S), out(most * Dv);
     for (int u = u0; u < u1; u++) {
-      const int b = u / (Hkv * L), h = u / L % Hkv, l = u % L;
+      const int b = u / (Hkv * tiles), h = u / tiles % Hkv, l0 = u % tiles * kQueryTile;
+      const int T = std::min(kQueryTile, L - l0);
       const size_t first = static_cast<size_t>(b) * H + static_cast<size_t>(h) * G;
-      for (int g = 0; g < G; g++) {
-        const float* qh = q + ((first + g) * L + l) * D;
-        for (int d = 0; d < D; d++) scaled[static_cast<size_t>(g) * D + d] = qh[d] * scale;
-      }
-      attend(scaled.data(), G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(), Dv,
-             mask.visible + b * mask.row + l * mask.token, mask.step, S, scores.data(), out.data());
-      for (int g = 0; g < G; g++) {
-        const size_t head = static_cast<size_t>(h) * G + g;
-        const size_t at = merged ? ((static_cast<size_t>(b) * L + l) * H + head) * Dv
-                                 : ((first + g) * L + l) * Dv;
-        std::copy_n(out.data() + static_cast<size_t>(g) * Dv, Dv, op + at);
-      }
+      for (int t = 0; t < T; t++)
+        for (int g = 0; g < G; g++) {
+          const float* qh = q + ((first + g) * L + l0 + t) * D;
+          float* to = scaled.data() + (static_cast<size_t>(t) * G + g) * D;
+          for (int d = 0; d < D; d++) to[d] = qh[d] * scale;
+        }
+      attend(scaled.data(), T, G, D, keys.at(b, h), keys.step(), values.at(b, h), values.step(), Dv,
+             mask.visible + b * mask.row + l0 * mask.token, mask.step, mask.token, S, scores.data(),
+             out.data());
+      for (int t = 0; t < T; t++)
+        for (int g = 0; g < G; g++) {
+          const size_t head = static_cast<size_t>(h) * G + g, l = static_cast<size_t>(l0 + t);
+          const size_t at = merged ? ((static_cast<size_t>(b) * L + l) * H + head) * Dv
+                                   : ((first + g) * L + l) * Dv;
+          std::copy_n(out.data() + (static_cast<size_t>(t) * G + g) * Dv, Dv, op + at);
+        }
     }
   };
-  // A query token's KV head a unit: no blocks of 4 to keep.
-  parallel_rows(B * Hkv * L, 1, body, /*align=*/1);
+  // Up to four query tokens of one KV head a unit: no blocks of 4 to keep.
+  parallel_rows(B * Hkv * tiles, 1, body, /*align=*/1);
 }
 
 mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v,
