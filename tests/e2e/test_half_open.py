@@ -15,6 +15,7 @@ import pytest
 from hotlora.server.http.connections import UNFINISHED_PER_PEER
 
 from tests.support.server_process import ServerProcess, hotlora_spec
+from tests.support.sockets import closed
 
 pytestmark = pytest.mark.e2e
 
@@ -40,16 +41,6 @@ def half_open(port: int, count: int, peers: range) -> list[socket.socket]:
         sock.sendall(HALF_LINE)
         socks.append(sock)
     return socks
-
-
-def closed(sock: socket.socket) -> bool:
-    sock.settimeout(0.01)
-    try:
-        return sock.recv(1) == b""
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
 
 
 def timed(call: object) -> tuple[float, httpx.Response]:

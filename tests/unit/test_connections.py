@@ -15,6 +15,8 @@ from hotlora.server.http import connections
 from hotlora.server.http.connections import UNFINISHED_PER_PEER, make_room
 from hotlora.server.http.lifecycle import BoundedH11Protocol, ClientTimeouts, ServerConfig
 
+from tests.support.sockets import closed
+
 
 @dataclass(eq=False)
 class Conn:
@@ -130,7 +132,8 @@ def test_connections_taken_in_one_loop_iteration_make_way_oldest_first():
         loop.run_until_complete(asyncio.sleep(0.2))
         orders = sorted(c.unfinished_since for c in state.connections)
         assert len(set(orders)) == len(orders) == per_peer  # the others closed
-        assert [_closed(c) for c in clients] == [True] * (count - per_peer) + [False] * per_peer
+        expected = [True] * (count - per_peer) + [False] * per_peer
+        assert [closed(c, wait=0.2) for c in clients] == expected
         for client in clients:
             client.close()
         server.close()
@@ -141,13 +144,3 @@ def test_connections_taken_in_one_loop_iteration_make_way_oldest_first():
 
 async def _no_app(scope: object, receive: object, send: object) -> None:
     raise AssertionError("no request is ever whole")
-
-
-def _closed(sock: socket.socket) -> bool:
-    sock.settimeout(0.2)
-    try:
-        return sock.recv(1) == b""
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
