@@ -30,7 +30,7 @@ other families keep their own attention and MLP on the packed layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import mlx.core as mx
@@ -313,10 +313,10 @@ class _LayerArguments:
         self.int8 = tuple(layer.int8_activations for layer in layers)
         self.norm_weights = tuple(norm["weight"] for norm in self.norms)
         self.width = width
-        self.takes = self._takes(layers, attention.head_dim)
+        scales = [layer["scales"] for layer in layers]
+        self.takes = self._takes(layers, scales, attention.head_dim)
         if not self.takes:
             return
-        scales = [layer["scales"] for layer in layers]
         calls = [layers[first] for first, _ in _LAYER_CALLS]
         norm1, norm2 = self.norms
         rope = self.rope
@@ -342,13 +342,12 @@ class _LayerArguments:
             rope.scale,
         )
 
-    def _takes(self, layers: list[PackedLinear], head_dim: int) -> bool:
+    def _takes(self, layers: list[PackedLinear], scales: list[mx.array], head_dim: int) -> bool:
         rope = self.rope
         if not all(_takes_norm(norm, self.width) for norm in self.norms):
             return False
         if type(rope) is not NativeRoPE or rope.dims % 2 or not 0 < rope.dims <= head_dim:
             return False
-        scales = [layer["scales"] for layer in layers]
         codes = list(self.codes)
         return all(_one_quantization(layers[a:b], codes[a:b], scales[a:b]) for a, b in _LAYER_CALLS)
 
@@ -383,29 +382,30 @@ class _LayerArguments:
         )
 
 
-def _step_positions(offset: int | mx.array, batch: int) -> mx.array | None:
-    """`NativeRoPE.positions` for a decode step, made once a call: every layer's cache of one
-    call is at the same offset (see `_next_offsets`)."""
+def _once_a_call(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """make(), kept under `key` for the other layers of the running call (`call_shared`)."""
     shared = call_shared()
     if shared is None:
-        return NativeRoPE.positions(offset, batch)
-    key = ("positions", offset if isinstance(offset, int) else id(offset), batch)
+        return make()
     if key not in shared:
-        shared[key] = (offset, NativeRoPE.positions(offset, batch))
-    return cast(mx.array | None, shared[key][1])
+        shared[key] = make()
+    return shared[key]
+
+
+def _step_positions(offset: int | mx.array, batch: int) -> mx.array | None:
+    """`NativeRoPE.positions` for a decode step, made once a call: every layer's cache of one
+    call is at the same offset (see `_next_offsets`). An array offset is known by its id, and
+    kept beside its positions while the call holds them."""
+    key = ("positions", offset if isinstance(offset, int) else id(offset), batch)
+    kept = _once_a_call(key, lambda: (offset, NativeRoPE.positions(offset, batch)))
+    return cast(mx.array | None, kept[1])
 
 
 def _next_offsets(offsets: mx.array) -> mx.array:
     """offsets + 1, computed once a call: the layers' batch caches of one model call hold the same
     offsets (mlx-lm merges, extends, filters and trims them layer by layer alike, and builds
     every layer's mask from the first's), so they share the first layer's next ones."""
-    shared = call_shared()
-    if shared is None:
-        return offsets + 1
-    key = ("next offsets",)
-    if key not in shared:
-        shared[key] = offsets + 1
-    return cast(mx.array, shared[key])
+    return cast(mx.array, _once_a_call(("next offsets",), lambda: offsets + 1))
 
 
 _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {

@@ -1,60 +1,99 @@
-// The attention of one query token and the softmax of scores, written once for every ISA:
+// The attention of a row's query tokens and the softmax of scores, written once for every ISA:
 // included inside an ISA's namespace, under its target, after its traits (`Isa`,
 // kernels/isa/*.h); each inclusion is another ISA, so no include guard. Each score, sum and
 // weighted value is taken in a fixed order, so a row's result does not depend on the others.
 
-// The attention of one query token, for the G query heads of one row that share a KV head
+// The attention of a row's query tokens, for the G query heads that share a KV head
 // (`attend`, below). Scores of the keys a row does not see are the lowest float, as MLX's
 // `where(mask, scores, lowest)` makes them; their probabilities are then exactly zero.
 constexpr float kLowest = -std::numeric_limits<float>::max();
 
-// scores[g, s] = q[g] . k[s] for the GN query heads of q [GN, D] and the visible keys.
+// The query tokens a tile of GN heads takes together: TN * GN accumulators, at most 12 (AVX2
+// has 16 vector registers).
 template <int GN>
-inline void group_scores(const float* q, int D, const float* k, int64_t k_step, const bool* visible,
-                         int64_t visible_step, int S, float* scores) {
+constexpr int kTileTokens = GN == 4 ? 3 : 4;
+
+// scores[t, g, s] = q[t, g] . k[s] for TN tokens of GN query heads, q [TN, G, D] from the tile's
+// first head (tokens `q_token` floats apart), scores `s_token` floats a token apart; token t's
+// mask flags start `token_step` after token t - 1's. Each key is read once for the tile, and not
+// at all where no token of it sees the key; each score is a sum over D in one order, whatever
+// the tile (the same bits for a token alone, TN = 1, and beside others).
+template <int GN, int TN>
+inline void group_scores(const float* q, int64_t q_token, int D, const float* k, int64_t k_step,
+                         const bool* visible, int64_t visible_step, int64_t token_step, int S,
+                         float* scores, int64_t s_token) {
   const int full = D - D % Isa::kLanes;
   for (int s = 0; s < S; s++) {
-    if (!visible[s * visible_step]) {
-      for (int g = 0; g < GN; g++) scores[static_cast<size_t>(g) * S + s] = kLowest;
+    bool seen[TN], any = false;
+    for (int t = 0; t < TN; t++) {
+      seen[t] = visible[t * token_step + s * visible_step];
+      any = any || seen[t];
+    }
+    if (!any) {
+      for (int t = 0; t < TN; t++)
+        for (int g = 0; g < GN; g++)
+          scores[t * s_token + static_cast<int64_t>(g) * S + s] = kLowest;
       continue;
     }
     const float* ks = k + s * k_step;
-    typename Isa::V acc[GN];
-    for (int g = 0; g < GN; g++) acc[g] = Isa::zero();
+    typename Isa::V acc[TN][GN];
+    for (int t = 0; t < TN; t++)
+      for (int g = 0; g < GN; g++) acc[t][g] = Isa::zero();
     int d = 0;
     for (; d < full; d += Isa::kLanes) {
       const typename Isa::V kv = Isa::load(ks + d);
-      for (int g = 0; g < GN; g++) acc[g] = Isa::fma(Isa::load(q + g * D + d), kv, acc[g]);
+      for (int t = 0; t < TN; t++)
+        for (int g = 0; g < GN; g++)
+          acc[t][g] = Isa::fma(Isa::load(q + t * q_token + g * D + d), kv, acc[t][g]);
     }
     if (d < D) {
       const typename Isa::V kv = Isa::load_first(ks + d, D - d);
-      for (int g = 0; g < GN; g++)
-        acc[g] = Isa::fma(Isa::load_first(q + g * D + d, D - d), kv, acc[g]);
+      for (int t = 0; t < TN; t++)
+        for (int g = 0; g < GN; g++)
+          acc[t][g] = Isa::fma(Isa::load_first(q + t * q_token + g * D + d, D - d), kv, acc[t][g]);
     }
-    for (int g = 0; g < GN; g++) scores[static_cast<size_t>(g) * S + s] = Isa::sum(acc[g]);
+    for (int t = 0; t < TN; t++)
+      for (int g = 0; g < GN; g++)
+        scores[t * s_token + static_cast<int64_t>(g) * S + s] =
+            seen[t] ? Isa::sum(acc[t][g]) : kLowest;
   }
 }
 
-// out[g] = sum over the visible s of p[g, s] * v[s], for GN rows of probabilities p [GN, S].
-template <int GN>
-inline void group_values(const float* p, int S, const float* v, int64_t v_step, int Dv,
-                         const bool* visible, int64_t visible_step, float* out) {
+// out[t, g] = sum over the positions token t sees of p[t, g, s] * v[s], for TN tokens of GN
+// heads, p [TN, G, S] (`p_token` floats a token apart), out `out_token` floats a token apart:
+// each value read once for the tile, not at all where no token of it sees the position (a NaN
+// there stays out), each sum over s in one order, whatever the tile.
+template <int GN, int TN>
+inline void group_values(const float* p, int64_t p_token, int S, const float* v, int64_t v_step,
+                         int Dv, const bool* visible, int64_t visible_step, int64_t token_step,
+                         float* out, int64_t out_token) {
   for (int d = 0; d < Dv; d += Isa::kLanes) {
     const int n = std::min(Isa::kLanes, Dv - d);
-    typename Isa::V acc[GN];
-    for (int g = 0; g < GN; g++) acc[g] = Isa::zero();
+    typename Isa::V acc[TN][GN];
+    for (int t = 0; t < TN; t++)
+      for (int g = 0; g < GN; g++) acc[t][g] = Isa::zero();
     for (int s = 0; s < S; s++) {
-      if (!visible[s * visible_step]) continue;
+      bool seen[TN], any = false;
+      for (int t = 0; t < TN; t++) {
+        seen[t] = visible[t * token_step + s * visible_step];
+        any = any || seen[t];
+      }
+      if (!any) continue;
       const float* vs = v + s * v_step + d;
       const typename Isa::V vv = n == Isa::kLanes ? Isa::load(vs) : Isa::load_first(vs, n);
-      for (int g = 0; g < GN; g++)
-        acc[g] = Isa::fma(Isa::set1(p[static_cast<size_t>(g) * S + s]), vv, acc[g]);
+      for (int t = 0; t < TN; t++) {
+        if (!seen[t]) continue;
+        for (int g = 0; g < GN; g++)
+          acc[t][g] =
+              Isa::fma(Isa::set1(p[t * p_token + static_cast<int64_t>(g) * S + s]), vv, acc[t][g]);
+      }
     }
-    for (int g = 0; g < GN; g++) {
-      float lanes[Isa::kLanes];
-      Isa::store(lanes, acc[g]);
-      std::copy(lanes, lanes + n, out + static_cast<size_t>(g) * Dv + d);
-    }
+    for (int t = 0; t < TN; t++)
+      for (int g = 0; g < GN; g++) {
+        float lanes[Isa::kLanes];
+        Isa::store(lanes, acc[t][g]);
+        std::copy(lanes, lanes + n, out + t * out_token + static_cast<int64_t>(g) * Dv + d);
+      }
   }
 }
 
@@ -120,9 +159,17 @@ inline void by_heads(int G, Part part) {
 inline void weigh_values(const float* p, int G, int S, const float* v, int64_t v_step, int Dv,
                          const bool* visible, int64_t visible_step, float* out) {
   by_heads(G, [&](int g0, auto heads) {
-    group_values<decltype(heads)::value>(p + static_cast<size_t>(g0) * S, S, v, v_step, Dv, visible,
-                                         visible_step, out + static_cast<size_t>(g0) * Dv);
+    group_values<decltype(heads)::value, 1>(p + static_cast<size_t>(g0) * S, 0, S, v, v_step, Dv,
+                                            visible, visible_step, 0,
+                                            out + static_cast<size_t>(g0) * Dv, 0);
   });
+}
+
+// Whether a query token's S mask flags, `step` apart, show any key.
+inline bool sees_any(const bool* visible, int64_t step, int S) {
+  for (int s = 0; s < S; s++)
+    if (visible[s * step]) return true;
+  return false;
 }
 
 // out [G, Dv] = softmax(q [G, D] . k^T over the visible keys) . v: the G query heads of one
@@ -134,9 +181,7 @@ inline void weigh_values(const float* p, int G, int S, const float* v, int64_t v
 inline void attend_token(const float* q, int G, int D, const float* k, int64_t k_step,
                          const float* v, int64_t v_step, int Dv, const bool* visible,
                          int64_t visible_step, int S, float* scores, float* out) {
-  bool any = false;
-  for (int s = 0; s < S && !any; s++) any = visible[s * visible_step];
-  if (!any) {
+  if (!sees_any(visible, visible_step, S)) {
     static const bool kEvery = true;
     std::fill(scores, scores + static_cast<size_t>(G) * S, kLowest);
     softmax_rows(scores, G, S);
@@ -144,81 +189,12 @@ inline void attend_token(const float* q, int G, int D, const float* k, int64_t k
     return;
   }
   by_heads(G, [&](int g0, auto heads) {
-    group_scores<decltype(heads)::value>(q + static_cast<size_t>(g0) * D, D, k, k_step, visible,
-                                         visible_step, S, scores + static_cast<size_t>(g0) * S);
+    group_scores<decltype(heads)::value, 1>(q + static_cast<size_t>(g0) * D, 0, D, k, k_step,
+                                            visible, visible_step, 0, S,
+                                            scores + static_cast<size_t>(g0) * S, 0);
   });
   softmax_rows(scores, G, S);
   weigh_values(scores, G, S, v, v_step, Dv, visible, visible_step, out);
-}
-
-// The query tokens a tile of GN heads takes together: TN * GN accumulators, at most 12 (AVX2
-// has 16 vector registers).
-template <int GN>
-constexpr int kTileTokens = GN == 4 ? 3 : 4;
-
-// scores[t, g, s] = q[t, g] . k[s] for TN tokens of GN query heads, q [TN, G, D] from the tile's
-// first head (tokens `q_token` floats apart), scores `s_token` floats a token apart: each key
-// read once for the tile. Each score is `group_scores`' sum, in its order: the same bits.
-template <int GN, int TN>
-inline void tile_scores(const float* q, int64_t q_token, int D, const float* k, int64_t k_step,
-                        const bool* visible, int64_t visible_step, int64_t token_step, int S,
-                        float* scores, int64_t s_token) {
-  const int full = D - D % Isa::kLanes;
-  for (int s = 0; s < S; s++) {
-    const float* ks = k + s * k_step;
-    typename Isa::V acc[TN][GN];
-    for (int t = 0; t < TN; t++)
-      for (int g = 0; g < GN; g++) acc[t][g] = Isa::zero();
-    int d = 0;
-    for (; d < full; d += Isa::kLanes) {
-      const typename Isa::V kv = Isa::load(ks + d);
-      for (int t = 0; t < TN; t++)
-        for (int g = 0; g < GN; g++)
-          acc[t][g] = Isa::fma(Isa::load(q + t * q_token + g * D + d), kv, acc[t][g]);
-    }
-    if (d < D) {
-      const typename Isa::V kv = Isa::load_first(ks + d, D - d);
-      for (int t = 0; t < TN; t++)
-        for (int g = 0; g < GN; g++)
-          acc[t][g] = Isa::fma(Isa::load_first(q + t * q_token + g * D + d, D - d), kv, acc[t][g]);
-    }
-    for (int t = 0; t < TN; t++) {
-      const bool seen = visible[t * token_step + s * visible_step];
-      for (int g = 0; g < GN; g++)
-        scores[t * s_token + static_cast<int64_t>(g) * S + s] =
-            seen ? Isa::sum(acc[t][g]) : kLowest;
-    }
-  }
-}
-
-// out[t, g] = sum over the positions token t sees of p[t, g, s] * v[s], for TN tokens of GN
-// heads: `group_values`' sums, in its order, each value read once for the tile.
-template <int GN, int TN>
-inline void tile_values(const float* p, int64_t p_token, int S, const float* v, int64_t v_step,
-                        int Dv, const bool* visible, int64_t visible_step, int64_t token_step,
-                        float* out, int64_t out_token) {
-  for (int d = 0; d < Dv; d += Isa::kLanes) {
-    const int n = std::min(Isa::kLanes, Dv - d);
-    typename Isa::V acc[TN][GN];
-    for (int t = 0; t < TN; t++)
-      for (int g = 0; g < GN; g++) acc[t][g] = Isa::zero();
-    for (int s = 0; s < S; s++) {
-      const float* vs = v + s * v_step + d;
-      const typename Isa::V vv = n == Isa::kLanes ? Isa::load(vs) : Isa::load_first(vs, n);
-      for (int t = 0; t < TN; t++) {
-        if (!visible[t * token_step + s * visible_step]) continue;
-        for (int g = 0; g < GN; g++)
-          acc[t][g] =
-              Isa::fma(Isa::set1(p[t * p_token + static_cast<int64_t>(g) * S + s]), vv, acc[t][g]);
-      }
-    }
-    for (int t = 0; t < TN; t++)
-      for (int g = 0; g < GN; g++) {
-        float lanes[Isa::kLanes];
-        Isa::store(lanes, acc[t][g]);
-        std::copy(lanes, lanes + n, out + t * out_token + static_cast<int64_t>(g) * Dv + d);
-      }
-  }
 }
 
 // part(t0, TN) over T tokens, TN of them (a compile-time constant, up to kTileTokens<GN>) at a
@@ -244,11 +220,8 @@ inline void attend(const float* q, int T, int G, int D, const float* k, int64_t 
                    const float* v, int64_t v_step, int Dv, const bool* visible,
                    int64_t visible_step, int64_t token_step, int S, float* scores, float* out) {
   bool each_sees = T > 1;
-  for (int t = 0; t < T && each_sees; t++) {
-    bool any = false;
-    for (int s = 0; s < S && !any; s++) any = visible[t * token_step + s * visible_step];
-    each_sees = any;
-  }
+  for (int t = 0; t < T && each_sees; t++)
+    each_sees = sees_any(visible + t * token_step, visible_step, S);
   if (!each_sees) {
     for (int t = 0; t < T; t++)
       attend_token(q + static_cast<size_t>(t) * G * D, G, D, k, k_step, v, v_step, Dv,
@@ -261,16 +234,16 @@ inline void attend(const float* q, int T, int G, int D, const float* k, int64_t 
   by_heads(G, [&](int g0, auto heads) {
     constexpr int GN = decltype(heads)::value;
     by_tokens<GN>(T, [&](int t0, auto tokens) {
-      tile_scores<GN, decltype(tokens)::value>(q + t0 * q_token + g0 * D, q_token, D, k, k_step,
-                                               visible + t0 * token_step, visible_step, token_step,
-                                               S, scores + t0 * s_token + g0 * S, s_token);
+      group_scores<GN, decltype(tokens)::value>(q + t0 * q_token + g0 * D, q_token, D, k, k_step,
+                                                visible + t0 * token_step, visible_step, token_step,
+                                                S, scores + t0 * s_token + g0 * S, s_token);
     });
   });
   softmax_rows(scores, T * G, S);
   by_heads(G, [&](int g0, auto heads) {
     constexpr int GN = decltype(heads)::value;
     by_tokens<GN>(T, [&](int t0, auto tokens) {
-      tile_values<GN, decltype(tokens)::value>(
+      group_values<GN, decltype(tokens)::value>(
           scores + t0 * s_token + g0 * S, s_token, S, v, v_step, Dv, visible + t0 * token_step,
           visible_step, token_step, out + t0 * out_token + g0 * Dv, out_token);
     });
