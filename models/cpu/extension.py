@@ -34,7 +34,7 @@ MIN_ROWS = 2
 # Up to these many rows the kernel beats OpenBLAS; by the vector instructions it uses. Beyond
 # them BLAS, whose packing of the weights then pays off, is faster again. NEON's bound is AVX2's
 # until it is measured on an arm64 server.
-MAX_ROWS = {"avx512vbmi": 16, "avx512": 16, "avx2": 8, "neon": 8}
+MAX_ROWS = {"avx512vnni": 16, "avx512vbmi": 16, "avx512": 16, "avx2": 8, "neon": 8}
 NATIVE = Path(__file__).with_name("native")
 _MODULE = "_rows_matmul"
 _BUILD_HINT = "`make setup` builds it"

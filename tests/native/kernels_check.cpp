@@ -296,6 +296,21 @@ std::vector<float> int8_product(const Kernel& kernel, const Quantized& q, const 
   return out;
 }
 
+// The ISA every other one of its architecture builds on (AVX2, NEON): the last in the table.
+const Kernel& baseline() { return *hotlora::kernels().back(); }
+
+// Integer sums are exact and every ISA adds them into floats in one order: its integer products
+// are the baseline's bits, whatever instructions take the sums.
+void check_baseline_bits(const Kernel& kernel, const char* what, const std::vector<float>& out,
+                         const Quantized& q, const float* x, int M, int N) {
+  if (&kernel == &baseline()) return;
+  const auto base = int8_product(baseline(), q, x, M, N);
+  for (size_t i = 0; i < out.size(); i++)
+    if (std::memcmp(&out[i], &base[i], sizeof(float)) != 0)
+      fail(kernel.isa, what, M, q.K, N, static_cast<int>(i) / N, static_cast<int>(i) % N, out[i],
+           base[i]);
+}
+
 // The integer product is the quantized rows' own product with the dequantized weights, within
 // float32's rounding: each row's values d * code (each within d / 2 of x, d its block's largest
 // magnitude / 127) against the weights' values; and a row's result is the same bits alone.
@@ -333,6 +348,7 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
   std::snprintf(what, sizeof what, "%d-bit product on int8 rows (group %d, dtype %d)", bits, group,
                 dtype);
   check_close(kernel.isa, what, out, want, magnitude, M, K, N);
+  check_baseline_bits(kernel, what, out, w.q, x.data(), M, N);
   for (int m = 0; m < M; m++) {
     const auto alone = int8_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K, 1, N);
     check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
@@ -344,6 +360,7 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
   std::snprintf(what, sizeof what, "interleaved %d-bit product on int8 rows (group %d, dtype %d)",
                 bits, group, dtype);
   check_close(kernel.isa, what, out8, want, magnitude, M, K, N);
+  check_baseline_bits(kernel, what, out8, rows8.q, x.data(), M, N);
   for (int m = 0; m < M; m++) {
     const auto alone = int8_product(kernel, rows8.q, x.data() + static_cast<size_t>(m) * K, 1, N);
     check_row_bits(kernel.isa, what, out8, alone, M, K, N, m);

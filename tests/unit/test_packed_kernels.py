@@ -72,7 +72,7 @@ def mlx_lm_attention(monkeypatch):
     )
 
 
-@pytest.fixture(params=["avx512vbmi", "avx512", "avx2"])
+@pytest.fixture(params=["avx512vnni", "avx512vbmi", "avx512", "avx2"])
 def isa(request):
     """Each kernel this CPU runs; the widest one again afterwards."""
     widest = native.isa()

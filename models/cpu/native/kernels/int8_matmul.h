@@ -141,13 +141,30 @@ void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, i
 // That sequence depends on the row's own values alone, as the other layout's does.
 enum class Rows8 { kBits4, kSmall8, kSigned8 };
 
-// One block's integer sums of the eight rows for a row of x (`xq`, its block's 32 codes).
+// One block's integer sums of the eight rows for a row of x (`xq`, its block's 32 codes); where a
+// vector holds several groups of eight (`I::kGroups`), theirs too, each `stride` bytes on.
 template <class I, Rows8 Kind>
-inline typename I::Codes rows8_sums(const uint8_t* codes, const int8_t* xq) {
-  if constexpr (Kind == Rows8::kBits4) {
+inline typename I::Codes rows8_sums(const uint8_t* codes, size_t stride, const int8_t* xq) {
+  if constexpr (requires { I::kDotBytes; }) {  // four products into each lane at once
+    // Two sums, so that each instruction waits on the one before the last, not the last.
+    typename I::Codes sums[2] = {I::zero32(), I::zero32()};
+    for (int j = 0; j < (Kind == Rows8::kBits4 ? 4 : 8); j++) {
+      const typename I::Codes v = I::load_bytes(codes + 32 * j, stride);
+      if constexpr (Kind == Rows8::kBits4) {
+        sums[0] = I::dot_bytes(sums[0], I::low4(v), I::broadcast4(xq + 8 * j));
+        sums[1] = I::dot_bytes(sums[1], I::high4(v), I::broadcast4(xq + 8 * j + 4));
+      } else if constexpr (Kind == Rows8::kSmall8) {
+        sums[j % 2] = I::dot_bytes(sums[j % 2], v, I::broadcast4(xq + 4 * j));
+      } else {
+        sums[j % 2] =
+            I::dot_bytes(sums[j % 2], I::magnitudes(v), I::signs_of(I::broadcast4(xq + 4 * j), v));
+      }
+    }
+    return I::add32(sums[0], sums[1]);
+  } else if constexpr (Kind == Rows8::kBits4) {
     typename I::Codes sums = I::zero16();
     for (int j = 0; j < 4; j++) {
-      const typename I::Codes v = I::load_bytes(codes + 32 * j);
+      const typename I::Codes v = I::load_bytes(codes + 32 * j, stride);
       sums = I::add16(sums, I::add16(I::pairs4(I::low4(v), I::broadcast4(xq + 8 * j)),
                                      I::pairs4(I::high4(v), I::broadcast4(xq + 8 * j + 4))));
     }
@@ -155,15 +172,15 @@ inline typename I::Codes rows8_sums(const uint8_t* codes, const int8_t* xq) {
   } else if constexpr (Kind == Rows8::kSmall8) {
     typename I::Codes sums = I::zero32();
     for (int j = 0; j < 8; j += 2)
-      sums = I::add32(
-          sums, I::widen(I::add16(
-                    I::pairs4(I::load_bytes(codes + 32 * j), I::broadcast4(xq + 4 * j)),
-                    I::pairs4(I::load_bytes(codes + 32 * j + 32), I::broadcast4(xq + 4 * j + 4)))));
+      sums = I::add32(sums, I::widen(I::add16(I::pairs4(I::load_bytes(codes + 32 * j, stride),
+                                                        I::broadcast4(xq + 4 * j)),
+                                              I::pairs4(I::load_bytes(codes + 32 * j + 32, stride),
+                                                        I::broadcast4(xq + 4 * j + 4)))));
     return sums;
   } else {
     typename I::Codes sums = I::zero32();
     for (int j = 0; j < 8; j++) {
-      const typename I::Codes c = I::load_bytes(codes + 32 * j);
+      const typename I::Codes c = I::load_bytes(codes + 32 * j, stride);
       sums = I::add32(
           sums, I::widen(I::pairs4(I::magnitudes(c), I::signs_of(I::broadcast4(xq + 4 * j), c))));
     }
@@ -171,31 +188,45 @@ inline typename I::Codes rows8_sums(const uint8_t* codes, const int8_t* xq) {
   }
 }
 
+// Groups of eight weight rows a vector of I holds: one, or where its vectors are wider, as many
+// as they hold side by side (I::kGroups), each lane's operations the same.
+template <class I>
+constexpr int rows8_groups() {
+  if constexpr (requires { I::kGroups; })
+    return I::kGroups;
+  else
+    return 1;
+}
+
 template <class I, Rows8 Kind, int Dtype, int P>
 inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, float* out,
                              int ldo) {
   constexpr int kBlockBytes = Kind == Rows8::kBits4 ? 128 : 256;
   const int K = q.K, blocks = K / 32, groups = K / q.group, per_group = q.group / 32;
-  const uint8_t* w =
-      reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(G) * blocks * kBlockBytes;
-  const size_t params = static_cast<size_t>(G) * groups * 8;
+  const size_t stride = static_cast<size_t>(blocks) * kBlockBytes;  // from group G to G + 1
+  const size_t params_stride = static_cast<size_t>(groups) * 8;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(q.w) + static_cast<size_t>(G) * stride;
+  const size_t params = static_cast<size_t>(G) * params_stride;
   typename I::V acc[P];
   for (int m = 0; m < P; m++) acc[m] = I::zero();
   typename I::V scale = I::zero();
   for (int b = 0; b < blocks; b++) {
-    if (b % per_group == 0) scale = I::template load8<Dtype>(q.scales, params + b / per_group * 8);
+    if (b % per_group == 0)
+      scale = I::template load8<Dtype>(q.scales, params + b / per_group * 8, params_stride);
     const uint8_t* codes = w + static_cast<size_t>(b) * kBlockBytes;
-    prefetch_ahead(codes + kRows8PrefetchBytes, kBlockBytes);
+    for (int i = 0; i < rows8_groups<I>(); i++)
+      prefetch_ahead(codes + i * stride + kRows8PrefetchBytes, kBlockBytes);
     for (int m = 0; m < P; m++) {
       const size_t at = static_cast<size_t>(m) * blocks + b;
-      const typename I::V sums = I::to_float(rows8_sums<I, Kind>(codes, x.q + at * 32));
+      const typename I::V sums = I::to_float(rows8_sums<I, Kind>(codes, stride, x.q + at * 32));
       acc[m] = I::fma(sums, I::mul(scale, I::set1(x.d[at])), acc[m]);
     }
   }
   for (int g = 0; g < groups; g++) {
-    typename I::V bias = I::template load8<Dtype>(q.biases, params + g * 8);
+    typename I::V bias = I::template load8<Dtype>(q.biases, params + g * 8, params_stride);
     if constexpr (Kind == Rows8::kSigned8)
-      bias = I::fma(I::set1(128.0f), I::template load8<Dtype>(q.scales, params + g * 8), bias);
+      bias = I::fma(I::set1(128.0f),
+                    I::template load8<Dtype>(q.scales, params + g * 8, params_stride), bias);
     for (int m = 0; m < P; m++)
       acc[m] = I::fma(bias, I::set1(x.sums[static_cast<size_t>(m) * groups + g]), acc[m]);
   }
@@ -211,14 +242,18 @@ void int8_rows8_range(const Quantized& q, const QuantizedRows& x, float* out, in
   constexpr int P = I::kRows8P;
   const auto run = [&](auto kind, auto dtype) {
     int m = 0;
-    for (; m + P <= M; m += P)
-      for (int G = n0 / 8; G < n1 / 8; G++)
-        int8_rows8_block<I, kind, dtype, P>(q, x.row(m, q.K, q.group), G,
-                                            out + static_cast<size_t>(m) * N + 8 * G, N);
-    for (; m < M; m++)
-      for (int G = n0 / 8; G < n1 / 8; G++)
-        int8_rows8_block<I, kind, dtype, 1>(q, x.row(m, q.K, q.group), G,
-                                            out + static_cast<size_t>(m) * N + 8 * G, N);
+    const auto rows = [&](auto p) {  // x's rows m.. (p of them), every group of eight
+      constexpr int kWide = rows8_groups<I>();
+      const QuantizedRows xm = x.row(m, q.K, q.group);
+      float* at = out + static_cast<size_t>(m) * N;
+      int G = n0 / 8;
+      for (; G + kWide <= n1 / 8; G += kWide)
+        int8_rows8_block<I, kind, dtype, p>(q, xm, G, at + 8 * G, N);
+      for (; G < n1 / 8; G++)  // what a wide vector leaves: Int8's, the same lanes' operations
+        int8_rows8_block<Int8, kind, dtype, p>(q, xm, G, at + 8 * G, N);
+    };
+    for (; m + P <= M; m += P) rows(std::integral_constant<int, P>{});
+    for (; m < M; m++) rows(std::integral_constant<int, 1>{});
   };
   const auto with_dtype = [&](auto kind) {
     if (q.dtype == 0)

@@ -8,6 +8,7 @@ namespace hotlora {
 std::span<const Kernel* const> kernels() {
   static const Kernel* const kTable[] = {
 #if defined(__x86_64__)
+    &avx512vnni::kernel(),
     &avx512vbmi::kernel(),
     &avx512::kernel(),
     &avx2::kernel(),

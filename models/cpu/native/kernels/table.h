@@ -36,6 +36,9 @@ struct Kernel {
   }
 
 // Each ISA's entry, in kernels/isa/<name>.cpp; on another architecture it is not defined.
+namespace avx512vnni {
+const Kernel& kernel();
+}
 namespace avx512vbmi {
 const Kernel& kernel();
 }

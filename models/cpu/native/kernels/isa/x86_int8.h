@@ -64,7 +64,7 @@ struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight r
   // int8_rows8_range): a 32-bit lane a weight row, its four bytes four codes.
   static constexpr bool kRows8 = true;
   static constexpr int kRows8P = 4;  // rows of x at once
-  static Codes load_bytes(const uint8_t* p) {
+  static Codes load_bytes(const uint8_t* p, size_t /*stride: one group of eight a vector*/) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
   static Codes low4(Codes v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
@@ -94,7 +94,7 @@ struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight r
   static Codes signs_of(Codes x, Codes codes) { return _mm256_sign_epi8(x, codes); }
   // Eight scales or biases of `dtype` (Quantized::dtype), exactly as float32.
   template <int Dtype>
-  static V load8(const void* p, size_t at) {
+  static V load8(const void* p, size_t at, size_t /*stride: one group of eight a vector*/ = 0) {
     if constexpr (Dtype == 0) return _mm256_loadu_ps(static_cast<const float*>(p) + at);
     const auto* halves = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at);
     if constexpr (Dtype == 1) return _mm256_cvtph_ps(_mm_loadu_si128(halves));
