@@ -1,6 +1,6 @@
-// AVX-512 VNNI's kernels: AVX-512 VBMI's where the CPU has VBMI, else AVX-512's, but for the
-// products on int8 activations, whose integer sums VNNI takes in one instruction and whose
-// interleaved rows it takes sixteen at once (kernels/isa/avx512vnni.h).
+// AVX-512 VNNI's kernels: AVX-512's, with VBMI's quantized product where the CPU has VBMI and it
+// is the faster there, and the products on int8 activations, whose integer sums VNNI takes in one
+// instruction and whose interleaved rows it takes sixteen at once (kernels/isa/avx512vnni.h).
 #include "kernels/isa/avx512vnni.h"
 
 #include "kernels/quant_types.h"
@@ -24,8 +24,11 @@ bool supported() {
 
 const Kernel& kernel() {
   static const Kernel kKernel = [] {
+    // VBMI's picks of 4-bit values and AVX-512's conversions are the same bits; which is faster
+    // depends on the core (the picks' permutes are dear on some), so the faster here serves.
     const Kernel& vbmi = avx512vbmi::kernel();
-    Kernel kernel = vbmi.supported() ? vbmi : avx512::kernel();
+    Kernel kernel = avx512::kernel();
+    if (vbmi.supported()) kernel.quant = faster_quant(vbmi.quant, kernel.quant);
     kernel.isa = "avx512vnni";
     kernel.supported = supported;
     kernel.int8 = int8_matmul_range;
