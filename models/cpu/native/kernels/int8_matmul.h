@@ -242,18 +242,25 @@ void int8_rows8_range(const Quantized& q, const QuantizedRows& x, float* out, in
   constexpr int P = I::kRows8P;
   const auto run = [&](auto kind, auto dtype) {
     int m = 0;
-    const auto rows = [&](auto p) {  // x's rows m.. (p of them), every group of eight
-      constexpr int kWide = rows8_groups<I>();
+    constexpr int kWide = rows8_groups<I>();
+    // Groups of eight weight rows a tile: a prompt's rows of x pass a tile's codes while they stay
+    // in cache, rather than all of the weights' codes once for every P rows.
+    const int row_bytes = q.K * q.bits / 8;
+    const int tile = std::max(kWide, kRows8TileBytes / (8 * row_bytes) / kWide * kWide);
+    const auto rows = [&](auto p, int G0, int G1) {  // x's rows m.. (p of them), groups G0..G1
       const QuantizedRows xm = x.row(m, q.K, q.group);
       float* at = out + static_cast<size_t>(m) * N;
-      int G = n0 / 8;
-      for (; G + kWide <= n1 / 8; G += kWide)
+      int G = G0;
+      for (; G + kWide <= G1; G += kWide)
         int8_rows8_block<I, kind, dtype, p>(q, xm, G, at + 8 * G, N);
-      for (; G < n1 / 8; G++)  // what a wide vector leaves: Int8's, the same lanes' operations
+      for (; G < G1; G++)  // what a wide vector leaves: Int8's, the same lanes' operations
         int8_rows8_block<Int8, kind, dtype, p>(q, xm, G, at + 8 * G, N);
     };
-    for (; m + P <= M; m += P) rows(std::integral_constant<int, P>{});
-    for (; m < M; m++) rows(std::integral_constant<int, 1>{});
+    for (int G0 = n0 / 8; G0 < n1 / 8; G0 += tile) {
+      const int G1 = std::min(n1 / 8, G0 + tile);
+      for (m = 0; m + P <= M; m += P) rows(std::integral_constant<int, P>{}, G0, G1);
+      for (; m < M; m++) rows(std::integral_constant<int, 1>{}, G0, G1);
+    }
   };
   const auto with_dtype = [&](auto kind) {
     if (q.dtype == 0)

@@ -27,6 +27,9 @@ constexpr int kPrefetchBytes = 2048;
 // one-row step's products on the embedded model's layers took 6.9-7.6 ms on the AVX2 machine;
 // 4,096 ahead, 4.6-5.7 ms (8,192: 5.2).
 constexpr int kRows8PrefetchBytes = 4096;
+// The interleaved products' weight codes a tile (kernels/int8_matmul.h's int8_rows8_range): what
+// every P rows of a prompt's x read again, kept to a part of a core's L2.
+constexpr int kRows8TileBytes = 256 << 10;
 
 // Ask for `bytes` from `at`, a cache line at a time: what one step of a block's loop reads, in
 // the rows ahead.
