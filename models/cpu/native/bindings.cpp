@@ -70,6 +70,7 @@ NB_MODULE(_rows_matmul, m) {
       "interleaves", [] { return active_kernel() && active_kernel()->int8_rows8; },
       "Whether the kernel's integer products read rows interleaved by eight.");
   m.def("use_isa", &use_kernel, "name"_a,
-        "Use the avx512vnni, avx512vbmi, avx512, avx2 or neon kernel for later products; False if the CPU "
+        "Use the avx512vnni, avx512vbmi, avx512, avx2 or neon kernel for later products; False if "
+        "the CPU "
         "lacks it.");
 }
