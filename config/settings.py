@@ -153,7 +153,8 @@ class Settings(BaseSettings):
         "dot products (no further from mlx-lm's float32 logits than its bfloat16 run); exact "
         "multiplies the float32 activations by the dequantized weights (within 1e-4 of the "
         "largest logit of mlx-lm's float32 run). Both give a row the same bits alone and in "
-        "any batch.",
+        "any batch. A model whose recorded fidelity verdict (hotlora fidelity) says fast "
+        "breaks its rule there is served exact.",
     )
     cpu_float_budget_bytes: int | None = Field(
         default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."

@@ -16,6 +16,7 @@ from hotlora.adapters import AdapterManager, Budget, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
 from hotlora.models.cpu import prepare_cpu
+from hotlora.models.cpu.fidelity import serving_precision
 from hotlora.models.cpu.weights import has_gpu
 from hotlora.models.embedded import (
     embedded_model_path,
@@ -176,7 +177,10 @@ class Runtime:
             extra={"fields": {"end_of_generation": list(eog)}},
         )
         # Without a GPU: float32 weights when they fit, MLX's JIT flags, the native kernels;
-        # the log says which and why.
+        # the log says which and why. The fast path keeps to this model's fidelity verdict.
+        precision = self.settings.cpu_precision
+        if self.settings.cpu_weights in ("auto", "packed") and not has_gpu():
+            precision = serving_precision(precision, self.settings.home, path)
         setup = prepare_cpu(
             loaded.model,
             weights=self.settings.cpu_weights,
@@ -184,7 +188,7 @@ class Runtime:
             cache_bytes=self.settings.cpu_cache_bytes,
             vector_jit=self.settings.cpu_vector_jit,
             batch_kernels=self.settings.cpu_native_kernels,
-            precision=self.settings.cpu_precision,
+            precision=precision,
             home=self.settings.home,
             converting=self._converting,
             threads=self.settings.threads,

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from hotlora.models.cpu.fidelity import record, recorded, verdict_path
 from hotlora.models.loader import load_model_dir
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
@@ -28,7 +32,9 @@ def hotlora(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     )
 
 
-@pytest.mark.parametrize("command", ["serve", "import-gguf", "quantize", "fuse", "keys"])
+@pytest.mark.parametrize(
+    "command", ["serve", "import-gguf", "quantize", "fuse", "fidelity", "keys"]
+)
 def test_every_command_has_help(command: str):
     result = hotlora(command, "--help")
     assert result.returncode == 0
@@ -38,7 +44,7 @@ def test_every_command_has_help(command: str):
 def test_top_level_help_lists_the_commands():
     result = hotlora("--help")
     assert result.returncode == 0
-    for command in ("serve", "import-gguf", "quantize", "fuse", "keys"):
+    for command in ("serve", "import-gguf", "quantize", "fuse", "fidelity", "keys"):
         assert command in result.stdout
 
 
@@ -126,3 +132,36 @@ def test_quantize_then_fuse(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert (fused / "tokenizer.json").read_bytes() == (float_dir / "tokenizer.json").read_bytes()
     assert is_quantized(load_model_dir(fused).model)
+
+
+def test_fidelity_records_a_verdict_and_serve_keeps_to_it(tmp_path: Path):
+    """`hotlora fidelity` measures a 4-bit model and records its verdict in the home; a server
+    on a model whose recorded verdict says int8 activations break their rule serves exact."""
+    model = write_tiny_llama(tmp_path / "tiny", quantize=True)
+    home = tmp_path / "home"
+    result = subprocess.run(
+        [sys.executable, "-m", "hotlora.server.cli", "fidelity", "--model", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HOTLORA_HOME": str(home)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "verdict: the fast path keeps its rule (64 teacher-forced positions)" in result.stdout
+    verdict = recorded(home, model)
+    assert verdict is not None and verdict.holds
+    assert f"recorded in {verdict_path(home, model)}" in result.stdout
+
+    # What a model on which int8 is further from float32 than bfloat16 records.
+    closer = dataclasses.replace(verdict.bfloat16, largest=verdict.fast.largest / 2)
+    record(home, dataclasses.replace(verdict, bfloat16=closer))
+    with ServerProcess(hotlora_spec("--model", str(model)), env={"HOTLORA_HOME": str(home)}) as srv:
+        log = srv.log(400)
+        answer = httpx.post(
+            f"{srv.url}/v1/completions",
+            json={"model": srv.model_id, "prompt": "hello", "max_tokens": 2},
+            timeout=60,
+        )
+    assert answer.status_code == 200, answer.text
+    assert "fidelity: serving --cpu-precision exact" in log
+    assert "float32 activations (--cpu-precision exact)" in log
