@@ -38,6 +38,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from hotlora.models.cpu import CpuSetup, extension, prepare_cpu
+from hotlora.models.cpu.fidelity import Verdict, fingerprint, record, serving_precision
 from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear
 from hotlora.models.embedded import embedded_gguf_path
 from hotlora.models.gguf import import_gguf, read_header
@@ -95,10 +96,12 @@ CLOSEST = Distance(
     *(min(getattr(d, f) for d in BFLOAT16.values()) for f in Distance.__dataclass_fields__)
 )
 CLOSEST = dataclasses.replace(CLOSEST, top1=max(d.top1 for d in BFLOAT16.values()))
-# Where the default path is measured over its rule: on Q4_0's coarser weights, the largest
-# difference at one position (the 19th, inside the system prompt both conversations open with,
-# so counted twice: p99 and largest), 6% over bfloat16's largest; every other figure within.
-OVER = {"Q4_0": {"p99": 0.3632, "largest": 0.3632}}
+# Where the default path may break its rule: on Q4_0's coarser weights, the largest difference
+# at one position (the 19th, inside the system prompt both conversations open with, so counted
+# twice: p99 and largest) was measured over bfloat16's largest (6% over on the AVX2 machine,
+# 20% on the VNNI one, each quantizing with its own llama.cpp build); every other figure within.
+# Such a model's verdict (`hotlora fidelity`) makes serve use the exact path.
+MAY_BREAK = {"Q4_0": ("p99", "largest")}
 
 
 def forward(model: nn.Module, tokens: mx.array) -> mx.array:
@@ -320,8 +323,21 @@ def test_the_default_path_keeps_its_rule(mix: Mix):
     bound = mix.bound
     how = "measured" if mix.bfloat16 is not None else "recorded, or the closest recorded"
     print(f"{mix.source} {mix.kind}: mlx-lm bfloat16 ({how}): {bound}")
-    over = OVER.get(mix.kind, {}) if mix.source == "embedded" else {}
+    may_break = MAY_BREAK.get(mix.kind, ()) if mix.source == "embedded" else ()
     for figure in ("median", "p99", "largest", "kl_mean", "kl_max"):
-        limit = over.get(figure, getattr(bound, figure))
-        assert getattr(fast, figure) <= limit * 1.02, (figure, fast, bound)
+        if figure not in may_break:
+            assert getattr(fast, figure) <= getattr(bound, figure) * 1.02, (figure, fast, bound)
     assert fast.top1 >= bound.top1, (fast, bound)
+    if may_break:  # serve keeps to the file's verdict, whichever it is
+        verdict = Verdict(
+            str(mix.model_dir),
+            fingerprint(mix.model_dir),
+            fast,
+            bound,
+            int(mix.reference.shape[0] * mix.reference.shape[1]),
+        )
+        home = mix.model_dir.parent / "verdicts"
+        record(home, verdict)
+        served = serving_precision("fast", home, mix.model_dir)
+        print(f"{mix.source} {mix.kind}: the rule {'holds' if verdict.holds else 'breaks'}")
+        assert served == ("fast" if verdict.holds else "exact")
