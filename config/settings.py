@@ -117,7 +117,7 @@ class Settings(BaseSettings):
         ge=16,
         description="Prompt tokens a step prefills on an empty cache; deeper in a long prompt a "
         "step takes fewer, as many as cost the same (see prefill_context_unit). Running streams "
-        "wait at most one such step.",
+        "wait at most one such step; while no row decodes, a step may cost four times as much.",
     )
     decode_ahead: Literal["auto", "on", "off"] = Field(
         default="auto",

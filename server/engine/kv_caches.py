@@ -3,7 +3,10 @@
 A cache that is full takes a whole step of new positions for every row at once, whatever the
 rows still need. At mlx-lm's 256, a batch of short answers holds up to 255 unused positions a
 row in every layer, often more than the answers themselves; a step of 64 wastes a quarter of
-that, and the copy each growth costs comes once every 64 tokens.
+that, and the copy each growth costs comes once every 64 tokens. A prompt being prefilled grows
+by its whole length at once (`prefill_step`): in steps of 64 each chunk of a long prompt would
+copy the whole cache into a new, freshly paged buffer, a cost that grows with the square of
+the prompt (an 8,000-token prompt: tens of GB copied over its chunks).
 
 What is kept beyond a request (a finished row's cache, a prompt head) is copied into one buffer
 (`in_one_buffer`): one allocation, large enough that the allocator maps it of its own and
@@ -30,14 +33,20 @@ def new_caches(model: nn.Module) -> list[Any]:
     return stepped(make_prompt_cache(model))
 
 
-def stepped(caches: list[Any]) -> list[Any]:
-    """Make these caches (a merged batch cache, one fetched from the prompt cache) grow
-    `KV_STEP` positions at a time from now on; returns them."""
+def stepped(caches: list[Any], step: int = KV_STEP) -> list[Any]:
+    """Make these caches (a merged batch cache, one fetched from the prompt cache) grow `step`
+    positions at a time from now on; returns them."""
     for cache in caches:
         if hasattr(cache, "step"):
-            cache.step = KV_STEP  # an instance attribute over the class's 256
-        stepped(getattr(cache, "caches", []))  # a CacheList's own caches
+            cache.step = step  # an instance attribute over the class's 256
+        stepped(getattr(cache, "caches", []), step)  # a CacheList's own caches
     return caches
+
+
+def prefill_step(tokens: int) -> int:
+    """The step of a cache that has `tokens` prompt tokens to prefill: all of them at the first
+    growth, in whole `KV_STEP`s (decoding then grows it `KV_STEP` at a time again)."""
+    return max(KV_STEP, -(-tokens // KV_STEP) * KV_STEP)
 
 
 def in_one_buffer(arrays: Sequence[mx.array]) -> list[mx.array]:

@@ -49,6 +49,7 @@ from hotlora.server.engine.kv_caches import (
     LayerCaches,
     kept_caches,
     new_caches,
+    prefill_step,
     stepped,
 )
 from hotlora.server.engine.prefill_cost import PrefillCost
@@ -61,6 +62,10 @@ from hotlora.server.engine.scoring import (
 from hotlora.server.engine.sequences import Group, Row, Sink
 
 log = logging.getLogger("hotlora")
+
+# A prefill step's budget, in `prefill_chunk`s, while no row decodes: only a request that comes
+# meanwhile waits on it, for its first step.
+ALONE_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class Scheduler:
         self.model = engine.model
         self.max_batch = max_batch
         self.prefill = PrefillCost(prefill_chunk, prefill_context_unit)
+        # While no row decodes, no stream waits on a step: one may prefill this much more.
+        self.prefill_alone = PrefillCost(prefill_chunk * ALONE_CHUNKS, prefill_context_unit)
         self.kv_cache_bytes = kv_cache_bytes
         self.kv_bytes_per_token = engine.kv_bytes_per_token
         self.eos = frozenset(engine.tokenizer.eos_token_ids)
@@ -255,15 +262,16 @@ class Scheduler:
         """Spend up to one step's prefill budget, oldest group first, in one model call."""
         work: list[tuple[Group, list[int], int]] = []  # (group, chunk, its first position)
         sizes: list[tuple[int, int]] = []  # (tokens, context) of each chunk in the call
+        cost = self.prefill if self.running else self.prefill_alone
         for group in self.prefilling:
-            if sizes and self.prefill.call_cost(sizes) + 1 > self.prefill.budget:
+            if sizes and cost.call_cost(sizes) + 1 > cost.budget:
                 break  # not one token more fits: the next groups wait for the next step
             if not group.started and self._waits_for_opening(group):
                 continue  # another scoring prompt that opens alike keeps their opening first
             if not group.started:
                 self._start(group)
             context = group.context
-            take = self.prefill.take(sizes, context, len(group.pending))
+            take = cost.take(sizes, context, len(group.pending))
             if group.pending and not take:
                 break  # the budget is spent; an empty prompt remainder still joins below
             chunk, group.pending = group.pending[:take], group.pending[take:]
@@ -306,7 +314,7 @@ class Scheduler:
             c.finalize()
         mx.eval([c.state for c in cache])
         for i, group in enumerate(groups):
-            group.cache = stepped([c.extract(i) for c in cache])
+            group.cache = stepped([c.extract(i) for c in cache], prefill_step(len(group.pending)))
             self._prompt_logprobs(group, work[i][2], logits[i, : lengths[i]])
 
     def _prompt_logprobs(self, group: Group, at: int, logits: mx.array) -> None:
@@ -354,7 +362,8 @@ class Scheduler:
                 cache, rest = None, prompt
         if cache is None:
             cache, rest = new_caches(self.engine.model), prompt
-        group.cache = stepped(cache)  # a fetched cache grows as a new one does
+        # The rest of the prompt in one growth; a fetched cache grows as a new one does.
+        group.cache = stepped(cache, prefill_step(len(rest) - 1))
         group.pending = list(rest[:-1])
         for row in group.rows:
             row.cached = len(prompt) - len(rest)

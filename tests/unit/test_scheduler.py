@@ -24,6 +24,7 @@ from hotlora.server.engine import (
 )
 from hotlora.server.engine.kv_caches import KV_STEP
 from hotlora.server.engine.next_tokens import finite_rows
+from hotlora.server.engine.scheduler import ALONE_CHUNKS
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 from tests.support.scheduling import PROMPTS, Recorder, job, run
@@ -190,6 +191,31 @@ def test_a_long_prompt_s_chunks_shrink_as_its_context_grows_and_streams_decode_b
     whole_calls = CallLog(whole)
     assert run(whole, [[job(long_prompt, 4)]])[0].text() == waiting.text()
     assert whole_calls.calls[0] == ("prefill", len(long_prompt) - 1, 0)
+
+
+def test_with_no_row_decoding_a_prefill_step_takes_more_and_the_prompt_grows_its_cache_once(
+    setup,
+):
+    """Beside a decoding row a step takes one chunk's cost (the test above); with none, only a
+    request yet to come waits on the step, and it takes ALONE_CHUNKS chunks' worth."""
+    engine, _ = setup
+    long_prompt = [4 + i % 120 for i in range(400)]  # 399 to prefill, the last one decodes
+    # Attention priced at nothing: chunks of a fixed token count.
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=32, prefill_context_unit=1 << 30)
+    calls = CallLog(scheduler)
+    waiting = Recorder()
+    scheduler.add([job(long_prompt, max_tokens=4)], waiting)
+    scheduler.step()
+    (group,) = scheduler.prefilling
+    # One growth holds the whole prompt: 399 positions in whole steps of KV_STEP.
+    assert group.cache[0].keys.shape[2] == -(-399 // KV_STEP) * KV_STEP
+    while not scheduler.idle:
+        scheduler.step()
+    chunks = [tokens for kind, tokens, _ in calls.calls if kind == "prefill"]
+    assert chunks[0] == 32 * ALONE_CHUNKS and sum(chunks) == 399
+    assert len(chunks) == 4  # 128 a step (less a token where attention's cost rounds it down)
+    whole = run(Scheduler(engine, max_batch=1, prefill_chunk=512), [[job(long_prompt, 4)]])[0]
+    assert waiting.text() == whole.text()
 
 
 def test_each_row_keeps_its_own_stops_and_max_tokens(setup):
@@ -409,6 +435,7 @@ def test_a_long_prompt_in_cost_sized_chunks_on_the_cpu_kernels_answers_as_mlx_lm
     calls = CallLog(scheduler)
     answer = run(scheduler, [[job(prompt, max_tokens=12)]])[0]
     chunks = [tokens for kind, tokens, _ in calls.calls if kind == "prefill"]
-    assert len(chunks) > 20 and chunks[0] == 24 and chunks[-2] < 8
+    # No row decodes beside it: ALONE_CHUNKS times the chunk on an empty cache, fewer deeper.
+    assert len(chunks) > 5 and chunks[0] == 24 * ALONE_CHUNKS and chunks[-2] < chunks[1] < 96
     assert answer.finished().completion_tokens == 12  # no end token cut it short
     assert answer.text() == expected
