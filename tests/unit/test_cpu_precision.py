@@ -16,6 +16,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from hotlora.models.batch_masks import install_row_masks
 from hotlora.models.cpu import extension, install_packed_kernels
+from hotlora.models.cpu.fidelity import CONVERSATIONS, POSITIONS
 from hotlora.models.loader import load_model_dir
 
 from tests.support.families import FAMILIES
@@ -24,19 +25,6 @@ from tests.support.tiny import VOCAB_SIZE
 
 if (_why := extension.unavailable()) is not None:
     pytest.skip(f"packed kernels: {_why}", allow_module_level=True)
-
-# Conversations as a chat client sends them, answers included: every position is scored.
-CONVERSATIONS = [
-    [
-        {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
-        {"role": "assistant", "content": "The capital of France is Paris, on the Seine."},
-    ],
-    [
-        {"role": "user", "content": "Write a Python function that adds two numbers."},
-        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
-    ],
-]
-POSITIONS = 32  # of each conversation: the bfloat16 run on the CPU is slow
 
 
 @pytest.fixture(autouse=True)

@@ -38,7 +38,14 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from hotlora.models.cpu import CpuSetup, extension, prepare_cpu
-from hotlora.models.cpu.fidelity import Verdict, fingerprint, record, serving_precision
+from hotlora.models.cpu.fidelity import (
+    CONVERSATIONS,
+    POSITIONS,
+    Verdict,
+    fingerprint,
+    record,
+    serving_precision,
+)
 from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear
 from hotlora.models.embedded import embedded_gguf_path
 from hotlora.models.gguf import import_gguf, read_header
@@ -72,17 +79,6 @@ MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q4_0")
 # hidden 2048) at a size whose bfloat16 run takes seconds, its widths multiples of 256.
 RANDOM_LLAMA = Shape(hidden=512, layers=4, ffn=1536, heads=8, kv_heads=2)
 SOURCES = ("embedded", "random-llama")
-CONVERSATIONS = [
-    [
-        {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
-        {"role": "assistant", "content": "The capital of France is Paris, on the Seine."},
-    ],
-    [
-        {"role": "user", "content": "Write a Python function that adds two numbers."},
-        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
-    ],
-]
-POSITIONS = 32
 # mlx-lm's bfloat16 run of a file against the same float32 reference, on these positions
 # (measured once: a bfloat16 run on the CPU takes five minutes); the default path's rule is to
 # be no further from the reference, with no lower top-1 agreement. Files whose run is not
