@@ -232,6 +232,8 @@ def teacher_forced(tokenizer: Any, positions: int = POSITIONS) -> mx.array:
         else:
             text = "\n".join(f"{m['role']}: {m['content']}" for m in conversation)
             tokens = list(tokenizer.encode(text))
+        if not tokens:
+            raise ValueError("the tokenizer gives no token for the fidelity conversations")
         while len(tokens) < positions:  # a short template: the conversation again
             tokens += tokens
         rows.append(tokens[:positions])
