@@ -229,6 +229,13 @@ def _fidelity_parser(sub: Any) -> None:
         help="An mlx-lm model directory or a GGUF file, as serve takes it (default: the embedded "
         "model).",
     )
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="Where the verdict is recorded, as serve's --home (default: HOTLORA_HOME, else "
+        "serve's default).",
+    )
     p.add_argument("--threads", type=int, default=None, help="The kernels' threads.")
     p.add_argument(
         "--positions",
@@ -246,7 +253,9 @@ def _fidelity(args: argparse.Namespace) -> int:
 
     if args.positions < 2:
         raise ValueError("--positions is at least 2")
-    settings = Settings(model=args.model)
+    # The model and home as serve takes them (flags, HOTLORA_* variables), these flags first.
+    given = {"model": args.model, "home": args.home}
+    settings = Settings(**{name: value for name, value in given.items() if value is not None})
     path = model_dir(settings, progress=print)
     verdict = measure(path, threads=args.threads, positions=args.positions)
     print("\n".join(measured_rows(verdict)))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -169,7 +171,7 @@ def record(home: Path, verdict: Verdict) -> Path:
     path = home / "fidelity" / f"{verdict.fingerprint}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({**asdict(verdict), "holds": verdict.holds}, indent=2)
-    partial = path.with_suffix(".partial")
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # two measures at once: two files
     partial.write_text(text + "\n")
     partial.replace(path)
     return path
@@ -184,15 +186,28 @@ def recorded(home: Path, model_dir: Path) -> Verdict | None:
     try:
         data: dict[str, Any] = json.loads(path.read_text())
         return Verdict(
-            model=data["model"],
-            fingerprint=data["fingerprint"],
-            fast=Distance(**data["fast"]),
-            bfloat16=Distance(**data["bfloat16"]),
-            positions=data["positions"],
+            model=str(data["model"]),
+            fingerprint=str(data["fingerprint"]),
+            fast=_figures(data["fast"]),
+            bfloat16=_figures(data["bfloat16"]),
+            positions=int(data["positions"]),
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("fidelity: the verdict %s cannot be read (%s): measuring again", path, exc)
         return None
+
+
+def _figures(data: dict[str, Any]) -> Distance:
+    """A recorded `Distance`: every figure a finite number, or ValueError."""
+    figures = Distance(**data)
+    for name, value in asdict(figures).items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"{name} is {value!r}, not a finite number")
+    return figures
 
 
 def serving_precision(asked: CpuPrecision, home: Path, model_dir: Path) -> CpuPrecision:
@@ -257,14 +272,18 @@ def measure(
     model at `model_dir`: three loads of it, the reference's and bfloat16's runs before the
     packed kernels are installed."""
     from hotlora.models.cpu import extension, install_packed_kernels
+    from hotlora.models.cpu.weights import has_gpu
     from hotlora.models.loader import load_model_dir
 
+    if has_gpu():
+        raise RuntimeError("MLX runs on a GPU here: the int8 path is the CPU's native kernels'")
     if (why := extension.unavailable()) is not None:
         raise RuntimeError(f"the native kernels cannot run here: {why}")
     loaded = load_model_dir(model_dir)
     tokens = teacher_forced(loaded.tokenizer, positions)
     progress(f"float32 reference: {tokens.size} positions")
     reference = forward(dequantized_reference(loaded.model), tokens)
+    del loaded  # its float32 copy, before the next two loads
     progress("mlx-lm bfloat16 (the slow one on a CPU)")
     bfloat16 = load_model_dir(model_dir).model
     bfloat16.set_dtype(mx.bfloat16)

@@ -4,6 +4,7 @@ runs of a real (tiny, 4-bit) model, recorded in the home, and kept to at start-u
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -100,12 +101,23 @@ def test_a_model_whose_int8_path_breaks_its_rule_is_served_exact(
     assert serving_precision("exact", tmp_path, model_dir) == "exact"
 
 
+@pytest.mark.parametrize("damage", ["truncated", "null figure", "NaN figure"])
 def test_an_unreadable_verdict_is_said_and_left_aside(
-    tmp_path: Path, model_dir: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    verdict: Verdict,
+    model_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
 ):
-    path = verdict_path(tmp_path, model_dir)
-    path.parent.mkdir(parents=True)
-    path.write_text("{")
+    path = record(tmp_path, broken(verdict))
+    text = path.read_text()
+    if damage == "truncated":
+        text = text[: len(text) // 2]
+    else:
+        data = json.loads(text)
+        data["bfloat16"]["kl_max"] = None if damage == "null figure" else float("nan")
+        text = json.dumps(data)
+    path.write_text(text)
     with caplog.at_level(logging.INFO, logger="hotlora"):
         assert serving_precision("fast", tmp_path, model_dir) == "fast"
     assert f"the verdict {path} cannot be read" in caplog.text
