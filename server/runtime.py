@@ -15,8 +15,7 @@ import mlx.core as mx
 from hotlora.adapters import AdapterManager, Budget, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
 from hotlora.config.settings import Settings
-from hotlora.models.cpu import packed_unserved, prepare_cpu
-from hotlora.models.cpu.fidelity import serving_precision
+from hotlora.models.cpu import prepare_cpu
 from hotlora.models.cpu.weights import has_gpu
 from hotlora.models.embedded import (
     embedded_model_path,
@@ -178,10 +177,6 @@ class Runtime:
         )
         # Without a GPU: float32 weights when they fit, MLX's JIT flags, the native kernels;
         # the log says which and why. The fast path keeps to this model's fidelity verdict.
-        precision = self.settings.cpu_precision
-        packed = packed_unserved(loaded.model, self.settings.cpu_native_kernels) is None
-        if self.settings.cpu_weights in ("auto", "packed") and packed:
-            precision = serving_precision(precision, self.settings.home, path)
         setup = prepare_cpu(
             loaded.model,
             weights=self.settings.cpu_weights,
@@ -189,7 +184,8 @@ class Runtime:
             cache_bytes=self.settings.cpu_cache_bytes,
             vector_jit=self.settings.cpu_vector_jit,
             batch_kernels=self.settings.cpu_native_kernels,
-            precision=precision,
+            precision=self.settings.cpu_precision,
+            model_dir=path,
             home=self.settings.home,
             converting=self._converting,
             threads=self.settings.threads,

@@ -230,6 +230,7 @@ def prepare_cpu(
     vector_jit: bool,
     batch_kernels: bool,
     precision: CpuPrecision = "exact",
+    model_dir: Path | None = None,
     home: Path,
     converting: Converting | None = None,
     threads: int | None = None,
@@ -238,10 +239,12 @@ def prepare_cpu(
     when they fit (`weights`, `float_budget`); MLX's fused CPU kernels built for this CPU and the
     attention that uses them (`vector_jit`); the native kernels (`batch_kernels`) on `threads`
     threads (default: every core this process may run on), their packed products at `precision`
-    (`install_packed_kernels`); at most `cache_bytes` of freed
+    (`install_packed_kernels`), or exact where the fast path's recorded verdict on `model_dir`
+    says it breaks its rule there (`fidelity.serving_precision`); at most `cache_bytes` of freed
     buffers kept by MLX for reuse, the rest given back to the system (None: MLX's and malloc's
     own ways). Logs which weights and kernels serve and why."""
     from hotlora.models.cpu.attention import install_cpu_attention
+    from hotlora.models.cpu.fidelity import serving_precision
     from hotlora.models.cpu.vector_jit import enable_vector_jit
     from hotlora.models.cpu.weights import (
         all_float32,
@@ -285,6 +288,8 @@ def prepare_cpu(
         jit_reason = "baseline x86-64 (--no-cpu-vector-jit)"
     log.info("CPU kernels: %s", jit_reason)
     if choice.packed:
+        if model_dir is not None:
+            precision = serving_precision(precision, home, model_dir)
         rows = install_packed_kernels(model, threads, precision)
         if rows.enabled:
             log.info("native kernels: %s", rows.reason)
