@@ -163,12 +163,16 @@ def fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _verdict_file(home: Path, fingerprint: str) -> Path:
+    return home / "fidelity" / f"{fingerprint}.json"
+
+
 def verdict_path(home: Path, model_dir: Path) -> Path:
-    return home / "fidelity" / f"{fingerprint(model_dir)}.json"
+    return _verdict_file(home, fingerprint(model_dir))
 
 
 def record(home: Path, verdict: Verdict) -> Path:
-    path = home / "fidelity" / f"{verdict.fingerprint}.json"
+    path = _verdict_file(home, verdict.fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({**asdict(verdict), "holds": verdict.holds}, indent=2)
     partial = path.with_suffix(f".{os.getpid()}.partial")  # two measures at once: two files
@@ -232,7 +236,7 @@ def serving_precision(asked: CpuPrecision, home: Path, model_dir: Path) -> CpuPr
         "mlx-lm's float32 logits than mlx-lm's bfloat16 run (%s; recorded in %s). "
         "`hotlora fidelity` measures it again",
         verdict.describe(),
-        verdict_path(home, model_dir),
+        _verdict_file(home, verdict.fingerprint),
     )
     return "exact"
 

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from hotlora.models.batch_masks import install_row_masks
 from hotlora.models.cpu import extension, install_packed_kernels
-from hotlora.models.cpu.fidelity import CONVERSATIONS, POSITIONS
+from hotlora.models.cpu.fidelity import CONVERSATIONS, POSITIONS, forward
 from hotlora.models.loader import load_model_dir
 
 from tests.support.families import FAMILIES
@@ -34,13 +34,6 @@ def mlx_lm_attention():
     llama.scaled_dot_product_attention = mlx_lm_base.scaled_dot_product_attention
     yield
     llama.scaled_dot_product_attention = original
-
-
-def forward(model: nn.Module, tokens: mx.array) -> mx.array:
-    """Every position's logits of each row of `tokens` [B, L], one call, float32."""
-    out = model(tokens, cache=make_prompt_cache(model)).astype(mx.float32)
-    mx.eval(out)
-    return out
 
 
 def runs(build: callable, tokens: mx.array) -> tuple[Distance, Distance, mx.array]:  # type: ignore[valid-type]

@@ -35,7 +35,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
 
 from hotlora.models.cpu import CpuSetup, extension, prepare_cpu
 from hotlora.models.cpu.fidelity import (
@@ -43,6 +42,7 @@ from hotlora.models.cpu.fidelity import (
     POSITIONS,
     Verdict,
     fingerprint,
+    forward,
     record,
     serving_precision,
 )
@@ -98,12 +98,6 @@ CLOSEST = dataclasses.replace(CLOSEST, top1=max(d.top1 for d in BFLOAT16.values(
 # 20% on the VNNI one, each quantizing with its own llama.cpp build); every other figure within.
 # Such a model's verdict (`hotlora fidelity`) makes serve use the exact path.
 MAY_BREAK = {"Q4_0": ("p99", "largest")}
-
-
-def forward(model: nn.Module, tokens: mx.array) -> mx.array:
-    out = model(tokens, cache=make_prompt_cache(model)).astype(mx.float32)
-    mx.eval(out)
-    return out
 
 
 class Records(logging.Handler):
