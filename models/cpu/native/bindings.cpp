@@ -71,6 +71,5 @@ NB_MODULE(_rows_matmul, m) {
       "Whether the kernel's integer products read rows interleaved by eight.");
   m.def("use_isa", &use_kernel, "name"_a,
         "Use the avx512vnni, avx512vbmi, avx512, avx2 or neon kernel for later products; False if "
-        "the CPU "
-        "lacks it.");
+        "the CPU lacks it.");
 }

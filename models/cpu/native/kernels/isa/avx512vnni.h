@@ -29,8 +29,7 @@ struct Int8 : avx512::Int8 {  // AVX2's integer traits, each block's sums in one
     if constexpr (Bits == 4)
       return _mm256_cvtepi32_ps(dot_bytes(zero, codes, x));
     else
-      return _mm256_cvtepi32_ps(
-          dot_bytes(zero, _mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes)));
+      return _mm256_cvtepi32_ps(dot_bytes(zero, magnitudes(codes), signs_of(x, codes)));
   }
 };
 
