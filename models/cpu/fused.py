@@ -16,14 +16,15 @@ separate layers' (in any batch and any chunking, as those are). A decode step's 
 layer is one primitive (`layer_step`, the native `decoder_layer`): those calls, the KV cache's
 write, the attention and the residual adds in one task, to their bits.
 
-A layer takes the fused path when its projections are packed (`PackedLinear`) with one
-quantization and no bias. While an adapter set is active (one for the batch, or one per row),
-the same primitive adds each projection's residuals to its product, every projection's in one
-pass (the gathered kernel's, to the bits its LoRA slot's own call gives: the batch's plan and
-each projection's slot number); where that kernel does not serve (adapters in other dtypes than
-float32 and float16), each projection is called on its own, through its slot. What the layer
-asks of a projection is `FusedProjection`, declared here: the LoRA slots implement it, so this
-module knows nothing of adapters.
+A layer takes the fused path when its projections are packed (`PackedLinear`), with no bias,
+and each call's projections share a group size and a precision (`_one_call`: their bits and
+layouts may differ, as in a GGUF's quant mix). While an adapter set is active (one for the
+batch, or one per row), the same primitive adds each projection's residuals to its product,
+every projection's in one pass (the gathered kernel's, to the bits its LoRA slot's own call
+gives: the batch's plan and each projection's slot number); where that kernel does not serve
+(adapters in other dtypes than float32 and float16), each projection is called on its own,
+through its slot. What the layer asks of a projection is `FusedProjection`, declared here: the
+LoRA slots implement it, so this module knows nothing of adapters.
 Only mlx-lm's llama module (llama, mistral and the models it builds) takes these classes; the
 other families keep their own attention and MLP on the packed layers.
 """
@@ -91,7 +92,7 @@ def fused_products(
     # object's own lookup, ~2 us a read, and a step makes hundreds.
     weights = [layer["weight"] for layer, _ in found]
     scales = [layer["scales"] for layer, _ in found]
-    if not _one_quantization([layer for layer, _ in found], weights, scales):
+    if not _one_call([layer for layer, _ in found], weights):
         return None
     plans = {id(operands[0]): operands[0] for _, operands in found if operands is not None}
     if len(plans) > 1:  # one active batch plans every projection of a call
@@ -103,7 +104,7 @@ def fused_products(
         [layer["biases"] for layer, _ in found],
         heads,
         first.group_size,
-        first.bits,
+        [layer.bits for layer, _ in found],
         next(iter(plans.values()), None),
         [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
         first.int8_activations,
@@ -113,19 +114,24 @@ def fused_products(
     )
 
 
-def _one_quantization(
-    layers: Sequence[PackedLinear], weights: Sequence[mx.array], scales: Sequence[mx.array]
-) -> bool:
-    """Whether packed layers (their weights and scales read as items) can be one call of
-    products: one quantization and precision, one dtype of scales, one layout of codes."""
+def _one_call(layers: Sequence[PackedLinear], weights: Sequence[mx.array]) -> bool:
+    """Whether packed layers (their weights read as items) can be one call of products: one
+    group size and precision, and on int8 activations, which the call quantizes once, one order
+    of their codes (`_reads_halves`). Their bits, layouts and scales' dtypes may differ, as a
+    GGUF's quant mix has them (q and k Q4_K, v Q6_K, say)."""
     first = layers[0]
+    halves = _reads_halves(first, weights[0])
     return all(
-        (layer.bits, layer.group_size, layer.int8_activations)
-        == (first.bits, first.group_size, first.int8_activations)
-        and layer_scales.dtype == scales[0].dtype
-        and layer_weight.dtype == weights[0].dtype
-        for layer, layer_weight, layer_scales in zip(layers, weights, scales, strict=True)
+        (layer.group_size, layer.int8_activations) == (first.group_size, first.int8_activations)
+        and (not first.int8_activations or _reads_halves(layer, weight) == halves)
+        for layer, weight in zip(layers, weights, strict=True)
     )
+
+
+def _reads_halves(layer: PackedLinear, weight: mx.array) -> bool:
+    """Whether the layer's integer products read x's int8 codes evens first, then odds: MLX's
+    4-bit packing, not interleaved (the native `reads_halves`)."""
+    return layer.bits == 4 and weight.dtype == mx.uint32
 
 
 def _rope_arguments(rope: NativeRoPE, positions: mx.array) -> dict[str, Any]:
@@ -314,7 +320,7 @@ class _LayerArguments:
         self.norm_weights = tuple(norm["weight"] for norm in self.norms)
         self.width = width
         scales = [layer["scales"] for layer in layers]
-        self.takes = self._takes(layers, scales, attention.head_dim)
+        self.takes = self._takes(layers, attention.head_dim)
         if not self.takes:
             return
         calls = [layers[first] for first, _ in _LAYER_CALLS]
@@ -324,7 +330,7 @@ class _LayerArguments:
             list(self.codes),
             scales,
             [layer["biases"] for layer in layers],
-            [layer.bits for layer in calls],
+            [layer.bits for layer in layers],
             [layer.group_size for layer in calls],
             [layer.int8_activations for layer in calls],
             norm1["weight"],
@@ -342,14 +348,14 @@ class _LayerArguments:
             rope.scale,
         )
 
-    def _takes(self, layers: list[PackedLinear], scales: list[mx.array], head_dim: int) -> bool:
+    def _takes(self, layers: list[PackedLinear], head_dim: int) -> bool:
         rope = self.rope
         if not all(_takes_norm(norm, self.width) for norm in self.norms):
             return False
         if type(rope) is not NativeRoPE or rope.dims % 2 or not 0 < rope.dims <= head_dim:
             return False
         codes = list(self.codes)
-        return all(_one_quantization(layers[a:b], codes[a:b], scales[a:b]) for a, b in _LAYER_CALLS)
+        return all(_one_call(layers[a:b], codes[a:b]) for a, b in _LAYER_CALLS)
 
     @classmethod
     def of(

@@ -1,6 +1,7 @@
 """Where a packed decode step's time goes: building its graph, evaluating it, and its kernels.
 
-`python -m tests.bench.step_profile` loads the embedded model served packed (the native
+`python -m tests.bench.step_profile` loads the embedded model (or `--model`, a model directory or
+a GGUF file, imported into the home once as `serve` imports it) served packed (the native
 quantized kernels) twice, once as served (`fused`: llama's attention and MLP on fused products,
 `hotlora.models.cpu.fused`) and once with those layers given mlx-lm's own classes back
 (`separate`: a product a projection), its packed products at `--precision` (fast, the
@@ -19,6 +20,7 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -30,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from tests.bench.step_times import CONTEXT, load
+from tests.bench.step_times import CONTEXT, _home, load
 
 ROWS = (1, 16)
 
@@ -173,10 +175,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--precision", choices=("fast", "exact"), default="fast")
+    parser.add_argument("--model", type=Path, default=None, help="a model directory or a GGUF")
     args = parser.parse_args()
+    model_dir = args.model
+    if model_dir is not None and model_dir.suffix == ".gguf":
+        from hotlora.models.embedded import ensure_gguf_model
+
+        model_dir = ensure_gguf_model(
+            model_dir, _home(), progress=lambda line: print(line, file=sys.stderr)
+        )
     models = {
-        "fused": load("packed", args.threads, args.precision),
-        "separate": separate(load("packed", args.threads, args.precision)),
+        "fused": load("packed", args.threads, args.precision, model_dir),
+        "separate": separate(load("packed", args.threads, args.precision, model_dir)),
     }
     keys = ("build_ms", "eval_ms", "build_cpu_ms", "eval_cpu_ms")
     samples: dict[str, dict[int, dict[str, list[float]]]] = {
@@ -195,6 +205,7 @@ def main() -> int:
             ).items():
                 kernels[rows].setdefault(name, []).append(times)
     result: dict[str, Any] = {
+        "model": str(model_dir or "embedded"),
         "rounds": args.rounds,
         "threads": args.threads,
         "precision": args.precision,

@@ -31,15 +31,17 @@ PROMPT_TOKENS = 1250
 CHUNK = 192
 
 
-def load(path: str, threads: int | None, precision: str = "exact") -> nn.Module:
-    """The embedded model as `--cpu-weights path` serves it, its packed products at
-    `--cpu-precision precision`."""
+def load(
+    path: str, threads: int | None, precision: str = "exact", model_dir: Path | None = None
+) -> nn.Module:
+    """The embedded model (or the one in `model_dir`) as `--cpu-weights path` serves it, its
+    packed products at `--cpu-precision precision`."""
     from hotlora.models.cpu import prepare_cpu
     from hotlora.models.embedded import ensure_embedded_model
     from hotlora.models.loader import load_model_dir
 
     home = Path(tempfile.gettempdir()) / "hotlora-bench-home"
-    model = load_model_dir(ensure_embedded_model(_home())).model
+    model = load_model_dir(model_dir or ensure_embedded_model(_home())).model
     setup = prepare_cpu(
         model,
         weights=PATHS[path],  # type: ignore[arg-type]

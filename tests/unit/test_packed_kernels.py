@@ -211,7 +211,7 @@ def test_interleaved_products_together_and_gathered_are_each_products_bits(
     x = mx.random.normal((rows, length, 128), key=mx.random.key(rows * length))
     layers = [interleaved(n, 128, 32, mx.float16, seed=n)[1] for n in (64, 32, 32, 96)]
     weights = [[layer[i] for layer in layers] for i in range(3)]
-    outputs = native.quant_matmul_heads(x, *weights, HEADS, 32, 4, None, [], True)
+    outputs = native.quant_matmul_heads(x, *weights, HEADS, 32, [4] * 4, None, [], True)
     for layer, h, got in zip(layers, HEADS, outputs, strict=True):
         alone = heads_layout(native.quant_matmul(x, *layer, 32, 4, True), h)
         assert mx.array_equal(got, alone).item(), h
@@ -219,7 +219,9 @@ def test_interleaved_products_together_and_gathered_are_each_products_bits(
     adapters = [native.adapter_pairs([(pairs[2 * i], pairs[2 * i + 1])]) for i in range(4)]
     batch = native.row_plan(adapters, *plan(row_entries(rows)))
     gathered = native.quant_matmul_gather(x, *layers[0], 32, 4, batch, 0, True)
-    together = native.quant_matmul_heads(x, *weights, HEADS, 32, 4, batch, [0, -1, -1, -1], True)
+    together = native.quant_matmul_heads(
+        x, *weights, HEADS, 32, [4] * 4, batch, [0, -1, -1, -1], True
+    )
     assert mx.array_equal(together[0], heads_layout(gathered, HEADS[0])).item()
 
 
@@ -234,9 +236,33 @@ def test_interleaved_rows_are_refused_where_their_kernel_does_not_read_them():
     signed = (mx.zeros((16, 64), dtype=mx.int8), rows8[1], rows8[2])
     with pytest.raises(ValueError, match="signed 8-bit"):
         native.quant_matmul(x, *signed, 32, 4, True)  # signed codes are 8-bit ones
-    mixed = [[plain[i], rows8[i]] for i in range(3)]
-    with pytest.raises(ValueError, match="share a layout"):
-        native.quant_matmul_heads(x[None], *mixed, [0, 0], 32, 4, None, [], True)
+    mixed = [[plain[i], rows8[i]] for i in range(3)]  # x's codes in two orders
+    with pytest.raises(ValueError, match="in one order"):
+        native.quant_matmul_heads(x[None], *mixed, [0, 0], 32, [4, 4], None, [], True)
+
+
+@pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (16, 1), (2, 5)])
+def test_interleaved_products_of_other_widths_together_are_each_products_bits(
+    isa: str, rows: int, length: int
+):
+    """A GGUF's quant mix in one call: q 4-bit (Q4_K), k 8-bit codes under 64 (Q5_0 widened),
+    v signed 8-bit (Q8_0 or Q6_K), each with scales of its own dtype, and a fourth of MLX's
+    8-bit packing: x quantized once, each output its own product's bits. The same mix on float32
+    activations, MLX's packing, likewise."""
+    x = mx.random.normal((rows, length, 128), key=mx.random.key(rows + length))
+    mix = [(64, "4", mx.float32), (32, "8-small", mx.float16), (32, "8", mx.bfloat16)]
+    layers = [interleaved(n, 128, 32, dtype, seed=n, width=w) for n, w, dtype in mix]
+    bits = [WIDTHS[w][0] for _, w, _ in mix] + [8]
+    eight = quantized(96, 128, 8, 32, mx.float16, seed=9)[:3]
+    for int8, chosen in ((True, [rows8 for _, rows8 in layers]), (False, [p for p, _ in layers])):
+        chosen = [*chosen, eight]
+        weights = [[layer[i] for layer in chosen] for i in range(3)]
+        outputs = native.quant_matmul_heads(x, *weights, HEADS, 32, bits, None, [], int8)
+        for layer, b, h, got in zip(chosen, bits, HEADS, outputs, strict=True):
+            alone = heads_layout(native.quant_matmul(x, *layer, 32, b, int8), h)
+            assert mx.array_equal(got, alone).item(), (int8, b, h)
+    with pytest.raises(ValueError, match="bits"):
+        native.quant_matmul_heads(x, *weights, HEADS, 32, bits[:3], None, [], True)
 
 
 def gather_operands(k: int, n: int, ranks: tuple[int, ...], seed: int) -> list[mx.array]:
@@ -475,7 +501,7 @@ def together(
     layers (w, scales, biases, the exact weights) and their outputs."""
     layers = [quantized(n, 128, bits, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
     weights = [[layer[i] for layer in layers] for i in range(3)]
-    return layers, native.quant_matmul_heads(x, *weights, HEADS, 32, bits, batch, slots or [])
+    return layers, native.quant_matmul_heads(x, *weights, HEADS, 32, [bits] * 4, batch, slots or [])
 
 
 def heads_layout(y: mx.array, heads: int) -> mx.array:
@@ -527,10 +553,10 @@ def test_q_and_k_rotated_in_the_products_call_are_rope_rows_bits(
     layers = [quantized(n, 128, 4, 32, mx.float16, seed=n) for n in (64, 32, 32, 96)]
     weights = [[layer[i] for layer in layers] for i in range(3)]
     offset = mx.array([5 + 3 * r for r in range(rows)] if per_row else [11], dtype=mx.int32)
-    plain = native.quant_matmul_heads(x, *weights, HEADS, 32, 4)
+    plain = native.quant_matmul_heads(x, *weights, HEADS, 32, [4] * 4)
     rope = (dims, traditional, 10000.0, 0.5)
     rotated = native.quant_matmul_heads(
-        x, *weights, HEADS, 32, 4, None, [], False, offset, 2, *rope
+        x, *weights, HEADS, 32, [4] * 4, None, [], False, offset, 2, *rope
     )
     for j, (got, was) in enumerate(zip(rotated, plain, strict=True)):
         want = native.rope_rows(was, offset, *rope) if j < 2 else was
@@ -544,16 +570,16 @@ def test_products_together_refuse_a_rotation_that_does_not_fit():
     w = [[layer[i] for layer in layers] for i in range(3)]
     one = mx.array([3], dtype=mx.int32)
     with pytest.raises(ValueError, match="an int32 offset, one or one per row"):
-        native.quant_matmul_heads(x, *w, HEADS, 32, 4, None, [], False, None, 2, 16)
+        native.quant_matmul_heads(x, *w, HEADS, 32, [4] * 4, None, [], False, None, 2, 16)
     with pytest.raises(ValueError, match="an int32 offset, one or one per row"):
         three = mx.array([1, 2, 3], dtype=mx.int32)
-        native.quant_matmul_heads(x, *w, HEADS, 32, 4, None, [], False, three, 2, 16)
+        native.quant_matmul_heads(x, *w, HEADS, 32, [4] * 4, None, [], False, three, 2, 16)
     with pytest.raises(ValueError, match="even dims <= its head width"):
-        native.quant_matmul_heads(x, *w, HEADS, 32, 4, None, [], False, one, 2, 15)
+        native.quant_matmul_heads(x, *w, HEADS, 32, [4] * 4, None, [], False, one, 2, 15)
     with pytest.raises(ValueError, match="even dims <= its head width"):
-        native.quant_matmul_heads(x, *w, [0, 2, 2, 0], 32, 4, None, [], False, one, 2, 16)
+        native.quant_matmul_heads(x, *w, [0, 2, 2, 0], 32, [4] * 4, None, [], False, one, 2, 16)
     with pytest.raises(ValueError, match="roped counts leading outputs"):
-        native.quant_matmul_heads(x, *w, HEADS, 32, 4, None, [], False, one, 5, 16)
+        native.quant_matmul_heads(x, *w, HEADS, 32, [4] * 4, None, [], False, one, 5, 16)
 
 
 def test_products_together_refuse_plans_that_do_not_fit():
@@ -563,15 +589,15 @@ def test_products_together_refuse_plans_that_do_not_fit():
     )
     x = mx.ones((2, 1, 64))
     two = row_plan(pairs, [[(0, 1.0)]] * 2)
-    with pytest.raises(ValueError, match="as many weights, scales, biases, heads and slots"):
-        native.quant_matmul_heads(x, [w, w], [s, s], [b, b], [0, 0], 32, 4, two, [0])
+    with pytest.raises(ValueError, match="as many weights, scales, biases, heads, bits and slots"):
+        native.quant_matmul_heads(x, [w, w], [s, s], [b, b], [0, 0], 32, [4, 4], two, [0])
     with pytest.raises(ValueError, match="rows must divide"):
         three = row_plan(pairs, [[(0, 1.0)]] * 3)
-        native.quant_matmul_heads(x, [w], [s], [b], [0], 32, 4, three, [0])
+        native.quant_matmul_heads(x, [w], [s], [b], [0], 32, [4], three, [0])
     with pytest.raises(ValueError, match=r"pair at slot 0 is \[64, r\], \[r, 32\]"):
         wide = gather_operands(64, 32, (4,), seed=1)  # b [4, 32]: another product's
         native.quant_matmul_heads(
-            x, [w], [s], [b], [0], 32, 4, row_plan(wide, [[(0, 1.0)]] * 2), [0]
+            x, [w], [s], [b], [0], 32, [4], row_plan(wide, [[(0, 1.0)]] * 2), [0]
         )
 
 
@@ -631,7 +657,7 @@ def test_products_together_after_a_norm_are_the_normed_inputs_products_bits(
     adapters = [native.adapter_pairs([(pairs[2 * i], pairs[2 * i + 1])]) for i in range(4)]
     batch = native.row_plan(adapters, *plan(row_entries(rows)))
     rope = {"offset": mx.array([5], dtype=mx.int32), "roped": 2, "rope_dims": 16}
-    common = (*weights, HEADS, 32, 4, batch, [0, -1, -1, -1], int8)
+    common = (*weights, HEADS, 32, [4] * 4, batch, [0, -1, -1, -1], int8)
     normed = native.rms_norm_rows(x, weight, 1e-5)
     want = native.quant_matmul_heads(normed, *common, **rope)
     got = native.quant_matmul_heads(x, *common, **rope, norm=weight, norm_eps=1e-5)
@@ -658,7 +684,7 @@ def test_gate_and_up_together_give_mlx_lms_swiglu_of_their_products_bits(
     pairs = gather_operands(128, 96, RANKS, seed=2)
     adapters = [native.adapter_pairs([(pairs[2 * i], pairs[2 * i + 1])]) for i in range(4)]
     batch = native.row_plan(adapters, *plan(row_entries(rows)))
-    common = (*weights, [0, 0], 32, 4, batch, [0, -1], int8)
+    common = (*weights, [0, 0], 32, [4, 4], batch, [0, -1], int8)
     for norm in ({}, {"norm": weight, "norm_eps": 1e-5}):  # the norm evens the scales out
         gate, up = native.quant_matmul_heads(x, *common, **norm)
         (got,) = native.quant_matmul_heads(x, *common, **norm, glu=True)
@@ -667,7 +693,7 @@ def test_gate_and_up_together_give_mlx_lms_swiglu_of_their_products_bits(
         if not norm and rows * length >= 4:
             assert mx.isinf(mx.exp(mx.abs(gate))).any().item()
     with pytest.raises(ValueError, match="glu"):
-        native.quant_matmul_heads(x, *weights, [4, 0], 32, 4, None, [], int8, glu=True)
+        native.quant_matmul_heads(x, *weights, [4, 0], 32, [4, 4], None, [], int8, glu=True)
 
 
 def test_the_attentions_merged_output_is_its_output_with_the_heads_side_by_side(isa: str):
@@ -922,6 +948,41 @@ def test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits(
     assert getattr(one_cache[0], "_idx", None) == getattr(separate_cache[0], "_idx", None)
 
 
+# Widths by projection as a GGUF's quant mix has them (q and gate Q4_K, k Q5_0, up Q5_K, v, down
+# and the embedding Q8_0, o 6 bits): each call of a layer mixes widths, 5 and 6 bits widened to 8
+# at load, 8 signed.
+MIXED_BITS = {"q_proj": 4, "k_proj": 5, "v_proj": 8, "o_proj": 6, "gate_proj": 4, "up_proj": 5}
+
+
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_layer_of_mixed_widths_is_one_primitive_with_the_separate_calls_bits(
+    tmp_path, monkeypatch, precision, rows
+):
+    """A model whose projections are quantized at different widths, as a GGUF's quant mix has
+    them: a decode step's layer is still one primitive, and gives the separate calls' logits to
+    the bit, on both precisions."""
+    model = tiny_model()
+    nn.quantize(
+        model,
+        class_predicate=lambda path, module: (
+            hasattr(module, "to_quantized")
+            and {"group_size": 32, "bits": MIXED_BITS.get(path.split(".")[-1], 8)}
+        ),
+    )
+    mx.eval(model.parameters())
+    assert install_packed_kernels(model, threads=2).enabled
+    set_cpu_precision(model, precision)
+    counted = step_products(model, tmp_path, rows)
+    assert counted["DecoderLayer"] == len(model.layers)
+    assert counted["QuantMatmulHeads"] == 0
+    one, _ = decode_steps(model, rows, BASE_ONLY, grow_by=5)
+    monkeypatch.setattr(fused, "layer_step", lambda *_: None)
+    separate, _ = decode_steps(model, rows, BASE_ONLY, grow_by=5)
+    for step, (got, want) in enumerate(zip(one, separate, strict=True)):
+        assert mx.array_equal(got, want).item(), step
+
+
 def test_a_precision_set_again_reaches_the_layer_primitive(packed, monkeypatch):
     """The layer primitive's arguments are gathered once a block and kept from step to step;
     a precision set again (new layouts of the codes, other products) is taken at the next step:
@@ -980,7 +1041,7 @@ def test_a_layer_step_that_does_not_fit_is_refused(packed):
             [p.weight for p in projections],
             [p.scales for p in projections],
             [p.biases for p in projections],
-            [4] * 4,
+            [p.bits for p in projections],
             [p.group_size for p in projections[:4]],
             [p.int8_activations for p in projections[:4]],
             layer.input_layernorm.weight,

@@ -76,7 +76,7 @@ struct CacheWrite {
 class DecoderLayer : public CpuPrimitive {
  public:
   struct Settings {
-    int bits[kCalls], group[kCalls];
+    int bits[kProjections], group[kCalls];
     bool int8[kCalls];
     int heads, kv_heads, at;
     float scale, eps1, eps2;
@@ -85,7 +85,7 @@ class DecoderLayer : public CpuPrimitive {
     std::vector<int> slots;  // each projection's LoRA slot (-1: none), or empty
 
     bool operator==(const Settings& o) const {
-      return std::equal(bits, bits + kCalls, o.bits) &&
+      return std::equal(bits, bits + kProjections, o.bits) &&
              std::equal(group, group + kCalls, o.group) &&
              std::equal(int8, int8 + kCalls, o.int8) && heads == o.heads &&
              kv_heads == o.kv_heads && at == o.at && scale == o.scale && eps1 == o.eps1 &&
@@ -112,7 +112,7 @@ class DecoderLayer : public CpuPrimitive {
       for (int j = 0; j < kWeights[c]; j++, p++) {
         const int at = 1 + 3 * p;
         const int heads = c == 0 ? (p == 0 ? s.heads : s.kv_heads) : 0;
-        calls[c].add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], widths[c], s.bits[c],
+        calls[c].add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], widths[c], s.bits[p],
                                    s.group[c], "decoder_layer"),
                      inputs[at].shape(0), heads);
         if (!s.slots.empty()) calls[c].slots.push_back(s.slots[p]);
@@ -182,10 +182,10 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
                         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
                         std::shared_ptr<RowPlan> plan, std::vector<int> slots) {
   check_shape(ws.size() == kProjections && scales.size() == kProjections &&
-                  biases.size() == kProjections && bits.size() == kCalls &&
+                  biases.size() == kProjections && bits.size() == kProjections &&
                   groups.size() == kCalls && int8.size() == kCalls &&
                   (slots.empty() || slots.size() == kProjections),
-              "the weights, scales and biases of q, k, v, o, gate, up and down, and the bits, "
+              "the weights, scales, biases and bits of q, k, v, o, gate, up and down, and the "
               "groups and int8 of their four calls");
   check_shape(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(1) == 1 && x.shape(2) > 0,
               "x float32 [B, 1, D]");
@@ -215,11 +215,12 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
   std::vector<mx::array> inputs{x};
   for (int p = 0; p < kProjections; p++) {
     const int c = call_of[p];
-    check_packed(inputs_of[p], ws[p], scales[p], biases[p], groups[c], bits[c], int8[c]);
+    check_packed(inputs_of[p], ws[p], scales[p], biases[p], groups[c], bits[p], int8[c]);
     check_shape(ws[p].shape(0) == rows[p],
                 "q [H * Dk], k [Hkv * Dk], v [Hkv * Dv], o [D], gate and up [F], down [D] rows");
-    if (p > 0 && call_of[p - 1] == c)
-      check_shape(ws[p].dtype() == ws[p - 1].dtype(), "one layout of codes a call");
+    if (p > 0 && call_of[p - 1] == c && int8[c])
+      check_shape(reads_halves(ws[p], bits[p]) == reads_halves(ws[p - 1], bits[p - 1]),
+                  "one order of x's int8 codes a call: MLX's 4-bit packing for all or none");
     if (!slots.empty() && slots[p] >= 0)
       check_plan("decoder_layer", B, inputs_of[p], rows[p], *plan, slots[p]);
     check_shape(!int8[c] || inputs_of[p] <= 65536, "inputs up to 65536 wide on int8 activations");
@@ -227,8 +228,8 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
   }
   inputs.insert(inputs.end(), {norm1, norm2, keys, values, mask, positions});
   DecoderLayer::Settings settings{};
-  for (int c = 0; c < kCalls; c++)
-    settings.bits[c] = bits[c], settings.group[c] = groups[c], settings.int8[c] = int8[c];
+  std::copy_n(bits.begin(), kProjections, settings.bits);
+  for (int c = 0; c < kCalls; c++) settings.group[c] = groups[c], settings.int8[c] = int8[c];
   settings.heads = heads, settings.kv_heads = kv_heads, settings.at = at;
   settings.scale = scale, settings.eps1 = eps1, settings.eps2 = eps2;
   settings.rope = Rope{rope_dims, rope_traditional, rope_base, rope_scale};

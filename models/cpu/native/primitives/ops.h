@@ -21,8 +21,8 @@ mx::array rows_matmul_lora(const mx::array& x, const mx::array& w, const mx::arr
 
 // primitives/quant_matmul.cpp: x @ dequantize(w, scales, biases).T for MLX's affine-quantized
 // weights, any number of rows; with each row's own adapters at a LoRA slot (a plan's); several
-// weights of one input as one primitive. `int8`: x's rows quantized to int8 in blocks of 32 and
-// integer products (kernels/int8_matmul.h), else float32 products.
+// weights of one input as one primitive (each of its own bits). `int8`: x's rows quantized to int8
+// in blocks of 32 and integer products (kernels/int8_matmul.h), else float32 products.
 mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                        const mx::array& biases, int group_size, int bits, bool int8);
 mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -30,13 +30,14 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
                               std::shared_ptr<RowPlan> plan, int slot, bool int8);
 std::vector<mx::array> quant_matmul_heads(
     const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
-    const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size, int bits,
-    std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
+    const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size,
+    const std::vector<int>& bits, std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
     std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
     float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps, bool glu);
 
 // primitives/decoder_layer.cpp: one decode step (x [B, 1, D]) of a llama decoder layer whose
-// q, k, v, o, gate, up and down projections are packed (their four calls' bits, groups and int8),
+// q, k, v, o, gate, up and down projections are packed (each one's bits; their four calls'
+// groups and int8),
 // with its norms, RoPE, KV cache (this step's keys and values written at `at`), attention and
 // residual stream, to the bits of the primitives that compute each part alone; returns the
 // layer's output, and makes `keys` and `values` the cache's arrays after the write, in place, as

@@ -99,8 +99,17 @@ class PackedProducts {
 void check_packed(int K, const mx::array& w, const mx::array& scales, const mx::array& biases,
                   int group, int bits, bool int8);
 
-// One call of products of several packed weights of one quantization on one input x [B, L, K]
-// (M = B * L rows), as QuantMatmulHeads' task computes it: x's rows first normalized where a norm
+// Whether a packed weight's integer products read x's int8 codes evens first, then odds
+// (`halves_first`): MLX's 4-bit packing, not interleaved.
+inline bool reads_halves(const mx::array& w, int bits) {
+  return bits == 4 && w.dtype() == mx::uint32;
+}
+
+// One call of products of several packed weights on one input x [B, L, K] (M = B * L rows), as
+// QuantMatmulHeads' task computes it. Each weight has its own bits, layout of codes and dtype of
+// scales (a GGUF's K-quant mix); they share a group size and a precision, and on int8
+// activations, quantized once for all of them, one order of x's codes (`reads_halves`). x's
+// rows are first normalized where a norm
 // is given, each output's residuals where it has a LoRA slot, then the outputs laid out as heads
 // ([B, H, L, D]) and rotated, or, with `glu`, one output SiLU(gate) * up. The weights' operands
 // are resolved (`packed_weight`) where the call is built; `run` reads x and the norm's weight

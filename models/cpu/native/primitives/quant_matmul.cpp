@@ -185,11 +185,11 @@ class QuantMatmulHeads : public CpuPrimitive {
  public:
   // slots[j]: output j's LoRA slot, whose residuals `plan` adds (-1: none; slots is empty when
   // no output has one).
-  QuantMatmulHeads(mx::Stream stream, int bits, int group, std::vector<int> heads,
+  QuantMatmulHeads(mx::Stream stream, std::vector<int> bits, int group, std::vector<int> heads,
                    std::shared_ptr<const RowPlan> plan, std::vector<int> slots, bool int8,
                    Rope rope, int roped, std::optional<float> norm_eps, bool glu)
       : CpuPrimitive(stream),
-        bits_(bits),
+        bits_(std::move(bits)),
         group_(group),
         heads_(std::move(heads)),
         plan_(std::move(plan)),
@@ -210,7 +210,7 @@ class QuantMatmulHeads : public CpuPrimitive {
     HeadsProducts call;
     for (int j = 0; j < count; j++) {
       const int at = 1 + 3 * j;
-      call.add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], K, bits_, group_,
+      call.add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], K, bits_[j], group_,
                              "quant_matmul_heads"),
                inputs[at].shape(0), heads_[j]);
     }
@@ -243,7 +243,7 @@ class QuantMatmulHeads : public CpuPrimitive {
   }
 
  private:
-  int bits_;
+  std::vector<int> bits_;  // each weight's
   int group_;
   std::vector<int> heads_;
   std::shared_ptr<const RowPlan> plan_;
@@ -341,23 +341,24 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
       {x, w, scales, biases});
 }
 
-// `quant_matmul` of x [B, L, K] by each of `ws` (w, scales, biases triplets, one quantization)
-// as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L, N_j] for heads 0,
-// plus each row's own adapters' residuals at slots[j] where `plan` is given and slots[j] >= 0
-// (slots: one for each output, or empty); the first `roped` outputs rotated by `rope` at
-// positions offset[b] + l (offset: int32, one per row or one for all); with a `norm` weight [K],
+// `quant_matmul` of x [B, L, K] by each of `ws` (w, scales, biases triplets, each of its own
+// `bits`, one group size) as one primitive; output j is [B, heads[j], L, N_j / heads[j]], or [B, L,
+// N_j] for heads 0, plus each row's own adapters' residuals at slots[j] where `plan` is given and
+// slots[j] >= 0 (slots: one for each output, or empty); the first `roped` outputs rotated by `rope`
+// at positions offset[b] + l (offset: int32, one per row or one for all); with a `norm` weight [K],
 // x's rows normalized first as rms_norm_rows(x, norm, norm_eps) does, to its bits; with `glu`
 // (two outputs of one width, no heads), one output [B, L, N]: SiLU(first) * second (`swiglu`).
 std::vector<mx::array> quant_matmul_heads(
     const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
-    const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size, int bits,
-    std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
+    const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size,
+    const std::vector<int>& bits, std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
     std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
     float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps, bool glu) {
   if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
-      heads.size() != ws.size() || (!slots.empty() && slots.size() != ws.size()))
+      heads.size() != ws.size() || bits.size() != ws.size() ||
+      (!slots.empty() && slots.size() != ws.size()))
     throw std::invalid_argument(
-        "quant_matmul_heads: expected as many weights, scales, biases, heads and slots (or "
+        "quant_matmul_heads: expected as many weights, scales, biases, heads, bits and slots (or "
         "none), at least one");
   if (x.ndim() != 3) throw std::invalid_argument("quant_matmul_heads: expected x [B, L, K]");
   check_int8(x, int8);
@@ -366,10 +367,11 @@ std::vector<mx::array> quant_matmul_heads(
   std::vector<mx::Shape> shapes;
   const int B = x.shape(0), L = x.shape(1);
   for (size_t j = 0; j < ws.size(); j++) {
-    check_quantized(x, ws[j], scales[j], biases[j], group_size, bits, int8);
-    if (ws[j].dtype() != ws[0].dtype())
+    check_quantized(x, ws[j], scales[j], biases[j], group_size, bits[j], int8);
+    if (int8 && reads_halves(ws[j], bits[j]) != reads_halves(ws[0], bits[0]))
       throw std::invalid_argument(
-          "quant_matmul_heads: the weights must share a layout (all interleaved or none)");
+          "quant_matmul_heads: on int8 activations the weights must read x's codes in one order: "
+          "MLX's 4-bit packing for all of them or for none");
     const int N = ws[j].shape(0), H = heads[j];
     if (H < 0 || (H > 0 && N % H != 0))
       throw std::invalid_argument("quant_matmul_heads: heads must divide the weight's rows");
