@@ -696,6 +696,25 @@ def test_gate_and_up_together_give_mlx_lms_swiglu_of_their_products_bits(
         native.quant_matmul_heads(x, *weights, [4, 0], 32, [4, 4], None, [], int8, glu=True)
 
 
+def test_the_products_activation_is_mlx_lms_swiglu_through_exps_whole_range(isa: str):
+    """Gate values swept densely from -130 to 130, through where MLX's exp overflows or
+    underflows (|x| > 88) and the band just inside it: the one output of gate and up together
+    is mlx_lm's swiglu of the two products, to the bit, each value's bits whatever the vector
+    width and the threads' split."""
+    layers = [quantized(96, 128, 4, 32, mx.float16, seed=n)[:3] for n in (5, 6)]
+    weights = [[layer[i] for layer in layers] for i in range(3)]
+    x0 = mx.random.normal((1, 1, 128), key=mx.random.key(8))
+    gate0 = native.quant_matmul(x0, *layers[0], 32, 4)
+    x = x0 * (130.0 / mx.abs(gate0).max()) * mx.linspace(-1.0, 1.0, 513).reshape(-1, 1, 1)
+    gate, up = native.quant_matmul_heads(x, *weights, [0, 0], 32, [4, 4])
+    (got,) = native.quant_matmul_heads(x, *weights, [0, 0], 32, [4, 4], glu=True)
+    assert mx.array_equal(got, llama.swiglu(gate, up)).item()
+    magnitude = mx.abs(gate)
+    assert (magnitude > 100).sum().item() > 100  # exp past float32's range
+    # Between MLX's cut-off (88) and where float32's exp overflows (88.72): the cut-off's own.
+    assert ((magnitude > 88.0) & (magnitude < 88.73)).sum().item() > 10
+
+
 def test_the_attentions_merged_output_is_its_output_with_the_heads_side_by_side(isa: str):
     keys = mx.random.split(mx.random.key(11), 3)
     q = mx.random.normal((2, 4, 3, 16), key=keys[0])

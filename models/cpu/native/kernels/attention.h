@@ -1,6 +1,7 @@
 // The attention of a row's query tokens and the softmax of scores, written once for every ISA:
 // included inside an ISA's namespace, under its target, after its traits (`Isa`,
-// kernels/isa/*.h); each inclusion is another ISA, so no include guard. Each score, sum and
+// kernels/isa/*.h) and kernels/activations.h (`exp_poly`); each inclusion is another ISA, so no
+// include guard. Each score, sum and
 // weighted value is taken in a fixed order, so a row's result does not depend on the others.
 
 // The attention of a row's query tokens, for the G query heads that share a KV head
@@ -95,34 +96,6 @@ inline void group_values(const float* p, int64_t p_token, int S, const float* v,
         std::copy(lanes, lanes + n, out + t * out_token + static_cast<int64_t>(g) * Dv + d);
       }
   }
-}
-
-// MLX's exp on the CPU (`mlx/backend/cpu/simd/math.h`): 2^(x log2 e), the fraction by a
-// polynomial, the integer part in the exponent bits. A copy rather than MLX's header function:
-// built here under the ISA's target, its fused multiply-adds are instructions, where the
-// header's, built for baseline x86-64 as the RoPE needs them, are libm calls (the attention
-// took twice as long with them).
-inline float exp_poly(float in) {
-  const float clamped = std::clamp(in, -100.0f, 100.0f);  // the integer part stays an int
-  const float x2 = clamped * 1.442695f;
-  // MLX adds the double 0.5 (its scalar arithmetic promotes): a float sum rounds differently.
-  const float ipart = static_cast<float>(std::floor(static_cast<double>(x2) + 0.5));
-  const float fpart = x2 - ipart;
-  float x = 1.535336188319500e-4f;
-  x = std::fma(x, fpart, 1.339887440266574e-3f);
-  x = std::fma(x, fpart, 9.618437357674640e-3f);
-  x = std::fma(x, fpart, 5.550332471162809e-2f);
-  x = std::fma(x, fpart, 2.402264791363012e-1f);
-  x = std::fma(x, fpart, 6.931472028550421e-1f);
-  x = std::fma(x, fpart, 1.000000000000000f);
-  const int32_t bits = (static_cast<int32_t>(ipart) + 127) << 23;
-  float power;
-  std::memcpy(&power, &bits, sizeof power);
-  // Selects, not branches: a loop of these vectorizes (with -fno-trapping-math).
-  const float value = power * x;
-  const float low = in < -88.0f ? 0.0f : value;
-  const float high = in > 88.0f ? std::numeric_limits<float>::infinity() : low;
-  return std::isnan(in) ? in : high;
 }
 
 // Each row of scores [G, S] replaced by its softmax: exp(s - max) * (1 / sum), as MLX's precise

@@ -3,6 +3,7 @@
 // never on the kernel, the other rows or the threads.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -33,8 +34,8 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
   float* d = const_cast<float*>(out.d);
   for (int b = 0; b < K / 32; b++) {
     const float* xb = x + static_cast<size_t>(b) * 32;
-    float largest = 0.0f;
-    for (int i = 0; i < 32; i++) largest = std::fmax(largest, std::fabs(xb[i]));
+    float largest = 0.0f;  // std::max: fmax's value here (a NaN left out), without a libm call
+    for (int i = 0; i < 32; i++) largest = std::max(largest, std::fabs(xb[i]));
     const float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
     d[b] = scale;
     int8_t* qb = q + static_cast<size_t>(b) * 32;

@@ -17,6 +17,7 @@ struct Kernel {
   Range range;
   Attend attend;
   Softmax softmax;
+  Glu swiglu;
   QuantRange quant;
   Int8Range int8;        // the quantized product on int8 activations (kernels/int8_matmul.h)
   Int8Range int8_rows8;  // the same for rows interleaved by eight; null: none
@@ -28,11 +29,11 @@ struct Kernel {
 
 // An ISA's entry from its namespace's kernels (kernels/*.h built there), named `isa` and run
 // where `supported()` finds the CPU's features: what each kernels/isa/<name>.cpp returns.
-#define HOTLORA_KERNEL(isa, supported)                                                    \
-  Kernel {                                                                                \
-    isa, supported, rows_matmul_range, attend, softmax_rows, quant_matmul_range,          \
-        int8_matmul_range, int8_rows8_entry(), add_residuals<float>, low_rank_row<float>, \
-        add_residuals<uint16_t>, low_rank_row<uint16_t>                                   \
+#define HOTLORA_KERNEL(isa, supported)                                                        \
+  Kernel {                                                                                    \
+    isa, supported, rows_matmul_range, attend, softmax_rows, swiglu_rows, quant_matmul_range, \
+        int8_matmul_range, int8_rows8_entry(), add_residuals<float>, low_rank_row<float>,     \
+        add_residuals<uint16_t>, low_rank_row<uint16_t>                                       \
   }
 
 // Each ISA's entry, in kernels/isa/<name>.cpp; on another architecture it is not defined.

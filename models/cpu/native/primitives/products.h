@@ -19,7 +19,6 @@
 #include "kernels/table.h"
 #include "lora_plans.h"
 #include "mlx/array.h"
-#include "mlx/backend/cpu/simd/math.h"
 #include "primitives/rope.h"
 #include "thread_pool.h"
 
@@ -40,14 +39,6 @@ inline Quantized packed_weight(const mx::array& w, const mx::array& scales, cons
   return Quantized{
       w.data<uint32_t>(),   scales.data<void>(), biases.data<void>(), K, bits, group, dtype, rows8,
       w.dtype() == mx::int8};
-}
-
-// mlx_lm's swiglu, SiLU(gate) * up: MLX's Sigmoid (1 / (1 + exp(|x|)), then 1 - that for x >= 0,
-// with MLX's own exp), gate times it, times up: one rounding an operation, MLX's bits.
-inline float swiglu(float gate, float up) {
-  const float y = 1.0f / (1.0f + mx::simd::exp(mx::simd::Simd<float, 1>(std::abs(gate))).value);
-  const float sigmoid = gate < 0.0f ? y : 1.0f - y;
-  return (gate * sigmoid) * up;
 }
 
 // A tile in L1 for the few rows of a decode step; larger ones (L2) for a prompt's many.

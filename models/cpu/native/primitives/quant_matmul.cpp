@@ -16,7 +16,6 @@
 #include "kernels/quant_types.h"
 #include "kernels/quantize_rows.h"
 #include "lora_plans.h"
-#include "mlx/backend/cpu/simd/math.h"
 #include "mlx/ops.h"
 #include "primitives/common.h"
 #include "primitives/ops.h"
@@ -296,9 +295,13 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
       },
       8);
   if (!residuals.empty()) residuals.residuals();
-  if (glu) {  // the one output: SiLU(gate) * up
-    const size_t n = static_cast<size_t>(M) * widths[0];
-    for (size_t i = 0; i < n; i++) outs[0][i] = swiglu(products[0][i], products[1][i]);
+  if (glu) {  // the one output: SiLU(gate) * up, each value's own bits whatever the split
+    parallel_rows(
+        M * widths[0], 1024,
+        [&](int i0, int i1) {
+      kernel->swiglu(products[0] + i0, products[1] + i0, outs[0] + i0, i1 - i0);
+        },
+        16);
     return;
   }
   for (int j = 0; j < count; j++) {

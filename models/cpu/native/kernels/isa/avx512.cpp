@@ -7,6 +7,7 @@
 #if defined(__x86_64__)
 HOTLORA_AVX512_TARGET
 namespace hotlora::avx512 {
+#include "kernels/activations.h"
 #include "kernels/attention.h"
 #include "kernels/int8_matmul.h"
 #include "kernels/lora_gather.h"

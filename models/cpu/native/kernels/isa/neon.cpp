@@ -8,6 +8,7 @@
 #if defined(__aarch64__)
 namespace hotlora::neon {
 
+#include "kernels/activations.h"
 #include "kernels/attention.h"
 #include "kernels/int8_matmul.h"
 #include "kernels/lora_gather.h"
