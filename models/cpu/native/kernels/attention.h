@@ -24,6 +24,18 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
                          const bool* visible, int64_t visible_step, int64_t token_step, int S,
                          float* scores, int64_t s_token) {
   const int full = D - D % Isa::kLanes;
+  // The scores' vectors of lanes, summed sixteen at a time (Isa::sums16: Isa::sum's bits, its
+  // additions in whole vectors) where each alone took a reduction of its own.
+  typename Isa::V pending[16];
+  float* into[16];
+  int count = 0;
+  const auto flush = [&] {
+    for (int i = count; i < 16; i++) pending[i] = Isa::zero();
+    float sums[16];
+    Isa::sums16(pending, sums);
+    for (int i = 0; i < count; i++) *into[i] = sums[i];
+    count = 0;
+  };
   for (int s = 0; s < S; s++) {
     bool seen[TN], any = false;
     for (int t = 0; t < TN; t++) {
@@ -54,10 +66,18 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
           acc[t][g] = Isa::fma(Isa::load_first(q + t * q_token + g * D + d, D - d), kv, acc[t][g]);
     }
     for (int t = 0; t < TN; t++)
-      for (int g = 0; g < GN; g++)
-        scores[t * s_token + static_cast<int64_t>(g) * S + s] =
-            seen[t] ? Isa::sum(acc[t][g]) : kLowest;
+      for (int g = 0; g < GN; g++) {
+        float* score = scores + t * s_token + static_cast<int64_t>(g) * S + s;
+        if (!seen[t]) {
+          *score = kLowest;
+          continue;
+        }
+        pending[count] = acc[t][g];
+        into[count++] = score;
+        if (count == 16) flush();
+      }
   }
+  if (count > 0) flush();
 }
 
 // out[t, g] = sum over the positions token t sees of p[t, g, s] * v[s], for TN tokens of GN
@@ -115,6 +135,35 @@ inline void softmax_rows(float* scores, int G, int S) {
   }
 }
 
+// Each row of scores [G, S] replaced by its softmax for `attend`: the largest score by vector
+// maxima (the same value in any order; a NaN score left out, as std::max leaves it), exp(s - max)
+// as softmax_rows takes it, their sum in the vector's lanes and then across them (Isa::sum), each
+// scaled by 1 / sum. One fixed order a row whatever its batch, without softmax_rows' running sums,
+// each waiting on the one before: within float32's rounding of MLX's softmax, not its bits.
+inline void attend_softmax(float* scores, int G, int S) {
+  using V = typename Isa::V;
+  const int full = S - S % Isa::kLanes;
+  for (int g = 0; g < G; g++) {
+    float* row = scores + static_cast<size_t>(g) * S;
+    V most = Isa::set1(kLowest);
+    for (int s = 0; s < full; s += Isa::kLanes) most = Isa::max(Isa::load(row + s), most);
+    float lanes[Isa::kLanes];
+    Isa::store(lanes, most);
+    float top = kLowest;
+    for (float lane : lanes) top = std::max(top, lane);
+    for (int s = full; s < S; s++) top = std::max(top, row[s]);
+    for (int s = 0; s < S; s++) row[s] = exp_poly(row[s] - top);
+    V total = Isa::zero();
+    for (int s = 0; s < full; s += Isa::kLanes) total = Isa::add(total, Isa::load(row + s));
+    if (full < S) total = Isa::add(total, Isa::load_first(row + full, S - full));
+    const float inverse = 1.0f / Isa::sum(total);
+    const V inv = Isa::set1(inverse);
+    for (int s = 0; s < full; s += Isa::kLanes)
+      Isa::store(row + s, Isa::mul(Isa::load(row + s), inv));
+    for (int s = full; s < S; s++) row[s] *= inverse;
+  }
+}
+
 // part(g0, GN) over the G query heads, GN of them (up to 4, a compile-time constant) at a time.
 template <typename Part>
 inline void by_heads(int G, Part part) {
@@ -157,7 +206,7 @@ inline void attend_token(const float* q, int G, int D, const float* k, int64_t k
   if (!sees_any(visible, visible_step, S)) {
     static const bool kEvery = true;
     std::fill(scores, scores + static_cast<size_t>(G) * S, kLowest);
-    softmax_rows(scores, G, S);
+    attend_softmax(scores, G, S);
     weigh_values(scores, G, S, v, v_step, Dv, &kEvery, 0, out);
     return;
   }
@@ -166,7 +215,7 @@ inline void attend_token(const float* q, int G, int D, const float* k, int64_t k
                                             visible, visible_step, 0, S,
                                             scores + static_cast<size_t>(g0) * S, 0);
   });
-  softmax_rows(scores, G, S);
+  attend_softmax(scores, G, S);
   weigh_values(scores, G, S, v, v_step, Dv, visible, visible_step, out);
 }
 
@@ -212,7 +261,7 @@ inline void attend(const float* q, int T, int G, int D, const float* k, int64_t 
                                                 S, scores + t0 * s_token + g0 * S, s_token);
     });
   });
-  softmax_rows(scores, T * G, S);
+  attend_softmax(scores, T * G, S);
   by_heads(G, [&](int g0, auto heads) {
     constexpr int GN = decltype(heads)::value;
     by_tokens<GN>(T, [&](int t0, auto tokens) {
