@@ -71,6 +71,8 @@ class Int8Rows {
         q_(static_cast<size_t>(M) * K),
         d_(static_cast<size_t>(M) * (K / 32)),
         sums_(static_cast<size_t>(M) * (K / group)) {}
+  Int8Rows(const Int8Rows&) = delete;
+  Int8Rows& operator=(const Int8Rows&) = delete;
   void quantize(int m0, int m1) {
     for (int m = m0; m < m1; m++)
       quantize_row(x_ + static_cast<size_t>(m) * K_, K_, group_, halves_,
@@ -82,8 +84,13 @@ class Int8Rows {
   const float* x_;
   int K_, group_;
   bool halves_;
-  std::vector<int8_t> q_;
-  std::vector<float> d_, sums_;
+  // Kept on the thread for its next rows (`Reused`).
+  struct Codes;
+  struct Scales;
+  struct Sums;
+  Reused<int8_t, Codes> q_;
+  Reused<float, Scales> d_;
+  Reused<float, Sums> sums_;
 };
 
 }  // namespace hotlora

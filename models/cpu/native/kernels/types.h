@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace hotlora {
 
@@ -36,6 +37,48 @@ constexpr int kRows8TileBytes = 256 << 10;
 inline void prefetch_ahead(const uint8_t* at, int bytes) {
   for (int line = 0; line < bytes; line += 64) __builtin_prefetch(at + line);
 }
+
+// Scratch of n values of T that stays with this thread from one call to the next (one buffer
+// for each `Tag`), or, while another holds that one, a buffer of its own. A prompt chunk's
+// scratch is megabytes, past the size from which glibc maps each allocation of its own (as
+// models/cpu/__init__.py sets it, so that freed memory goes back): made afresh at every call,
+// each of its pages was faulted in and zeroed again, a tenth of a prefill. Its values are
+// whatever the last call left: the caller writes before it reads.
+template <typename T, typename Tag>
+class Reused {
+ public:
+  explicit Reused(size_t n) {
+    Kept& kept = this_thread();
+    if (kept.busy) {
+      own_.resize(n);
+      data_ = own_.data();
+      return;
+    }
+    kept.busy = true;
+    if (kept.values.size() < n) kept.values.resize(n);
+    data_ = kept.values.data();
+    kept_ = &kept;
+  }
+  ~Reused() {
+    if (kept_ != nullptr) kept_->busy = false;
+  }
+  Reused(const Reused&) = delete;
+  Reused& operator=(const Reused&) = delete;
+  T* data() const { return data_; }
+
+ private:
+  struct Kept {
+    std::vector<T> values;
+    bool busy = false;
+  };
+  static Kept& this_thread() {
+    thread_local Kept kept;
+    return kept;
+  }
+  Kept* kept_ = nullptr;
+  std::vector<T> own_;
+  T* data_ = nullptr;
+};
 
 // One pair of operands of a sum of products: rows of x [M, k] and of w [N, k], row-major.
 struct Seg {

@@ -259,22 +259,29 @@ class QuantMatmulHeads : public CpuPrimitive {
 void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm, int M, int L,
                         int K, const std::vector<float*>& outs) const {
   const float* xp = x;
-  std::vector<float> normed;  // x's rows normalized, where a norm comes first
+  struct Normed;  // x's rows normalized, where a norm comes first
+  const Reused<float, Normed> normed(norm_eps ? static_cast<size_t>(M) * K : 0);
   if (norm_eps) {
-    normed.resize(static_cast<size_t>(M) * K);
     for (int m = 0; m < M; m++)
       rms_norm_row(x + static_cast<size_t>(m) * K, norm, K, *norm_eps,
                    normed.data() + static_cast<size_t>(m) * K);
     xp = normed.data();
   }
   const int count = static_cast<int>(weights.size());
-  // Where each product is written: its output, or a scratch [M, N_j] to lay out after.
-  std::vector<std::vector<float>> scratch(count);
-  std::vector<float*> products(count);
+  // Where each product is written: its output, or scratch [M, N_j] to lay out after (all of
+  // them in one buffer, kept on the thread).
+  size_t laid_out = 0;
   for (int j = 0; j < count; j++)
+    if (glu || (heads[j] > 0 && L > 1)) laid_out += static_cast<size_t>(M) * widths[j];
+  struct Products;
+  const Reused<float, Products> scratch(laid_out);
+  std::vector<float*> products(count);
+  std::vector<bool> in_scratch(count, false);
+  for (int j = 0, at = 0; j < count; j++)
     if (glu || (heads[j] > 0 && L > 1)) {
-      scratch[j].resize(static_cast<size_t>(M) * widths[j]);
-      products[j] = scratch[j].data();
+      products[j] = scratch.data() + static_cast<size_t>(at) * M;
+      at += widths[j];
+      in_scratch[j] = true;
     } else {
       products[j] = outs[j];
     }
@@ -305,12 +312,12 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
     return;
   }
   for (int j = 0; j < count; j++) {
-    if (scratch[j].empty()) continue;
+    if (!in_scratch[j]) continue;
     const int H = heads[j], N = widths[j], D = N / H, B = M / L;
     for (int b = 0; b < B; b++)  // [B, L, H, D] to [B, H, L, D]
       for (int l = 0; l < L; l++)
         for (int h = 0; h < H; h++)
-          std::copy_n(scratch[j].data() + (static_cast<size_t>(b) * L + l) * N + h * D, D,
+          std::copy_n(products[j] + (static_cast<size_t>(b) * L + l) * N + h * D, D,
                       outs[j] + ((static_cast<size_t>(b) * H + h) * L + l) * D);
   }
   for (int j = 0; j < roped; j++) {
