@@ -435,6 +435,31 @@ void check_attention_tokens(const Kernel& kernel, int T, int G, int D, int S, bo
   }
 }
 
+// A row's attention after `pad` hidden positions (a batch's left padding, which other rows set)
+// is the bits of its attention without them: the keys and values the same, their positions
+// shifted.
+void check_attention_padding(const Kernel& kernel, int G, int D, int S, int pad) {
+  const auto q = normal(static_cast<size_t>(G) * D);
+  const auto k = normal(static_cast<size_t>(S) * D), v = normal(static_cast<size_t>(S) * D);
+  const int padded = S + pad;
+  std::vector<float> k_pad(static_cast<size_t>(padded) * D, 1e30f), v_pad(k_pad.size(), 1e30f);
+  std::copy(k.begin(), k.end(), k_pad.begin() + static_cast<size_t>(pad) * D);
+  std::copy(v.begin(), v.end(), v_pad.begin() + static_cast<size_t>(pad) * D);
+  std::vector<char> visible(S, 1), visible_pad(padded, 0);
+  std::fill(visible_pad.begin() + pad, visible_pad.end(), 1);
+  std::vector<float> scores(static_cast<size_t>(G) * padded), out(static_cast<size_t>(G) * D),
+      out_pad(out.size());
+  kernel.attend(q.data(), 1, G, D, k.data(), D, v.data(), D, D,
+                reinterpret_cast<const bool*>(visible.data()), 1, 0, S, scores.data(), out.data());
+  kernel.attend(q.data(), 1, G, D, k_pad.data(), D, v_pad.data(), D, D,
+                reinterpret_cast<const bool*>(visible_pad.data()), 1, 0, padded, scores.data(),
+                out_pad.data());
+  for (size_t i = 0; i < out.size(); i++)
+    if (std::memcmp(&out[i], &out_pad[i], sizeof(float)) != 0)
+      fail(kernel.isa, "attention after hidden leading positions (M: heads, K: padding)", G, pad, S,
+           static_cast<int>(i) / D, static_cast<int>(i) % D, out_pad[i], out[i]);
+}
+
 // A float16 near v (its bits; truncated, normal or zero) and the float it holds exactly: the
 // kernels read float16 adapters as these floats.
 uint16_t to_half(float v) {
@@ -537,6 +562,9 @@ int main() {
       for (int D : {64, 7})
         for (int S : {1, 13, 300})
           for (int shown : {2, 1, 0}) check_attention(kernel, G, D, S, shown), checks++;
+    // Left padding of every size up to two vectors, on positions off the vectors' lanes.
+    for (int pad = 1; pad <= 33; pad++)
+      for (int S : {13, 100}) check_attention_padding(kernel, 3, 64, S, pad), checks++;
     // A prompt chunk's tokens together: each head count's tiles of tokens, then what is left.
     for (int T : {2, 3, 4, 7})
       for (int G : {1, 2, 3, 4, 5})

@@ -701,7 +701,8 @@ def test_the_products_activation_is_mlx_lms_swiglu_through_exps_whole_range(isa:
     underflows (|x| > 88) and the band just inside it: the one output of gate and up together
     is mlx_lm's swiglu of the two products, to the bit, each value's bits whatever the vector
     width and the threads' split."""
-    layers = [quantized(96, 128, 4, 32, mx.float16, seed=n)[:3] for n in (5, 6)]
+    # 97 outputs: each split of the values over the threads ends off the vectors' lanes too.
+    layers = [quantized(97, 128, 4, 32, mx.float16, seed=n)[:3] for n in (5, 6)]
     weights = [[layer[i] for layer in layers] for i in range(3)]
     x0 = mx.random.normal((1, 1, 128), key=mx.random.key(8))
     gate0 = native.quant_matmul(x0, *layers[0], 32, 4)

@@ -137,9 +137,13 @@ inline void softmax_rows(float* scores, int G, int S) {
 
 // Each row of scores [G, S] replaced by its softmax for `attend`: the largest score by vector
 // maxima (the same value in any order; a NaN score left out, as std::max leaves it), exp(s - max)
-// as softmax_rows takes it, their sum in the vector's lanes and then across them (Isa::sum), each
-// scaled by 1 / sum. One fixed order a row whatever its batch, without softmax_rows' running sums,
-// each waiting on the one before: within float32's rounding of MLX's softmax, not its bits.
+// as softmax_rows takes it, their sum in the vector's lanes (position s in lane s % kLanes) and
+// then across them by halving (lane i plus lane i + w, w = kLanes / 2, ..., 1), each scaled by
+// 1 / sum. A batch's left padding puts a row's positions after hidden ones, whose exponentials
+// are exact zeros: each lane's sum is the same, only the lanes rotate, and a halving tree adds
+// the same pairs in any rotation, so the row's bits do not depend on its padding. Within
+// float32's rounding of MLX's softmax, not its bits: softmax_rows' running sum waits on each
+// addition.
 inline void attend_softmax(float* scores, int G, int S) {
   using V = typename Isa::V;
   const int full = S - S % Isa::kLanes;
@@ -156,7 +160,11 @@ inline void attend_softmax(float* scores, int G, int S) {
     V total = Isa::zero();
     for (int s = 0; s < full; s += Isa::kLanes) total = Isa::add(total, Isa::load(row + s));
     if (full < S) total = Isa::add(total, Isa::load_first(row + full, S - full));
-    const float inverse = 1.0f / Isa::sum(total);
+    float part[Isa::kLanes];
+    Isa::store(part, total);
+    for (int w = Isa::kLanes / 2; w > 0; w /= 2)
+      for (int i = 0; i < w; i++) part[i] += part[i + w];
+    const float inverse = 1.0f / part[0];
     const V inv = Isa::set1(inverse);
     for (int s = 0; s < full; s += Isa::kLanes)
       Isa::store(row + s, Isa::mul(Isa::load(row + s), inv));

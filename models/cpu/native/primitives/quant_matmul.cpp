@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -394,6 +395,8 @@ std::vector<mx::array> quant_matmul_heads(
     throw std::invalid_argument(
         "quant_matmul_heads: glu takes a gate and an up of one width, without heads or rotation");
   if (glu) shapes = {mx::Shape{B, L, ws[0].shape(0)}};
+  if (glu && static_cast<int64_t>(B) * L * ws[0].shape(0) > std::numeric_limits<int>::max())
+    throw std::invalid_argument("quant_matmul_heads: glu's output holds at most 2^31 - 1 values");
   const Rope rope{rope_dims, rope_traditional, rope_base, rope_scale};
   if (roped < 0 || roped > static_cast<int>(ws.size()))
     throw std::invalid_argument("quant_matmul_heads: roped counts leading outputs");

@@ -37,7 +37,7 @@ struct Isa {  // 32 vector registers: up to 24 accumulators, the weight rows and
   static V set1(float a) { return _mm512_set1_ps(a); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }  // a dropped where NaN; b never NaN
   static V from_bytes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
   // The 32 codes of a chunk of packed weights as floats, in value order.
   template <int Bits>

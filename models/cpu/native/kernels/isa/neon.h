@@ -36,7 +36,7 @@ struct Isa {  // 32 vector registers, as AVX-512 has: its register blocks, of 4 
   static V set1(float a) { return vdupq_n_f32(a); }
   static V mul(V a, V b) { return vmulq_f32(a, b); }
   static V add(V a, V b) { return vaddq_f32(a, b); }
-  static V max(V a, V b) { return vmaxnmq_f32(a, b); }  // b where a is NaN
+  static V max(V a, V b) { return vmaxnmq_f32(a, b); }  // a dropped where NaN; b never NaN
   // The 32 codes of a chunk of packed weights as floats, in value order.
   template <int Bits>
   static void codes32(const uint8_t* bytes, V (&out)[8]) {
