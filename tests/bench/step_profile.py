@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from tests.bench.step_times import CONTEXT, _home, load
+from tests.bench.step_times import CONTEXT, load, settings_home
 
 ROWS = (1, 16)
 
@@ -182,7 +182,7 @@ def main() -> int:
         from hotlora.models.embedded import ensure_gguf_model
 
         model_dir = ensure_gguf_model(
-            model_dir, _home(), progress=lambda line: print(line, file=sys.stderr)
+            model_dir, settings_home(), progress=lambda line: print(line, file=sys.stderr)
         )
     models = {
         "fused": load("packed", args.threads, args.precision, model_dir),

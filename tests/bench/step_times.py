@@ -41,7 +41,7 @@ def load(
     from hotlora.models.loader import load_model_dir
 
     home = Path(tempfile.gettempdir()) / "hotlora-bench-home"
-    model = load_model_dir(model_dir or ensure_embedded_model(_home())).model
+    model = load_model_dir(model_dir or ensure_embedded_model(settings_home())).model
     setup = prepare_cpu(
         model,
         weights=PATHS[path],  # type: ignore[arg-type]
@@ -56,7 +56,7 @@ def load(
     return model
 
 
-def _home() -> Path:
+def settings_home() -> Path:
     from hotlora.config.settings import Settings
 
     return Settings().home

@@ -1,8 +1,8 @@
 // The attention of a row's query tokens and the softmax of scores, written once for every ISA:
 // included inside an ISA's namespace, under its target, after its traits (`Isa`,
 // kernels/isa/*.h) and kernels/activations.h (`exp_poly`); each inclusion is another ISA, so no
-// include guard. Each score, sum and
-// weighted value is taken in a fixed order, so a row's result does not depend on the others.
+// include guard. Each score, sum and weighted value is taken in a fixed order, so a row's result
+// does not depend on the others.
 
 // The attention of a row's query tokens, for the G query heads that share a KV head
 // (`attend`, below). Scores of the keys a row does not see are the lowest float, as MLX's

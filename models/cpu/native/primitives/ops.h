@@ -37,11 +37,10 @@ std::vector<mx::array> quant_matmul_heads(
 
 // primitives/decoder_layer.cpp: one decode step (x [B, 1, D]) of a llama decoder layer whose
 // q, k, v, o, gate, up and down projections are packed (each one's bits; their four calls'
-// groups and int8),
-// with its norms, RoPE, KV cache (this step's keys and values written at `at`), attention and
-// residual stream, to the bits of the primitives that compute each part alone; returns the
-// layer's output, and makes `keys` and `values` the cache's arrays after the write, in place, as
-// `keys[...] = k` makes them.
+// groups and int8), with its norms, RoPE, KV cache (this step's keys and values written at
+// `at`), attention and residual stream, to the bits of the primitives that compute each part
+// alone; returns the layer's output, and makes `keys` and `values` the cache's arrays after the
+// write, in place, as `keys[...] = k` makes them.
 mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
                         const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
                         const std::vector<int>& bits, const std::vector<int>& groups,

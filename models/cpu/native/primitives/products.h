@@ -100,11 +100,10 @@ inline bool reads_halves(const mx::array& w, int bits) {
 // QuantMatmulHeads' task computes it. Each weight has its own bits, layout of codes and dtype of
 // scales (a GGUF's K-quant mix); they share a group size and a precision, and on int8
 // activations, quantized once for all of them, one order of x's codes (`reads_halves`). x's
-// rows are first normalized where a norm
-// is given, each output's residuals where it has a LoRA slot, then the outputs laid out as heads
-// ([B, H, L, D]) and rotated, or, with `glu`, one output SiLU(gate) * up. The weights' operands
-// are resolved (`packed_weight`) where the call is built; `run` reads x and the norm's weight
-// where the task runs.
+// rows are first normalized where a norm is given, each output's residuals added where it has a
+// LoRA slot, then the outputs laid out as heads ([B, H, L, D]) and rotated, or, with `glu`, one
+// output SiLU(gate) * up. The weights' operands are resolved (`packed_weight`) where the call is
+// built; `run` reads x and the norm's weight where the task runs.
 struct HeadsProducts {
   std::vector<Quantized> weights;
   std::vector<int> widths;      // each output's N

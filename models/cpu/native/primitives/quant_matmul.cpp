@@ -271,18 +271,17 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
   const int count = static_cast<int>(weights.size());
   // Where each product is written: its output, or scratch [M, N_j] to lay out after (all of
   // them in one buffer, kept on the thread).
+  const auto laid_out_after = [&](int j) { return glu || (heads[j] > 0 && L > 1); };
   size_t laid_out = 0;
   for (int j = 0; j < count; j++)
-    if (glu || (heads[j] > 0 && L > 1)) laid_out += static_cast<size_t>(M) * widths[j];
+    if (laid_out_after(j)) laid_out += static_cast<size_t>(M) * widths[j];
   struct Products;
   const Reused<float, Products> scratch(laid_out);
   std::vector<float*> products(count);
-  std::vector<bool> in_scratch(count, false);
   for (int j = 0, at = 0; j < count; j++)
-    if (glu || (heads[j] > 0 && L > 1)) {
+    if (laid_out_after(j)) {
       products[j] = scratch.data() + static_cast<size_t>(at) * M;
       at += widths[j];
-      in_scratch[j] = true;
     } else {
       products[j] = outs[j];
     }
@@ -313,7 +312,7 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
     return;
   }
   for (int j = 0; j < count; j++) {
-    if (!in_scratch[j]) continue;
+    if (!laid_out_after(j)) continue;
     const int H = heads[j], N = widths[j], D = N / H, B = M / L;
     for (int b = 0; b < B; b++)  // [B, L, H, D] to [B, H, L, D]
       for (int l = 0; l < L; l++)
