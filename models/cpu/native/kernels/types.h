@@ -130,7 +130,8 @@ using Attend = void (*)(const float* q, int T, int G, int D, const float* k, int
                         int64_t visible_step, int64_t token_step, int S, float* scores, float* out);
 // Each of G rows of S scores replaced by its softmax (kernels/attention.h).
 using Softmax = void (*)(float* scores, int G, int S);
-// out[i] = SiLU(gate[i]) * up[i] for n values, mlx_lm's swiglu (kernels/activations.h).
+// out[i] = SiLU(gate[i]) * up[i] for n values, mlx_lm's swiglu (kernels/activations.h); out may
+// be up, each value read before it is written.
 using Glu = void (*)(const float* gate, const float* up, float* out, int n);
 // out[:, n0:n1] of x @ dequantize(q).T, with `tile_floats` floats of scratch at `tile`
 // (kernels/quant_matmul.h).

@@ -270,8 +270,10 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
   }
   const int count = static_cast<int>(weights.size());
   // Where each product is written: its output, or scratch [M, N_j] to lay out after (all of
-  // them in one buffer, kept on the thread).
-  const auto laid_out_after = [&](int j) { return glu || (heads[j] > 0 && L > 1); };
+  // them in one buffer, kept on the thread). With `glu`, the gate goes to scratch and up to the
+  // one output, which SiLU(gate) * up then overwrites value by value: a prompt chunk's scratch
+  // is half the two products (tens of MB on a 1B model's MLP).
+  const auto laid_out_after = [&](int j) { return glu ? j == 0 : heads[j] > 0 && L > 1; };
   size_t laid_out = 0;
   for (int j = 0; j < count; j++)
     if (laid_out_after(j)) laid_out += static_cast<size_t>(M) * widths[j];
@@ -283,7 +285,7 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
       products[j] = scratch.data() + static_cast<size_t>(at) * M;
       at += widths[j];
     } else {
-      products[j] = outs[j];
+      products[j] = outs[glu ? 0 : j];
     }
   RowResiduals residuals(kernel, xp, M, K);
   for (size_t j = 0; j < slots.size(); j++)
@@ -306,7 +308,7 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
     parallel_rows(
         M * widths[0], 1024,
         [&](int i0, int i1) {
-      kernel->swiglu(products[0] + i0, products[1] + i0, outs[0] + i0, i1 - i0);
+      kernel->swiglu(products[0] + i0, outs[0] + i0, outs[0] + i0, i1 - i0);
         },
         16);
     return;
