@@ -189,6 +189,7 @@ class Runtime:
             home=self.settings.home,
             converting=self._converting,
             threads=self.settings.threads,
+            isa=self.settings.cpu_kernels_isa,
         )
         # What the load and the packing freed (tens of MB of glibc's heap on a 0.8B model) goes
         # back to the system before the first request, rather than staying resident under it.

@@ -67,7 +67,9 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKernels:
+def install_rows_kernels(
+    model: nn.Module, threads: int | None = None, isa: str = "auto"
+) -> RowsKernels:
     """Route the model's float projections (a tied output layer too) and attention through the
     native kernels for batched decode steps, and its norms and RoPEs for every float32 step.
     Changes the modules' classes in place; their weights are untouched. The reason names what
@@ -83,7 +85,7 @@ def install_rows_kernels(model: nn.Module, threads: int | None = None) -> RowsKe
     )
 
     threads = threads or default_threads()
-    loaded = extension.load(threads)
+    loaded = extension.load(threads, isa)
     if isinstance(loaded, str):
         return RowsKernels(False, loaded)
     swapped = swap_layers(model)
@@ -111,7 +113,10 @@ def _left_to_mlx(model: nn.Module, attention: list[str]) -> str:
 
 
 def install_packed_kernels(
-    model: nn.Module, threads: int | None = None, precision: CpuPrecision = "exact"
+    model: nn.Module,
+    threads: int | None = None,
+    precision: CpuPrecision = "exact",
+    isa: str = "auto",
 ) -> RowsKernels:
     """Route every call of the model's quantized layers (packed, 4 or 8 bits), its other float
     layers, norms, RoPEs and attention through the native kernels, whatever the rows and
@@ -131,7 +136,7 @@ def install_packed_kernels(
     from hotlora.models.cpu.weights import half_float_layers, to_packed, widened
 
     threads = threads or default_threads()
-    loaded = extension.load(threads)
+    loaded = extension.load(threads, isa)
     if isinstance(loaded, str):
         return RowsKernels(False, loaded)
     if count := widened(model):  # seconds on a large model: say what the wait is
@@ -234,11 +239,13 @@ def prepare_cpu(
     home: Path,
     converting: Converting | None = None,
     threads: int | None = None,
+    isa: str = "auto",
 ) -> CpuSetup:
     """Without a GPU: quantized weights kept packed for the native kernels, else float32 weights
     when they fit (`weights`, `float_budget`); MLX's fused CPU kernels built for this CPU and the
     attention that uses them (`vector_jit`); the native kernels (`batch_kernels`) on `threads`
-    threads (default: every core this process may run on), their packed products at `precision`
+    threads (default: every core this process may run on) with the vector instructions `isa`
+    (auto: the widest this CPU runs), their packed products at `precision`
     (`install_packed_kernels`), or exact where the fast path's recorded verdict on `model_dir`
     says it breaks its rule there (`fidelity.serving_precision`); at most `cache_bytes` of freed
     buffers kept by MLX for reuse, the rest given back to the system (None: MLX's and malloc's
@@ -290,7 +297,7 @@ def prepare_cpu(
     if choice.packed:
         if model_dir is not None:
             precision = serving_precision(precision, home, model_dir)
-        rows = install_packed_kernels(model, threads, precision)
+        rows = install_packed_kernels(model, threads, precision, isa)
         if rows.enabled:
             log.info("native kernels: %s", rows.reason)
             return CpuSetup(False, choice.reason, jit_reason, rows.reason, packed=True)
@@ -299,7 +306,7 @@ def prepare_cpu(
     if not all_float32(model):  # the batched decode kernels read float32 weights
         return CpuSetup(False, choice.reason, jit_reason, None)
     if batch_kernels:
-        rows = install_rows_kernels(model, threads)
+        rows = install_rows_kernels(model, threads, isa)
         rows_reason = rows.reason if rows.enabled else f"MLX's own (BLAS; {rows.reason})"
     else:
         rows_reason = "MLX's own (BLAS; --no-cpu-native-kernels)"

@@ -39,8 +39,11 @@ NATIVE = Path(__file__).with_name("native")
 _MODULE = "_rows_matmul"
 _BUILD_HINT = "`make setup` builds it"
 
+ISAS = tuple(MAX_ROWS)  # the kernels' instruction sets, widest first
+
 native: ModuleType | None = None  # the extension, once loaded and checked
 max_rows = 0  # the most rows of a batched decode step the kernels take, once loaded
+_widest: str | None = None  # the ISA the extension chose on its first load: the widest here
 
 
 def library_path() -> Path:
@@ -137,16 +140,26 @@ def build() -> Path:
     return target
 
 
-def load(threads: int) -> ModuleType | str:
-    """The extension on `threads` threads, checked on a small product, as `native`; else why it
-    cannot serve (and `native` stays as it was)."""
-    global native, max_rows
+def load(threads: int, isa: str = "auto") -> ModuleType | str:
+    """The extension on `threads` threads, its kernels of `isa` (one of `ISAS`; auto: as they
+    are, the widest this CPU runs unless a load chose another), checked on a small product, as
+    `native`; else why it cannot serve (and `native` stays as it was). Raises ValueError where
+    `isa` is named and this CPU lacks it: an operator's choice is not swapped for another."""
+    global native, max_rows, _widest
     if (reason := unavailable()) is not None:
         return reason
     try:
         loaded = importlib.import_module(f"{__package__}.{_MODULE}")
     except ImportError as exc:
         return f"not built ({exc}); {_BUILD_HINT}"
+    _widest = _widest or loaded.isa()
+    if isa != "auto" and isa not in ISAS:
+        raise ValueError(f"unknown kernels' ISA {isa!r}: expected auto or one of {', '.join(ISAS)}")
+    if isa != "auto" and not loaded.use_isa(isa):
+        raise ValueError(
+            f"--cpu-kernels-isa {isa}: this CPU lacks its instructions (the widest it runs is "
+            f"{_widest})"
+        )
     loaded.set_threads(threads)
     x = mx.random.normal((3, 40), key=mx.random.key(0))
     w = mx.random.normal((5, 40), key=mx.random.key(1))

@@ -26,6 +26,7 @@ A keeps 64 streams in flight, beside A's queued requests' first token.
                           [--cpu-prefill-tokens 1250] [--cpu-adapters 16]
                           [--cpu-adapter-dtype auto|float32|float16] [--cpu-rounds 1]
                           [--cpu-adapter-pairs 4] [--cpu-precisions fast,exact]
+                          [--cpu-isa auto|avx512vnni|avx512vbmi|avx512|avx2|neon]
                           [--cpu-cache DIR] [--scoring-docs 16] [--scoring-clients 8]
                           [--scoring-rounds 1] [--fairness-flood 64] [--fairness-rounds 5]
                           [--model DIR]
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from hotlora.models.cpu.extension import ISAS
 
 from tests.bench.adapter_decode import run_adapters
 from tests.bench.concurrency import QUESTIONS as CONCURRENT_QUESTIONS
@@ -304,6 +307,7 @@ def section_cpu(args: argparse.Namespace, model_dir: Path) -> SectionResult:
         rounds=args.cpu_rounds,
         adapter_pairs=args.cpu_adapter_pairs,
         precisions=tuple(args.cpu_precisions),
+        isa=args.cpu_isa,
         cache=args.cpu_cache,
     )
     out = run_cpu(args.home, server_env(args.home), options)
@@ -429,6 +433,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["fast", "exact"],
         help="hotlora's --cpu-precision values in section cpu, a run each (default: fast,exact; "
         "the adapters' rows run on the first).",
+    )
+    p.add_argument(
+        "--cpu-isa",
+        choices=["auto", *ISAS],
+        default="auto",
+        help="hotlora's --cpu-kernels-isa in section cpu: a narrower ISA than the CPU's widest "
+        "measures a CPU with only those instructions (set LLAMA_SERVER to a llama.cpp built "
+        "for the same ones).",
     )
     p.add_argument(
         "--cpu-adapter-pairs",

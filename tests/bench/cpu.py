@@ -89,6 +89,7 @@ class Options:
     rounds: int = 1
     adapter_pairs: int = 4  # timed pairs of adapter rows and base-only rows
     precisions: tuple[str, ...] = ("fast", "exact")  # hotlora's --cpu-precision, one run each
+    isa: str = "auto"  # hotlora's --cpu-kernels-isa
     cache: Path = Path(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir()) / "hotlora-bench"
 
 
@@ -465,6 +466,8 @@ def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
             str(adapter_root),
             "--adapter-dtype",
             options.adapter_dtype,
+            "--cpu-kernels-isa",
+            options.isa,
         ]
         slot_context = options.prefill_tokens + options.tokens + 256
         hotlora = _with_args(hotlora_bench_spec(model_dir), hot_args)
@@ -492,17 +495,20 @@ def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
     title = (
         f"cpu: hotlora against llama.cpp's server, {options.tokens} new tokens a row, greedy, "
         f"rows run to the end (medians of {options.rounds} round{'s' * (options.rounds > 1)}); "
-        f"{kernels_isa()}"
+        f"{kernels_isa(options.isa)}"
     )
     return CpuSection(title, lines)
 
 
-def kernels_isa() -> str:
-    """The vector instructions hotlora's native kernels run with here, and the CPU's model."""
+def kernels_isa(chosen: str = "auto") -> str:
+    """The vector instructions hotlora's native kernels run with here (`chosen`, or auto: the
+    widest this CPU runs), and the CPU's model."""
     from hotlora.models.cpu import extension
 
     loaded = extension.load(1)
     isa = loaded if isinstance(loaded, str) else loaded.isa()
+    if chosen != "auto":
+        isa = f"{chosen} (--cpu-kernels-isa; the CPU's widest: {isa})"
     model = next(
         (
             line.split(":", 1)[1].strip()

@@ -775,6 +775,56 @@ def test_a_model_quantized_otherwise_is_served_by_mlx(tmp_path: Path, quantize, 
     assert not any(isinstance(m, PackedLinear) for _, m in model.named_modules())
 
 
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_a_named_isa_serves_the_model_with_its_kernels_to_the_widest_ones_rounding(
+    tmp_path: Path, precision: str
+):
+    """`--cpu-kernels-isa avx2` on a wider CPU: the setup says avx2 and the batched step takes at
+    most avx2's rows; a prompt's and a batched step's logits are the widest kernels' to their
+    rounding (vectors of another width sum in another order)."""
+    widest = native.isa()
+    if widest == "avx2" or not native.use_isa("avx2"):
+        pytest.skip("needs a CPU wider than AVX2")
+    native.use_isa(widest)
+    tokens = mx.array([PROMPTS[0], PROMPTS[0][::-1], PROMPTS[0][2:] + [1, 2]])
+    got = {}
+    try:
+        for isa in ("avx2", widest):
+            model = tiny_model(quantize=True)
+            setup = prepare_cpu(
+                model,
+                weights="packed",
+                float_budget=None,
+                vector_jit=False,
+                batch_kernels=True,
+                precision=precision,  # type: ignore[arg-type]
+                home=tmp_path,
+                isa=isa,
+            )
+            assert setup.packed and f"({isa}, " in (setup.batch_kernels or ""), setup
+            assert native.isa() == isa and extension.max_rows == extension.MAX_ROWS[isa]
+            cache = [BatchKVCache([0] * 3) for _ in model.layers]
+            prompt = model(tokens, cache=cache)
+            step = model(mx.array([[7], [8], [9]]), cache=cache)
+            got[isa] = (prompt, step)
+            mx.eval(got[isa])
+    finally:
+        extension.load(2, widest)
+    for a, b in zip(got["avx2"], got[widest], strict=True):  # sums of other widths: rounding
+        assert mx.abs(a - b).max().item() <= 1e-5 * mx.abs(b).max().item()
+
+
+def test_an_isa_the_cpu_lacks_or_no_isa_at_all_is_refused_and_changes_nothing():
+    widest = native.isa()
+    lacking = "neon" if native.use_isa("avx2") else "avx512vnni"
+    native.use_isa(widest)
+    with pytest.raises(ValueError, match=f"--cpu-kernels-isa {lacking}: this CPU lacks"):
+        extension.load(2, lacking)
+    with pytest.raises(ValueError, match="unknown kernels' ISA 'sse4'"):
+        extension.load(2, "sse4")
+    assert native.isa() == widest
+
+
 # The model: the tiny llama quantized as mlx-lm's converter does (tied embeddings, 4 bits),
 # served packed, with adapters `a` and `b` mounted on it.
 
