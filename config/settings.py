@@ -160,10 +160,12 @@ class Settings(BaseSettings):
         default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."
     )
     cpu_cache_bytes: int = Field(
-        default=32 << 20,
+        default=0,
         ge=0,
         description="On a machine without a GPU: memory MLX keeps in freed buffers for reuse; "
-        "beyond it they go back to the system (MLX keeps up to its memory limit otherwise).",
+        "beyond it they go back to the system (MLX keeps up to its memory limit otherwise). "
+        "By default none: glibc's heap reuses the small ones, and keeping the large ones "
+        "bought no speed but held tens of MB more at peak.",
     )
     cpu_vector_jit: bool = Field(
         default=True,

@@ -155,14 +155,17 @@ def test_a_float32_model_directory_takes_the_batched_decode_kernels(tmp_path: Pa
     ]
 
 
-def test_freed_buffers_beyond_the_cache_bound_go_back_to_the_system(tmp_path: Path):
+@pytest.mark.parametrize("bound", [None, 4 << 20])
+def test_freed_buffers_beyond_the_cache_bound_go_back_to_the_system(
+    tmp_path: Path, bound: int | None
+):
     """MLX otherwise keeps every freed buffer up to its memory limit: the batch KV cache's old
-    copies stayed resident."""
+    copies stayed resident. By default (None: the setting's) it keeps none."""
     from hotlora.config.settings import Settings
 
     if weights.has_gpu():
         pytest.skip("the bound applies without a GPU")
-    bound = Settings().cpu_cache_bytes
+    bound = Settings().cpu_cache_bytes if bound is None else bound
     model = load_model_dir(write_tiny_llama(tmp_path / "tiny")).model
     before = mx.set_cache_limit(1 << 40)  # as large as MLX's own default, whatever it was
     try:
@@ -176,9 +179,10 @@ def test_freed_buffers_beyond_the_cache_bound_go_back_to_the_system(tmp_path: Pa
             home=tmp_path,
         )
         mx.clear_cache()
-        large = mx.zeros((bound,), dtype=mx.float32)  # four times the bound's bytes
-        mx.eval(large)
-        del large
+        small = mx.ones((256,), dtype=mx.float32)  # a step's own small buffers
+        large = mx.zeros((max(bound, 1 << 20),), dtype=mx.float32)  # 4 MiB or four times the bound
+        mx.eval(small, large)
+        del small, large
         assert mx.get_cache_memory() <= bound
     finally:
         mx.set_cache_limit(before)
