@@ -21,6 +21,10 @@ def _split(origins: str) -> list[str]:
     return [origin.strip() for origin in origins.split(",") if origin.strip()]
 
 
+# The native CPU kernels' instruction sets (models/cpu/extension.py's ISAS), widest first.
+KernelsIsa = Literal["auto", "avx512vnni", "avx512vbmi", "avx512", "avx2", "neon"]
+
+
 class Settings(BaseSettings):
     """Everything the app factory needs; built once per app, never at import time.
 
@@ -183,12 +187,13 @@ class Settings(BaseSettings):
         "attention takes one operation; every step's norms and RoPEs take one operation each, "
         "to MLX's bits. The old name cpu_batch_matmul still works, with a warning.",
     )
-    cpu_kernels_isa: Literal["auto", "avx512vnni", "avx512vbmi", "avx512", "avx2", "neon"] = Field(
+    cpu_kernels_isa: KernelsIsa = Field(
         default="auto",
-        description="The native kernels' vector instructions: auto, the widest this CPU runs; "
-        "a narrower one (avx2 on an AVX-512 machine, say) serves as a CPU with only those "
-        "would (its sums, in vectors of another width, round apart in the last bits; a row's "
-        "results still the same in any batch). Refused at start where this CPU lacks them.",
+        description="On a machine without a GPU: the native kernels' vector instructions: auto, "
+        "the widest this CPU runs; a narrower one (avx2 on an AVX-512 machine, say) serves as a "
+        "CPU with only those would (its sums, in vectors of another width, round apart in the "
+        "last bits; a row's results still the same in any batch). Refused at start where the "
+        "kernels cannot run them here.",
     )
     threads: int | None = Field(
         default=None,

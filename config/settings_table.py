@@ -35,7 +35,7 @@ def _default(name: str, field: FieldInfo) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, float):
         return f"`{value:g}`"
-    if isinstance(value, int) and name.endswith("_bytes"):
+    if isinstance(value, int) and value and name.endswith("_bytes"):
         for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
             if value % size == 0:
                 return f"`{value}` ({value // size} {unit})"

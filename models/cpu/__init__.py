@@ -250,6 +250,7 @@ def prepare_cpu(
     says it breaks its rule there (`fidelity.serving_precision`); at most `cache_bytes` of freed
     buffers kept by MLX for reuse, the rest given back to the system (None: MLX's and malloc's
     own ways). Logs which weights and kernels serve and why."""
+    from hotlora.models.cpu import extension
     from hotlora.models.cpu.attention import install_cpu_attention
     from hotlora.models.cpu.fidelity import serving_precision
     from hotlora.models.cpu.vector_jit import enable_vector_jit
@@ -261,6 +262,8 @@ def prepare_cpu(
         to_float32,
     )
 
+    if not has_gpu():  # an ISA the kernels cannot run here: refused before anything is loaded
+        extension.check_isa(isa)
     cuda = getattr(mx, "cuda", None)  # absent from older MLX releases
     log.info(
         "MLX device: %s (Metal: %s, CUDA: %s)",
@@ -282,8 +285,8 @@ def prepare_cpu(
         return CpuSetup(choice.float32, choice.reason, None, None)
     if cache_bytes is not None:
         # MLX keeps every freed buffer for reuse up to its memory limit: the batch KV cache's
-        # old copies each time it grows or loses rows, held resident long after. The buffers a
-        # step allocates and frees again are far smaller than this.
+        # old copies each time it grows or loses rows, held resident long after. By default it
+        # keeps none: glibc's heap reuses the small buffers a step allocates and frees again.
         mx.set_cache_limit(cache_bytes)
         _map_large_buffers()
     if vector_jit:

@@ -140,12 +140,36 @@ def build() -> Path:
     return target
 
 
+def check_isa(isa: str) -> None:
+    """Raises ValueError where `isa` (one of `ISAS`; auto passes) names kernels this machine
+    cannot run: an operator's choice is refused at start, not swapped for another."""
+    if isa == "auto":
+        return
+    if isa not in ISAS:
+        raise ValueError(f"unknown kernels' ISA {isa!r}: expected auto or one of {', '.join(ISAS)}")
+    if (reason := unavailable()) is not None:
+        raise ValueError(f"--cpu-kernels-isa {isa}: the native kernels do not run here ({reason})")
+    try:
+        module = importlib.import_module(f"{__package__}.{_MODULE}")
+    except ImportError as exc:
+        raise ValueError(f"--cpu-kernels-isa {isa}: not built ({exc}); {_BUILD_HINT}") from exc
+    active = module.isa()
+    runs = module.use_isa(isa)
+    module.use_isa(active)
+    if not runs:
+        raise ValueError(
+            f"--cpu-kernels-isa {isa}: this CPU lacks its instructions (the widest it runs is "
+            f"{_widest or active})"
+        )
+
+
 def load(threads: int, isa: str = "auto") -> ModuleType | str:
     """The extension on `threads` threads, its kernels of `isa` (one of `ISAS`; auto: as they
     are, the widest this CPU runs unless a load chose another), checked on a small product, as
     `native`; else why it cannot serve (and `native` stays as it was). Raises ValueError where
     `isa` is named and this CPU lacks it: an operator's choice is not swapped for another."""
     global native, max_rows, _widest
+    check_isa(isa)
     if (reason := unavailable()) is not None:
         return reason
     try:
@@ -153,21 +177,19 @@ def load(threads: int, isa: str = "auto") -> ModuleType | str:
     except ImportError as exc:
         return f"not built ({exc}); {_BUILD_HINT}"
     _widest = _widest or loaded.isa()
-    if isa != "auto" and isa not in ISAS:
-        raise ValueError(f"unknown kernels' ISA {isa!r}: expected auto or one of {', '.join(ISAS)}")
-    if isa != "auto" and not loaded.use_isa(isa):
-        raise ValueError(
-            f"--cpu-kernels-isa {isa}: this CPU lacks its instructions (the widest it runs is "
-            f"{_widest})"
-        )
+    active = loaded.isa()
+    if isa != "auto":
+        loaded.use_isa(isa)  # check_isa found it runs here
     loaded.set_threads(threads)
     x = mx.random.normal((3, 40), key=mx.random.key(0))
     w = mx.random.normal((5, 40), key=mx.random.key(1))
     try:
         ok = mx.allclose(loaded.rows_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item()
     except (TypeError, ValueError, RuntimeError) as exc:  # e.g. built against another MLX
+        loaded.use_isa(active)
         return f"unusable ({exc}); {_BUILD_HINT} again"
     if not ok:
+        loaded.use_isa(active)
         return f"gave wrong products on a check; {_BUILD_HINT} again"
     native, max_rows = loaded, MAX_ROWS[loaded.isa()]
     return loaded

@@ -48,10 +48,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import httpx
 
-from hotlora.models.cpu.extension import ISAS
+from hotlora.config.settings import KernelsIsa
 
 from tests.bench.adapter_decode import run_adapters
 from tests.bench.concurrency import QUESTIONS as CONCURRENT_QUESTIONS
@@ -436,7 +437,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--cpu-isa",
-        choices=["auto", *ISAS],
+        choices=get_args(KernelsIsa),
         default="auto",
         help="hotlora's --cpu-kernels-isa in section cpu: a narrower ISA than the CPU's widest "
         "measures a CPU with only those instructions (set LLAMA_SERVER to a llama.cpp built "

@@ -446,6 +446,11 @@ def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
     binary = ensure_llama_server(options.cache)
     most = max(options.streams)
     lines: list[str] = []
+    if options.isa != "auto" and not os.environ.get("LLAMA_SERVER"):
+        lines.append(
+            f"note: hotlora on --cpu-kernels-isa {options.isa} beside a llama.cpp built natively "
+            "(LLAMA_SERVER unset): not a comparison of like instructions"
+        )
     for name in options.models:
         label, model_dir, gguf = model_pair(name, home, options.cache)
         adapter_root = options.cache / "adapters" / model_dir.parent.name / model_dir.name

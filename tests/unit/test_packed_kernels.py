@@ -9,7 +9,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +23,7 @@ from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters
 from hotlora.adapters.backends import gathered
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.projections import find_targets, replace_module
+from hotlora.config.settings import KernelsIsa
 from hotlora.models.cpu import extension, fused, install_packed_kernels, prepare_cpu
 from hotlora.models.cpu.fused import (
     FusedAttention,
@@ -810,19 +811,42 @@ def test_a_named_isa_serves_the_model_with_its_kernels_to_the_widest_ones_roundi
             mx.eval(got[isa])
     finally:
         extension.load(2, widest)
-    for a, b in zip(got["avx2"], got[widest], strict=True):  # sums of other widths: rounding
-        assert mx.abs(a - b).max().item() <= 1e-5 * mx.abs(b).max().item()
+    # Sums of other widths: rounding; on int8 activations a last bit may also move a code.
+    tolerance = 1e-3 if precision == "fast" else 1e-5
+    for a, b in zip(got["avx2"], got[widest], strict=True):
+        assert mx.abs(a - b).max().item() <= tolerance * mx.abs(b).max().item()
 
 
-def test_an_isa_the_cpu_lacks_or_no_isa_at_all_is_refused_and_changes_nothing():
+def test_an_isa_the_cpu_lacks_or_no_isa_at_all_is_refused_and_changes_nothing(tmp_path: Path):
+    """Refused by the kernels' load, and by prepare_cpu before anything is loaded, whichever
+    weights and kernels were asked for."""
     widest = native.isa()
     lacking = "neon" if native.use_isa("avx2") else "avx512vnni"
     native.use_isa(widest)
-    with pytest.raises(ValueError, match=f"--cpu-kernels-isa {lacking}: this CPU lacks"):
-        extension.load(2, lacking)
-    with pytest.raises(ValueError, match="unknown kernels' ISA 'sse4'"):
-        extension.load(2, "sse4")
-    assert native.isa() == widest
+    model = tiny_model(quantize=True)
+    try:
+        with pytest.raises(ValueError, match=f"--cpu-kernels-isa {lacking}: this CPU lacks"):
+            extension.load(2, lacking)
+        with pytest.raises(ValueError, match="unknown kernels' ISA 'sse4'"):
+            extension.load(2, "sse4")
+        with pytest.raises(ValueError, match=f"--cpu-kernels-isa {lacking}: this CPU lacks"):
+            prepare_cpu(
+                model,
+                weights="float32",
+                float_budget=None,
+                vector_jit=False,
+                batch_kernels=False,
+                home=tmp_path,
+                isa=lacking,
+            )
+        assert native.isa() == widest
+        assert isinstance(model.layers[0].mlp.up_proj, nn.QuantizedLinear)  # nothing converted
+    finally:
+        extension.load(2, widest)
+
+
+def test_the_settings_name_the_kernels_isas():
+    assert get_args(KernelsIsa) == ("auto", *extension.ISAS)
 
 
 # The model: the tiny llama quantized as mlx-lm's converter does (tied embeddings, 4 bits),
