@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/types.h"
+#include "primitives/rms_norm.h"
 
 namespace hotlora {
 
@@ -60,11 +61,16 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
 inline bool halves_first(const Quantized& q) { return q.bits == 4 && !q.rows8; }
 
 // M rows of x [M, K] quantized, held for the products that read them: `quantize` fills rows
-// [m0, m1), so that threads may share the rows.
+// [m0, m1), so that threads may share the rows. With `norm` (its weight [K]) each row is
+// RMS-normalized first (rms_norm_row, the bits of a normalized copy), one row at a time on the
+// thread that quantizes it: no copy of all the normalized rows is made.
 class Int8Rows {
  public:
-  Int8Rows(const float* x, int M, int K, int group, bool halves)
+  Int8Rows(const float* x, int M, int K, int group, bool halves, const float* norm = nullptr,
+           float eps = 0.0f)
       : x_(x),
+        norm_(norm),
+        eps_(eps),
         K_(K),
         group_(group),
         halves_(halves),
@@ -74,14 +80,23 @@ class Int8Rows {
   Int8Rows(const Int8Rows&) = delete;
   Int8Rows& operator=(const Int8Rows&) = delete;
   void quantize(int m0, int m1) {
-    for (int m = m0; m < m1; m++)
-      quantize_row(x_ + static_cast<size_t>(m) * K_, K_, group_, halves_,
-                   rows().row(m, K_, group_));
+    thread_local std::vector<float> normed;
+    if (norm_) normed.resize(K_);
+    for (int m = m0; m < m1; m++) {
+      const float* x = x_ + static_cast<size_t>(m) * K_;
+      if (norm_) {
+        rms_norm_row(x, norm_, K_, eps_, normed.data());
+        x = normed.data();
+      }
+      quantize_row(x, K_, group_, halves_, rows().row(m, K_, group_));
+    }
   }
   QuantizedRows rows() const { return {q_.data(), d_.data(), sums_.data()}; }
 
  private:
   const float* x_;
+  const float* norm_;
+  float eps_;
   int K_, group_;
   bool halves_;
   // Kept on the thread for its next rows (`Reused`).

@@ -50,12 +50,13 @@ inline int tile_floats(int M) { return M <= 16 ? 8192 : 32768; }
 // that follows.
 class PackedProducts {
  public:
-  // `halves`: the weights' products read x's int8 codes evens first (`halves_first`).
+  // `halves`: the weights' products read x's int8 codes evens first (`halves_first`). `norm`
+  // (int8 only): x's rows RMS-normalized by it as they are quantized (Int8Rows).
   PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, bool int8,
-                 bool halves)
+                 bool halves, const float* norm = nullptr, float eps = 0.0f)
       : kernel_(kernel), x_(x), M_(M) {
     if (!int8) return;
-    rows_.emplace(x, M, K, group, halves);
+    rows_.emplace(x, M, K, group, halves, norm, eps);
     parallel_rows(
         M, 8, [this](int m0, int m1) { rows_->quantize(m0, m1); }, 1);
   }

@@ -259,10 +259,14 @@ class QuantMatmulHeads : public CpuPrimitive {
 
 void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm, int M, int L,
                         int K, const std::vector<float*>& outs) const {
+  // x's rows normalized, where a norm comes first: into scratch where float rows are read (the
+  // float products, the LoRA's activations), else each row as it is quantized to int8.
+  const bool lora = plan && std::any_of(slots.begin(), slots.end(), [](int s) { return s >= 0; });
+  const bool floats = norm_eps && (!int8 || lora);
   const float* xp = x;
-  struct Normed;  // x's rows normalized, where a norm comes first
-  const Reused<float, Normed> normed(norm_eps ? static_cast<size_t>(M) * K : 0);
-  if (norm_eps) {
+  struct Normed;
+  const Reused<float, Normed> normed(floats ? static_cast<size_t>(M) * K : 0);
+  if (floats) {
     for (int m = 0; m < M; m++)
       rms_norm_row(x + static_cast<size_t>(m) * K, norm, K, *norm_eps,
                    normed.data() + static_cast<size_t>(m) * K);
@@ -291,8 +295,9 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
   for (size_t j = 0; j < slots.size(); j++)
     if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
   if (!residuals.empty()) residuals.activations();
-  const PackedProducts packed(kernel, xp, M, K, group, int8,
-                              halves_first(weights[0]));  // x quantized once
+  const PackedProducts packed(kernel, xp, M, K, group, int8, halves_first(weights[0]),
+                              norm_eps && !floats ? norm : nullptr,
+                              norm_eps.value_or(0.0f));  // x quantized once
   parallel_rows(
       offsets.back(), 64,
       [&](int n0, int n1) {
