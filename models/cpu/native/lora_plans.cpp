@@ -28,18 +28,18 @@ void RowResiduals::add(const RowPlan& plan, int slot, int N, float* out) {
   products_.push_back({N, out});
 }
 
-void RowResiduals::activations() {
+void RowResiduals::activations(const float* x) {
   h_.resize(floats_);
   const auto body = [&](int u0, int u1) {
     for (int u = u0; u < u1; u++) {
       const Unit& unit = units_[u];
-      const float* x = x_ + static_cast<size_t>(unit.m) * K_;
+      const float* row = x + static_cast<size_t>(unit.m) * K_;
       const AdapterPairs::Pair& p = *unit.pair;
       if (p.half)
-        kernel_->low_rank_half(x, static_cast<const uint16_t*>(p.a), K_, p.r, unit.scale,
+        kernel_->low_rank_half(row, static_cast<const uint16_t*>(p.a), K_, p.r, unit.scale,
                                h_.data() + unit.h);
       else
-        kernel_->low_rank(x, static_cast<const float*>(p.a), K_, p.r, unit.scale,
+        kernel_->low_rank(row, static_cast<const float*>(p.a), K_, p.r, unit.scale,
                           h_.data() + unit.h);
     }
   };

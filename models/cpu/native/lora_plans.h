@@ -71,9 +71,8 @@ struct RowPlan : std::enable_shared_from_this<RowPlan> {
 // for all of their residuals.
 class RowResiduals {
  public:
-  // x [M, K] row-major, the rows of every product added.
-  RowResiduals(const Kernel* kernel, const float* x, int M, int K)
-      : kernel_(kernel), x_(x), M_(M), K_(K) {}
+  // Rows of M inputs K wide, those of every product added.
+  RowResiduals(const Kernel* kernel, int M, int K) : kernel_(kernel), M_(M), K_(K) {}
 
   // One product's residuals at `slot`, added to `out` [M, N] row-major (its base product): one
   // unit per row and entry of its set whose adapter has weights at the slot (row m is the plan's
@@ -82,8 +81,8 @@ class RowResiduals {
 
   bool empty() const { return units_.empty(); }
 
-  // Every unit's activations, h = scale * (x[m] @ a), one pass.
-  void activations();
+  // Every unit's activations, h = scale * (x[m] @ a), one pass; x [M, K] row-major.
+  void activations(const float* x);
 
   // Then each row's residuals on each product's base output, one pass, a row at a time in spans
   // of at least 512 columns: b's rows are read in runs of 2 KiB or more, which the memory
@@ -106,7 +105,6 @@ class RowResiduals {
   static int bound(int N, int spans, int part);
 
   const Kernel* kernel_;
-  const float* x_;
   int M_, K_;
   std::vector<Product> products_;
   std::vector<Unit> units_;

@@ -80,8 +80,8 @@ class Int8Rows {
   Int8Rows(const Int8Rows&) = delete;
   Int8Rows& operator=(const Int8Rows&) = delete;
   void quantize(int m0, int m1) {
-    thread_local std::vector<float> normed;
-    if (norm_) normed.resize(K_);
+    struct Normed;  // a row normalized, kept on the thread
+    const Reused<float, Normed> normed(norm_ ? K_ : 0);
     for (int m = m0; m < m1; m++) {
       const float* x = x_ + static_cast<size_t>(m) * K_;
       if (norm_) {

@@ -145,9 +145,9 @@ class QuantMatmulGather : public CpuPrimitive {
                   [=, plan = plan_, slot = slot_, int8 = int8_, kernel = active_kernel()](
                       auto& operands, float* op) {
       const float* xp = operands[0].get();
-      RowResiduals residuals(kernel, xp, M, K);  // from x as it is, in float32
+      RowResiduals residuals(kernel, M, K);
       residuals.add(*plan, slot, N, op);
-      if (!residuals.empty()) residuals.activations();
+      if (!residuals.empty()) residuals.activations(xp);  // from x as it is, in float32
       PackedProducts(kernel, xp, M, K, q.group, int8, halves_first(q)).all(q, op, N);
       if (!residuals.empty()) residuals.residuals();
     });
@@ -259,19 +259,6 @@ class QuantMatmulHeads : public CpuPrimitive {
 
 void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm, int M, int L,
                         int K, const std::vector<float*>& outs) const {
-  // x's rows normalized, where a norm comes first: into scratch where float rows are read (the
-  // float products, the LoRA's activations), else each row as it is quantized to int8.
-  const bool lora = plan && std::any_of(slots.begin(), slots.end(), [](int s) { return s >= 0; });
-  const bool floats = norm_eps && (!int8 || lora);
-  const float* xp = x;
-  struct Normed;
-  const Reused<float, Normed> normed(floats ? static_cast<size_t>(M) * K : 0);
-  if (floats) {
-    for (int m = 0; m < M; m++)
-      rms_norm_row(x + static_cast<size_t>(m) * K, norm, K, *norm_eps,
-                   normed.data() + static_cast<size_t>(m) * K);
-    xp = normed.data();
-  }
   const int count = static_cast<int>(weights.size());
   // Where each product is written: its output, or scratch [M, N_j] to lay out after (all of
   // them in one buffer, kept on the thread). With `glu`, the gate goes to scratch and up to the
@@ -291,10 +278,22 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
     } else {
       products[j] = outs[glu ? 0 : j];
     }
-  RowResiduals residuals(kernel, xp, M, K);
+  RowResiduals residuals(kernel, M, K);
   for (size_t j = 0; j < slots.size(); j++)
     if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
-  if (!residuals.empty()) residuals.activations();
+  // x's rows normalized, where a norm comes first: into scratch where float rows are read (the
+  // float products, the LoRA's activations), else each row as it is quantized to int8.
+  const bool floats = norm_eps && (!int8 || !residuals.empty());
+  const float* xp = x;
+  struct Normed;
+  const Reused<float, Normed> normed(floats ? static_cast<size_t>(M) * K : 0);
+  if (floats) {
+    for (int m = 0; m < M; m++)
+      rms_norm_row(x + static_cast<size_t>(m) * K, norm, K, *norm_eps,
+                   normed.data() + static_cast<size_t>(m) * K);
+    xp = normed.data();
+  }
+  if (!residuals.empty()) residuals.activations(xp);
   const PackedProducts packed(kernel, xp, M, K, group, int8, halves_first(weights[0]),
                               norm_eps && !floats ? norm : nullptr,
                               norm_eps.value_or(0.0f));  // x quantized once
