@@ -43,7 +43,6 @@ ISAS = tuple(MAX_ROWS)  # the kernels' instruction sets, widest first
 
 native: ModuleType | None = None  # the extension, once loaded and checked
 max_rows = 0  # the most rows of a batched decode step the kernels take, once loaded
-_widest: str | None = None  # the ISA the extension chose on its first load: the widest here
 
 
 def library_path() -> Path:
@@ -154,13 +153,14 @@ def check_isa(isa: str) -> None:
     except ImportError as exc:
         raise ValueError(f"--cpu-kernels-isa {isa}: not built ({exc}); {_BUILD_HINT}") from exc
     active = module.isa()
-    runs = module.use_isa(isa)
-    module.use_isa(active)
-    if not runs:
+    if not module.use_isa(isa):
+        widest = next(name for name in ISAS if module.use_isa(name))  # the one active, at least
+        module.use_isa(active)
         raise ValueError(
             f"--cpu-kernels-isa {isa}: this CPU lacks its instructions (the widest it runs is "
-            f"{_widest or active})"
+            f"{widest})"
         )
+    module.use_isa(active)
 
 
 def load(threads: int, isa: str = "auto") -> ModuleType | str:
@@ -168,7 +168,7 @@ def load(threads: int, isa: str = "auto") -> ModuleType | str:
     are, the widest this CPU runs unless a load chose another), checked on a small product, as
     `native`; else why it cannot serve (and `native` stays as it was). Raises ValueError where
     `isa` is named and this CPU lacks it: an operator's choice is not swapped for another."""
-    global native, max_rows, _widest
+    global native, max_rows
     check_isa(isa)
     if (reason := unavailable()) is not None:
         return reason
@@ -176,7 +176,6 @@ def load(threads: int, isa: str = "auto") -> ModuleType | str:
         loaded = importlib.import_module(f"{__package__}.{_MODULE}")
     except ImportError as exc:
         return f"not built ({exc}); {_BUILD_HINT}"
-    _widest = _widest or loaded.isa()
     active = loaded.isa()
     if isa != "auto":
         loaded.use_isa(isa)  # check_isa found it runs here
