@@ -31,6 +31,22 @@ inline float quant_param(const void* p, size_t i, int dtype) {
 // pick from them: the same bits for fewer instructions a value.
 constexpr int kChunkVectors = 32 / Isa::kLanes;
 
+// The groups whose scales and biases `fused_block` converts to floats at once, float16 ones a
+// vector at a time, each then broadcast from memory: one at a time, each group of each weight
+// row took a scalar conversion and a broadcast between registers, ~5 cycles a group of 32
+// values of a row's ~12 (a 2,048 x 5,632 product of one row: 1.49 ms at groups of 32, 1.05 ms
+// at 128, on the AVX-512 machine).
+constexpr int kParamGroups = 16;
+
+// n (at most kParamGroups) scales or biases from element `at` of an array of `dtype`, as floats.
+inline void quant_params(const void* p, size_t at, int n, int dtype, float* out) {
+  int i = 0;
+  if (dtype == 1)
+    for (; i + Isa::kLanes <= n; i += Isa::kLanes)
+      Isa::store(out + i, Isa::load_half(static_cast<const uint16_t*>(p) + at + i));
+  for (; i < n; i++) out[i] = quant_param(p, at + i, dtype);
+}
+
 inline bool exact_products(const Quantized& q) { return q.dtype == 1; }
 
 template <int Bits, bool Exact, class I = Isa>
@@ -104,23 +120,31 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
     for (int m = 0; m < P; m++) acc[r][m] = Isa::zero();
   const uint8_t* rows[R];
   for (int r = 0; r < R; r++) rows[r] = row_bytes(q, n + r);
-  for (int g = 0; g < groups; g++) {
-    typename Isa::V scale[R], bias[R];
+  float params[R][2][kParamGroups];  // each row's scales, then biases, of kParamGroups groups
+  for (int g0 = 0; g0 < groups; g0 += kParamGroups) {
+    const int count = std::min(kParamGroups, groups - g0);
     for (int r = 0; r < R; r++) {
-      const size_t at = static_cast<size_t>(n + r) * groups + g;
-      scale[r] = Isa::set1(quant_param(q.scales, at, q.dtype));
-      bias[r] = Isa::set1(quant_param(q.biases, at, q.dtype));
+      const size_t at = static_cast<size_t>(n + r) * groups + g0;
+      quant_params(q.scales, at, count, q.dtype, params[r][0]);
+      quant_params(q.biases, at, count, q.dtype, params[r][1]);
     }
-    for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
-      typename Isa::V w[R][kChunkVectors];
-      for (int r = 0; r < R; r++)
-        dequantize32<Bits, Exact>(rows[r] + k * Bits / 8, scale[r], bias[r], w[r]);
-      for (int i = 0; i < kChunkVectors; i++)
-        for (int m = 0; m < P; m++) {
-          const float* xm = x + static_cast<size_t>(m) * K;
-          const typename Isa::V xv = Isa::load(xm + k + i * Isa::kLanes);
-          for (int r = 0; r < R; r++) acc[r][m] = Isa::fma(w[r][i], xv, acc[r][m]);
-        }
+    for (int g = g0; g < g0 + count; g++) {
+      typename Isa::V scale[R], bias[R];
+      for (int r = 0; r < R; r++) {
+        scale[r] = Isa::set1(params[r][0][g - g0]);
+        bias[r] = Isa::set1(params[r][1][g - g0]);
+      }
+      for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
+        typename Isa::V w[R][kChunkVectors];
+        for (int r = 0; r < R; r++)
+          dequantize32<Bits, Exact>(rows[r] + k * Bits / 8, scale[r], bias[r], w[r]);
+        for (int i = 0; i < kChunkVectors; i++)
+          for (int m = 0; m < P; m++) {
+            const float* xm = x + static_cast<size_t>(m) * K;
+            const typename Isa::V xv = Isa::load(xm + k + i * Isa::kLanes);
+            for (int r = 0; r < R; r++) acc[r][m] = Isa::fma(w[r][i], xv, acc[r][m]);
+          }
+      }
     }
   }
   for (int r = 0; r < R; r++)
