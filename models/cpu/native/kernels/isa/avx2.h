@@ -16,6 +16,7 @@ namespace hotlora::avx2 {
 struct Isa {  // 16 vector registers: 8 accumulators
   using V = __m256;
   static constexpr int kLanes = 8;
+  static constexpr int kRegisters = 16;  // vector registers
   static constexpr int kShortK = 4096, kShortP = 4, kShortR = 2, kLongP = 2, kLongR = 4;
   static constexpr int kFusedR = 2;
   static constexpr int kTileP = 4, kTileR = 2;  // a prompt's rows against a dequantized tile

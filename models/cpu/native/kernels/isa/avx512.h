@@ -17,6 +17,7 @@ namespace hotlora::avx512 {
 struct Isa {  // 32 vector registers: up to 24 accumulators, the weight rows and one x row
   using V = __m512;
   static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 32;  // vector registers
   static constexpr int kShortK = 768, kShortP = 8, kShortR = 2, kLongP = 4, kLongR = 4;
   static constexpr int kFusedR = 4;  // weight rows dequantized in registers at once
   // A prompt's rows against a dequantized tile: 24 accumulators, ten loads for 24 products.

@@ -13,6 +13,7 @@ namespace hotlora::neon {
 struct Isa {  // 32 vector registers, as AVX-512 has: its register blocks, of 4 lanes
   using V = float32x4_t;
   static constexpr int kLanes = 4;
+  static constexpr int kRegisters = 32;  // vector registers
   static constexpr int kShortK = 768, kShortP = 8, kShortR = 2, kLongP = 4, kLongR = 4;
   static constexpr int kFusedR = 2;  // a chunk of 32 values is 8 vectors a weight row here
   static constexpr int kTileP = 6, kTileR = 4;  // a prompt's rows against a dequantized tile
