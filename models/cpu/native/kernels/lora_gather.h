@@ -14,6 +14,16 @@ inline typename Isa::V load_floats(const uint16_t* p) { return Isa::load_half(p)
 inline float to_float(float value) { return value; }
 inline float to_float(uint16_t half) { return Isa::half_to_float(half); }
 
+// How far ahead of what they read the LoRA's kernels ask for their adapters' values, a cache
+// line at a time: b's rows `kResidualsAhead` values ahead along N, a's rows `kLowRankAhead` rows
+// ahead. Each adapter's arrays are short streams read once a step (16 rows of 16 adapters on the
+// embedded model: 149 MB of float16 a step, from memory), which the hardware's prefetch does
+// not run ahead of: asked for ahead, the adapters took 11.0-11.2 ms on top of a 16-row step in
+// process instead of 13.3 (256 and 32, 512 and 64, 1,024 and 128 alike).
+constexpr int kResidualsAhead = 256;
+constexpr int kLowRankAhead = 32;
+constexpr int kLineBytes = 64;
+
 // out[n0:n1] of one row of x += one adapter's low-rank residual, b [R, N] (float32, or float16
 // as the packed kernels keep adapters by default): for the columns r listed (QuantMatmulGather
 // lists all of an adapter's, in order), h[r] * b[r, n] added one at a time (a fused multiply-add
@@ -31,6 +41,9 @@ void add_residuals(const float* h, const T* b, int N, const int* columns, int co
     for (int v = 0; v < kChains; v++) acc[v] = Isa::load(out + n + v * Isa::kLanes);
     for (int i = 0; i < count; i++) {
       const T* row = b + static_cast<size_t>(columns[i]) * N + n;
+      if (n + kChains * Isa::kLanes + kResidualsAhead <= n1)
+        for (int at = 0; at < kChains * Isa::kLanes; at += kLineBytes / static_cast<int>(sizeof(T)))
+          __builtin_prefetch(row + kResidualsAhead + at);
       const typename Isa::V hr = Isa::set1(h[columns[i]]);
       for (int v = 0; v < kChains; v++)
         acc[v] = Isa::fma(hr, load_floats(row + v * Isa::kLanes), acc[v]);
@@ -83,10 +96,14 @@ void low_rank_row(const float* x, const T* a, int K, int r, float scale, float* 
   for (; j + Isa::kLanes <= r; j += Isa::kLanes) {
     V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
     int k = 0;
-    for (; k + 4 <= K; k += 4)
+    for (; k + 4 <= K; k += 4) {
+      if (k + 4 + kLowRankAhead <= K)
+        for (int at = 0; at < 4 * r; at += kLineBytes / static_cast<int>(sizeof(T)))
+          __builtin_prefetch(a + static_cast<size_t>(k + kLowRankAhead) * r + at);
       for (int u = 0; u < 4; u++)
         c[u] = Isa::fma(Isa::set1(x[k + u]), load_floats(a + static_cast<size_t>(k + u) * r + j),
                         c[u]);
+    }
     for (; k < K; k++)
       c[k % 4] =
           Isa::fma(Isa::set1(x[k]), load_floats(a + static_cast<size_t>(k) * r + j), c[k % 4]);
