@@ -14,25 +14,26 @@ constexpr float kLowest = -std::numeric_limits<float>::max();
 template <int GN>
 constexpr int kTileTokens = GN == 4 ? 3 : 4;
 
-// The accumulators a block of `attend`'s scores or weighted values keeps in registers: half the
-// ISA's vector registers, the rest for what they take. Each accumulator is one output's chain of
-// multiply-adds, which waits on the one before; a block takes several outputs' chains at once so
-// that one chain's latency does not hold the core.
+// The accumulators a block of `attend`'s scores or weighted values keeps in registers: up to
+// half the ISA's vector registers (a tile's TN * GN at least, up to 12), the rest for what they
+// read. Each accumulator is one output's chain of multiply-adds, which waits on the one before; a
+// block takes several outputs' chains at once so that one chain's latency does not hold the core.
 constexpr int kAttendAccumulators = Isa::kRegisters / 2;
 // How many positions ahead of the keys and values being read a block asks for theirs, a cache
-// line at a time: a row's keys (then values) are one stream of S * D floats, read in pieces too
-// short for the hardware's prefetch to run ahead. A decode step of 16 rows at 256 cached
-// positions, 3 query heads a KV head, 30 layers, on the AVX-512 machine: 14.2 ms one chain a
-// query head at a time, 13.2 in blocks, 8.7 in blocks asking 8 positions ahead (9.9 at 4, 10.9 at
-// 16); at 64 positions, 2.5, 2.1 and 2.1 ms.
+// line at a time: a row's keys (then values) are S rows read in order, in pieces too short for
+// the hardware's prefetch to run ahead. A decode step of 16 rows at 256 cached positions, 3 query
+// heads a KV head, 30 layers, on the AVX-512 machine: 14.2 ms one chain a query head at a time,
+// 13.2 in blocks, 8.7 in blocks asking 8 positions ahead (9.9 at 4, 10.9 at 16); at 64
+// positions, 2.5, 2.1 and 2.1 ms.
 constexpr int kAttendAhead = 8;
 constexpr int kFloatsALine = 16;
 // The keys whose scores a block of TN tokens of GN heads takes at once, and the vectors of
-// values (kLanes each) a block of weighted values does.
+// values (kLanes each) a block of weighted values does, each vector an accumulator for each
+// token and head and one more register for the values read.
 template <int GN, int TN>
 constexpr int kScoreKeys = std::clamp(kAttendAccumulators / (GN * TN), 1, 4);
 template <int GN, int TN>
-constexpr int kValueVectors = std::clamp(kAttendAccumulators / (GN * TN), 1, 8);
+constexpr int kValueVectors = std::clamp(kAttendAccumulators / (GN * TN + 1), 1, 8);
 
 // scores[t, g, s] = q[t, g] . k[s] for TN tokens of GN query heads, q [TN, G, D] from the tile's
 // first head (tokens `q_token` floats apart), scores `s_token` floats a token apart; token t's

@@ -97,7 +97,7 @@ void low_rank_row(const float* x, const T* a, int K, int r, float scale, float* 
     V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
     int k = 0;
     for (; k + 4 <= K; k += 4) {
-      if (k + 4 + kLowRankAhead <= K)
+      if (j == 0 && k + 4 + kLowRankAhead <= K)  // the rows' every column, on the first pass
         for (int at = 0; at < 4 * r; at += kLineBytes / static_cast<int>(sizeof(T)))
           __builtin_prefetch(a + static_cast<size_t>(k + kLowRankAhead) * r + at);
       for (int u = 0; u < 4; u++)
