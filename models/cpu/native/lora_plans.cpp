@@ -28,50 +28,85 @@ void RowResiduals::add(const RowPlan& plan, int slot, int N, float* out) {
   products_.push_back({N, out});
 }
 
-void RowResiduals::activations(const float* x) {
-  h_.resize(floats_);
-  const auto body = [&](int u0, int u1) {
-    for (int u = u0; u < u1; u++) {
-      const Unit& unit = units_[u];
-      const float* row = x + static_cast<size_t>(unit.m) * K_;
-      const AdapterPairs::Pair& p = *unit.pair;
-      if (p.half)
-        kernel_->low_rank_half(row, static_cast<const uint16_t*>(p.a), K_, p.r, unit.scale,
-                               h_.data() + unit.h);
-      else
-        kernel_->low_rank(row, static_cast<const float*>(p.a), K_, p.r, unit.scale,
-                          h_.data() + unit.h);
-    }
-  };
-  parallel_rows(static_cast<int>(units_.size()), 4, body, /*align=*/1);
+std::pair<int, int> RowResiduals::units_of(int j, int m) const {
+  const size_t row = static_cast<size_t>(j) * M_ + m;
+  return {first_[row], row + 1 < first_.size() ? first_[row + 1] : static_cast<int>(units_.size())};
 }
 
-void RowResiduals::residuals() {
-  std::vector<int> columns(widest_);  // every column of an adapter, in order
-  for (int r = 0; r < widest_; r++) columns[r] = r;
-  const auto body = [&](int c0, int c1) {
+void RowResiduals::activate(int u, const float* x) {
+  const Unit& unit = units_[u];
+  const float* row = x + static_cast<size_t>(unit.m) * K_;
+  const AdapterPairs::Pair& p = *unit.pair;
+  if (p.half)
+    kernel_->low_rank_half(row, static_cast<const uint16_t*>(p.a), K_, p.r, unit.scale,
+                           h_.data() + unit.h);
+  else
+    kernel_->low_rank(row, static_cast<const float*>(p.a), K_, p.r, unit.scale, h_.data() + unit.h);
+}
+
+void RowResiduals::add_residual(int u, int N, float* out, int n0, int n1) const {
+  const Unit& unit = units_[u];
+  const AdapterPairs::Pair& p = *unit.pair;
+  if (p.half)
+    kernel_->residuals_half(h_.data() + unit.h, static_cast<const uint16_t*>(p.b), N,
+                            columns_.data(), p.r, out, n0, n1);
+  else
+    kernel_->residuals(h_.data() + unit.h, static_cast<const float*>(p.b), N, columns_.data(), p.r,
+                       out, n0, n1);
+}
+
+void RowResiduals::ask_heads(int m) const {
+  for (int j = 0; j < static_cast<int>(products_.size()); j++)
+    for (auto [u, end] = units_of(j, m); u < end; u++) {
+      const AdapterPairs::Pair& p = *units_[u].pair;
+      const size_t size = p.half ? 2 : 4;
+      for (const auto& [at, bytes] : {std::pair{p.a, size * p.K * p.r}, {p.b, size * p.r * p.N}})
+        for (size_t line = 0; line < std::min<size_t>(bytes, kHeadBytes); line += 64)
+          __builtin_prefetch(static_cast<const char*>(at) + line);
+    }
+}
+
+void RowResiduals::apply(const float* x) {
+  if (units_.empty()) return;
+  h_.resize(floats_);
+  columns_.resize(widest_);
+  for (int r = 0; r < widest_; r++) columns_[r] = r;
+  const int count = static_cast<int>(products_.size());
+  if (M_ >= kRowsAPass) {
+    const auto rows = [&](int m0, int m1) {
+      for (int m = m0; m < m1; m++) {
+        ask_heads(m);
+        for (int j = 0; j < count; j++)
+          for (auto [u, end] = units_of(j, m); u < end; u++) activate(u, x);
+        for (int j = 0; j < count; j++) {
+          const Product& p = products_[j];
+          for (auto [u, end] = units_of(j, m); u < end; u++)
+            add_residual(u, p.N, p.out + static_cast<size_t>(m) * p.N, 0, p.N);
+        }
+      }
+    };
+    parallel_rows(M_, 1, rows, /*align=*/1);
+    return;
+  }
+  parallel_rows(
+      static_cast<int>(units_.size()), 4,
+      [&](int u0, int u1) {
+    for (int u = u0; u < u1; u++) activate(u, x);
+      },
+      /*align=*/1);
+  const auto spans = [&](int c0, int c1) {
     int j = 0;
     for (int c = c0; c < c1; c++) {
       while (c >= items_[j + 1]) j++;
       const Product& p = products_[j];
-      const int spans = spans_[j], m = (c - items_[j]) / spans, part = (c - items_[j]) % spans;
-      const int n0 = bound(p.N, spans, part), n1 = bound(p.N, spans, part + 1);
+      const int per_row = spans_[j], m = (c - items_[j]) / per_row,
+                part = (c - items_[j]) % per_row;
       float* out = p.out + static_cast<size_t>(m) * p.N;
-      const size_t row = static_cast<size_t>(j) * M_ + m;
-      const int end = row + 1 < first_.size() ? first_[row + 1] : static_cast<int>(units_.size());
-      for (int u = first_[row]; u < end; u++) {
-        const Unit& unit = units_[u];
-        const AdapterPairs::Pair& pair = *unit.pair;
-        if (pair.half)
-          kernel_->residuals_half(h_.data() + unit.h, static_cast<const uint16_t*>(pair.b), p.N,
-                                  columns.data(), pair.r, out, n0, n1);
-        else
-          kernel_->residuals(h_.data() + unit.h, static_cast<const float*>(pair.b), p.N,
-                             columns.data(), pair.r, out, n0, n1);
-      }
+      for (auto [u, end] = units_of(j, m); u < end; u++)
+        add_residual(u, p.N, out, bound(p.N, per_row, part), bound(p.N, per_row, part + 1));
     }
   };
-  parallel_rows(items_.back(), 1, body, /*align=*/1);
+  parallel_rows(items_.back(), 1, spans, /*align=*/1);
 }
 
 int RowResiduals::bound(int N, int spans, int part) {

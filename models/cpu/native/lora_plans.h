@@ -67,8 +67,8 @@ struct RowPlan : std::enable_shared_from_this<RowPlan> {
 // operations on a row's outputs are fixed by its own set alone, so its bits are the same alone
 // and beside any other rows and adapters, and no pair is copied. RowResiduals does this for one
 // product (QuantMatmulGather) or for several products of the same rows (QuantMatmulHeads' q, k
-// and v, or gate and up), one pass of the pool's threads for all of their activations and one
-// for all of their residuals.
+// and v, or gate and up), after their base products: one pass of the pool's threads, a row at a
+// time (`apply`).
 class RowResiduals {
  public:
   // Rows of M inputs K wide, those of every product added.
@@ -81,13 +81,17 @@ class RowResiduals {
 
   bool empty() const { return units_.empty(); }
 
-  // Every unit's activations, h = scale * (x[m] @ a), one pass; x [M, K] row-major.
-  void activations(const float* x);
-
-  // Then each row's residuals on each product's base output, one pass, a row at a time in spans
-  // of at least 512 columns: b's rows are read in runs of 2 KiB or more, which the memory
+  // Every unit's residual added to its product's base output, computed before this: each row's
+  // activations of its adapters, h = scale * (x[m] @ a) (x [M, K] row-major), then h @ b on its
+  // outputs. At kRowsAPass rows or more, one pass of the pool's threads, a row at a time: its
+  // activations, then its residuals on each product's outputs (one wait on the pool a call, and
+  // a row's a and b read by the thread that has its h). Fewer rows, two: every unit's
+  // activations, then each row's residuals in spans of at least 512 columns, so that one row's
+  // residuals take every thread; b's rows are read in runs of 2 KiB or more, which the memory
   // streams, not in a tile's few cache lines each.
-  void residuals();
+  void apply(const float* x);
+
+  static constexpr int kRowsAPass = 8;
 
  private:
   struct Product {
@@ -104,16 +108,29 @@ class RowResiduals {
   // A span's bounds: multiples of 16 (whole vectors), but the last.
   static int bound(int N, int spans, int part);
 
+  // Unit u's activations; its residuals on out's columns [n0, n1) (out: its row's outputs).
+  void activate(int u, const float* x);
+  void add_residual(int u, int N, float* out, int n0, int n1) const;
+  // Product j's row m's units, [first, end).
+  std::pair<int, int> units_of(int j, int m) const;
+  // Asks for the first kHeadBytes of each of row m's a and b, before the first is read: the row's
+  // streams start together, not each a memory's wait after the one before (the hardware's prefetch
+  // follows a stream only once it has seen it). 16 rows of 16 distinct rank-16 adapters, gate's
+  // pairs of the embedded model: the LoRA's part of a call 80 -> 76 us.
+  void ask_heads(int m) const;
+  static constexpr int kHeadBytes = 512;
+
   const Kernel* kernel_;
   int M_, K_;
   std::vector<Product> products_;
   std::vector<Unit> units_;
   std::vector<int> first_;     // product j's row m's units start at first_[j * M + m]
-  std::vector<int> spans_;     // each product's spans a row
+  std::vector<int> spans_;     // each product's spans a row (two passes)
   std::vector<int> items_{0};  // product j's (row, span) items are [items_[j], items_[j + 1])
   size_t floats_ = 0;
   int widest_ = 0;
   std::vector<float> h_;
+  std::vector<int> columns_;  // 0 .. widest_ - 1: every column of an adapter, in order
 };
 
 // Checks that a plan serves x's M rows (its rows divide them evenly) and that each of its

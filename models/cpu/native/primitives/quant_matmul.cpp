@@ -147,9 +147,8 @@ class QuantMatmulGather : public CpuPrimitive {
       const float* xp = operands[0].get();
       RowResiduals residuals(kernel, M, K);
       residuals.add(*plan, slot, N, op);
-      if (!residuals.empty()) residuals.activations(xp);  // from x as it is, in float32
       PackedProducts(kernel, xp, M, K, q.group, int8, halves_first(q)).all(q, op, N);
-      if (!residuals.empty()) residuals.residuals();
+      residuals.apply(xp);  // from x as it is, in float32
     });
   }
   const char* name() const override { return "QuantMatmulGather"; }
@@ -293,7 +292,6 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
                    normed.data() + static_cast<size_t>(m) * K);
     xp = normed.data();
   }
-  if (!residuals.empty()) residuals.activations(xp);
   const PackedProducts packed(kernel, xp, M, K, group, int8, halves_first(weights[0]),
                               norm_eps && !floats ? norm : nullptr,
                               norm_eps.value_or(0.0f));  // x quantized once
@@ -307,7 +305,7 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
     }
       },
       8);
-  if (!residuals.empty()) residuals.residuals();
+  residuals.apply(xp);
   if (glu) {  // the one output: SiLU(gate) * up, each value's own bits whatever the split
     parallel_rows(
         M * widths[0], 1024,
