@@ -273,7 +273,9 @@ def section_concurrency(args: argparse.Namespace, model_dir: Path) -> SectionRes
 
 def section_prefill(args: argparse.Namespace, model_dir: Path) -> SectionResult:
     """One long prompt alone and beside a running stream: its prefill time, the stream's gaps."""
-    out = run_prefill(model_dir, server_env(args.home), args.prefill_tokens, args.prefill_rounds)
+    out = run_prefill(
+        model_dir, server_env(args.home), args.prefill_tokens, args.prefill_rounds, args.cpu_isa
+    )
     return SectionResult(out.title, [], out.lines)
 
 
@@ -439,9 +441,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-isa",
         choices=get_args(KernelsIsa),
         default="auto",
-        help="hotlora's --cpu-kernels-isa in section cpu: a narrower ISA than the CPU's widest "
-        "measures a CPU with only those instructions (set LLAMA_SERVER to a llama.cpp built "
-        "for the same ones).",
+        help="hotlora's --cpu-kernels-isa in sections cpu and prefill: a narrower ISA than the "
+        "CPU's widest measures a CPU with only those instructions (set LLAMA_SERVER to a "
+        "llama.cpp built for the same ones).",
     )
     p.add_argument(
         "--cpu-adapter-pairs",

@@ -63,7 +63,7 @@ from tests.bench.llama_cpp import (
 )
 from tests.bench.prefill import complete, end_ids, long_prompt
 from tests.bench.random_llama import Shape, ensure_random_llama
-from tests.bench.servers import Sample, hotlora_bench_spec, launch
+from tests.bench.servers import Sample, hotlora_bench_spec, kernels_isa, launch
 from tests.support.server_process import ServerProcess, ServerSpec
 
 CPU_MODELS = ("embedded", "q4km", "1b", "bigvocab")
@@ -503,26 +503,6 @@ def run_cpu(home: Path, env: dict[str, str], options: Options) -> CpuSection:
         f"{kernels_isa(options.isa)}"
     )
     return CpuSection(title, lines)
-
-
-def kernels_isa(chosen: str = "auto") -> str:
-    """The vector instructions hotlora's native kernels run with here (`chosen`, or auto: the
-    widest this CPU runs), and the CPU's model."""
-    from hotlora.models.cpu import extension
-
-    loaded = extension.load(1)
-    isa = loaded if isinstance(loaded, str) else loaded.isa()
-    if chosen != "auto":
-        isa = f"{chosen} (--cpu-kernels-isa; the CPU's widest: {isa})"
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        "unknown CPU",
-    )
-    return f"kernels: {isa} on {model}"
 
 
 def _hotlora_name(index: int, precision: str) -> str:

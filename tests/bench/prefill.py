@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from tokenizers import Tokenizer
 
-from tests.bench.servers import REQUEST_TIMEOUT_S, hotlora_bench_spec, launch
+from tests.bench.servers import REQUEST_TIMEOUT_S, hotlora_bench_spec, kernels_isa, launch
 from tests.support.server_process import ServerProcess, ServerSpec
 
 STREAM_QUESTION = "Write a very long story about a lighthouse keeper and a storm."
@@ -195,12 +195,13 @@ def end_ids(model_dir: Path) -> list[int]:
 
 
 def run_prefill(
-    model_dir: Path, env: dict[str, str], prompt_tokens: int, rounds: int
+    model_dir: Path, env: dict[str, str], prompt_tokens: int, rounds: int, isa: str = "auto"
 ) -> PrefillSection:
-    """hotlora, then llama-server when `LLAMA_SERVER` names it, one at a time."""
+    """hotlora (on `isa`'s kernels, `--cpu-kernels-isa`), then llama-server when `LLAMA_SERVER`
+    names it, one at a time."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     biased = end_ids(model_dir)
-    specs = [hotlora_bench_spec(model_dir)]
+    specs = [hotlora_bench_spec(model_dir, "--cpu-kernels-isa", isa)]
     llama = os.environ.get("LLAMA_SERVER")
     if llama:
         from hotlora.models.embedded import embedded_gguf_path
@@ -231,7 +232,7 @@ def run_prefill(
             systems.append(system)
     return PrefillSection(
         f"prefill: a {prompt_tokens}-token prompt alone and beside a running stream "
-        f"(medians of {rounds} round{'s' * (rounds > 1)})",
+        f"(medians of {rounds} round{'s' * (rounds > 1)}); {kernels_isa(isa)}",
         table(systems) + ratios(systems),
     )
 

@@ -58,8 +58,8 @@ def _mlx_lm_ready(client: httpx.Client, url: str) -> str | None:
     return "default_model" if r.status_code == 200 else None
 
 
-def hotlora_bench_spec(model_dir: Path) -> ServerSpec:
-    return hotlora_spec("--model", str(model_dir), "--log-level", "warning")
+def hotlora_bench_spec(model_dir: Path, *extra: str) -> ServerSpec:
+    return hotlora_spec("--model", str(model_dir), "--log-level", "warning", *extra)
 
 
 def mlx_lm_spec(model_dir: Path) -> ServerSpec:
@@ -166,3 +166,23 @@ def stream_chat(
         chunks=chunks,
         cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
     )
+
+
+def kernels_isa(chosen: str = "auto") -> str:
+    """The vector instructions hotlora's native kernels run with here (`chosen`, or auto: the
+    widest this CPU runs), and the CPU's model."""
+    from hotlora.models.cpu import extension
+
+    loaded = extension.load(1)
+    isa = loaded if isinstance(loaded, str) else loaded.isa()
+    if chosen != "auto":
+        isa = f"{chosen} (--cpu-kernels-isa; the CPU's widest: {isa})"
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    return f"kernels: {isa} on {model}"
