@@ -72,7 +72,7 @@ void RowResiduals::apply(const float* x) {
   columns_.resize(widest_);
   for (int r = 0; r < widest_; r++) columns_[r] = r;
   const int count = static_cast<int>(products_.size());
-  if (M_ >= kRowsAPass) {
+  if (M_ >= kRowsAThread * pool_threads()) {
     const auto rows = [&](int m0, int m1) {
       for (int m = m0; m < m1; m++) {
         ask_heads(m);

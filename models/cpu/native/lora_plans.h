@@ -83,15 +83,15 @@ class RowResiduals {
 
   // Every unit's residual added to its product's base output, computed before this: each row's
   // activations of its adapters, h = scale * (x[m] @ a) (x [M, K] row-major), then h @ b on its
-  // outputs. At kRowsAPass rows or more, one pass of the pool's threads, a row at a time: its
-  // activations, then its residuals on each product's outputs (one wait on the pool a call, and
-  // a row's a and b read by the thread that has its h). Fewer rows, two: every unit's
-  // activations, then each row's residuals in spans of at least 512 columns, so that one row's
-  // residuals take every thread; b's rows are read in runs of 2 KiB or more, which the memory
-  // streams, not in a tile's few cache lines each.
+  // outputs. At kRowsAThread rows a thread of the pool or more, one pass of the threads, a row
+  // at a time: its activations, then its residuals on each product's outputs (one wait on the
+  // pool a call, and a row's a and b read by the thread that has its h). Fewer rows, two: every
+  // unit's activations, then each row's residuals in spans of at least 512 columns, so that a
+  // few rows' residuals take every thread; b's rows are read in runs of 2 KiB or more, which the
+  // memory streams, not in a tile's few cache lines each.
   void apply(const float* x);
 
-  static constexpr int kRowsAPass = 8;
+  static constexpr int kRowsAThread = 4;
 
  private:
   struct Product {

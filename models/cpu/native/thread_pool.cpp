@@ -143,6 +143,11 @@ void parallel_rows(int n, int least, const std::function<void(int, int)>& body, 
   g_pool->run(chunks, [&](int c) { body(bound(c), bound(c + 1)); });
 }
 
+int pool_threads() {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  return g_pool ? g_pool->size() : 1;
+}
+
 int set_threads(int threads) {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   threads = std::clamp(threads, 1, 256);  // a call's chunks (4 per thread) fit in 16 bits

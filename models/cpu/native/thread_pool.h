@@ -10,6 +10,9 @@ namespace hotlora {
 // even out. Returns when every chunk is done.
 void parallel_rows(int n, int least, const std::function<void(int, int)>& body, int align = 4);
 
+// How many threads the pool has (1 before any call): not from inside a call's body.
+int pool_threads();
+
 // The pool's threads for every later call (clamped to 1..256); returns how many it has.
 int set_threads(int threads);
 
