@@ -352,6 +352,26 @@ def test_a_gathered_rows_result_is_the_same_bits_alone_as_in_any_batch(isa: str)
         assert mx.array_equal(chunked[:, t], whole[:4, 0]).item(), t
 
 
+@pytest.mark.parametrize("rows", [4, 8, 16])
+def test_the_gathered_residuals_bits_do_not_depend_on_the_pools_threads(isa: str, rows: int):
+    """At 4 rows a thread of the pool or more the residuals take one pass a row at a time, else
+    two (the activations, then spans of each row's outputs): at 1 to 4 threads these rows fall on
+    either side, and each row's outputs are the same bits."""
+    packed, scales, biases, _ = quantized(300, 576, 4, 32, mx.float16, seed=11)
+    pairs = gather_operands(576, 300, RANKS, seed=12)
+    x = mx.random.normal((rows, 1, 576), key=mx.random.key(13))
+    plan = row_plan(pairs, row_entries(rows))
+    try:
+        results = []
+        for threads in (1, 2, 3, 4):
+            assert native.set_threads(threads) == threads
+            results.append(native.quant_matmul_gather(x, packed, scales, biases, 32, 4, plan, 0))
+            mx.eval(results[-1])
+        assert all(mx.array_equal(r, results[0]).item() for r in results[1:])
+    finally:
+        native.set_threads(2)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 def test_float16_adapters_give_the_bits_of_the_float32_values_they_hold(isa: str, rows: int):
     """`--adapter-dtype float16` keeps pairs in float16: the kernel converts each value exactly,
