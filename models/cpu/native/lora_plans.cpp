@@ -61,8 +61,8 @@ void RowResiduals::ask_heads(int m) const {
       const AdapterPairs::Pair& p = *units_[u].pair;
       const size_t size = p.half ? 2 : 4;
       for (const auto& [at, bytes] : {std::pair{p.a, size * p.K * p.r}, {p.b, size * p.r * p.N}})
-        for (size_t line = 0; line < std::min<size_t>(bytes, kHeadBytes); line += 64)
-          __builtin_prefetch(static_cast<const char*>(at) + line);
+        prefetch_ahead(static_cast<const uint8_t*>(at),
+                       static_cast<int>(std::min<size_t>(bytes, kHeadBytes)));
     }
 }
 

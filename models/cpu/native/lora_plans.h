@@ -91,9 +91,9 @@ class RowResiduals {
   // memory streams, not in a tile's few cache lines each.
   void apply(const float* x);
 
+ private:
   static constexpr int kRowsAThread = 4;
 
- private:
   struct Product {
     int N;
     float* out;
