@@ -21,7 +21,8 @@ constexpr int kPrefetch = 512;  // floats ahead of the weight rows being read
 // once, and the hardware's prefetch, seeing R rows read side by side, falls behind: asked for
 // ahead, a one-row step's products on the embedded model's layers take ~28% less time on the
 // AVX2 machine (the same bits: nothing is computed otherwise). The float kernels, bound by
-// their arithmetic, gain nothing from it.
+// their arithmetic, gain nothing from it; the exact products of packed weights do
+// (kernels/quant_matmul.h's prefetch_groups).
 constexpr int kPrefetchBytes = 2048;
 // The same for the rows interleaved by eight (kernels/int8_matmul.h's int8_rows8_range), one
 // stream of bytes that their kernel reads about twice as fast: asked for 2,048 bytes ahead, a
