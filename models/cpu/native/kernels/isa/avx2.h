@@ -13,13 +13,18 @@
 HOTLORA_AVX2_TARGET
 namespace hotlora::avx2 {
 
-struct Isa {  // 16 vector registers: 8 accumulators
+struct Isa {  // 16 vector registers: 8 accumulators, 12 against a tile
   using V = __m256;
   static constexpr int kLanes = 8;
   static constexpr int kRegisters = 16;  // vector registers
   static constexpr int kShortK = 4096, kShortP = 4, kShortR = 2, kLongP = 2, kLongR = 4;
   static constexpr int kFusedR = 2;
-  static constexpr int kTileP = 4, kTileR = 2;  // a prompt's rows against a dequantized tile
+  // A prompt's rows against a dequantized tile: 4 rows of x by 3 weight rows, 12 accumulators,
+  // 3 weight vectors and one of x. Against 4 by 2, each value of x read from cache serves a third
+  // more products: 16, 64 and 192 rows of x took 0.65-0.74 the time on the embedded model's and
+  // the ~0.8B one's shapes (0.93 at 192 rows by K = 5,632, where neither x's rows nor the tile
+  // stay in L1), the same bits (each output's sum the same).
+  static constexpr int kTileP = 4, kTileR = 3;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load_first(const float* p, int n) {
