@@ -565,8 +565,9 @@ int main() {
     // Left padding of every size up to two vectors, on positions off the vectors' lanes.
     for (int pad = 1; pad <= 33; pad++)
       for (int S : {13, 100}) check_attention_padding(kernel, 3, 64, S, pad), checks++;
-    // A prompt chunk's tokens together: each head count's tiles of tokens, then what is left.
-    for (int T : {2, 3, 4, 7})
+    // A prompt chunk's tokens together: each head count's tiles of tokens, then what is left;
+    // several tiles over several blocks of keys (kKeyBlock).
+    for (int T : {2, 3, 4, 7, 26})
       for (int G : {1, 2, 3, 4, 5})
         for (int S : {9, 300})
           for (bool blind : {false, true})

@@ -285,6 +285,32 @@ def test_a_rows_attention_does_not_depend_on_the_other_rows(isa: str):
     assert mx.array_equal(native.attention_rows(queries, hidden, values, mask, 0.125), whole)
 
 
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2)])  # tiles of 4 tokens, and of 3 at 4 heads
+def test_a_prompt_chunks_tokens_get_their_bits_alone(isa: str, heads: tuple[int, int]):
+    """A chunk's tokens at once, taken in tiles and the keys in blocks, are each token's bits
+    computed alone: past several blocks of keys, under left padding, beside a token that sees
+    no key, and with the positions it does not see holding anything."""
+    rows, length, chunk = 2, 330, 37
+    h, kv_heads = heads
+    queries = normal((rows, h, chunk, 64), 90)
+    keys = normal((rows, kv_heads, length, 64), 91)
+    values = normal((rows, kv_heads, length, 64), 92)
+    mask = create_causal_mask(chunk, offset=length - chunk, left_padding=mx.array([0, 150]))
+    mask = mx.broadcast_to(mask, (rows, 1, chunk, length))
+    mask = mx.concatenate([mask[:, :, :5], mx.zeros_like(mask[:, :, 5:6]), mask[:, :, 6:]], axis=2)
+    whole = native.attention_rows(queries, keys, values, mask, 0.125)
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
+    assert mx.allclose(whole, expected, rtol=1e-5, atol=1e-6).item()
+    for t in range(chunk):
+        alone = native.attention_rows(
+            queries[:, :, t : t + 1], keys, values, mask[:, :, t : t + 1], 0.125
+        )
+        assert mx.array_equal(alone, whole[:, :, t : t + 1]).item(), t
+    hidden = mx.where(mask[:, :, -1, :, None], keys, 1e30)  # what the last token does not see
+    last = native.attention_rows(queries[:, :, -1:], hidden, values, mask[:, :, -1:], 0.125)
+    assert mx.array_equal(last, whole[:, :, -1:]).item()
+
+
 def test_a_row_that_sees_no_key_weighs_every_value_alike_as_mlx_does():
     queries, keys, values, mask = attention_operands(3, 4, 2, 9, 16, seed=80)
     mask = mx.concatenate([mask[:1], mx.zeros_like(mask[1:2]), mask[2:]])  # row 1 sees nothing

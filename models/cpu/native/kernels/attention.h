@@ -36,15 +36,16 @@ template <int GN, int TN>
 constexpr int kValueVectors = std::clamp(kAttendAccumulators / (GN * TN + 1), 1, 8);
 
 // scores[t, g, s] = q[t, g] . k[s] for TN tokens of GN query heads, q [TN, G, D] from the tile's
-// first head (tokens `q_token` floats apart), scores `s_token` floats a token apart; token t's
-// mask flags start `token_step` after token t - 1's. Each key is read once for the tile, its
+// first head (tokens `q_token` floats apart), scores `s_token` floats a token apart and `s_head`
+// a head apart (S keys here, of a row of at least S: `attend` takes a row's keys in blocks); token
+// t's mask flags start `token_step` after token t - 1's. Each key is read once for the tile, its
 // score not kept where no token of it sees the key; each score is a sum over D in one order,
 // whatever the tile and however many keys are taken at once (the same bits for a token alone,
 // TN = 1, and beside others).
 template <int GN, int TN>
 inline void group_scores(const float* q, int64_t q_token, int D, const float* k, int64_t k_step,
                          const bool* visible, int64_t visible_step, int64_t token_step, int S,
-                         float* scores, int64_t s_token) {
+                         float* scores, int64_t s_token, int64_t s_head, bool every = false) {
   using V = typename Isa::V;
   const int full = D - D % Isa::kLanes;
   // The scores' vectors of lanes, summed sixteen at a time (Isa::sums16: Isa::sum's bits, its
@@ -60,13 +61,14 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
     count = 0;
   };
   // Keys [s, s + KB): each one's sums over D, then its scores in key order.
-  const auto keys = [&](int s, auto block) {
+  const auto keys = [&](int s, auto block, auto all) {
     constexpr int KB = decltype(block)::value;
+    constexpr bool All = decltype(all)::value;  // every token sees every key: no flag read
     bool seen[KB][TN], any[KB], some = false;
     for (int b = 0; b < KB; b++) {
       any[b] = false;
       for (int t = 0; t < TN; t++) {
-        seen[b][t] = visible[t * token_step + (s + b) * visible_step];
+        seen[b][t] = All || visible[t * token_step + (s + b) * visible_step];
         any[b] = any[b] || seen[b][t];
       }
       some = some || any[b];
@@ -74,8 +76,7 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
     if (!some) {
       for (int b = 0; b < KB; b++)
         for (int t = 0; t < TN; t++)
-          for (int g = 0; g < GN; g++)
-            scores[t * s_token + static_cast<int64_t>(g) * S + s + b] = kLowest;
+          for (int g = 0; g < GN; g++) scores[t * s_token + g * s_head + s + b] = kLowest;
       return;
     }
     if (s + KB + kAttendAhead <= S)
@@ -105,7 +106,7 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
     for (int b = 0; b < KB; b++)
       for (int t = 0; t < TN; t++)
         for (int g = 0; g < GN; g++) {
-          float* score = scores + t * s_token + static_cast<int64_t>(g) * S + s + b;
+          float* score = scores + t * s_token + g * s_head + s + b;
           if (!seen[b][t]) {
             *score = kLowest;
             continue;
@@ -115,34 +116,51 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
           if (count == 16) flush();
         }
   };
-  constexpr int KB = kScoreKeys<GN, TN>;
-  int s = 0;
-  for (; s + KB <= S; s += KB) keys(s, std::integral_constant<int, KB>{});
-  for (; s < S; s++) keys(s, std::integral_constant<int, 1>{});
+  const auto all_keys = [&](auto all) {
+    constexpr int KB = kScoreKeys<GN, TN>;
+    int s = 0;
+    for (; s + KB <= S; s += KB) keys(s, std::integral_constant<int, KB>{}, all);
+    for (; s < S; s++) keys(s, std::integral_constant<int, 1>{}, all);
+  };
+  if (every)
+    all_keys(std::true_type{});
+  else
+    all_keys(std::false_type{});
   if (count > 0) flush();
 }
 
 // out[t, g, d0 : d0 + DC * kLanes] (the last vector's lanes up to Dv) = sum over the positions
-// token t sees of p[t, g, s] * v[s, ...], for TN tokens of GN heads: `group_values`' block of DC
-// vectors of values, each position's values read once for all of them.
+// token t sees of p[t, g, s] * v[s, ...], for TN tokens of GN heads (p `p_head` floats a head
+// apart): `group_values`' block of DC vectors of values, each position's values read once for
+// all of them. `more`: the sums go on from out's (positions before these, `attend`'s blocks), each
+// output's chain of multiply-adds the same as over all the positions at once.
 template <int GN, int TN, int DC>
-inline void values_block(const float* p, int64_t p_token, int S, const float* v, int64_t v_step,
-                         int Dv, int d0, const bool* visible, int64_t visible_step,
-                         int64_t token_step, float* out, int64_t out_token) {
+inline void values_block(const float* p, int64_t p_token, int64_t p_head, int S, const float* v,
+                         int64_t v_step, int Dv, int d0, const bool* visible, int64_t visible_step,
+                         int64_t token_step, float* out, int64_t out_token, bool more, bool every) {
   using V = typename Isa::V;
   int lanes[DC];
-  for (int c = 0; c < DC; c++) lanes[c] = std::min(Isa::kLanes, Dv - d0 - c * Isa::kLanes);
+  // Each of the DC vectors holds one value at least (values_from's blocks end at Dv).
+  for (int c = 0; c < DC; c++) lanes[c] = std::clamp(Dv - d0 - c * Isa::kLanes, 1, Isa::kLanes);
   V acc[TN][GN][DC];
   for (int t = 0; t < TN; t++)
     for (int g = 0; g < GN; g++)
-      for (int c = 0; c < DC; c++) acc[t][g][c] = Isa::zero();
-  for (int s = 0; s < S; s++) {
-    bool seen[TN], any = false;
+      for (int c = 0; c < DC; c++) {
+        const float* from =
+            out + t * out_token + static_cast<int64_t>(g) * Dv + d0 + c * Isa::kLanes;
+        acc[t][g][c] = !more                     ? Isa::zero()
+                       : lanes[c] == Isa::kLanes ? Isa::load(from)
+                                                 : Isa::load_first(from, lanes[c]);
+      }
+  // Position s, each token's mask flag read unless every token sees every position (`All`).
+  const auto position = [&](int s, auto all) {
+    constexpr bool All = decltype(all)::value;
+    bool seen[TN], any = All;
     for (int t = 0; t < TN; t++) {
-      seen[t] = visible[t * token_step + s * visible_step];
+      seen[t] = All || visible[t * token_step + s * visible_step];
       any = any || seen[t];
     }
-    if (!any) continue;
+    if (!any) return;
     const float* vs = v + s * v_step + d0;
     if (s + kAttendAhead < S)
       for (int at = 0; at < DC * Isa::kLanes; at += kFloatsALine)
@@ -154,11 +172,15 @@ inline void values_block(const float* p, int64_t p_token, int S, const float* v,
     for (int t = 0; t < TN; t++) {
       if (!seen[t]) continue;
       for (int g = 0; g < GN; g++) {
-        const V weight = Isa::set1(p[t * p_token + static_cast<int64_t>(g) * S + s]);
+        const V weight = Isa::set1(p[t * p_token + g * p_head + s]);
         for (int c = 0; c < DC; c++) acc[t][g][c] = Isa::fma(weight, vv[c], acc[t][g][c]);
       }
     }
-  }
+  };
+  if (every)
+    for (int s = 0; s < S; s++) position(s, std::true_type{});
+  else
+    for (int s = 0; s < S; s++) position(s, std::false_type{});
   for (int t = 0; t < TN; t++)
     for (int g = 0; g < GN; g++)
       for (int c = 0; c < DC; c++) {
@@ -171,26 +193,28 @@ inline void values_block(const float* p, int64_t p_token, int S, const float* v,
 
 // Vectors [c, vectors) of `group_values`' values, DC at a time, then fewer for the rest.
 template <int GN, int TN, int DC, typename... Args>
-inline void values_from(int c, int vectors, const float* p, int64_t p_token, int S, const float* v,
-                        int64_t v_step, int Dv, Args... rest) {
+inline void values_from(int c, int vectors, const float* p, int64_t p_token, int64_t p_head, int S,
+                        const float* v, int64_t v_step, int Dv, Args... rest) {
   for (; c + DC <= vectors; c += DC)
-    values_block<GN, TN, DC>(p, p_token, S, v, v_step, Dv, c * Isa::kLanes, rest...);
+    values_block<GN, TN, DC>(p, p_token, p_head, S, v, v_step, Dv, c * Isa::kLanes, rest...);
   if constexpr (DC > 1)
-    values_from<GN, TN, DC - 1>(c, vectors, p, p_token, S, v, v_step, Dv, rest...);
+    values_from<GN, TN, DC - 1>(c, vectors, p, p_token, p_head, S, v, v_step, Dv, rest...);
 }
 
 // out[t, g] = sum over the positions token t sees of p[t, g, s] * v[s], for TN tokens of GN
-// heads, p [TN, G, S] (`p_token` floats a token apart), out `out_token` floats a token apart:
-// each value read once for the tile, not at all where no token of it sees the position (a NaN
-// there stays out), each sum over s in one order, whatever the tile and however many vectors of
-// values are taken at once.
+// heads, p [TN, G, S] (`p_token` floats a token apart, `p_head` a head apart), out `out_token`
+// floats a token apart: each value read once for the tile, not at all where no token of it sees
+// the position (a NaN there stays out), each sum over s in one order, whatever the tile and
+// however many vectors of values are taken at once; `more` goes on from out's sums.
 template <int GN, int TN>
-inline void group_values(const float* p, int64_t p_token, int S, const float* v, int64_t v_step,
-                         int Dv, const bool* visible, int64_t visible_step, int64_t token_step,
-                         float* out, int64_t out_token) {
+inline void group_values(const float* p, int64_t p_token, int64_t p_head, int S, const float* v,
+                         int64_t v_step, int Dv, const bool* visible, int64_t visible_step,
+                         int64_t token_step, float* out, int64_t out_token, bool more = false,
+                         bool every = false) {
   const int vectors = (Dv + Isa::kLanes - 1) / Isa::kLanes;
-  values_from<GN, TN, kValueVectors<GN, TN>>(0, vectors, p, p_token, S, v, v_step, Dv, visible,
-                                             visible_step, token_step, out, out_token);
+  values_from<GN, TN, kValueVectors<GN, TN>>(0, vectors, p, p_token, p_head, S, v, v_step, Dv,
+                                             visible, visible_step, token_step, out, out_token,
+                                             more, every);
 }
 
 // Each row of scores [G, S] replaced by its softmax: exp(s - max) * (1 / sum), as MLX's precise
@@ -264,10 +288,19 @@ inline void by_heads(int G, Part part) {
 inline void weigh_values(const float* p, int G, int S, const float* v, int64_t v_step, int Dv,
                          const bool* visible, int64_t visible_step, float* out) {
   by_heads(G, [&](int g0, auto heads) {
-    group_values<decltype(heads)::value, 1>(p + static_cast<size_t>(g0) * S, 0, S, v, v_step, Dv,
+    group_values<decltype(heads)::value, 1>(p + static_cast<size_t>(g0) * S, 0, S, S, v, v_step, Dv,
                                             visible, visible_step, 0,
                                             out + static_cast<size_t>(g0) * Dv, 0);
   });
+}
+
+// Whether each of T query tokens' mask flags (a token's `token_step` after the one before's) shows
+// each of S keys (`step` apart).
+inline bool sees_all(const bool* visible, int64_t step, int64_t token_step, int T, int S) {
+  for (int t = 0; t < T; t++)
+    for (int s = 0; s < S; s++)
+      if (!visible[t * token_step + s * step]) return false;
+  return true;
 }
 
 // Whether a query token's S mask flags, `step` apart, show any key.
@@ -296,7 +329,7 @@ inline void attend_token(const float* q, int G, int D, const float* k, int64_t k
   by_heads(G, [&](int g0, auto heads) {
     group_scores<decltype(heads)::value, 1>(q + static_cast<size_t>(g0) * D, 0, D, k, k_step,
                                             visible, visible_step, 0, S,
-                                            scores + static_cast<size_t>(g0) * S, 0);
+                                            scores + static_cast<size_t>(g0) * S, 0, S);
   });
   attend_softmax(scores, G, S);
   weigh_values(scores, G, S, v, v_step, Dv, visible, visible_step, out);
@@ -316,11 +349,19 @@ inline void by_tokens(int T, Part part) {
   }
 }
 
+// How many positions `attend` takes at a time: every tile of its tokens takes a block's keys (then
+// values) while they are in the core's cache, instead of each tile reading the row's S keys and
+// values from memory (a prompt chunk's tiles read them ~T / 4 times). Each score and each output's
+// chain of multiply-adds over the positions is the same either way.
+constexpr int kKeyBlock = 128;
+
 // `attend_token` for T query tokens of one row at once: q [T, G, D], scores T * G * S floats of
-// scratch, out [T, G, Dv]; token t's mask flags start `token_step` flags after token t - 1's. A
-// prompt chunk's tokens read each key and value once for up to four of them; every token's
-// scores, softmax and weighted values are its own, in `attend_token`'s order, so its result is
-// the same bits as alone (a token that sees no key at all takes `attend_token` itself).
+// scratch, out [T, G, Dv]; token t's mask flags start `token_step` flags after token t - 1's. The
+// tokens are taken in tiles of up to four (`by_tokens`), each tile reading a block of keys and
+// values once for its tokens, and every tile a block at a time (kKeyBlock); every token's scores,
+// softmax and weighted values are its own, in `attend_token`'s order, so its result is the same
+// bits as alone. Tiles of four where a token sees no key at all, a token of them alone
+// (`attend_token` itself).
 inline void attend(const float* q, int T, int G, int D, const float* k, int64_t k_step,
                    const float* v, int64_t v_step, int Dv, const bool* visible,
                    int64_t visible_step, int64_t token_step, int S, float* scores, float* out) {
@@ -328,6 +369,13 @@ inline void attend(const float* q, int T, int G, int D, const float* k, int64_t 
   for (int t = 0; t < T && each_sees; t++)
     each_sees = sees_any(visible + t * token_step, visible_step, S);
   if (!each_sees) {
+    if (T > 4) {
+      for (int t0 = 0; t0 < T; t0 += 4)
+        attend(q + static_cast<size_t>(t0) * G * D, std::min(4, T - t0), G, D, k, k_step, v, v_step,
+               Dv, visible + t0 * token_step, visible_step, token_step, S, scores,
+               out + static_cast<size_t>(t0) * G * Dv);
+      return;
+    }
     for (int t = 0; t < T; t++)
       attend_token(q + static_cast<size_t>(t) * G * D, G, D, k, k_step, v, v_step, Dv,
                    visible + t * token_step, visible_step, S, scores,
@@ -336,21 +384,32 @@ inline void attend(const float* q, int T, int G, int D, const float* k, int64_t 
   }
   const int64_t q_token = static_cast<int64_t>(G) * D, s_token = static_cast<int64_t>(G) * S;
   const int64_t out_token = static_cast<int64_t>(G) * Dv;
-  by_heads(G, [&](int g0, auto heads) {
-    constexpr int GN = decltype(heads)::value;
-    by_tokens<GN>(T, [&](int t0, auto tokens) {
-      group_scores<GN, decltype(tokens)::value>(q + t0 * q_token + g0 * D, q_token, D, k, k_step,
-                                                visible + t0 * token_step, visible_step, token_step,
-                                                S, scores + t0 * s_token + g0 * S, s_token);
+  for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
+    const int n = std::min(kKeyBlock, S - s0);
+    by_heads(G, [&](int g0, auto heads) {
+      constexpr int GN = decltype(heads)::value;
+      by_tokens<GN>(T, [&](int t0, auto tokens) {
+        constexpr int TN = decltype(tokens)::value;
+        const bool* flags = visible + t0 * token_step + s0 * visible_step;
+        group_scores<GN, TN>(q + t0 * q_token + g0 * D, q_token, D, k + s0 * k_step, k_step, flags,
+                             visible_step, token_step, n, scores + t0 * s_token + g0 * S + s0,
+                             s_token, S, sees_all(flags, visible_step, token_step, TN, n));
+      });
     });
-  });
+  }
   attend_softmax(scores, T * G, S);
-  by_heads(G, [&](int g0, auto heads) {
-    constexpr int GN = decltype(heads)::value;
-    by_tokens<GN>(T, [&](int t0, auto tokens) {
-      group_values<GN, decltype(tokens)::value>(
-          scores + t0 * s_token + g0 * S, s_token, S, v, v_step, Dv, visible + t0 * token_step,
-          visible_step, token_step, out + t0 * out_token + g0 * Dv, out_token);
+  for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
+    const int n = std::min(kKeyBlock, S - s0);
+    by_heads(G, [&](int g0, auto heads) {
+      constexpr int GN = decltype(heads)::value;
+      by_tokens<GN>(T, [&](int t0, auto tokens) {
+        constexpr int TN = decltype(tokens)::value;
+        const bool* flags = visible + t0 * token_step + s0 * visible_step;
+        group_values<GN, TN>(scores + t0 * s_token + g0 * S + s0, s_token, S, n, v + s0 * v_step,
+                             v_step, Dv, flags, visible_step, token_step,
+                             out + t0 * out_token + g0 * Dv, out_token, /*more=*/s0 > 0,
+                             sees_all(flags, visible_step, token_step, TN, n));
+      });
     });
-  });
+  }
 }

@@ -51,7 +51,9 @@ struct KeyMask {
 // softmax(q * scale . k^T over the keys the mask shows) . v for each query token of q
 // [B, H, L, D] over the first S positions of `keys` [B, Hkv, *, D] and `values` [B, Hkv, *, Dv]
 // (prepared), into op: [B, H, L, Dv], or [B, L, H * Dv] when `merged`. Query head h reads KV
-// head h / (H / Hkv), as MLX groups them. On the pool's threads, a query token's KV head a unit.
+// head h / (H / Hkv), as MLX groups them. On the pool's threads, a block of query tokens'
+// KV head a unit (as many as a MiB of scores holds: each block of keys and values read serves
+// them all).
 void attend_rows(Attend attend, const float* q, int B, int H, int L, int D, const CacheView& keys,
                  const CacheView& values, int Hkv, int S, int Dv, const KeyMask& mask, float scale,
                  bool merged, float* op);

@@ -61,9 +61,25 @@ struct Isa {  // 16 vector registers: 8 accumulators, 12 against a tile
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
+  // sum's bits for 16 vectors, each of its additions in whole vectors: 8 at a time, halves, then
+  // pairs within a half, then neighbours (sum's tree: (v0 + v4) + (v2 + v6), then (v1 + v5) +
+  // (v3 + v7), then the two), sources taken in the order that leaves lane i the sum of v[i].
   static void sums16(const V (&v)[16], float* out) {
-    for (int i = 0; i < 16; i++) out[i] = sum(v[i]);  // too few registers to gain by it
+    for (int h = 0; h < 16; h += 8) {
+      V a[4], b[2];
+      for (int j = 0; j < 4; j++) {  // halves of sources 2j, 2j + 1: lanes i + (i + 4)
+        const V x = v[h + order(2 * j)], y = v[h + order(2 * j + 1)];
+        a[j] =
+            _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+      }
+      for (int j = 0; j < 2; j++)  // lanes i + (i + 2), two sources a half
+        b[j] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * j], a[2 * j + 1], 0x44),
+                             _mm256_shuffle_ps(a[2 * j], a[2 * j + 1], 0xee));
+      _mm256_storeu_ps(out + h, _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88),
+                                              _mm256_shuffle_ps(b[0], b[1], 0xdd)));
+    }
   }
+  static constexpr int order(int lane) { return 4 * (lane % 2) + lane / 2; }
 };
 
 #include "kernels/isa/x86_int8.h"
