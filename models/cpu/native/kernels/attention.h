@@ -60,30 +60,14 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
     for (int i = 0; i < count; i++) *into[i] = sums[i];
     count = 0;
   };
-  // Keys [s, s + KB): each one's sums over D, then its scores in key order.
-  const auto keys = [&](int s, auto block, auto all) {
+  // acc[b][t][g]: key s + b's products with the tile's queries, summed over D in vector lanes
+  // (b < KB), their lanes not yet added.
+  const auto dots = [&](int s, auto block, auto& acc) {
     constexpr int KB = decltype(block)::value;
-    constexpr bool All = decltype(all)::value;  // every token sees every key: no flag read
-    bool seen[KB][TN], any[KB], some = false;
-    for (int b = 0; b < KB; b++) {
-      any[b] = false;
-      for (int t = 0; t < TN; t++) {
-        seen[b][t] = All || visible[t * token_step + (s + b) * visible_step];
-        any[b] = any[b] || seen[b][t];
-      }
-      some = some || any[b];
-    }
-    if (!some) {
-      for (int b = 0; b < KB; b++)
-        for (int t = 0; t < TN; t++)
-          for (int g = 0; g < GN; g++) scores[t * s_token + g * s_head + s + b] = kLowest;
-      return;
-    }
     if (s + KB + kAttendAhead <= S)
       for (int b = 0; b < KB; b++)
         for (int at = 0; at < D; at += kFloatsALine)
           __builtin_prefetch(k + (s + b + kAttendAhead) * k_step + at);
-    V acc[KB][TN][GN];
     for (int b = 0; b < KB; b++)
       for (int t = 0; t < TN; t++)
         for (int g = 0; g < GN; g++) acc[b][t][g] = Isa::zero();
@@ -103,6 +87,28 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
             acc[b][t][g] =
                 Isa::fma(Isa::load_first(q + t * q_token + g * D + d, D - d), kv, acc[b][t][g]);
       }
+  };
+  // Keys [s, s + KB): each one's sums over D, then its scores in key order.
+  const auto keys = [&](int s, auto block, auto all) {
+    constexpr int KB = decltype(block)::value;
+    constexpr bool All = decltype(all)::value;  // every token sees every key: no flag read
+    bool seen[KB][TN], any[KB], some = false;
+    for (int b = 0; b < KB; b++) {
+      any[b] = false;
+      for (int t = 0; t < TN; t++) {
+        seen[b][t] = All || visible[t * token_step + (s + b) * visible_step];
+        any[b] = any[b] || seen[b][t];
+      }
+      some = some || any[b];
+    }
+    if (!some) {
+      for (int b = 0; b < KB; b++)
+        for (int t = 0; t < TN; t++)
+          for (int g = 0; g < GN; g++) scores[t * s_token + g * s_head + s + b] = kLowest;
+      return;
+    }
+    V acc[KB][TN][GN];
+    dots(s, block, acc);
     for (int b = 0; b < KB; b++)
       for (int t = 0; t < TN; t++)
         for (int g = 0; g < GN; g++) {
@@ -116,16 +122,30 @@ inline void group_scores(const float* q, int64_t q_token, int D, const float* k,
           if (count == 16) flush();
         }
   };
-  const auto all_keys = [&](auto all) {
-    constexpr int KB = kScoreKeys<GN, TN>;
-    int s = 0;
-    for (; s + KB <= S; s += KB) keys(s, std::integral_constant<int, KB>{}, all);
-    for (; s < S; s++) keys(s, std::integral_constant<int, 1>{}, all);
-  };
-  if (every)
-    all_keys(std::true_type{});
-  else
-    all_keys(std::false_type{});
+  constexpr int KB = kScoreKeys<GN, TN>;
+  int s = 0;
+  if (every) {
+    // Every score kept: each (token, head)'s 16 keys at a time summed straight into its 16
+    // scores (sums16's lanes are the keys), no bookkeeping of where each goes.
+    static_assert(16 % KB == 0);
+    V sixteen[TN][GN][16];
+    for (; s + 16 <= S; s += 16) {
+      for (int i = 0; i < 16; i += KB) {
+        V acc[KB][TN][GN];
+        dots(s + i, std::integral_constant<int, KB>{}, acc);
+        for (int b = 0; b < KB; b++)
+          for (int t = 0; t < TN; t++)
+            for (int g = 0; g < GN; g++) sixteen[t][g][i + b] = acc[b][t][g];
+      }
+      for (int t = 0; t < TN; t++)
+        for (int g = 0; g < GN; g++)
+          Isa::sums16(sixteen[t][g], scores + t * s_token + g * s_head + s);
+    }
+    for (; s < S; s++) keys(s, std::integral_constant<int, 1>{}, std::true_type{});
+  } else {
+    for (; s + KB <= S; s += KB) keys(s, std::integral_constant<int, KB>{}, std::false_type{});
+    for (; s < S; s++) keys(s, std::integral_constant<int, 1>{}, std::false_type{});
+  }
   if (count > 0) flush();
 }
 
@@ -286,11 +306,11 @@ inline void by_heads(int G, Part part) {
 
 // out [G, Dv] = p [G, S] . v over the visible positions.
 inline void weigh_values(const float* p, int G, int S, const float* v, int64_t v_step, int Dv,
-                         const bool* visible, int64_t visible_step, float* out) {
+                         const bool* visible, int64_t visible_step, float* out, bool every) {
   by_heads(G, [&](int g0, auto heads) {
     group_values<decltype(heads)::value, 1>(p + static_cast<size_t>(g0) * S, 0, S, S, v, v_step, Dv,
                                             visible, visible_step, 0,
-                                            out + static_cast<size_t>(g0) * Dv, 0);
+                                            out + static_cast<size_t>(g0) * Dv, 0, false, every);
   });
 }
 
@@ -323,16 +343,17 @@ inline void attend_token(const float* q, int G, int D, const float* k, int64_t k
     static const bool kEvery = true;
     std::fill(scores, scores + static_cast<size_t>(G) * S, kLowest);
     attend_softmax(scores, G, S);
-    weigh_values(scores, G, S, v, v_step, Dv, &kEvery, 0, out);
+    weigh_values(scores, G, S, v, v_step, Dv, &kEvery, 0, out, true);
     return;
   }
+  const bool every = sees_all(visible, visible_step, 0, 1, S);  // no flag read again
   by_heads(G, [&](int g0, auto heads) {
     group_scores<decltype(heads)::value, 1>(q + static_cast<size_t>(g0) * D, 0, D, k, k_step,
                                             visible, visible_step, 0, S,
-                                            scores + static_cast<size_t>(g0) * S, 0, S);
+                                            scores + static_cast<size_t>(g0) * S, 0, S, every);
   });
   attend_softmax(scores, G, S);
-  weigh_values(scores, G, S, v, v_step, Dv, visible, visible_step, out);
+  weigh_values(scores, G, S, v, v_step, Dv, visible, visible_step, out, every);
 }
 
 // part(t0, TN) over T tokens, TN of them (a compile-time constant, up to kTileTokens<GN>) at a
