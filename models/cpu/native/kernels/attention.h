@@ -405,32 +405,31 @@ inline void attend(const float* q, int T, int G, int D, const float* k, int64_t 
   }
   const int64_t q_token = static_cast<int64_t>(G) * D, s_token = static_cast<int64_t>(G) * S;
   const int64_t out_token = static_cast<int64_t>(G) * Dv;
-  for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
-    const int n = std::min(kKeyBlock, S - s0);
-    by_heads(G, [&](int g0, auto heads) {
-      constexpr int GN = decltype(heads)::value;
-      by_tokens<GN>(T, [&](int t0, auto tokens) {
-        constexpr int TN = decltype(tokens)::value;
-        const bool* flags = visible + t0 * token_step + s0 * visible_step;
-        group_scores<GN, TN>(q + t0 * q_token + g0 * D, q_token, D, k + s0 * k_step, k_step, flags,
-                             visible_step, token_step, n, scores + t0 * s_token + g0 * S + s0,
-                             s_token, S, sees_all(flags, visible_step, token_step, TN, n));
+  // part(s0, n, g0, t0, heads, tokens, flags, every) for each block of keys [s0, s0 + n) in
+  // order, and in it each tile of `tokens` tokens (t0 on) of `heads` heads (g0 on): flags, the
+  // tile's mask there; every, whether each of its tokens sees each of the block's keys.
+  const auto tiles = [&](auto part) {
+    for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
+      const int n = std::min(kKeyBlock, S - s0);
+      by_heads(G, [&](int g0, auto heads) {
+        by_tokens<decltype(heads)::value>(T, [&](int t0, auto tokens) {
+          const bool* flags = visible + t0 * token_step + s0 * visible_step;
+          part(s0, n, g0, t0, heads, tokens, flags,
+               sees_all(flags, visible_step, token_step, decltype(tokens)::value, n));
+        });
       });
-    });
-  }
+    }
+  };
+  tiles([&](int s0, int n, int g0, int t0, auto heads, auto tokens, const bool* flags, bool every) {
+    group_scores<decltype(heads)::value, decltype(tokens)::value>(
+        q + t0 * q_token + g0 * D, q_token, D, k + s0 * k_step, k_step, flags, visible_step,
+        token_step, n, scores + t0 * s_token + g0 * S + s0, s_token, S, every);
+  });
   attend_softmax(scores, T * G, S);
-  for (int s0 = 0; s0 < S; s0 += kKeyBlock) {
-    const int n = std::min(kKeyBlock, S - s0);
-    by_heads(G, [&](int g0, auto heads) {
-      constexpr int GN = decltype(heads)::value;
-      by_tokens<GN>(T, [&](int t0, auto tokens) {
-        constexpr int TN = decltype(tokens)::value;
-        const bool* flags = visible + t0 * token_step + s0 * visible_step;
-        group_values<GN, TN>(scores + t0 * s_token + g0 * S + s0, s_token, S, n, v + s0 * v_step,
-                             v_step, Dv, flags, visible_step, token_step,
-                             out + t0 * out_token + g0 * Dv, out_token, /*more=*/s0 > 0,
-                             sees_all(flags, visible_step, token_step, TN, n));
-      });
-    });
-  }
+  tiles([&](int s0, int n, int g0, int t0, auto heads, auto tokens, const bool* flags, bool every) {
+    group_values<decltype(heads)::value, decltype(tokens)::value>(
+        scores + t0 * s_token + g0 * S + s0, s_token, S, n, v + s0 * v_step, v_step, Dv, flags,
+        visible_step, token_step, out + t0 * out_token + g0 * Dv, out_token, /*more=*/s0 > 0,
+        every);
+  });
 }
