@@ -45,7 +45,7 @@ constexpr int kValueVectors = std::clamp(kAttendAccumulators / (GN * TN + 1), 1,
 template <int GN, int TN>
 inline void group_scores(const float* q, int64_t q_token, int D, const float* k, int64_t k_step,
                          const bool* visible, int64_t visible_step, int64_t token_step, int S,
-                         float* scores, int64_t s_token, int64_t s_head, bool every = false) {
+                         float* scores, int64_t s_token, int64_t s_head, bool every) {
   using V = typename Isa::V;
   const int full = D - D % Isa::kLanes;
   // The scores' vectors of lanes, summed sixteen at a time (Isa::sums16: Isa::sum's bits, its
@@ -229,8 +229,7 @@ inline void values_from(int c, int vectors, const float* p, int64_t p_token, int
 template <int GN, int TN>
 inline void group_values(const float* p, int64_t p_token, int64_t p_head, int S, const float* v,
                          int64_t v_step, int Dv, const bool* visible, int64_t visible_step,
-                         int64_t token_step, float* out, int64_t out_token, bool more = false,
-                         bool every = false) {
+                         int64_t token_step, float* out, int64_t out_token, bool more, bool every) {
   const int vectors = (Dv + Isa::kLanes - 1) / Isa::kLanes;
   values_from<GN, TN, kValueVectors<GN, TN>>(0, vectors, p, p_token, p_head, S, v, v_step, Dv,
                                              visible, visible_step, token_step, out, out_token,
