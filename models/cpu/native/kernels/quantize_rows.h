@@ -63,13 +63,15 @@ inline bool halves_first(const Quantized& q) { return q.bits == 4 && !q.rows8; }
 // M rows of x [M, K] quantized, held for the products that read them: `quantize` fills rows
 // [m0, m1), so that threads may share the rows. With `norm` (its weight [K]) each row is
 // RMS-normalized first (rms_norm_row, the bits of a normalized copy), one row at a time on the
-// thread that quantizes it: no copy of all the normalized rows is made.
+// thread that quantizes it, into `normed` [M, K] where the caller reads the normalized rows too
+// (a LoRA's activations), else into a row of scratch.
 class Int8Rows {
  public:
   Int8Rows(const float* x, int M, int K, int group, bool halves, const float* norm = nullptr,
-           float eps = 0.0f)
+           float eps = 0.0f, float* normed = nullptr)
       : x_(x),
         norm_(norm),
+        normed_(normed),
         eps_(eps),
         K_(K),
         group_(group),
@@ -81,12 +83,13 @@ class Int8Rows {
   Int8Rows& operator=(const Int8Rows&) = delete;
   void quantize(int m0, int m1) {
     struct Normed;  // a row normalized, kept on the thread
-    const Reused<float, Normed> normed(norm_ ? K_ : 0);
+    const Reused<float, Normed> scratch(norm_ && !normed_ ? K_ : 0);
     for (int m = m0; m < m1; m++) {
       const float* x = x_ + static_cast<size_t>(m) * K_;
       if (norm_) {
-        rms_norm_row(x, norm_, K_, eps_, normed.data());
-        x = normed.data();
+        float* row = normed_ ? normed_ + static_cast<size_t>(m) * K_ : scratch.data();
+        rms_norm_row(x, norm_, K_, eps_, row);
+        x = row;
       }
       quantize_row(x, K_, group_, halves_, rows().row(m, K_, group_));
     }
@@ -96,6 +99,7 @@ class Int8Rows {
  private:
   const float* x_;
   const float* norm_;
+  float* normed_;
   float eps_;
   int K_, group_;
   bool halves_;

@@ -51,12 +51,14 @@ inline int tile_floats(int M) { return M <= 16 ? 8192 : 32768; }
 class PackedProducts {
  public:
   // `halves`: the weights' products read x's int8 codes evens first (`halves_first`). `norm`
-  // (int8 only): x's rows RMS-normalized by it as they are quantized (Int8Rows).
+  // (int8 only): x's rows RMS-normalized by it as they are quantized (Int8Rows), into `normed`
+  // [M, K] where it is given.
   PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, bool int8,
-                 bool halves, const float* norm = nullptr, float eps = 0.0f)
+                 bool halves, const float* norm = nullptr, float eps = 0.0f,
+                 float* normed = nullptr)
       : kernel_(kernel), x_(x), M_(M) {
     if (!int8) return;
-    rows_.emplace(x, M, K, group, halves, norm, eps);
+    rows_.emplace(x, M, K, group, halves, norm, eps, normed);
     parallel_rows(
         M, 8, [this](int m0, int m1) { rows_->quantize(m0, m1); }, 1);
   }

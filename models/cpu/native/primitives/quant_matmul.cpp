@@ -280,21 +280,25 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
   RowResiduals residuals(kernel, M, K);
   for (size_t j = 0; j < slots.size(); j++)
     if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
-  // x's rows normalized, where a norm comes first: into scratch where float rows are read (the
-  // float products, the LoRA's activations), else each row as it is quantized to int8.
-  const bool floats = norm_eps && (!int8 || !residuals.empty());
-  const float* xp = x;
+  // x's rows normalized, where a norm comes first: each row as it is quantized to int8, kept
+  // where the LoRA's activations read them too; else (the float products) into scratch first,
+  // split over the threads as the quantization is.
+  const bool kept = norm_eps && !residuals.empty();
   struct Normed;
-  const Reused<float, Normed> normed(floats ? static_cast<size_t>(M) * K : 0);
-  if (floats) {
-    for (int m = 0; m < M; m++)
-      rms_norm_row(x + static_cast<size_t>(m) * K, norm, K, *norm_eps,
-                   normed.data() + static_cast<size_t>(m) * K);
-    xp = normed.data();
-  }
-  const PackedProducts packed(kernel, xp, M, K, group, int8, halves_first(weights[0]),
-                              norm_eps && !floats ? norm : nullptr,
-                              norm_eps.value_or(0.0f));  // x quantized once
+  const Reused<float, Normed> normed(norm_eps && (kept || !int8) ? static_cast<size_t>(M) * K : 0);
+  if (norm_eps && !int8)
+    parallel_rows(
+        M, 8,
+        [&](int m0, int m1) {
+      for (int m = m0; m < m1; m++)
+        rms_norm_row(x + static_cast<size_t>(m) * K, norm, K, *norm_eps,
+                     normed.data() + static_cast<size_t>(m) * K);
+        },
+        1);
+  const float* xp = norm_eps && (kept || !int8) ? normed.data() : x;
+  const PackedProducts packed(kernel, int8 ? x : xp, M, K, group, int8, halves_first(weights[0]),
+                              norm_eps && int8 ? norm : nullptr, norm_eps.value_or(0.0f),
+                              kept && int8 ? normed.data() : nullptr);  // x quantized once
   parallel_rows(
       offsets.back(), 64,
       [&](int n0, int n1) {
