@@ -389,10 +389,11 @@ inline void attend(const float* q, int T, int G, int D, const float* k, int64_t 
   for (int t = 0; t < T && each_sees; t++)
     each_sees = sees_any(visible + t * token_step, visible_step, S);
   if (!each_sees) {
-    if (T > 4) {
-      for (int t0 = 0; t0 < T; t0 += 4)
-        attend(q + static_cast<size_t>(t0) * G * D, std::min(4, T - t0), G, D, k, k_step, v, v_step,
-               Dv, visible + t0 * token_step, visible_step, token_step, S, scores,
+    constexpr int kTile = kTileTokens<1>;  // the most tokens a tile takes
+    if (T > kTile) {
+      for (int t0 = 0; t0 < T; t0 += kTile)
+        attend(q + static_cast<size_t>(t0) * G * D, std::min(kTile, T - t0), G, D, k, k_step, v,
+               v_step, Dv, visible + t0 * token_step, visible_step, token_step, S, scores,
                out + static_cast<size_t>(t0) * G * Dv);
       return;
     }

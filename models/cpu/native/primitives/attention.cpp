@@ -134,7 +134,7 @@ class MaskedSoftmax : public CpuPrimitive {
 // chunks, with AVX2's whole-vector sums of scores and the masks read once a block: 13.1-14.3 ->
 // 12.1-12.6 s as AVX2, 10.2-11.0 s either way with AVX-512's kernels; 1, 2 and 4 MiB alike.
 constexpr size_t kScoreBytes = size_t(1) << 20;
-constexpr int kQueryTile = 4;  // a tile of `attend`: units hold whole tiles
+constexpr int kQueryTile = 4;  // the most tokens of a tile of `attend` (kTileTokens<1>)
 
 // The query tokens of a unit: as many tiles as kScoreBytes of scores hold, at most a share of the
 // chunk that leaves every thread of the pool a few units to take.
