@@ -284,8 +284,9 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
   // where the LoRA's activations read them too; else (the float products) into scratch first,
   // split over the threads as the quantization is.
   const bool kept = norm_eps && !residuals.empty();
+  const bool whole = norm_eps && (kept || !int8);  // every normalized row in `normed`
   struct Normed;
-  const Reused<float, Normed> normed(norm_eps && (kept || !int8) ? static_cast<size_t>(M) * K : 0);
+  const Reused<float, Normed> normed(whole ? static_cast<size_t>(M) * K : 0);
   if (norm_eps && !int8)
     parallel_rows(
         M, 8,
@@ -295,7 +296,7 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
                      normed.data() + static_cast<size_t>(m) * K);
         },
         1);
-  const float* xp = norm_eps && (kept || !int8) ? normed.data() : x;
+  const float* xp = whole ? normed.data() : x;
   const PackedProducts packed(kernel, int8 ? x : xp, M, K, group, int8, halves_first(weights[0]),
                               norm_eps && int8 ? norm : nullptr, norm_eps.value_or(0.0f),
                               kept && int8 ? normed.data() : nullptr);  // x quantized once
