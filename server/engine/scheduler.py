@@ -48,6 +48,7 @@ from hotlora.server.engine.kv_caches import (
     KV_STEP,
     LayerCaches,
     kept_caches,
+    row_caches,
     new_caches,
     prefill_step,
     stepped,
@@ -252,7 +253,7 @@ class Scheduler:
         held = {i for i, row in enumerate(self.running) if row.paused}
         if held and self._cache is not None:
             for i in sorted(held):
-                own = kept_caches([c.extract(i) for c in self._cache])
+                own = kept_caches(row_caches(self._cache, i))
                 self.paused.append((self.running[i], own))
             self._keep([i for i in range(len(self.running)) if i not in held])
 
@@ -501,7 +502,7 @@ class Scheduler:
             return
         try:
             # Kept beyond this step: one buffer, evaluated now.
-            cache = kept_caches([c.extract(index) for c in self._cache])
+            cache = kept_caches(row_caches(self._cache, index))
             offset = cache[0].offset if cache else 0
             if offset > len(row.tokens) and can_trim_prompt_cache(cache):
                 # A step launched ahead took the token that ended it, which it does not keep

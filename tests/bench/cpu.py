@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -73,6 +74,7 @@ WARMUP_TOKENS = 8
 ADAPTER_WARMUPS = 2  # untimed rounds of adapter rows and of base-only rows before the pairs
 WARMUP_PROMPT_TOKENS = 300
 RSS_POLL_S = 0.2
+SETTLE_S, SETTLE_MOST_S = 0.5, 5.0  # RssWatch.peak_mb: the server's high-water mark settled
 RSS_MARGIN = 1.1  # the adapters' peak RSS at most (base-only + their arrays) times this
 
 
@@ -160,7 +162,18 @@ class RssWatch(threading.Thread):
             self.polled_kb = max(self.polled_kb, total)
 
     def peak_mb(self) -> float:
-        return max(self.polled_kb, _status_kb(self.pid, "VmHWM")) / 1024
+        """The peak so far, once the server has settled: a finished request's cache is kept for
+        reuse (a copy) just after its response ends, so the high-water mark is read again until
+        it has not moved for `SETTLE_S` (at most `SETTLE_MOST_S`)."""
+        deadline = time.monotonic() + SETTLE_MOST_S
+        mark = _status_kb(self.pid, "VmHWM")
+        while time.monotonic() < deadline:
+            time.sleep(SETTLE_S)
+            again = _status_kb(self.pid, "VmHWM")
+            if again == mark:
+                break
+            mark = again
+        return max(self.polled_kb, mark) / 1024
 
 
 def _status_kb(pid: int, key: str) -> int:
