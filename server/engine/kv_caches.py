@@ -11,7 +11,8 @@ the prompt (an 8,000-token prompt: tens of GB copied over its chunks).
 What is kept beyond a request (a finished row's cache, a prompt head) is copied into one buffer
 (`in_one_buffer`): one allocation, large enough that the allocator maps it of its own and
 returns it whole when it is dropped, instead of a buffer a layer (each under malloc's 128 KiB
-for a short conversation) left in its heap among those of the steps around it.
+for a short conversation) left in its heap among those of the steps around it. A row of a
+running batch is copied so straight from views of the batch's buffers (`row_caches`): once.
 """
 
 from __future__ import annotations
@@ -65,9 +66,8 @@ def row_caches(batch: LayerCaches, index: int) -> LayerCaches:
     """Row `index` of a batch's caches, to be kept (`kept_caches`): where every layer is a
     `BatchKVCache`, views of the row's keys and values in the batch's buffers, which the copy
     into one buffer then reads once; else each layer's own `extract` (a copy). mlx-lm's
-    `BatchKVCache.extract` copies each layer first: a kept row then took its cache twice over
-    beside the batch's (a 1,250-token row of the ~0.8B llama: ~75 MB above the batch for a
-    moment, where the views take ~40)."""
+    `BatchKVCache.extract` copies each layer first: a kept row then took twice its bytes beside
+    the batch's for a moment (a 1,250-token row of the ~0.8B llama: ~80 MB), the views once."""
     if not batch or not all(type(c) is BatchKVCache and c.keys is not None for c in batch):
         return [c.extract(index) for c in batch]
     rows = []

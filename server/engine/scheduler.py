@@ -48,9 +48,9 @@ from hotlora.server.engine.kv_caches import (
     KV_STEP,
     LayerCaches,
     kept_caches,
-    row_caches,
     new_caches,
     prefill_step,
+    row_caches,
     stepped,
 )
 from hotlora.server.engine.prefill_cost import PrefillCost
