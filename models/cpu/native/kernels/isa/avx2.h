@@ -54,6 +54,25 @@ struct Isa {  // 16 vector registers: 8 accumulators, 12 against a tile
       out[2 * h + 1] = from_bytes(_mm_srli_si128(halves[h], 8));
     }
   }
+  // One row of x against this many weight rows at once, their codes a vector at a time
+  // (kernels/quant_matmul.h's `one_row_block`).
+  static constexpr int kOneRowR = 3;
+  // Codes [8 * i, 8 * i + 8) of a chunk as floats: at 4 bits, the 32-bit word that holds them
+  // in every lane, each lane shifted to its own code (two integer operations, no shuffle).
+  template <int Bits>
+  static V code_vector(const uint8_t* bytes, int i) {
+    static_assert(Bits == 4 || Bits == 8, "a code width of kernels/quant_types.h unpacked here");
+    if constexpr (Bits == 4) {
+      int32_t word;
+      std::memcpy(&word, bytes + 4 * i, sizeof word);
+      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+      const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);
+      return _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(0x0f)));
+    } else {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i));
+      return from_bytes(codes);
+    }
+  }
   static constexpr bool kTable4 = false;  // a permute picks from eight lanes, not sixteen
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static float sum(V v) {
