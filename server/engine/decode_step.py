@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hotlora.adapters import RowAdapterCache, activate
+from hotlora.server.engine.kv_caches import decode_step_size, stepped
 from hotlora.server.engine.next_tokens import (
     choose,
     constrained,
@@ -77,6 +78,10 @@ def launch(
     `ahead`: the tokens each row will have taken, beyond those it holds now, before this step's
     token (1 for a step launched from the previous step's tokens before they are read): the
     rows' token masks (`min_tokens`) count them."""
+    # A row writes one position a step until its last token, which it never writes: the
+    # caches grow by no more than the rows can still write.
+    most = max(row.job.params.max_tokens - row.generated - ahead for row in rows)
+    stepped(cache, decode_step_size(most))
     try:
         with activate(row_adapters.for_rows([row.adapters for row in rows])):
             logits = model(inputs, cache=cache)[:, -1, :]  # [B, vocab]

@@ -3,7 +3,9 @@
 A cache that is full takes a whole step of new positions for every row at once, whatever the
 rows still need. At mlx-lm's 256, a batch of short answers holds up to 255 unused positions a
 row in every layer, often more than the answers themselves; a step of 64 wastes a quarter of
-that, and the copy each growth costs comes once every 64 tokens. A prompt being prefilled grows
+that, and the copy each growth costs comes once every 64 tokens. A decode step whose rows can
+write fewer positions than that before their `max_tokens` grows by those alone
+(`decode_step_size`). A prompt being prefilled grows
 by its whole length at once (`prefill_step`): in steps of 64 each chunk of a long prompt would
 copy the whole cache into a new, freshly paged buffer, a cost that grows with the square of
 the prompt (an 8,000-token prompt: tens of GB copied over its chunks).
@@ -42,6 +44,13 @@ def stepped(caches: list[Any], step: int = KV_STEP) -> list[Any]:
             cache.step = step  # an instance attribute over the class's 256
         stepped(getattr(cache, "caches", []), step)  # a CacheList's own caches
     return caches
+
+
+def decode_step_size(positions: int) -> int:
+    """The step of a decode step's caches whose rows can write at most `positions` more
+    positions: `KV_STEP`, or fewer where no row can use them all (a batch of answers near their
+    `max_tokens` grows by what they can still write, not a whole step a row)."""
+    return max(1, min(KV_STEP, positions))
 
 
 def prefill_step(tokens: int) -> int:

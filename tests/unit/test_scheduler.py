@@ -346,6 +346,27 @@ def test_kv_caches_hold_at_most_one_step_of_positions_beyond_their_rows(setup):
     assert held and max(held) <= len(long_prompt) + 10 + KV_STEP
 
 
+def test_a_batchs_caches_grow_no_further_than_its_rows_can_still_write(setup):
+    """Decoding past a full step grows the caches by what the rows can still write, where that
+    is less than a step: here 41 positions, not 64 a row."""
+    engine, _ = setup
+    scheduler = Scheduler(engine, max_batch=4)
+    prompts = [list(range(50, 120)), list(range(60, 120))]  # 70 and 60 tokens
+    sinks = [Recorder() for _ in prompts]
+    for prompt, sink in zip(prompts, sinks, strict=True):
+        scheduler.add([job(prompt, max_tokens=100)], sink)
+    held = []
+    while not scheduler.idle:
+        scheduler.step()
+        held += [cache.keys.shape[2] for cache in scheduler._cache or [] if cache.keys is not None]
+    for sink, prompt in zip(sinks, prompts, strict=True):
+        assert sink.finished() == Finished("length", len(prompt), 100, 0)
+    # The longer prompt's 69 positions (its last token is the first step's input), then one a
+    # decode step, 100 (the last token generated is never written): 169, where whole steps
+    # (69 + 64 + 64) made it 197.
+    assert max(held) == len(prompts[0]) - 1 + 100 < len(prompts[0]) - 1 + 2 * KV_STEP
+
+
 def test_max_batch_bounds_the_rows_decoding_together(setup):
     engine, _ = setup
     scheduler = Scheduler(engine, max_batch=2)
