@@ -127,18 +127,12 @@ inline void dequantize_tile(const Quantized& q, int n0, int T, float* out) {
   });
 }
 
-// out[m, r] = x[m, :] . dequantize(w[n + r, :]) for m < P, r < R, the weights dequantized in
-// registers and multiplied at once: for the few rows of a decode step, where a tile in memory
-// would be written and read back for a row or two. Each accumulator takes the products in the
-// order `block` takes them from a tile, so the bits are the tile's.
-template <int Bits, bool Exact, int P, int R>
-inline void fused_block(const Quantized& q, const float* x, int n, float* out, int ldo) {
-  const int K = q.K, groups = K / q.group;
-  typename Isa::V acc[R][P];
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < P; m++) acc[r][m] = Isa::zero();
-  const uint8_t* rows[R];
-  for (int r = 0; r < R; r++) rows[r] = row_bytes(q, n + r);
+// f(g, scale, bias) for each group g of weight rows [n, n + R), in order, with those rows'
+// scales and biases of group g as vectors (R of each): converted kParamGroups groups at a time,
+// the rows' codes asked for ahead as it goes (prefetch_groups).
+template <int Bits, int R, typename F>
+inline void for_each_group(const Quantized& q, int n, F&& f) {
+  const int groups = q.K / q.group;
   float params[R][2][kParamGroups];  // each row's scales, then biases, of kParamGroups groups
   for (int g0 = 0; g0 < groups; g0 += kParamGroups) {
     const int count = std::min(kParamGroups, groups - g0);
@@ -154,19 +148,36 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
         scale[r] = Isa::set1(params[r][0][g - g0]);
         bias[r] = Isa::set1(params[r][1][g - g0]);
       }
-      for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
-        typename Isa::V w[R][kChunkVectors];
-        for (int r = 0; r < R; r++)
-          dequantize32<Bits, Exact>(rows[r] + k * Bits / 8, scale[r], bias[r], w[r]);
-        for (int i = 0; i < kChunkVectors; i++)
-          for (int m = 0; m < P; m++) {
-            const float* xm = x + static_cast<size_t>(m) * K;
-            const typename Isa::V xv = Isa::load(xm + k + i * Isa::kLanes);
-            for (int r = 0; r < R; r++) acc[r][m] = Isa::fma(w[r][i], xv, acc[r][m]);
-          }
-      }
+      f(g, scale, bias);
     }
   }
+}
+
+// out[m, r] = x[m, :] . dequantize(w[n + r, :]) for m < P, r < R, the weights dequantized in
+// registers and multiplied at once: for the few rows of a decode step, where a tile in memory
+// would be written and read back for a row or two. Each accumulator takes the products in the
+// order `block` takes them from a tile, so the bits are the tile's.
+template <int Bits, bool Exact, int P, int R>
+inline void fused_block(const Quantized& q, const float* x, int n, float* out, int ldo) {
+  const int K = q.K;
+  typename Isa::V acc[R][P];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < P; m++) acc[r][m] = Isa::zero();
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; r++) rows[r] = row_bytes(q, n + r);
+  for_each_group<Bits, R>(q, n, [&](int g, const Isa::V(&scale)[R], const Isa::V(&bias)[R]) {
+    for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
+      typename Isa::V w[R][kChunkVectors];
+      for (int r = 0; r < R; r++)
+        dequantize32<Bits, Exact>(rows[r] + k * Bits / 8, scale[r], bias[r], w[r]);
+      for (int i = 0; i < kChunkVectors; i++)
+        for (int m = 0; m < P; m++) {
+          const float* xm = x + static_cast<size_t>(m) * K;
+          const typename Isa::V xv = Isa::load(xm + k + i * Isa::kLanes);
+          for (int r = 0; r < R; r++) acc[r][m] = Isa::fma(w[r][i], xv, acc[r][m]);
+        }
+    }
+  });
   for (int r = 0; r < R; r++)
     for (int m = 0; m < P; m++) out[static_cast<size_t>(m) * ldo + r] = Isa::sum(acc[r][m]);
 }
@@ -180,38 +191,23 @@ inline void fused_block(const Quantized& q, const float* x, int n, float* out, i
 // embedded model at `--cpu-precision exact` 8.4-8.8 ms against 9.0-9.5; R = 2 or 4 less.
 template <int Bits, bool Exact, int R, class I = Isa>
 inline void one_row_block(const Quantized& q, const float* x, int n, float* out) {
-  const int K = q.K, groups = K / q.group;
   typename I::V acc[R];
   for (int r = 0; r < R; r++) acc[r] = I::zero();
   const uint8_t* rows[R];
   for (int r = 0; r < R; r++) rows[r] = row_bytes(q, n + r);
-  float params[R][2][kParamGroups];  // each row's scales, then biases, of kParamGroups groups
-  for (int g0 = 0; g0 < groups; g0 += kParamGroups) {
-    const int count = std::min(kParamGroups, groups - g0);
-    for (int r = 0; r < R; r++) {
-      const size_t at = static_cast<size_t>(n + r) * groups + g0;
-      prefetch_groups<Bits>(q, n + r, g0, count);
-      quant_params(q.scales, at, count, q.dtype, params[r][0]);
-      quant_params(q.biases, at, count, q.dtype, params[r][1]);
-    }
-    for (int g = g0; g < g0 + count; g++) {
-      typename I::V scale[R], bias[R];
-      for (int r = 0; r < R; r++) {
-        scale[r] = I::set1(params[r][0][g - g0]);
-        bias[r] = I::set1(params[r][1][g - g0]);
-      }
-      for (int k = g * q.group; k < (g + 1) * q.group; k += 32)
-        for (int i = 0; i < kChunkVectors; i++) {
-          const typename I::V xv = I::load(x + k + i * I::kLanes);
-          for (int r = 0; r < R; r++) {
-            const typename I::V codes = I::template code_vector<Bits>(rows[r] + k * Bits / 8, i);
-            const typename I::V w =
-                Exact ? I::fma(codes, scale[r], bias[r]) : I::add(I::mul(codes, scale[r]), bias[r]);
-            acc[r] = I::fma(w, xv, acc[r]);
+  for_each_group<Bits, R>(
+      q, n, [&](int g, const typename I::V(&scale)[R], const typename I::V(&bias)[R]) {
+        for (int k = g * q.group; k < (g + 1) * q.group; k += 32)
+          for (int i = 0; i < kChunkVectors; i++) {
+            const typename I::V xv = I::load(x + k + i * I::kLanes);
+            for (int r = 0; r < R; r++) {
+              const typename I::V codes = I::template code_vector<Bits>(rows[r] + k * Bits / 8, i);
+              const typename I::V w = Exact ? I::fma(codes, scale[r], bias[r])
+                                            : I::add(I::mul(codes, scale[r]), bias[r]);
+              acc[r] = I::fma(w, xv, acc[r]);
+            }
           }
-        }
-    }
-  }
+      });
   for (int r = 0; r < R; r++) out[r] = I::sum(acc[r]);
 }
 
