@@ -49,6 +49,16 @@ inline void quant_params(const void* p, size_t at, int n, int dtype, float* out)
 
 inline bool exact_products(const Quantized& q) { return q.dtype == 1; }
 
+// Codes as floats, dequantized: scale * codes + bias, rounded as MLX rounds it (one fused
+// multiply-add where the product is exact, `Exact`; else a product, then a sum).
+template <bool Exact, class I = Isa>
+inline typename I::V dequantized(typename I::V codes, typename I::V scale, typename I::V bias) {
+  if constexpr (Exact)
+    return I::fma(codes, scale, bias);
+  else
+    return I::add(I::mul(codes, scale), bias);
+}
+
 template <int Bits, bool Exact, class I = Isa>
 inline void dequantize32(const uint8_t* bytes, typename I::V scale, typename I::V bias,
                          typename I::V (&out)[kChunkVectors]) {
@@ -57,11 +67,7 @@ inline void dequantize32(const uint8_t* bytes, typename I::V scale, typename I::
   } else {
     typename I::V values[kChunkVectors];
     I::template codes32<Bits>(bytes, values);
-    for (int i = 0; i < kChunkVectors; i++)
-      if constexpr (Exact)
-        out[i] = I::fma(values[i], scale, bias);
-      else
-        out[i] = I::add(I::mul(values[i], scale), bias);
+    for (int i = 0; i < kChunkVectors; i++) out[i] = dequantized<Exact, I>(values[i], scale, bias);
   }
 }
 
@@ -202,9 +208,7 @@ inline void one_row_block(const Quantized& q, const float* x, int n, float* out)
             const typename I::V xv = I::load(x + k + i * I::kLanes);
             for (int r = 0; r < R; r++) {
               const typename I::V codes = I::template code_vector<Bits>(rows[r] + k * Bits / 8, i);
-              const typename I::V w = Exact ? I::fma(codes, scale[r], bias[r])
-                                            : I::add(I::mul(codes, scale[r]), bias[r]);
-              acc[r] = I::fma(w, xv, acc[r]);
+              acc[r] = I::fma(dequantized<Exact, I>(codes, scale[r], bias[r]), xv, acc[r]);
             }
           }
       });
