@@ -348,7 +348,7 @@ def test_kv_caches_hold_at_most_one_step_of_positions_beyond_their_rows(setup):
 
 def test_a_batchs_caches_grow_no_further_than_its_rows_can_still_write(setup):
     """Decoding past a full step grows the caches by what the rows can still write, where that
-    is less than a step: here 41 positions, not 64 a row."""
+    is less than a step: here 36 positions (133 to 169), not 64 a row."""
     engine, _ = setup
     scheduler = Scheduler(engine, max_batch=4)
     prompts = [list(range(50, 120)), list(range(60, 120))]  # 70 and 60 tokens
