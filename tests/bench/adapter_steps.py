@@ -1,7 +1,9 @@
 """What distinct adapters cost a batched decode step, in one process, away from HTTP's noise.
 
 `python -m tests.bench.adapter_steps` loads the embedded model as a CPU server serves it (packed
-4-bit kernels) and mounts `--adapters` (16) random rank-16 adapters on every projection twice,
+4-bit kernels at `--precision`, the server's default `fast` unless told), or the model in
+`--model-dir` (such as the random ~0.8B llama of the bench's section `cpu`), and
+mounts `--adapters` (16) random rank-16 adapters on every projection twice,
 through two adapter managers: kept in float32 (`--adapter-dtype float32`) and in float16 (the
 default there). Then, in blocks of `--steps` (100) decode steps of 16 rows after a 64-token
 context, it times step by step, each kind in turn: the base alone; every row with an adapter of
@@ -11,6 +13,7 @@ distinct rows is what reading 16 adapters costs. Each block's medians, then thei
 one JSON object; ratios are the base step's time over each kind's.
 
     python -m tests.bench.adapter_steps [--adapters 16] [--blocks 3] [--steps 100]
+        [--precision fast|exact] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main() -> int:
     parser.add_argument("--adapters", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--precision", choices=("fast", "exact"), default="fast")
+    parser.add_argument("--model-dir", type=Path, default=None)
     args = parser.parse_args()
 
     from hotlora.adapters import AdapterManager, RowAdapterCache, activate, parse_adapter_spec
@@ -45,13 +50,15 @@ def main() -> int:
     from hotlora.models.embedded import ensure_embedded_model
 
     rows = args.adapters
-    model_dir = ensure_embedded_model(Settings().home)
+    model_dir = args.model_dir or ensure_embedded_model(Settings().home)
     root = Path(tempfile.gettempdir()) / "hotlora-bench-adapter-steps"
+    if args.model_dir:  # its own adapters, named by the model's last two folders
+        root /= "-".join(args.model_dir.resolve().parts[-2:])
     names = [f"r16-{i}" for i in range(rows)]
     missing = {n: 100 + i for i, n in enumerate(names) if not (root / n).is_dir()}
     if missing:
         write_random_adapters(model_dir, root, missing)
-    model = load("packed", None)
+    model = load("packed", None, args.precision, args.model_dir)
     managers = {
         dtype: AdapterManager(
             model, base_id="base", adapter_root=root, max_rank=64, adapter_dtype=dtype
@@ -103,7 +110,12 @@ def main() -> int:
         for kind, ms in blocks.items()
         if kind != "base"
     }
-    print(json.dumps({"rows": rows, "step_ms": step_ms, "base_over": ratios}, indent=2))
+    print(
+        json.dumps(
+            {"rows": rows, "precision": args.precision, "step_ms": step_ms, "base_over": ratios},
+            indent=2,
+        )
+    )
     return 0
 
 
