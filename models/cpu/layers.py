@@ -40,7 +40,6 @@ from hotlora.models.cpu.weights import (
     KERNEL_BITS,
     deinterleave_rows8,
     interleave_rows8,
-    interleaved_rows,
     served_bits,
 )
 from hotlora.models.module_classes import swap_classes
@@ -253,12 +252,13 @@ class PackedEmbedding(nn.QuantizedEmbedding, Interleaving):
 
     def __call__(self, x: mx.array) -> mx.array:
         assert self.biases is not None  # the affine mode's
-        if self.interleaved:
-            weight, scales, biases = interleaved_rows(
-                self.weight, self.scales, self.biases, self.bits, x
+        if self.interleaved:  # one primitive, mx.dequantize's rows to the bit
+            assert extension.native is not None  # nothing is interleaved without the kernels
+            ids = x if x.dtype in (mx.int32, mx.uint32, mx.int64) else x.astype(mx.int32)
+            return extension.native.interleaved_lookup(
+                ids, self.weight, self.scales, self.biases, self.group_size, self.bits
             )
-        else:
-            weight, scales, biases = self.weight[x], self.scales[x], self.biases[x]
+        weight, scales, biases = self.weight[x], self.scales[x], self.biases[x]
         return mx.dequantize(
             weight,
             scales.astype(mx.float32),

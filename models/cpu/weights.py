@@ -323,33 +323,6 @@ def deinterleave_rows8(
     return pack_codes(codes, bits), _rows(scales, n), _rows(biases, n)
 
 
-def interleaved_rows(
-    weight: mx.array, scales: mx.array, biases: mx.array, bits: int, ids: mx.array
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Rows `ids` (integers of any shape) of a layer laid out by `interleave_rows8`, in MLX's
-    packing: an embedding's lookup, without a second copy of its weights."""
-    n = weight.shape[0]
-    k = weight.shape[1] * 8 // bits
-    eights, row = ids // 8, (ids % 8).reshape(*ids.shape, 1, 1, 1, 1)
-    lanes = 4 if bits == 4 else 8  # the block's vectors
-    blocks = weight.reshape(n // 8, k // 32, lanes, 8, 4)[eights]  # [..., b, j, i, k]
-    at = mx.broadcast_to(row, (*ids.shape, k // 32, lanes, 1, 4))
-    picked = mx.take_along_axis(blocks, at, -2)
-    if bits == 4:
-        codes = mx.stack([picked & 15, picked >> 4], axis=-2).reshape(*ids.shape, k)
-    else:
-        unsigned = picked.view(mx.uint8) ^ 0x80 if weight.dtype == mx.int8 else picked
-        codes = unsigned.reshape(*ids.shape, k)
-    row = row.reshape(*ids.shape, 1, 1)
-
-    def params(a: mx.array) -> mx.array:
-        grouped = a.reshape(n // 8, -1, 8)[eights]  # [..., groups, i]
-        index = mx.broadcast_to(row, (*grouped.shape[:-1], 1))
-        return mx.take_along_axis(grouped, index, -1).squeeze(-1)
-
-    return pack_codes(codes, bits), params(scales), params(biases)
-
-
 def _eights(params: mx.array, n: int) -> mx.array:
     """Scales or biases [N, groups] with each group's eight rows side by side."""
     return params.reshape(n // 8, 8, -1).transpose(0, 2, 1).reshape(n, -1)

@@ -5,6 +5,7 @@ adapter sets and in any chunking of its prompt; mlx-lm's float32 results within 
 from __future__ import annotations
 
 import gc
+import re
 import subprocess
 import sys
 import weakref
@@ -36,7 +37,6 @@ from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear, set_cpu_pre
 from hotlora.models.cpu.weights import (
     deinterleave_rows8,
     interleave_rows8,
-    interleaved_rows,
     pack_codes,
 )
 
@@ -191,15 +191,79 @@ def test_interleaved_rows_give_the_integer_product_of_mlxs_packing(
 
 
 @pytest.mark.parametrize("width", list(WIDTHS))
-def test_interleaved_rows_undo_and_look_up_as_mlxs_packing(width: str):
+def test_interleaved_rows_undo_as_mlxs_packing(width: str):
     bits = WIDTHS[width][0]
     plain, rows8 = interleaved(48, 256, 64, mx.float16, seed=5, width=width)
     for got, want in zip(deinterleave_rows8(*rows8, bits), plain, strict=True):
         assert got.dtype == want.dtype and mx.array_equal(got, want).item()
-    ids = mx.array([[0, 7, 8, 47], [13, 13, 40, 1]])
-    looked_up = interleaved_rows(*rows8, bits, ids)
-    for got, want in zip(looked_up, [a[ids] for a in plain], strict=True):
-        assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+def test_an_interleaved_lookup_is_mx_dequantizes_rows_to_the_bit(
+    width: str, group: int, dtype: mx.Dtype
+):
+    """An embedding's lookup on interleaved rows, one primitive: each id's row as mx.dequantize
+    gives it from MLX's packing, ids of any shape and integer dtype, the first and last rows of
+    every eight; an id outside the rows a row of NaN, nothing read outside the layer."""
+    bits = WIDTHS[width][0]
+    plain, rows8 = interleaved(48, 384, group, dtype, seed=group, width=width)
+    ids = mx.array([[0, 7, 8, 47], [13, 13, 40, 1], [46, 9, 15, 16]])
+    want = mx.dequantize(
+        plain[0][ids],
+        plain[1][ids].astype(mx.float32),
+        plain[2][ids].astype(mx.float32),
+        group_size=group,
+        bits=bits,
+    )
+    for kind in (mx.int32, mx.uint32, mx.int64):
+        got = native.interleaved_lookup(ids.astype(kind), *rows8, group, bits)
+        assert got.dtype == mx.float32 and got.shape == (3, 4, 384)
+        assert mx.array_equal(got, want).item(), kind
+    one = native.interleaved_lookup(mx.array([[47]]), *rows8, group, bits)
+    assert mx.array_equal(one, want[0:1, 3:4]).item()
+    outside = native.interleaved_lookup(mx.array([48, -1, 1, 1 << 20]), *rows8, group, bits)
+    assert mx.isnan(outside).all(axis=-1).tolist() == [True, True, False, True]
+    assert mx.array_equal(outside[2], want[1, 3]).item()  # row 1 at [1, 3], row 5 here
+    strided = native.interleaved_lookup(ids.T, *rows8, group, bits)  # ids as a view
+    assert mx.array_equal(strided, want.transpose(1, 0, 2)).item()
+
+
+def test_an_interleaved_lookup_refuses_what_it_does_not_read():
+    plain, rows8 = interleaved(16, 128, 32, mx.float16, seed=2)
+    ids = mx.array([1, 2])
+    with pytest.raises(ValueError, match="interleaved by eight"):
+        native.interleaved_lookup(ids, *plain, 32, 4)  # MLX's uint32 packing
+    with pytest.raises(ValueError, match="interleaved by eight"):
+        native.interleaved_lookup(ids, rows8[0][:12], rows8[1][:12], rows8[2][:12], 32, 4)
+    with pytest.raises(ValueError, match="interleaved by eight"):
+        native.interleaved_lookup(ids, rows8[0], rows8[1], rows8[2].astype(mx.float32), 32, 4)
+    with pytest.raises(ValueError, match="ids"):
+        native.interleaved_lookup(ids.astype(mx.float32), *rows8, 32, 4)
+
+
+def test_the_fast_paths_embedding_is_one_lookup_and_mlxs_rows(
+    embedded_model_dir: Path, tmp_path: Path
+):
+    """The embedded model's embedding (Q8_0, signed 8-bit codes, interleaved on the fast path)
+    looks its rows up in one primitive, the rows the exact path's MLX packing gives."""
+    from hotlora.models.loader import load_model_dir
+
+    model = load_model_dir(embedded_model_dir).model
+    install_packed_kernels(model, threads=2, precision="exact")
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, PackedEmbedding) and not embedding.interleaved
+    ids = mx.array([[0, 1, 7, 8, 42, 12345, 49144, 49151]])
+    exact = embedding(ids)
+    set_cpu_precision(model, "fast")
+    assert embedding.interleaved and embedding.weight.dtype == mx.int8
+    fast = embedding(ids)
+    assert mx.array_equal(fast, exact).item()
+    dot = tmp_path / "lookup.dot"
+    mx.export_to_dot(str(dot), embedding(ids))
+    operations = re.findall(r'label ?="([A-Za-z]+)"', dot.read_text())
+    assert operations == ["InterleavedLookup"], operations
 
 
 @pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (16, 1), (2, 5)])
