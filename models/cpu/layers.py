@@ -252,17 +252,17 @@ class PackedEmbedding(nn.QuantizedEmbedding, Interleaving):
 
     def __call__(self, x: mx.array) -> mx.array:
         assert self.biases is not None  # the affine mode's
-        if self.interleaved:  # one primitive, mx.dequantize's rows to the bit
-            assert extension.native is not None  # nothing is interleaved without the kernels
+        native = extension.native
+        if native is not None and self.bits in (4, 8):  # one primitive, mx.dequantize's rows
             ids = x if x.dtype in (mx.int32, mx.uint32, mx.int64) else x.astype(mx.int32)
-            return extension.native.interleaved_lookup(
+            return native.packed_lookup(
                 ids, self.weight, self.scales, self.biases, self.group_size, self.bits
             )
-        weight, scales, biases = self.weight[x], self.scales[x], self.biases[x]
+        assert not self.interleaved  # nothing is interleaved without the kernels
         return mx.dequantize(
-            weight,
-            scales.astype(mx.float32),
-            biases.astype(mx.float32),
+            self.weight[x],
+            self.scales[x].astype(mx.float32),
+            self.biases[x].astype(mx.float32),
             group_size=self.group_size,
             bits=self.bits,
         )

@@ -201,12 +201,11 @@ def test_interleaved_rows_undo_as_mlxs_packing(width: str):
 @pytest.mark.parametrize("width", list(WIDTHS))
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
-def test_an_interleaved_lookup_is_mx_dequantizes_rows_to_the_bit(
-    width: str, group: int, dtype: mx.Dtype
-):
-    """An embedding's lookup on interleaved rows, one primitive: each id's row as mx.dequantize
-    gives it from MLX's packing, ids of any shape and integer dtype, the first and last rows of
-    every eight; an id outside the rows a row of NaN, nothing read outside the layer."""
+def test_a_packed_lookup_is_mx_dequantizes_rows_to_the_bit(width: str, group: int, dtype: mx.Dtype):
+    """An embedding's lookup, one primitive, in MLX's packing and interleaved by eight: each
+    id's row as mx.dequantize gives it from MLX's packing, ids of any shape, layout and integer
+    dtype, the first and last rows of every eight; an id outside the rows a row of NaN, nothing
+    read outside the layer."""
     bits = WIDTHS[width][0]
     plain, rows8 = interleaved(48, 384, group, dtype, seed=group, width=width)
     ids = mx.array([[0, 7, 8, 47], [13, 13, 40, 1], [46, 9, 15, 16]])
@@ -217,37 +216,42 @@ def test_an_interleaved_lookup_is_mx_dequantizes_rows_to_the_bit(
         group_size=group,
         bits=bits,
     )
-    for kind in (mx.int32, mx.uint32, mx.int64):
-        got = native.interleaved_lookup(ids.astype(kind), *rows8, group, bits)
-        assert got.dtype == mx.float32 and got.shape == (3, 4, 384)
-        assert mx.array_equal(got, want).item(), kind
-    one = native.interleaved_lookup(mx.array([[47]]), *rows8, group, bits)
-    assert mx.array_equal(one, want[0:1, 3:4]).item()
-    outside = native.interleaved_lookup(mx.array([48, -1, 1, 1 << 20]), *rows8, group, bits)
-    assert mx.isnan(outside).all(axis=-1).tolist() == [True, True, False, True]
-    assert mx.array_equal(outside[2], want[1, 3]).item()  # row 1 at [1, 3], row 5 here
-    strided = native.interleaved_lookup(ids.T, *rows8, group, bits)  # ids as a view
-    assert mx.array_equal(strided, want.transpose(1, 0, 2)).item()
+    for layer in (plain, rows8):
+        for kind in (mx.int32, mx.uint32, mx.int64):
+            got = native.packed_lookup(ids.astype(kind), *layer, group, bits)
+            assert got.dtype == mx.float32 and got.shape == (3, 4, 384)
+            assert mx.array_equal(got, want).item(), kind
+        one = native.packed_lookup(mx.array([[47]]), *layer, group, bits)
+        assert mx.array_equal(one, want[0:1, 3:4]).item()
+        strided = native.packed_lookup(ids.T, *layer, group, bits)  # ids as a view
+        assert mx.array_equal(strided, want.transpose(1, 0, 2)).item()
+        outside = native.packed_lookup(mx.array([48, -1, 1, 1 << 20]), *layer, group, bits)
+        assert mx.isnan(outside).all(axis=-1).tolist() == [True, True, False, True]
+        assert mx.array_equal(outside[2], want[1, 3]).item()  # row 1, as at [1, 3]
 
 
-def test_an_interleaved_lookup_refuses_what_it_does_not_read():
+def test_a_packed_lookup_refuses_what_it_does_not_read():
     plain, rows8 = interleaved(16, 128, 32, mx.float16, seed=2)
     ids = mx.array([1, 2])
-    with pytest.raises(ValueError, match="interleaved by eight"):
-        native.interleaved_lookup(ids, *plain, 32, 4)  # MLX's uint32 packing
-    with pytest.raises(ValueError, match="interleaved by eight"):
-        native.interleaved_lookup(ids, rows8[0][:12], rows8[1][:12], rows8[2][:12], 32, 4)
-    with pytest.raises(ValueError, match="interleaved by eight"):
-        native.interleaved_lookup(ids, rows8[0], rows8[1], rows8[2].astype(mx.float32), 32, 4)
+    three = mx.quantize(mx.ones((16, 128)), group_size=32, bits=3)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        native.packed_lookup(ids, *three, 32, 3)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        native.packed_lookup(ids, rows8[0][:12], rows8[1][:12], rows8[2][:12], 32, 4)
+    with pytest.raises(ValueError, match="one float dtype"):
+        native.packed_lookup(ids, rows8[0], rows8[1], rows8[2].astype(mx.float32), 32, 4)
+    with pytest.raises(ValueError, match="one float dtype"):
+        native.packed_lookup(ids, *plain, 64, 4)  # scales of groups of 32
     with pytest.raises(ValueError, match="ids"):
-        native.interleaved_lookup(ids.astype(mx.float32), *rows8, 32, 4)
+        native.packed_lookup(ids.astype(mx.float32), *rows8, 32, 4)
 
 
-def test_the_fast_paths_embedding_is_one_lookup_and_mlxs_rows(
+def test_the_embeddings_lookup_is_one_primitive_and_mlxs_rows(
     embedded_model_dir: Path, tmp_path: Path
 ):
-    """The embedded model's embedding (Q8_0, signed 8-bit codes, interleaved on the fast path)
-    looks its rows up in one primitive, the rows the exact path's MLX packing gives."""
+    """The embedded model's embedding (Q8_0) looks its rows up in one primitive on both paths,
+    in MLX's packing (exact) and interleaved as signed 8-bit codes (fast): the same rows, those
+    of mx.dequantize."""
     from hotlora.models.loader import load_model_dir
 
     model = load_model_dir(embedded_model_dir).model
@@ -255,15 +259,27 @@ def test_the_fast_paths_embedding_is_one_lookup_and_mlxs_rows(
     embedding = model.model.embed_tokens
     assert isinstance(embedding, PackedEmbedding) and not embedding.interleaved
     ids = mx.array([[0, 1, 7, 8, 42, 12345, 49144, 49151]])
+    mlx = mx.dequantize(
+        embedding.weight[ids],
+        embedding.scales[ids].astype(mx.float32),
+        embedding.biases[ids].astype(mx.float32),
+        group_size=embedding.group_size,
+        bits=embedding.bits,
+    )
+
+    def operations(rows: mx.array) -> list[str]:
+        dot = tmp_path / "lookup.dot"
+        mx.export_to_dot(str(dot), rows)
+        return re.findall(r'label ?="([A-Za-z]+)"', dot.read_text())
+
     exact = embedding(ids)
+    assert operations(exact) == ["PackedLookup"]
+    assert mx.array_equal(exact, mlx).item()
     set_cpu_precision(model, "fast")
     assert embedding.interleaved and embedding.weight.dtype == mx.int8
     fast = embedding(ids)
-    assert mx.array_equal(fast, exact).item()
-    dot = tmp_path / "lookup.dot"
-    mx.export_to_dot(str(dot), embedding(ids))
-    operations = re.findall(r'label ?="([A-Za-z]+)"', dot.read_text())
-    assert operations == ["InterleavedLookup"], operations
+    assert operations(fast) == ["PackedLookup"]
+    assert mx.array_equal(fast, mlx).item()
 
 
 @pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (16, 1), (2, 5)])

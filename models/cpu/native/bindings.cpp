@@ -59,8 +59,8 @@ NB_MODULE(_rows_matmul, m) {
         "A llama decoder layer's decode step; keys and values become the cache after its write.");
   m.def("all_finite", &all_finite, "arrays"_a);
   m.def("to_half", &to_half, "arrays"_a);
-  m.def("interleaved_lookup", &interleaved_lookup, "ids"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a);
+  m.def("packed_lookup", &packed_lookup, "ids"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a);
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a);
   m.def("attention_rows", &attention_rows, "q"_a, "k"_a, "v"_a, "mask"_a, "scale"_a);

@@ -1,15 +1,17 @@
-// The lookup of an embedding laid out for the interleaved integer kernel (InterleavedLookup).
+// A packed embedding's lookup as one primitive (PackedLookup), in either layout of its codes.
 //
-// A packed embedding on int8 activations keeps its codes as `weights.interleave_rows8` lays them
-// out (eight rows side by side a block of 32 codes), so that its use as the output layer takes
-// the interleaved kernel without a second copy of its weights. Its lookup, composed of MLX's
-// operations (picking each id's bytes out of its eight rows', unpacking, packing back as MLX
-// packs them, then `mx.dequantize`), was 61 of the 96 nodes of a one-row decode step's graph on
-// the embedded model; as one primitive, the step took 4.8-5.2 ms where it took 5.1-6.0 (AVX2
-// and VNNI, alternated in one process, the same logits). Its arithmetic is mx.dequantize's: each
-// value scale * code + bias in float32, a product then a sum (built without FMA, as MLX is), the
-// scales and biases converted to float32 exactly first, so its rows are mx.dequantize's to the
-// bit.
+// MLX composes an embedding's lookup on the CPU from many small operations: the exact path's
+// (the rows of MLX's packing gathered, then `mx.dequantize`, which the CPU runs as shifts, masks,
+// broadcasts, a product and a sum) was 38 of the 73 nodes of a one-row decode step's graph on the
+// embedded model; the fast path's, whose codes are laid out for the interleaved integer kernel
+// (`weights.interleave_rows8`: its use as the output layer takes that kernel without a second
+// copy of its weights), picked each id's bytes out of its eight rows' and packed them back as
+// MLX packs them first: 61 of 96. As one primitive, a one-row step took 4.8-5.2 ms where it
+// took 5.1-6.0 on the fast path, 7.6-8.8 where it took 7.8-9.2 on the exact path (AVX2 and VNNI,
+// alternated in one process, the same logits). The
+// arithmetic is mx.dequantize's: each value scale * code + bias in float32, a product then a sum
+// (built without FMA, as MLX is), the scales and biases converted to float32 exactly first, so
+// the rows are mx.dequantize's to the bit.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -54,15 +56,17 @@ struct Ids {
   }
 };
 
-// What a lookup reads: the layer's N rows of K codes at `bits` (4, or 8: uint8, or int8 whose
-// codes are the bytes' values + 128), interleaved by eight, and their scales and biases [N, K /
-// group] laid out by eights as interleave_rows8 lays them ([N / 8, groups, 8]).
-struct Interleaved {
+// What a lookup reads: the layer's N rows of K codes at `bits` (4 or 8) and their scales and
+// biases [N, K / group], in MLX's packing (`rows8` false: uint32 words, code k of a row in bits
+// k * bits of its words, the scales row-major) or interleaved by eight (`rows8`:
+// interleave_rows8's bytes, uint8, or int8 whose codes are the bytes' values + 128 at 8 bits;
+// the scales [N / 8, groups, 8]).
+struct PackedRows {
   const uint8_t* codes;
   const void* scales;
   const void* biases;
   int N, K, bits, group, dtype;
-  bool signed_codes;
+  bool rows8, signed_codes;
 
   // Row `row`'s K values into out: an id outside [0, N) gives a row of NaN, never a read outside
   // the layer.
@@ -71,33 +75,36 @@ struct Interleaved {
       std::fill(out, out + K, std::numeric_limits<float>::quiet_NaN());
       return;
     }
-    const int64_t eight = row / 8, i = row % 8;
-    const int lanes = bits == 4 ? 4 : 8;  // a block's 32 codes: 16 bytes a row at 4 bits, 32 at 8
-    const int blocks = K / 32, groups = K / group;
-    for (int b = 0; b < blocks; b++) {
-      // The row's bytes of block b: lane j's four at [eight, b, j, i, 0..3].
-      const uint8_t* block = codes + ((eight * blocks + b) * lanes * 8 + i) * 4;
-      for (int p = 0; p < 32; p++) {
-        int code;
-        if (bits == 4) {  // p = 8 j + 4 h + t: byte t of lane j, its low (h 0) or high nibble
-          const uint8_t byte = block[(p / 8) * 32 + p % 4];
-          code = (p % 8) < 4 ? byte & 15 : byte >> 4;
-        } else {  // p = 4 j + t
-          const uint8_t byte = block[(p / 4) * 32 + p % 4];
-          code = signed_codes ? static_cast<uint8_t>(byte ^ 0x80) : byte;
-        }
-        const int k = 32 * b + p, g = k / group;
-        const size_t at = (static_cast<size_t>(eight) * groups + g) * 8 + i;
-        const float scaled = param(scales, at, dtype) * static_cast<float>(code);
-        out[k] = scaled + param(biases, at, dtype);
-      }
+    const int groups = K / group;
+    for (int k = 0; k < K; k++) {
+      const size_t at = rows8 ? (static_cast<size_t>(row / 8) * groups + k / group) * 8 + row % 8
+                              : static_cast<size_t>(row) * groups + k / group;
+      const float scaled = param(scales, at, dtype) * static_cast<float>(code(row, k));
+      out[k] = scaled + param(biases, at, dtype);
     }
+  }
+
+  int code(int64_t row, int k) const {
+    if (!rows8) {  // the row's bytes hold its codes in order, two a byte at 4 bits, low half first
+      const uint8_t byte = codes[static_cast<size_t>(row) * K * bits / 8 + k * bits / 8];
+      return bits == 4 ? (k % 2 ? byte >> 4 : byte & 15) : byte;
+    }
+    // Block k / 32 of the row's eight: lane j's four bytes at [row / 8, block, j, row % 8, 0..3].
+    const int lanes = bits == 4 ? 4 : 8, p = k % 32;
+    const uint8_t* block =
+        codes + ((static_cast<size_t>(row / 8) * (K / 32) + k / 32) * lanes * 8 + row % 8) * 4;
+    if (bits == 4) {  // p = 8 j + 4 h + t: byte t of lane j, its low (h 0) or high nibble
+      const uint8_t byte = block[(p / 8) * 32 + p % 4];
+      return (p % 8) < 4 ? byte & 15 : byte >> 4;
+    }
+    const uint8_t byte = block[(p / 4) * 32 + p % 4];  // p = 4 j + t
+    return signed_codes ? static_cast<uint8_t>(byte ^ 0x80) : byte;
   }
 };
 
-class InterleavedLookup : public CpuPrimitive {
+class PackedLookup : public CpuPrimitive {
  public:
-  InterleavedLookup(mx::Stream stream, int bits, int group)
+  PackedLookup(mx::Stream stream, int bits, int group)
       : CpuPrimitive(stream), bits_(bits), group_(group) {}
 
   // inputs: ids (int32, uint32 or int64, any shape), then the layer's codes, scales and biases.
@@ -109,15 +116,16 @@ class InterleavedLookup : public CpuPrimitive {
     for (const auto& input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
     const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
-    const Interleaved layer{w.data<uint8_t>(),
-                            scales.data<void>(),
-                            biases.data<void>(),
-                            w.shape(0),
-                            static_cast<int>(w.shape(1) * 8 / bits_),
-                            bits_,
-                            group_,
-                            dtype,
-                            w.dtype() == mx::int8};
+    const PackedRows layer{w.data<uint8_t>(),
+                           scales.data<void>(),
+                           biases.data<void>(),
+                           w.shape(0),
+                           static_cast<int>(w.shape(1) * (w.itemsize() * 8) / bits_),
+                           bits_,
+                           group_,
+                           dtype,
+                           w.dtype() != mx::uint32,
+                           w.dtype() == mx::int8};
     const int M = static_cast<int>(ids.size());
     queue_task(stream(), [layer, M, ids = Ids(ids), op = out.data<float>()]() {
       parallel_rows(
@@ -128,9 +136,9 @@ class InterleavedLookup : public CpuPrimitive {
           1);
     });
   }
-  const char* name() const override { return "InterleavedLookup"; }
+  const char* name() const override { return "PackedLookup"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const InterleavedLookup&>(other);
+    const auto& o = static_cast<const PackedLookup&>(other);
     return bits_ == o.bits_ && group_ == o.group_;
   }
 
@@ -141,31 +149,33 @@ class InterleavedLookup : public CpuPrimitive {
 
 }  // namespace
 
-mx::array interleaved_lookup(const mx::array& ids, const mx::array& w, const mx::array& scales,
-                             const mx::array& biases, int group_size, int bits) {
+mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::array& scales,
+                        const mx::array& biases, int group_size, int bits) {
   const auto dtype = scales.dtype();
-  const bool codes_ok = bits == 4 ? w.dtype() == mx::uint8
-                                  : bits == 8 && (w.dtype() == mx::uint8 || w.dtype() == mx::int8);
-  const int64_t K = codes_ok && w.ndim() == 2 ? static_cast<int64_t>(w.shape(1)) * 8 / bits : 0;
-  if (!codes_ok || w.ndim() != 2 || w.shape(0) % 8 != 0 || K == 0 || K % 32 != 0 ||
-      group_size <= 0 || K % group_size != 0 ||
+  const bool rows8 = w.dtype() == mx::uint8 || w.dtype() == mx::int8;
+  const bool codes_ok = (bits == 4 || bits == 8) && w.ndim() == 2 &&
+                        (w.dtype() == mx::uint32 ||
+                         (rows8 && w.shape(0) % 8 == 0 && (bits == 8 || w.dtype() == mx::uint8)));
+  const int64_t K = codes_ok ? static_cast<int64_t>(w.shape(1)) * w.itemsize() * 8 / bits : 0;
+  if (!codes_ok || K == 0 || (rows8 && K % 32 != 0) || group_size <= 0 || K % group_size != 0 ||
       (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16) ||
       biases.dtype() != dtype ||
       scales.shape() != mx::Shape{w.shape(0), static_cast<int>(K / group_size)} ||
       biases.shape() != scales.shape())
     throw std::invalid_argument(
-        "interleaved_lookup: expected codes [N, K * bits / 8] interleaved by eight (uint8 at 4 "
-        "bits, uint8 or int8 at 8; N a multiple of 8, K of 32 and of the group), and scales and "
-        "biases [N, K / group] of one float dtype");
+        "packed_lookup: expected codes at 4 or 8 bits, [N, K * bits / 32] uint32 (MLX's packing) "
+        "or [N, K * bits / 8] interleaved by eight (uint8, or int8 at 8 bits; N a multiple of 8, "
+        "K of 32), K a multiple of the group, and scales and biases [N, K / group] of one float "
+        "dtype");
   if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32 && ids.dtype() != mx::int64)
-    throw std::invalid_argument("interleaved_lookup: expected int32, uint32 or int64 ids");
+    throw std::invalid_argument("packed_lookup: expected int32, uint32 or int64 ids");
   for (const auto* a : {&w, &scales, &biases})
     if (!a->flags().row_contiguous)
-      throw std::invalid_argument("interleaved_lookup: the layer's arrays must be row-contiguous");
+      throw std::invalid_argument("packed_lookup: the layer's arrays must be row-contiguous");
   mx::Shape shape = ids.shape();
   shape.push_back(static_cast<int>(K));
   const auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(shape, mx::float32, std::make_shared<InterleavedLookup>(s, bits, group_size),
+  return mx::array(shape, mx::float32, std::make_shared<PackedLookup>(s, bits, group_size),
                    {ids, w, scales, biases});
 }
 

@@ -51,11 +51,11 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
                         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
                         std::shared_ptr<RowPlan> plan, std::vector<int> slots);
 
-// primitives/embedding.cpp: rows `ids` (any shape) of a packed layer interleaved by eight
-// (weights.interleave_rows8), dequantized as mx.dequantize dequantizes MLX's packing, to the bit:
-// an embedding's lookup on the fast path, one primitive.
-mx::array interleaved_lookup(const mx::array& ids, const mx::array& w, const mx::array& scales,
-                             const mx::array& biases, int group_size, int bits);
+// primitives/embedding.cpp: rows `ids` (any shape) of a packed 4- or 8-bit layer, in MLX's
+// packing or interleaved by eight (weights.interleave_rows8), dequantized as mx.dequantize
+// dequantizes them, to the bit: an embedding's lookup, one primitive.
+mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::array& scales,
+                        const mx::array& biases, int group_size, int bits);
 
 // primitives/norms.cpp: MLX's RMSNorm and RoPE to the bit, each one primitive.
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps);
