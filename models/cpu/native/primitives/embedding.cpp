@@ -21,6 +21,7 @@
 
 #include "primitives/common.h"
 #include "primitives/ops.h"
+#include "primitives/products.h"
 #include "thread_pool.h"
 
 namespace hotlora {
@@ -56,36 +57,36 @@ struct Ids {
   }
 };
 
-// What a lookup reads: the layer's N rows of K codes at `bits` (4 or 8) and their scales and
-// biases [N, K / group], in MLX's packing (`rows8` false: uint32 words, code k of a row in bits
-// k * bits of its words, the scales row-major) or interleaved by eight (`rows8`:
-// interleave_rows8's bytes, uint8, or int8 whose codes are the bytes' values + 128 at 8 bits;
-// the scales [N / 8, groups, 8]).
+// What a lookup reads: the layer's N rows of codes and their scales and biases as the products
+// read them (`packed_weight`: 4 or 8 bits; MLX's packing, uint32 words, code k of a row in bits
+// k * bits of its words, the scales row-major; or `rows8`, interleave_rows8's bytes, uint8, or
+// int8 whose codes are the bytes' values + 128 at 8 bits, the scales [N / 8, groups, 8]).
 struct PackedRows {
-  const uint8_t* codes;
-  const void* scales;
-  const void* biases;
-  int N, K, bits, group, dtype;
-  bool rows8, signed_codes;
+  Quantized q;
+  int N;
 
   // Row `row`'s K values into out: an id outside [0, N) gives a row of NaN, never a read outside
   // the layer.
   void row(int64_t row, float* out) const {
+    const int K = q.K;
     if (row < 0 || row >= N) {
       std::fill(out, out + K, std::numeric_limits<float>::quiet_NaN());
       return;
     }
-    const int groups = K / group;
+    const int groups = K / q.group;
     for (int k = 0; k < K; k++) {
-      const size_t at = rows8 ? (static_cast<size_t>(row / 8) * groups + k / group) * 8 + row % 8
-                              : static_cast<size_t>(row) * groups + k / group;
-      const float scaled = param(scales, at, dtype) * static_cast<float>(code(row, k));
-      out[k] = scaled + param(biases, at, dtype);
+      const size_t at = q.rows8
+                            ? (static_cast<size_t>(row / 8) * groups + k / q.group) * 8 + row % 8
+                            : static_cast<size_t>(row) * groups + k / q.group;
+      const float scaled = param(q.scales, at, q.dtype) * static_cast<float>(code(row, k));
+      out[k] = scaled + param(q.biases, at, q.dtype);
     }
   }
 
   int code(int64_t row, int k) const {
-    if (!rows8) {  // the row's bytes hold its codes in order, two a byte at 4 bits, low half first
+    const int K = q.K, bits = q.bits;
+    const auto* codes = reinterpret_cast<const uint8_t*>(q.w);
+    if (!q.rows8) {  // the row's bytes hold its codes in order, two a byte at 4 bits, low first
       const uint8_t byte = codes[static_cast<size_t>(row) * K * bits / 8 + k * bits / 8];
       return bits == 4 ? (k % 2 ? byte >> 4 : byte & 15) : byte;
     }
@@ -98,7 +99,7 @@ struct PackedRows {
       return (p % 8) < 4 ? byte & 15 : byte >> 4;
     }
     const uint8_t byte = block[(p / 4) * 32 + p % 4];  // p = 4 j + t
-    return signed_codes ? static_cast<uint8_t>(byte ^ 0x80) : byte;
+    return q.signed_codes ? static_cast<uint8_t>(byte ^ 0x80) : byte;
   }
 };
 
@@ -115,23 +116,15 @@ class PackedLookup : public CpuPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
-    const int dtype = scales.dtype() == mx::float32 ? 0 : scales.dtype() == mx::float16 ? 1 : 2;
-    const PackedRows layer{w.data<uint8_t>(),
-                           scales.data<void>(),
-                           biases.data<void>(),
-                           w.shape(0),
-                           static_cast<int>(w.shape(1) * (w.itemsize() * 8) / bits_),
-                           bits_,
-                           group_,
-                           dtype,
-                           w.dtype() != mx::uint32,
-                           w.dtype() == mx::int8};
+    const int K = static_cast<int>(w.shape(1) * (w.itemsize() * 8) / bits_);
+    const PackedRows layer{packed_weight(w, scales, biases, K, bits_, group_, "packed_lookup"),
+                           w.shape(0)};
     const int M = static_cast<int>(ids.size());
     queue_task(stream(), [layer, M, ids = Ids(ids), op = out.data<float>()]() {
       parallel_rows(
           M, 64,
           [&](int m0, int m1) {
-        for (int m = m0; m < m1; m++) layer.row(ids[m], op + static_cast<size_t>(m) * layer.K);
+        for (int m = m0; m < m1; m++) layer.row(ids[m], op + static_cast<size_t>(m) * layer.q.K);
           },
           1);
     });
@@ -169,9 +162,6 @@ mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::arra
         "dtype");
   if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32 && ids.dtype() != mx::int64)
     throw std::invalid_argument("packed_lookup: expected int32, uint32 or int64 ids");
-  for (const auto* a : {&w, &scales, &biases})
-    if (!a->flags().row_contiguous)
-      throw std::invalid_argument("packed_lookup: the layer's arrays must be row-contiguous");
   mx::Shape shape = ids.shape();
   shape.push_back(static_cast<int>(K));
   const auto s = mx::default_stream(mx::Device::cpu);
