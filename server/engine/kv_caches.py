@@ -20,7 +20,7 @@ running batch is copied so straight from views of the batch's buffers (`row_cach
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,8 +80,8 @@ def row_caches(batch: LayerCaches, index: int) -> LayerCaches:
     if not batch or not all(type(c) is BatchKVCache and c.keys is not None for c in batch):
         return [c.extract(index) for c in batch]
     rows = []
-    for cache in batch:
-        padding = int(cache.left_padding[index].item())
+    paddings = mx.stack([cache.left_padding[index] for cache in batch]).tolist()  # one read
+    for cache, padding in zip(batch, cast(list[int], paddings), strict=True):
         one = KVCache()
         one.keys = cache.keys[index : index + 1, :, padding : cache._idx]
         one.values = cache.values[index : index + 1, :, padding : cache._idx]
