@@ -285,13 +285,12 @@ def layer_step(block: FusedBlock, x: mx.array, mask: Any, cache: Any) -> mx.arra
         return None
     out = native.decoder_layer(
         x,
-        *arguments.weights,
+        arguments.operands,
         keys,
         values,
         at,
         kernel_mask,
         positions,
-        *arguments.attention,
         next(iter(plans.values()), None),
         [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
     )
@@ -326,7 +325,8 @@ class _LayerArguments:
         calls = [layers[first] for first, _ in _LAYER_CALLS]
         norm1, norm2 = self.norms
         rope = self.rope
-        self.weights = (
+        # The native operands of every step, checked once (`decoder_operands`).
+        self.operands = extension.native.decoder_operands(
             list(self.codes),
             scales,
             [layer["biases"] for layer in layers],
@@ -337,8 +337,6 @@ class _LayerArguments:
             norm2["weight"],
             norm1.eps,
             norm2.eps,
-        )
-        self.attention = (
             attention.n_heads,
             attention.n_kv_heads or attention.n_heads,
             attention.scale,

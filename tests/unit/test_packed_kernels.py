@@ -1229,31 +1229,35 @@ def test_a_layer_step_that_does_not_fit_is_refused(packed):
     rope = attention.rope
     x = mx.zeros((1, 1, layer.input_layernorm.weight.shape[0]))
 
+    operands = native.decoder_operands(
+        [p.weight for p in projections],
+        [p.scales for p in projections],
+        [p.biases for p in projections],
+        [p.bits for p in projections],
+        [p.group_size for p in projections[:4]],
+        [p.int8_activations for p in projections[:4]],
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        1e-5,
+        1e-5,
+        attention.n_heads,
+        attention.n_kv_heads,
+        attention.scale,
+        rope.dims,
+        rope.traditional,
+        rope.base,
+        rope.scale,
+    )
+
     def call(at: int, span: int) -> mx.array:
         return native.decoder_layer(
             x,
-            [p.weight for p in projections],
-            [p.scales for p in projections],
-            [p.biases for p in projections],
-            [p.bits for p in projections],
-            [p.group_size for p in projections[:4]],
-            [p.int8_activations for p in projections[:4]],
-            layer.input_layernorm.weight,
-            layer.post_attention_layernorm.weight,
-            1e-5,
-            1e-5,
+            operands,
             keys,
             values,
             at,
             mx.ones((1, 1, 1, span), dtype=mx.bool_),
             mx.array([at], dtype=mx.int32),
-            attention.n_heads,
-            attention.n_kv_heads,
-            attention.scale,
-            rope.dims,
-            rope.traditional,
-            rope.base,
-            rope.scale,
             None,
             [],
         )

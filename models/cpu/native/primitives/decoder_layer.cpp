@@ -1,5 +1,6 @@
 // A llama decoder layer's decode step as one primitive (DecoderLayer): the calls a step of the
-// fused layer (models/cpu/fused.py) makes, one task where it takes eleven primitives.
+// fused layer (models/cpu/fused.py) makes, one task where it takes eleven primitives; what its
+// steps share (DecoderOperands) checked once, where the layer is first stepped.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -22,9 +23,10 @@ namespace hotlora {
 namespace {
 
 // The layer's four calls of products, in order, and how many weights each computes together.
-constexpr int kCalls = 4;
+constexpr int kCalls = DecoderOperands::kCalls;
 constexpr int kWeights[kCalls] = {3, 1, 2, 1};  // q k v; o; gate up; down
-constexpr int kProjections = 7;
+constexpr int kProjections = DecoderOperands::kProjections;
+constexpr int kCallOf[kProjections] = {0, 0, 0, 1, 2, 2, 3};
 
 // A KV cache's keys or values with this step's rows written in: the input's buffer where MLX
 // would let an update take it over (as SliceUpdate does), else a row-major copy made in the task.
@@ -76,20 +78,13 @@ struct CacheWrite {
 class DecoderLayer : public CpuPrimitive {
  public:
   struct Settings {
-    int bits[kProjections], group[kCalls];
-    bool int8[kCalls];
-    int heads, kv_heads, at;
-    float scale, eps1, eps2;
-    Rope rope;
+    std::shared_ptr<const DecoderOperands> operands;
+    int at;
     std::shared_ptr<const RowPlan> plan;
     std::vector<int> slots;  // each projection's LoRA slot (-1: none), or empty
 
     bool operator==(const Settings& o) const {
-      return std::equal(bits, bits + kProjections, o.bits) &&
-             std::equal(group, group + kCalls, o.group) &&
-             std::equal(int8, int8 + kCalls, o.int8) && heads == o.heads &&
-             kv_heads == o.kv_heads && at == o.at && scale == o.scale && eps1 == o.eps1 &&
-             eps2 == o.eps2 && rope == o.rope && plan == o.plan && slots == o.slots;
+      return operands == o.operands && at == o.at && plan == o.plan && slots == o.slots;
     }
   };
 
@@ -100,29 +95,29 @@ class DecoderLayer : public CpuPrimitive {
   // keys [B, Hkv, S, Dk], values [B, Hkv, S, Dv]; mask [B, 1, 1, at + 1] bool; positions int32.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Settings& s = settings_;
+    const DecoderOperands& o = *s.operands;
     const auto& x = inputs[0];
-    const int B = x.shape(0), D = x.shape(2);
+    const int B = x.shape(0), D = o.D, F = o.F, Dk = o.Dk, Dv = o.Dv;
     const int first = 1 + 3 * kProjections;
     const auto& keys = inputs[first + 2];
     const auto& values = inputs[first + 3];
-    const int Dk = keys.shape(3), Dv = values.shape(3), F = inputs[1 + 3 * 4].shape(0);
-    const int widths[kCalls] = {D, s.heads * Dv, D, F};  // each call's input
+    const int widths[kCalls] = {D, o.heads * Dv, D, F};  // each call's input
     std::array<HeadsProducts, kCalls> calls;
     for (int c = 0, p = 0; c < kCalls; c++) {
       for (int j = 0; j < kWeights[c]; j++, p++) {
         const int at = 1 + 3 * p;
-        const int heads = c == 0 ? (p == 0 ? s.heads : s.kv_heads) : 0;
-        calls[c].add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], widths[c], s.bits[p],
-                                   s.group[c], "decoder_layer"),
+        const int heads = c == 0 ? (p == 0 ? o.heads : o.kv_heads) : 0;
+        calls[c].add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], widths[c], o.bits[p],
+                                   o.group[c], "decoder_layer"),
                      inputs[at].shape(0), heads);
         if (!s.slots.empty()) calls[c].slots.push_back(s.slots[p]);
       }
-      calls[c].group = s.group[c], calls[c].int8 = s.int8[c], calls[c].plan = s.plan;
+      calls[c].group = o.group[c], calls[c].int8 = o.int8[c], calls[c].plan = s.plan;
     }
-    calls[0].rope = s.rope, calls[0].roped = 2, calls[0].inv_freqs = s.rope.frequencies();
+    calls[0].rope = o.rope, calls[0].roped = 2, calls[0].inv_freqs = o.inv_freqs;
     calls[0].positions = RopeOffsets(inputs[first + 5]);
-    calls[0].norm_eps = s.eps1;
-    calls[2].norm_eps = s.eps2, calls[2].glu = true;
+    calls[0].norm_eps = o.eps1;
+    calls[2].norm_eps = o.eps2, calls[2].glu = true;
 
     // Each output holds a list of the inputs of its own (MLX's make_arrays), and the cache's arrays
     // can be taken over only when held once: the other outputs' lists, which MLX drops unread
@@ -136,7 +131,7 @@ class DecoderLayer : public CpuPrimitive {
                           norm2 = RowMajor(inputs[first + 1]), calls = std::move(calls), key_cache,
                           value_cache, keys = CacheView(outputs[1]), values = CacheView(outputs[2]),
                           mask = KeyMask(inputs[first + 4]), op = out.data<float>(), B, D, Dk, Dv,
-                          F, H = s.heads, Hkv = s.kv_heads, at = s.at, scale = s.scale,
+                          F, H = o.heads, Hkv = o.kv_heads, at = s.at, scale = o.scale,
                           kernel = active_kernel()]() mutable {
       const float* xp = source.get();
       std::vector<float> q(static_cast<size_t>(B) * H * Dk), k(static_cast<size_t>(B) * Hkv * Dk),
@@ -172,72 +167,94 @@ void check_shape(bool fits, const char* what) {
 
 }  // namespace
 
-mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
-                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
-                        const std::vector<int>& bits, const std::vector<int>& groups,
-                        const std::vector<bool>& int8, const mx::array& norm1,
-                        const mx::array& norm2, float eps1, float eps2, mx::array& keys,
-                        mx::array& values, int at, const mx::array& mask,
-                        const mx::array& positions, int heads, int kv_heads, float scale,
-                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                        std::shared_ptr<RowPlan> plan, std::vector<int> slots) {
+std::shared_ptr<DecoderOperands> decoder_operands(
+    const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases, const std::vector<int>& bits,
+    const std::vector<int>& groups, const std::vector<bool>& int8, const mx::array& norm1,
+    const mx::array& norm2, float eps1, float eps2, int heads, int kv_heads, float scale,
+    int rope_dims, bool rope_traditional, float rope_base, float rope_scale) {
   check_shape(ws.size() == kProjections && scales.size() == kProjections &&
                   biases.size() == kProjections && bits.size() == kProjections &&
-                  groups.size() == kCalls && int8.size() == kCalls &&
-                  (slots.empty() || slots.size() == kProjections),
+                  groups.size() == kCalls && int8.size() == kCalls,
               "the weights, scales, biases and bits of q, k, v, o, gate, up and down, and the "
               "groups and int8 of their four calls");
-  check_shape(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(1) == 1 && x.shape(2) > 0,
+  check_shape(norm1.ndim() == 1 && norm1.shape(0) > 0, "float32 norm weights [D]");
+  const int D = norm1.shape(0);
+  for (const auto* norm : {&norm1, &norm2})
+    check_shape(norm->dtype() == mx::float32 && norm->shape() == mx::Shape{D},
+                "float32 norm weights [D]");
+  check_shape(heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
+              "heads a multiple of the KV heads");
+  check_shape(ws[0].ndim() == 2 && ws[2].ndim() == 2 && ws[4].ndim() == 2 &&
+                  ws[0].shape(0) % heads == 0 && ws[2].shape(0) % kv_heads == 0,
+              "q [H * Dk] and v [Hkv * Dv] rows");
+  auto o = std::make_shared<DecoderOperands>();
+  o->D = D, o->F = ws[4].shape(0), o->heads = heads, o->kv_heads = kv_heads;
+  o->Dk = ws[0].shape(0) / heads, o->Dv = ws[2].shape(0) / kv_heads;
+  check_shape(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= o->Dk,
+              "even RoPE dims up to the head's width");
+  const int rows[kProjections] = {
+      heads * o->Dk, kv_heads * o->Dk, kv_heads * o->Dv, D, o->F, o->F, D};
+  const int inputs_of[kProjections] = {D, D, D, heads * o->Dv, D, D, o->F};
+  for (int p = 0; p < kProjections; p++) {
+    const int c = kCallOf[p];
+    check_packed(inputs_of[p], ws[p], scales[p], biases[p], groups[c], bits[p], int8[c]);
+    check_shape(ws[p].shape(0) == rows[p],
+                "q [H * Dk], k [Hkv * Dk], v [Hkv * Dv], o [D], gate and up [F], down [D] rows");
+    if (p > 0 && kCallOf[p - 1] == c && int8[c])
+      check_shape(reads_halves(ws[p], bits[p]) == reads_halves(ws[p - 1], bits[p - 1]),
+                  "one order of x's int8 codes a call: MLX's 4-bit packing for all or none");
+    check_shape(!int8[c] || inputs_of[p] <= 65536, "inputs up to 65536 wide on int8 activations");
+    o->arrays.insert(o->arrays.end(), {ws[p], scales[p], biases[p]});
+  }
+  o->arrays.insert(o->arrays.end(), {norm1, norm2});
+  std::copy_n(bits.begin(), kProjections, o->bits);
+  for (int c = 0; c < kCalls; c++) o->group[c] = groups[c], o->int8[c] = int8[c];
+  o->scale = scale, o->eps1 = eps1, o->eps2 = eps2;
+  o->rope = Rope{rope_dims, rope_traditional, rope_base, rope_scale};
+  o->inv_freqs = o->rope.frequencies();
+  return o;
+}
+
+mx::array decoder_layer(const mx::array& x, std::shared_ptr<DecoderOperands> operands,
+                        mx::array& keys, mx::array& values, int at, const mx::array& mask,
+                        const mx::array& positions, std::shared_ptr<RowPlan> plan,
+                        std::vector<int> slots) {
+  check_shape(operands != nullptr, "a layer's operands");
+  const DecoderOperands& o = *operands;
+  check_shape(slots.empty() || slots.size() == kProjections,
+              "a LoRA slot for each of q, k, v, o, gate, up and down, or none");
+  check_shape(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(1) == 1 && x.shape(2) == o.D,
               "x float32 [B, 1, D]");
-  const int B = x.shape(0), D = x.shape(2);
+  const int B = x.shape(0);
   check_shape(keys.ndim() == 4 && values.ndim() == 4 && keys.dtype() == mx::float32 &&
                   values.dtype() == mx::float32 && keys.shape(0) == B && values.shape(0) == B &&
-                  keys.shape(1) == kv_heads && values.shape(1) == kv_heads &&
+                  keys.shape(1) == o.kv_heads && values.shape(1) == o.kv_heads &&
+                  keys.shape(3) == o.Dk && values.shape(3) == o.Dv &&
                   keys.shape(2) == values.shape(2) && 0 <= at && at < keys.shape(2),
               "float32 keys [B, Hkv, S, Dk] and values [B, Hkv, S, Dv] with room at `at`");
-  const int Dk = keys.shape(3), Dv = values.shape(3);
-  check_shape(kv_heads > 0 && heads % kv_heads == 0, "heads a multiple of the KV heads");
   check_shape(mask.dtype() == mx::bool_ && mask.shape() == mx::Shape{B, 1, 1, at + 1},
               "a bool mask [B, 1, 1, at + 1]");
   check_shape(positions.dtype() == mx::int32 && positions.ndim() == 1 &&
                   (positions.size() == 1 || static_cast<int>(positions.size()) == B),
               "int32 positions, one or one per row");
-  check_shape(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= Dk,
-              "even RoPE dims up to the head's width");
-  for (const auto* norm : {&norm1, &norm2})
-    check_shape(norm->dtype() == mx::float32 && norm->shape() == mx::Shape{D},
-                "float32 norm weights [D]");
-  const int F = ws[4].shape(0);
-  const int rows[kProjections] = {heads * Dk, kv_heads * Dk, kv_heads * Dv, D, F, F, D};
-  const int inputs_of[kProjections] = {D, D, D, heads * Dv, D, D, F};
-  const int call_of[kProjections] = {0, 0, 0, 1, 2, 2, 3};
   if (!plan) slots.clear();
-  std::vector<mx::array> inputs{x};
-  for (int p = 0; p < kProjections; p++) {
-    const int c = call_of[p];
-    check_packed(inputs_of[p], ws[p], scales[p], biases[p], groups[c], bits[p], int8[c]);
-    check_shape(ws[p].shape(0) == rows[p],
-                "q [H * Dk], k [Hkv * Dk], v [Hkv * Dv], o [D], gate and up [F], down [D] rows");
-    if (p > 0 && call_of[p - 1] == c && int8[c])
-      check_shape(reads_halves(ws[p], bits[p]) == reads_halves(ws[p - 1], bits[p - 1]),
-                  "one order of x's int8 codes a call: MLX's 4-bit packing for all or none");
-    if (!slots.empty() && slots[p] >= 0)
-      check_plan("decoder_layer", B, inputs_of[p], rows[p], *plan, slots[p]);
-    check_shape(!int8[c] || inputs_of[p] <= 65536, "inputs up to 65536 wide on int8 activations");
-    inputs.insert(inputs.end(), {ws[p], scales[p], biases[p]});
-  }
-  inputs.insert(inputs.end(), {norm1, norm2, keys, values, mask, positions});
-  DecoderLayer::Settings settings{};
-  std::copy_n(bits.begin(), kProjections, settings.bits);
-  for (int c = 0; c < kCalls; c++) settings.group[c] = groups[c], settings.int8[c] = int8[c];
-  settings.heads = heads, settings.kv_heads = kv_heads, settings.at = at;
-  settings.scale = scale, settings.eps1 = eps1, settings.eps2 = eps2;
-  settings.rope = Rope{rope_dims, rope_traditional, rope_base, rope_scale};
-  settings.plan = std::move(plan), settings.slots = std::move(slots);
+  const int rows[kProjections] = {
+      o.heads * o.Dk, o.kv_heads * o.Dk, o.kv_heads * o.Dv, o.D, o.F, o.F, o.D};
+  const int inputs_of[kProjections] = {o.D, o.D, o.D, o.heads * o.Dv, o.D, o.D, o.F};
+  for (int p = 0; p < kProjections && !slots.empty(); p++)
+    if (slots[p] >= 0) check_plan("decoder_layer", B, inputs_of[p], rows[p], *plan, slots[p]);
+  std::vector<mx::array> inputs;
+  inputs.reserve(1 + o.arrays.size() + 4);
+  inputs.push_back(x);
+  inputs.insert(inputs.end(), o.arrays.begin(), o.arrays.end());
+  inputs.insert(inputs.end(), {keys, values, mask, positions});
   const auto s = mx::default_stream(mx::Device::cpu);
   auto outs = mx::array::make_arrays(
       {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
-      std::make_shared<DecoderLayer>(s, std::move(settings)), std::move(inputs));
+      std::make_shared<DecoderLayer>(
+          s, DecoderLayer::Settings{std::move(operands), at, std::move(plan), std::move(slots)}),
+      std::move(inputs));
   // The cache's arrays become the updated ones in place, as `keys[...] = k` makes them; the
   // primitive holds the arrays they were.
   keys.overwrite_descriptor(outs[1]);

@@ -8,6 +8,7 @@
 
 #include "lora_plans.h"
 #include "mlx/array.h"
+#include "primitives/rope.h"
 
 namespace hotlora {
 
@@ -35,21 +36,35 @@ std::vector<mx::array> quant_matmul_heads(
     std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
     float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps, bool glu);
 
-// primitives/decoder_layer.cpp: one decode step (x [B, 1, D]) of a llama decoder layer whose
-// q, k, v, o, gate, up and down projections are packed (each one's bits; their four calls'
-// groups and int8), with its norms, RoPE, KV cache (this step's keys and values written at
-// `at`), attention and residual stream, to the bits of the primitives that compute each part
-// alone; returns the layer's output, and makes `keys` and `values` the cache's arrays after the
-// write, in place, as `keys[...] = k` makes them.
-mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& ws,
-                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
-                        const std::vector<int>& bits, const std::vector<int>& groups,
-                        const std::vector<bool>& int8, const mx::array& norm1,
-                        const mx::array& norm2, float eps1, float eps2, mx::array& keys,
-                        mx::array& values, int at, const mx::array& mask,
-                        const mx::array& positions, int heads, int kv_heads, float scale,
-                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                        std::shared_ptr<RowPlan> plan, std::vector<int> slots);
+// primitives/decoder_layer.cpp: what a llama decoder layer's decode steps share, checked once
+// (`decoder_operands`): its packed q, k, v, o, gate, up and down projections (each one's bits;
+// their four calls' groups and int8), its norms, its attention's heads and scale, its RoPE.
+struct DecoderOperands {
+  static constexpr int kProjections = 7, kCalls = 4;
+  std::vector<mx::array> arrays;  // w, scales and biases of each projection, then the two norms
+  int bits[kProjections], group[kCalls];
+  bool int8[kCalls];
+  int D, F, heads, kv_heads, Dk, Dv;  // Dk, Dv: a head's keys and values
+  float scale, eps1, eps2;
+  Rope rope;
+  std::vector<float> inv_freqs;  // the RoPE's frequencies
+};
+std::shared_ptr<DecoderOperands> decoder_operands(
+    const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases, const std::vector<int>& bits,
+    const std::vector<int>& groups, const std::vector<bool>& int8, const mx::array& norm1,
+    const mx::array& norm2, float eps1, float eps2, int heads, int kv_heads, float scale,
+    int rope_dims, bool rope_traditional, float rope_base, float rope_scale);
+
+// One decode step (x [B, 1, D]) of such a layer, with its KV cache (this step's keys and values
+// written at `at`), attention and residual stream, to the bits of the primitives that compute
+// each part alone, a row's adapters' residuals added where `plan` and `slots` say (as
+// quant_matmul_heads adds them); returns the layer's output, and makes `keys` and `values` the
+// cache's arrays after the write, in place, as `keys[...] = k` makes them.
+mx::array decoder_layer(const mx::array& x, std::shared_ptr<DecoderOperands> operands,
+                        mx::array& keys, mx::array& values, int at, const mx::array& mask,
+                        const mx::array& positions, std::shared_ptr<RowPlan> plan,
+                        std::vector<int> slots);
 
 // primitives/embedding.cpp: rows `ids` (any shape) of a packed 4- or 8-bit layer, in MLX's
 // packing or interleaved by eight (weights.interleave_rows8), dequantized as mx.dequantize
