@@ -232,7 +232,7 @@ class FusedBlock(llama.TransformerBlock):
         return h + mlp.after_norm(h, self["post_attention_layernorm"])
 
 
-# A decoder layer's projections in `decoder_layer`'s order, and its four calls of them.
+# A decoder layer's projections in `decoder_operands`' order, and its four calls of them.
 _LAYER_PROJECTIONS = (
     ("self_attn", "q_proj"),
     ("self_attn", "k_proj"),

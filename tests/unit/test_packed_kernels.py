@@ -1213,48 +1213,53 @@ def test_a_decode_step_writes_no_cache_array_another_holds(packed):
     assert not mx.array_equal(cache[0].keys, before).item()  # the step's keys are in
 
 
+def layer_operands(layer: nn.Module, **changed: Any) -> dict[str, Any]:
+    """`decoder_operands`' arguments for a packed llama layer of the model (the packed layers
+    under its LoRA slots), with `changed` in place of those named."""
+    attention, mlp = layer.self_attn, layer.mlp
+    slots = [getattr(attention, f"{n}_proj") for n in "qkvo"] + [
+        getattr(mlp, f"{n}_proj") for n in ("gate", "up", "down")
+    ]
+    projections = [slot["base"] for slot in slots]
+    rope = attention.rope
+    operands = {
+        "ws": [p.weight for p in projections],
+        "scales": [p.scales for p in projections],
+        "biases": [p.biases for p in projections],
+        "bits": [p.bits for p in projections],
+        "groups": [p.group_size for p in projections[:4]],
+        "int8": [p.int8_activations for p in projections[:4]],
+        "norm1": layer.input_layernorm.weight,
+        "norm2": layer.post_attention_layernorm.weight,
+        "eps1": 1e-5,
+        "eps2": 1e-5,
+        "heads": attention.n_heads,
+        "kv_heads": attention.n_kv_heads,
+        "scale": attention.scale,
+        "rope_dims": rope.dims,
+        "rope_traditional": rope.traditional,
+        "rope_base": rope.base,
+        "rope_scale": rope.scale,
+    }
+    return {**operands, **changed}
+
+
 def test_a_layer_step_that_does_not_fit_is_refused(packed):
-    """decoder_layer refuses a mask or a position that does not fit the cache, and leaves the
-    cache's arrays as they were."""
+    """decoder_layer refuses a mask or a position that does not fit the cache, or a cache of
+    other heads than the layer's, and leaves the cache's arrays as they were."""
     model, _ = packed
     cache = make_prompt_cache(model)
     model(mx.array([[4, 5, 6, 7]]), cache=cache)
     layer, layer_cache = model.layers[0], cache[0]
     keys, values = layer_cache.keys, layer_cache.values
-    attention, mlp = layer.self_attn, layer.mlp
-    slots = [getattr(attention, f"{n}_proj") for n in "qkvo"] + [
-        getattr(mlp, f"{n}_proj") for n in ("gate", "up", "down")
-    ]
-    projections = [slot["base"] for slot in slots]  # the packed layers under the LoRA slots
-    rope = attention.rope
     x = mx.zeros((1, 1, layer.input_layernorm.weight.shape[0]))
+    operands = native.decoder_operands(**layer_operands(layer))
 
-    operands = native.decoder_operands(
-        [p.weight for p in projections],
-        [p.scales for p in projections],
-        [p.biases for p in projections],
-        [p.bits for p in projections],
-        [p.group_size for p in projections[:4]],
-        [p.int8_activations for p in projections[:4]],
-        layer.input_layernorm.weight,
-        layer.post_attention_layernorm.weight,
-        1e-5,
-        1e-5,
-        attention.n_heads,
-        attention.n_kv_heads,
-        attention.scale,
-        rope.dims,
-        rope.traditional,
-        rope.base,
-        rope.scale,
-    )
-
-    def call(at: int, span: int) -> mx.array:
+    def call(at: int, span: int, cached: tuple[mx.array, mx.array] = (keys, values)) -> mx.array:
         return native.decoder_layer(
             x,
             operands,
-            keys,
-            values,
+            *cached,
             at,
             mx.ones((1, 1, 1, span), dtype=mx.bool_),
             mx.array([at], dtype=mx.int32),
@@ -1267,8 +1272,35 @@ def test_a_layer_step_that_does_not_fit_is_refused(packed):
         call(4, 4)  # the mask must reach the written position
     with pytest.raises(ValueError, match="room"):
         call(keys.shape[2], keys.shape[2] + 1)  # past the buffer
+    narrow = (keys[..., :-2], values[..., :-2])  # a head's keys and values 2 narrower
+    with pytest.raises(ValueError, match="layer's heads"):
+        call(4, 5, narrow)
     assert layer_cache.keys is kept and mx.array_equal(layer_cache.keys, keys).item()
     assert call(4, 5).shape == x.shape  # the same arguments that fit are taken
+
+
+def test_a_layers_operands_that_do_not_fit_are_refused(packed):
+    """decoder_operands checks once what a layer's steps share: its projections' rows against
+    its heads and width, its norms, its heads and its RoPE."""
+    model, _ = packed
+    layer = model.layers[0]
+    operands = layer_operands(layer)
+    native.decoder_operands(**operands)  # as the model has them: taken
+    heads, width = operands["heads"], operands["norm1"].shape[0]
+    refused = {
+        "norm weights": {"norm2": mx.ones((width + 1,))},
+        "multiple of the KV heads": {"kv_heads": heads + 1},
+        "RoPE": {"rope_dims": 3},
+        "rows": {  # q's weights where k's belong: more rows than the KV heads take
+            name: [arrays[0], arrays[0], *arrays[2:]]
+            for name, arrays in operands.items()
+            if name in ("ws", "scales", "biases")
+        },
+        "four calls": {"groups": operands["groups"][:3]},
+    }
+    for words, changed in refused.items():
+        with pytest.raises(ValueError, match=words):
+            native.decoder_operands(**layer_operands(layer, **changed))
 
 
 def test_fused_layers_give_the_separate_layers_bits_and_yield_to_adapters(packed):

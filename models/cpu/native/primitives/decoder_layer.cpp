@@ -208,6 +208,9 @@ std::shared_ptr<DecoderOperands> decoder_operands(
     o->arrays.insert(o->arrays.end(), {ws[p], scales[p], biases[p]});
   }
   o->arrays.insert(o->arrays.end(), {norm1, norm2});
+  o->rows8 = std::any_of(ws.begin(), ws.end(), [](const mx::array& w) {
+    return w.dtype() == mx::uint8 || w.dtype() == mx::int8;
+  });
   std::copy_n(bits.begin(), kProjections, o->bits);
   for (int c = 0; c < kCalls; c++) o->group[c] = groups[c], o->int8[c] = int8[c];
   o->scale = scale, o->eps1 = eps1, o->eps2 = eps2;
@@ -222,6 +225,13 @@ mx::array decoder_layer(const mx::array& x, std::shared_ptr<DecoderOperands> ope
                         std::vector<int> slots) {
   check_shape(operands != nullptr, "a layer's operands");
   const DecoderOperands& o = *operands;
+  // The kernel is the active one when the step runs, which may not be the one the operands were
+  // checked under (`use_isa` between steps).
+  const Kernel* kernel = active_kernel();
+  if (kernel == nullptr || (o.rows8 && kernel->int8_rows8 == nullptr))
+    throw std::invalid_argument(
+        "decoder_layer: the active kernel does not read the layer's weights (rows interleaved "
+        "by eight are read by the integer products of a kernel that has them)");
   check_shape(slots.empty() || slots.size() == kProjections,
               "a LoRA slot for each of q, k, v, o, gate, up and down, or none");
   check_shape(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(1) == 1 && x.shape(2) == o.D,
@@ -230,9 +240,10 @@ mx::array decoder_layer(const mx::array& x, std::shared_ptr<DecoderOperands> ope
   check_shape(keys.ndim() == 4 && values.ndim() == 4 && keys.dtype() == mx::float32 &&
                   values.dtype() == mx::float32 && keys.shape(0) == B && values.shape(0) == B &&
                   keys.shape(1) == o.kv_heads && values.shape(1) == o.kv_heads &&
-                  keys.shape(3) == o.Dk && values.shape(3) == o.Dv &&
                   keys.shape(2) == values.shape(2) && 0 <= at && at < keys.shape(2),
               "float32 keys [B, Hkv, S, Dk] and values [B, Hkv, S, Dv] with room at `at`");
+  check_shape(keys.shape(3) == o.Dk && values.shape(3) == o.Dv,
+              "a cache of the layer's heads: keys Dk and values Dv wide, as q's and v's rows say");
   check_shape(mask.dtype() == mx::bool_ && mask.shape() == mx::Shape{B, 1, 1, at + 1},
               "a bool mask [B, 1, 1, at + 1]");
   check_shape(positions.dtype() == mx::int32 && positions.ndim() == 1 &&

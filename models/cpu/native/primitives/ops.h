@@ -39,11 +39,14 @@ std::vector<mx::array> quant_matmul_heads(
 // primitives/decoder_layer.cpp: what a llama decoder layer's decode steps share, checked once
 // (`decoder_operands`): its packed q, k, v, o, gate, up and down projections (each one's bits;
 // their four calls' groups and int8), its norms, its attention's heads and scale, its RoPE.
-struct DecoderOperands {
+// Made and shared from C++ alone (enable_shared_from_this, as RowPlan): the primitive that holds
+// it drops it where a step ran without taking the GIL.
+struct DecoderOperands : std::enable_shared_from_this<DecoderOperands> {
   static constexpr int kProjections = 7, kCalls = 4;
   std::vector<mx::array> arrays;  // w, scales and biases of each projection, then the two norms
   int bits[kProjections], group[kCalls];
   bool int8[kCalls];
+  bool rows8;  // some weight's rows interleaved by eight: the kernel's int8_rows8 reads them
   int D, F, heads, kv_heads, Dk, Dv;  // Dk, Dv: a head's keys and values
   float scale, eps1, eps2;
   Rope rope;
