@@ -111,16 +111,11 @@ class PackedLookup : public CpuPrimitive {
   // inputs: ids (int32, uint32 or int64, any shape), then the layer's codes, scales and biases.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &ids = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
     const int K = static_cast<int>(w.shape(1) * (w.itemsize() * 8) / bits_);
     const PackedRows layer{packed_weight(w, scales, biases, K, bits_, group_, "packed_lookup"),
                            w.shape(0)};
     const int M = static_cast<int>(ids.size());
-    queue_task(stream(), [layer, M, ids = Ids(ids), op = out.data<float>()]() {
+    dispatch_rows(stream(), inputs, 0, outputs[0], [layer, M, ids = Ids(ids)](auto&, float* op) {
       parallel_rows(
           M, 64,
           [&](int m0, int m1) {
