@@ -101,15 +101,14 @@ class DecoderLayer : public CpuPrimitive {
     const int first = 1 + 3 * kProjections;
     const auto& keys = inputs[first + 2];
     const auto& values = inputs[first + 3];
-    const int widths[kCalls] = {D, o.heads * Dv, D, F};  // each call's input
     std::array<HeadsProducts, kCalls> calls;
     for (int c = 0, p = 0; c < kCalls; c++) {
       for (int j = 0; j < kWeights[c]; j++, p++) {
         const int at = 1 + 3 * p;
         const int heads = c == 0 ? (p == 0 ? o.heads : o.kv_heads) : 0;
-        calls[c].add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], widths[c], o.bits[p],
-                                   o.group[c], "decoder_layer"),
-                     inputs[at].shape(0), heads);
+        calls[c].add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], o.inputs[p],
+                                   o.bits[p], o.group[c], "decoder_layer"),
+                     o.rows[p], heads);
         if (!s.slots.empty()) calls[c].slots.push_back(s.slots[p]);
       }
       calls[c].group = o.group[c], calls[c].int8 = o.int8[c], calls[c].plan = s.plan;
@@ -195,16 +194,18 @@ std::shared_ptr<DecoderOperands> decoder_operands(
               "even RoPE dims up to the head's width");
   const int rows[kProjections] = {
       heads * o->Dk, kv_heads * o->Dk, kv_heads * o->Dv, D, o->F, o->F, D};
-  const int inputs_of[kProjections] = {D, D, D, heads * o->Dv, D, D, o->F};
+  const int inputs[kProjections] = {D, D, D, heads * o->Dv, D, D, o->F};
+  std::copy_n(rows, kProjections, o->rows);
+  std::copy_n(inputs, kProjections, o->inputs);
   for (int p = 0; p < kProjections; p++) {
     const int c = kCallOf[p];
-    check_packed(inputs_of[p], ws[p], scales[p], biases[p], groups[c], bits[p], int8[c]);
+    check_packed(inputs[p], ws[p], scales[p], biases[p], groups[c], bits[p], int8[c]);
     check_shape(ws[p].shape(0) == rows[p],
                 "q [H * Dk], k [Hkv * Dk], v [Hkv * Dv], o [D], gate and up [F], down [D] rows");
     if (p > 0 && kCallOf[p - 1] == c && int8[c])
       check_shape(reads_halves(ws[p], bits[p]) == reads_halves(ws[p - 1], bits[p - 1]),
                   "one order of x's int8 codes a call: MLX's 4-bit packing for all or none");
-    check_shape(!int8[c] || inputs_of[p] <= 65536, "inputs up to 65536 wide on int8 activations");
+    check_shape(!int8[c] || inputs[p] <= 65536, "inputs up to 65536 wide on int8 activations");
     o->arrays.insert(o->arrays.end(), {ws[p], scales[p], biases[p]});
   }
   o->arrays.insert(o->arrays.end(), {norm1, norm2});
@@ -250,11 +251,8 @@ mx::array decoder_layer(const mx::array& x, std::shared_ptr<DecoderOperands> ope
                   (positions.size() == 1 || static_cast<int>(positions.size()) == B),
               "int32 positions, one or one per row");
   if (!plan) slots.clear();
-  const int rows[kProjections] = {
-      o.heads * o.Dk, o.kv_heads * o.Dk, o.kv_heads * o.Dv, o.D, o.F, o.F, o.D};
-  const int inputs_of[kProjections] = {o.D, o.D, o.D, o.heads * o.Dv, o.D, o.D, o.F};
   for (int p = 0; p < kProjections && !slots.empty(); p++)
-    if (slots[p] >= 0) check_plan("decoder_layer", B, inputs_of[p], rows[p], *plan, slots[p]);
+    if (slots[p] >= 0) check_plan("decoder_layer", B, o.inputs[p], o.rows[p], *plan, slots[p]);
   std::vector<mx::array> inputs;
   inputs.reserve(1 + o.arrays.size() + 4);
   inputs.push_back(x);

@@ -47,7 +47,8 @@ struct DecoderOperands : std::enable_shared_from_this<DecoderOperands> {
   int bits[kProjections], group[kCalls];
   bool int8[kCalls];
   bool rows8;  // some weight's rows interleaved by eight: the kernel's int8_rows8 reads them
-  int D, F, heads, kv_heads, Dk, Dv;  // Dk, Dv: a head's keys and values
+  int D, F, heads, kv_heads, Dk, Dv;             // Dk, Dv: a head's keys and values
+  int rows[kProjections], inputs[kProjections];  // each projection's N and K
   float scale, eps1, eps2;
   Rope rope;
   std::vector<float> inv_freqs;  // the RoPE's frequencies
