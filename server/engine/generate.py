@@ -22,7 +22,7 @@ from hotlora.server.engine.grammar import Grammar, Grammars
 from hotlora.server.engine.kv_caches import new_caches
 from hotlora.server.engine.prompt_heads import PromptHeads
 from hotlora.server.engine.sampling import SamplingParams
-from hotlora.server.engine.tokens import TokenPiece, TokenPieces
+from hotlora.server.engine.tokens import RowDetokenizers, TokenPiece, TokenPieces
 
 
 class NonFiniteLogits(HotloraError):
@@ -123,6 +123,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.base_id = base_id
         self.pieces = TokenPieces(self.tokenizer)
+        self.detokenizers = RowDetokenizers(self.tokenizer)
         self.prompt_cache = LRUPromptCache(max_size=prompt_cache_size, max_bytes=prompt_cache_bytes)
         # No prompt cache, no heads either: `prompt_cache_size=0` turns prompt caching off.
         heads = prompt_heads if prompt_cache_size else 0

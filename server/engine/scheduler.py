@@ -122,14 +122,13 @@ class Scheduler:
 
     def add(self, jobs: Sequence[GenerationJob], sink: Sink, share: Share = DEFAULT_SHARE) -> None:
         """Queue one request's jobs, in order, behind its tenant's rows already waiting."""
-        tokenizer = self.engine.tokenizer
-        # `tokenizer.detokenizer` is a fresh, reset copy on every access. All rows or none.
+        # A fresh, reset detokenizer a row. All rows or none.
         rows = [
             Row(
                 job,
                 sink,
                 position,
-                tokenizer.detokenizer,
+                self.engine.detokenizers(),
                 self.eos,
                 self.engine.special_ids,
                 tenant=share.tenant,

@@ -1,11 +1,18 @@
-"""What one token is on the wire: its text and its exact bytes (for logprobs)."""
+"""What one token is on the wire: its text and its exact bytes (for logprobs); each row's
+streaming detokenizer."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    StreamingDetokenizer,
+    TokenizerWrapper,
+)
 
 
 @dataclass(frozen=True)
@@ -52,3 +59,33 @@ class TokenPieces:
                 data = bytes(decoder[char] for char in raw)
                 return TokenPiece(data.decode("utf-8", errors="replace"), data)
         return TokenPiece(text, text.encode())
+
+
+class _OpeningSpaceBPE(BPEStreamingDetokenizer):
+    """mlx-lm's byte-level BPE detokenizer, less its trim of the text's opening space."""
+
+    def _maybe_trim_space(self, current_text: str) -> str:
+        return current_text
+
+
+class RowDetokenizers:
+    """Fresh streaming detokenizers for generated rows, one a row, that keep a space opening the
+    generated text.
+
+    mlx-lm's BPE and SentencePiece detokenizers drop it, as a tokenizer's decode of a whole text
+    does; generated text continues a prompt, so the space before its first word is its own (as
+    OpenAI's and vLLM's answers keep it, and as the first token's `logprobs` entry and
+    `text_offset` say: " a", not "a"). Other detokenizers are taken as they are."""
+
+    def __init__(self, tokenizer: TokenizerWrapper):
+        prototype = tokenizer.detokenizer
+        if type(prototype) is BPEStreamingDetokenizer:
+            prototype.__class__ = _OpeningSpaceBPE  # the same state: its vocabulary's map
+        elif isinstance(prototype, SPMStreamingDetokenizer):
+            prototype.trim_space = False
+        self._prototype = prototype
+
+    def __call__(self) -> StreamingDetokenizer:
+        detokenizer = copy.copy(self._prototype)
+        detokenizer.reset()
+        return detokenizer

@@ -403,10 +403,8 @@ def agreement(hot: SystemRun, llama: SystemRun) -> str:
     """How far the two servers' greedy answers to the same prompts agree: with the same weights
     they open alike, then drift apart where float32 and llama.cpp's 8-bit activations round
     differently."""
-    # hotlora's stream drops the first token's leading space (" Salmon" opens as "Salmon");
-    # llama.cpp's keeps it: the texts are compared without it.
     pairs = [
-        (a.text.lstrip(), b.text.lstrip())
+        (a.text, b.text)
         for n, rounds in hot.streams.items()
         for ours, theirs in zip(rounds, llama.streams.get(n, []), strict=False)
         for a, b in zip(ours.samples, theirs.samples, strict=True)

@@ -155,8 +155,7 @@ def test_allowed_token_ids_are_the_only_ones_generated(smol):
     allowed = [token_id(smol, " Paris"), token_id(smol, ".")]
     text, _, tokens = answer(chat(smol, allowed_token_ids=allowed, max_tokens=5))
     assert tokens == 5
-    # The first token of an answer loses its leading space, as the detokenizer writes it.
-    assert re.fullmatch(r"(Paris|\.)( Paris|\.)*", text), text
+    assert re.fullmatch(r"( Paris|\.)+", text), text  # the first one's space kept too
 
 
 # The prompt.
@@ -184,7 +183,9 @@ def test_continue_final_message_continues_the_assistant_prefill(smol):
         {"role": "assistant", "content": PROMPT},
     ]
     text = answer(chat(smol, messages=messages, continue_final_message=True))[0]
-    assert text.startswith("Paris"), text  # its leading space is the answer's first
+    assert text.startswith(" Paris"), text  # the space before the answer's first word its own
+    echoed = chat(smol, messages=messages, continue_final_message=True, echo=True)
+    assert answer(echoed)[0] == PROMPT + text
     both = chat(
         smol,
         status=400,
@@ -193,6 +194,24 @@ def test_continue_final_message_continues_the_assistant_prefill(smol):
         add_generation_prompt=True,
     )
     refused(both, "continue_final_message")
+
+
+def test_a_completion_keeps_the_space_its_first_token_opens_with(smol):
+    """A completion continues its prompt: " Paris", not "Paris", at the offsets its logprobs
+    give, streamed or not, and after the prompt where it is echoed."""
+    body = complete(smol, max_tokens=3, logprobs=1)
+    [choice] = body["choices"]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert tokens[0] == " Paris" and choice["text"] == "".join(tokens)
+    assert all(choice["text"][at:].startswith(t) for t, at in zip(tokens, offsets, strict=True))
+    echoed = complete(smol, max_tokens=3, logprobs=1, echo=True)["choices"][0]
+    assert echoed["text"] == PROMPT + choice["text"]
+    response = smol.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True},
+    )
+    chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
 
 
 def test_template_variables_the_template_does_not_read_are_refused(smol):

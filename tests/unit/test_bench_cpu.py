@@ -135,7 +135,7 @@ def sample(tokens: int, ttft: float, decode: float, text: str) -> Sample:
 
 def test_comparison_medians_the_rounds_ratios_the_adapters_and_names_short_rows():
     def streams(
-        tokens: int, wall: float, first: str = "Once", second: str = "Hi there!"
+        tokens: int, wall: float, first: str = " Once", second: str = "Hi there!"
     ) -> Streams:
         rows = [
             sample(tokens, 0.5, 20.0, f"{first} upon a time"),

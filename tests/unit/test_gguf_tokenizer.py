@@ -17,6 +17,7 @@ from hotlora.models.gguf_tokenizer import (
     pre_tokenizer_for,
     write_tokenizer_files,
 )
+from hotlora.server.engine.tokens import RowDetokenizers
 
 from tests.support.gguf_files import bytes_to_unicode, embedded_gguf
 from tests.support.gguf_models import SPM_PIECES, spm_vocab
@@ -356,3 +357,36 @@ def test_tiny_sentencepiece_vocab_merges_by_score():
     assert "\u2581world" in SPM_PIECES
     for text in ("the other words", "in a world of ørder", "12 rather"):
         assert tokenizer.encode(text).ids == ReferenceSPM(meta).encode(text), text
+
+
+def streamed(detokenizer, ids: list[int]) -> tuple[str, str]:
+    """The text a row's detokenizer gives `ids` streamed, and the same read segment by segment."""
+    segments = []
+    for token in ids:
+        detokenizer.add_token(token)
+        segments.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    segments.append(detokenizer.last_segment)
+    return detokenizer.text, "".join(segments)
+
+
+@pytest.mark.parametrize("family", ["bpe", "sentencepiece"])
+def test_generated_text_keeps_the_space_it_opens_with(family, meta, phi3_meta, tmp_path):
+    """A completion continues its prompt: a first token of " a" is text " a", as its logprobs
+    entry says, where mlx-lm's detokenizers drop the space as a whole text's decode does."""
+    write_tokenizer_files(meta if family == "bpe" else phi3_meta, tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    ids = loaded.encode(" a canvas of wörld 🙂", add_special_tokens=False)
+    if family == "sentencepiece":  # its space prefix: " a" is one piece, not two
+        ids = loaded.encode("a canvas of wörld 🙂", add_special_tokens=False)
+    assert loaded.convert_ids_to_tokens(ids[0]) in ("Ġa", "▁a")
+    whole, pieces = streamed(RowDetokenizers(loaded)(), ids)
+    assert whole == pieces == " a canvas of wörld 🙂"
+    assert streamed(loaded.detokenizer, ids)[0] == "a canvas of wörld 🙂"  # mlx-lm's own
+    # Every row's detokenizer starts afresh, and a text that opens with no space gains none.
+    detokenizers = RowDetokenizers(loaded)
+    first, second = detokenizers(), detokenizers()
+    streamed(first, ids)
+    digits = loaded.encode("2026", add_special_tokens=False)  # a digit a token
+    digits = [t for t in digits if loaded.convert_ids_to_tokens(t) != "▁"]  # no space prefix
+    assert streamed(second, digits)[0] == "2026"
