@@ -25,6 +25,8 @@ class HotloraError(Exception):
 class InvalidRequest(HotloraError):
     """A request that is well-formed JSON but asks for something that cannot be done."""
 
+    code = "invalid_value"
+
 
 class ModelNotFound(HotloraError):
     """A request names a model that is neither the base nor a mounted adapter."""

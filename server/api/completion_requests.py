@@ -24,7 +24,7 @@ from hotlora.config.errors import InvalidRequest
 from hotlora.config.log_text import printable
 from hotlora.server.api.field_support import check_fields, declared_names
 from hotlora.server.api.output_formats import GuidedFields, ResponseFormat
-from hotlora.server.api.wire_base import ClosedObject, RequestBody
+from hotlora.server.api.wire_base import ClosedObject, RequestBody, RequestMetadata
 
 MAX_STOP_SEQUENCES = 16
 # The `adapter` field: parsed at validation into the ordered adapter references.
@@ -123,6 +123,9 @@ class ToolCall(ClosedObject):
 OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
+
+
 class ChatMessage(ClosedObject):
     role: str = Field(
         min_length=1,
@@ -132,7 +135,7 @@ class ChatMessage(ClosedObject):
             "chat template as sent, and one it cannot render is a 400 naming it."
         ),
     )
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -159,6 +162,19 @@ class ChatMessage(ClosedObject):
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
         refuse_unreadable_parts(value, "text")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_where_openai_requires_it(cls, value: Any, info: ValidationInfo) -> Any:
+        # As OpenAI's schema has it: a list holds one part at least, and only the assistant
+        # (whose turn may be tool calls alone) and roles OpenAI does not define may leave the
+        # content out or null.
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list of content parts; send one part at least, or a string")
+        role = info.data.get("role")
+        if value is None and role in _CONTENT_REQUIRED:
+            raise ValueError(f"messages with role '{role}' must have a 'content'")
         return value
 
     @model_validator(mode="after")
@@ -195,7 +211,7 @@ class StreamOptions(ClosedObject):
         return value
 
 
-class SamplingFields(GuidedFields, RequestBody):
+class SamplingFields(GuidedFields, RequestBody, RequestMetadata):
     """Fields shared by chat and text completions."""
 
     model: str
@@ -404,7 +420,11 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise InvalidRequest(
+                "top_logprobs requires logprobs to be true.",
+                param="top_logprobs",
+                code="invalid_value",
+            )
         if self.continue_final_message:
             if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
                 raise InvalidRequest(

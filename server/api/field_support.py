@@ -250,6 +250,19 @@ def _same(value: Any, neutral: Any) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
+def _taken_by(name: str) -> str:
+    """Which of the completion endpoints take the honoured field `name`, in words."""
+    from hotlora.server.api.completion_requests import ChatCompletionRequest, CompletionRequest
+
+    chat = name in declared_names(ChatCompletionRequest)
+    text = name in declared_names(CompletionRequest)
+    if chat and not text:
+        return "chat completions (/v1/chat/completions)"
+    if text and not chat:
+        return "text completions (/v1/completions)"
+    return "chat and text completions"
+
+
 def check_fields(
     data: Any, declared: Iterable[str], refusing: dict[str, Refused] = REFUSED
 ) -> None:
@@ -265,8 +278,7 @@ def check_fields(
         if name in HONOURED and name not in refusing:
             if value is not None and not any(_same(value, v) for v in NO_OP.get(name, ())):
                 raise InvalidRequest(
-                    f"'{name}' is not taken by this endpoint: it is a field of chat or text "
-                    "completions.",
+                    f"'{name}' is not taken by this endpoint: it is a field of {_taken_by(name)}.",
                     param=name,
                     code="unsupported_parameter",
                 )

@@ -113,6 +113,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
+    completed_at: int | None = None  # once completed, as OpenAI's
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None

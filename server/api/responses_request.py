@@ -33,11 +33,7 @@ from hotlora.server.api.completion_requests import (
     refuse_unreadable_parts,
 )
 from hotlora.server.api.field_support import RESPONSES_REFUSED, check_fields, declared_names
-from hotlora.server.api.wire_base import ClosedObject, unknown_key_message
-
-MAX_METADATA_KEYS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
+from hotlora.server.api.wire_base import ClosedObject, RequestMetadata, unknown_key_message
 
 
 class InputText(ClosedObject):
@@ -218,7 +214,7 @@ class TextConfig(ClosedObject):
     )
 
 
-class ResponsesRequest(RequestBody):
+class ResponsesRequest(RequestBody, RequestMetadata):
     """POST /v1/responses: one generation, nothing stored."""
 
     background: StrictBool = False
@@ -226,7 +222,6 @@ class ResponsesRequest(RequestBody):
     input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
-    metadata: dict[str, str] | None = None
     model: str
     parallel_tool_calls: StrictBool = True
     previous_response_id: str | None = None
@@ -272,21 +267,6 @@ class ResponsesRequest(RequestBody):
         if not isinstance(value, list):
             return value
         return [_input_item(i, item) for i, item in enumerate(value)]
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_size(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return None
-        if len(value) > MAX_METADATA_KEYS:
-            raise ValueError(f"metadata may have at most {MAX_METADATA_KEYS} keys")
-        if any(len(key) > MAX_METADATA_KEY_CHARS for key in value):
-            raise ValueError(f"metadata keys may be at most {MAX_METADATA_KEY_CHARS} characters")
-        if any(len(item) > MAX_METADATA_VALUE_CHARS for item in value.values()):
-            raise ValueError(
-                f"metadata values may be at most {MAX_METADATA_VALUE_CHARS} characters"
-            )
-        return value
 
     @field_validator("previous_response_id", "conversation", "prompt")
     @classmethod

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import re
+from functools import cache
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from hotlora.config.errors import InvalidRequest
 from hotlora.config.log_text import printable
@@ -25,6 +26,28 @@ class OpenAIBase(BaseModel):
     # `StrictBool`: as OpenAI does, "3", true and 3.5 are refused where an integer goes, and
     # "0.5" and true where a number does, never converted.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # null for a field whose default is a value (`n`, `stream`, `echo`) stands for that
+        # value, as OpenAI's nullable fields take it and its SDKs send an argument left None; a
+        # field whose default is null takes it as it is, and a required one refuses it by type.
+        if not isinstance(data, dict):
+            return data
+        defaulted = _defaulted_keys(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@cache
+def _defaulted_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The keys of `model`'s fields that have a default other than null."""
+    return frozenset(
+        key
+        for name, field in model.model_fields.items()
+        if not field.is_required() and field.default is not None
+        for key in (name, field.alias or name)
+    )
 
 
 class ClosedObject(OpenAIBase):
@@ -108,3 +131,34 @@ def _lone_surrogate(value: Any, path: tuple[str, ...], depth: int = 0) -> tuple[
             if found is not None:
                 return found
     return None
+
+
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+class RequestMetadata(OpenAIBase):
+    """OpenAI's fields about a request rather than its answer (`field_support.METADATA`): typed
+    and bounded as OpenAI's schema has them on every endpoint that takes them, with no effect on
+    the answer (a response object echoes its `metadata`)."""
+
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_METADATA_KEYS:
+            raise ValueError(f"metadata may have at most {MAX_METADATA_KEYS} keys")
+        if any(len(key) > MAX_METADATA_KEY_CHARS for key in value):
+            raise ValueError(f"metadata keys may be at most {MAX_METADATA_KEY_CHARS} characters")
+        if any(len(item) > MAX_METADATA_VALUE_CHARS for item in value.values()):
+            raise ValueError(
+                f"metadata values may be at most {MAX_METADATA_VALUE_CHARS} characters"
+            )
+        return value

@@ -162,7 +162,9 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         first = unknown[0]
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    loc = [str(part) for part in first.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where, not which field
+        loc = loc[1:]
     # Drop pydantic's union-branch names (e.g. "str", "list[...]") from the reported location.
     loc = [part for part in loc if not _UNION_BRANCH.fullmatch(part)]
     if unknown:
@@ -177,12 +179,32 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
             param=param,
             code="unknown_parameter",
         )
+    if not loc and first.get("loc") == ("body",):  # the body as a whole
+        return _body_refusal(exc, first)
     message = first.get("msg", "Invalid request.")
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     if param:
         message = f"{message} (param '{param}')"
     return json_error(400, message, "invalid_request_error", param=param, code="invalid_value")
+
+
+def _body_refusal(exc: RequestValidationError, first: dict[str, Any]) -> JSONResponse:
+    """A body that is no JSON object: none, one sent as another media type (FastAPI reads JSON
+    from `application/json` and `+json` types alone, or where no type is given), or another
+    JSON value."""
+    if first.get("type") == "missing":
+        message = "The request has no body: send a JSON object."
+    elif isinstance(exc.body, bytes | bytearray):
+        return json_error(
+            415,
+            "The request body must be JSON, sent with 'Content-Type: application/json'.",
+            "invalid_request_error",
+            code="unsupported_media_type",
+        )
+    else:
+        message = "The request body must be a JSON object."
+    return json_error(400, message, "invalid_request_error", code="invalid_json")
 
 
 def _http_response(exc: StarletteHTTPException) -> JSONResponse:

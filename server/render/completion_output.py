@@ -25,9 +25,15 @@ from hotlora.server.serving import (
 DONE = "[DONE]"
 
 
-def _dump_chunk(chunk: answers.ChatCompletionChunk | answers.CompletionResponse) -> str:
-    """A stream chunk without null noise, but with `finish_reason` always present as OpenAI's."""
+def _dump_chunk(
+    chunk: answers.ChatCompletionChunk | answers.CompletionResponse, include_usage: bool
+) -> str:
+    """A stream chunk without null noise, but with `finish_reason` always present as OpenAI's,
+    and, on a chat stream that ends with a usage chunk, `usage` null on every chunk before it
+    (OpenAI's chat chunk has it nullable; its text completion has no null `usage`)."""
     body = chunk.model_dump(exclude_none=True)
+    if include_usage and body["object"] == "chat.completion.chunk":
+        body.setdefault("usage", None)
     for choice in body["choices"]:
         choice.setdefault("finish_reason", None)
         # What OpenAI's schema requires, null as OpenAI sends it: a text chunk's `logprobs`,
@@ -218,7 +224,8 @@ async def chat_stream(
 
     def chunk(choice: answers.ChatChunkChoice) -> str:
         return _dump_chunk(
-            answers.ChatCompletionChunk(**meta, choices=[choice], usage=running.now())
+            answers.ChatCompletionChunk(**meta, choices=[choice], usage=running.now()),
+            include_usage,
         )
 
     def call_chunks(index: int, calls: list[answers.OutputToolCall], first: int) -> Iterable[str]:
@@ -335,7 +342,9 @@ async def completion_stream(
                 choice = answers.CompletionChoice(
                     index=index, text=prompt.text, logprobs=logprobs, finish_reason=None
                 )
-                yield _dump_chunk(answers.CompletionResponse(**meta, choices=[choice]))
+                yield _dump_chunk(
+                    answers.CompletionResponse(**meta, choices=[choice]), include_usage
+                )
         if isinstance(event, Delta):
             if not (event.text or event.logprobs):
                 continue
@@ -350,7 +359,8 @@ async def completion_stream(
             tally.add(index, event)
             finish = _finish(event.finish_reason)
             choice = answers.CompletionChoice(index=index, text="", finish_reason=finish)
-        yield _dump_chunk(answers.CompletionResponse(**meta, choices=[choice], usage=running.now()))
+        chunk = answers.CompletionResponse(**meta, choices=[choice], usage=running.now())
+        yield _dump_chunk(chunk, include_usage)
     if include_usage:
         usage = _usage(tally)
         yield answers.CompletionResponse(**meta, choices=[], usage=usage).model_dump_json()

@@ -104,6 +104,7 @@ class ResponseDraft:
         return ResponseObject(
             id=self.id,
             created_at=self.created_at,
+            completed_at=now() if status == "completed" else None,
             status=status,
             error=error,
             incomplete_details=IncompleteDetails(reason="max_output_tokens")

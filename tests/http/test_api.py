@@ -71,6 +71,14 @@ def test_stream_usage_chunk(client: TestClient):
     }
     chunks = [json.loads(e) for e in sse_events(client.post("/v1/chat/completions", json=req))[:-1]]
     assert chunks[-1]["choices"] == []
+    # Every chat chunk before it says `usage` null, as OpenAI's do; without the option none has it.
+    assert len(chunks) > 2 and all(c["usage"] is None for c in chunks[:-1])
+    plain = client.post("/v1/chat/completions", json={**req, "stream_options": None})
+    assert all("usage" not in json.loads(e) for e in sse_events(plain)[:-1])
+    text = client.post("/v1/completions", json={**req, "messages": None, "prompt": "hi"})
+    text_chunks = [json.loads(e) for e in sse_events(text)[:-1]]
+    assert text_chunks[-1]["choices"] == [] and text_chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all("usage" not in c for c in text_chunks[:-1])  # not nullable in its schema
     whole = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "temperature": 0})
     streamed_usage, whole_usage = chunks[-1]["usage"], whole.json()["usage"]
     # The second request reuses the first one's prompt cache; the counts are the same.

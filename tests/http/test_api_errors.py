@@ -22,6 +22,27 @@ ERRORS = [
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "temperature": 5}, 400, "temperature", "invalid_value"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": None}]},
+        400,
+        "messages.0.content",
+        "invalid_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "system"}, {"role": "user", "content": "hi"}]},
+        400,
+        "messages.0.content",
+        "invalid_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": []}]},
+        400,
+        "messages.0.content",
+        "invalid_value",
+    ),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "n": 99}, 400, "n", None),
     (
@@ -69,6 +90,65 @@ def test_invalid_json_unknown_route_and_method(client: TestClient):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     wrong = client.get("/v1/chat/completions")
     assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_a_body_that_is_no_json_object_says_what_it_is(client: TestClient):
+    """`curl -d` without a JSON content type, no body, another JSON value: each named as
+    such, never a field-level complaint with no field."""
+    form = client.post(
+        "/v1/chat/completions",
+        content=json.dumps({**CHAT, "max_tokens": 1}).encode(),
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert form.status_code == 415
+    assert form.json()["error"]["code"] == "unsupported_media_type"
+    assert "application/json" in form.json()["error"]["message"]
+    empty = client.post("/v1/chat/completions", headers={"content-type": "application/json"})
+    assert empty.status_code == 400 and "no body" in empty.json()["error"]["message"]
+    listed = client.post("/v1/chat/completions", json=[CHAT])
+    assert listed.status_code == 400 and "JSON object" in listed.json()["error"]["message"]
+    for response in (form, empty, listed):
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1}).status_code == 200
+
+
+def test_a_missing_or_mistyped_path_is_named(client: TestClient):
+    for body in ({"id": "z1"}, {"id": "z2", "path": 5}):
+        response = client.post("/v1/adapters", json=body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "path" and "'path'" in error["message"]
+    assert client.get("/v1/adapters").json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi"}),
+        ("/v1/responses", {"model": "tiny", "input": "hi"}),
+        ("/v1/embeddings", {"model": "tiny", "input": "hi"}),
+    ],
+)
+def test_user_and_metadata_are_typed_alike_everywhere(client: TestClient, path, body):
+    for fields, param in (({"user": 5}, "user"), ({"metadata": {"a": 1}}, "metadata.a")):
+        if path == "/v1/embeddings" and "metadata" in fields:
+            continue
+        response = client.post(path, json={**body, **fields})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+    ok = {"user": "u-1"} | ({} if path == "/v1/embeddings" else {"metadata": {"a": "b"}})
+    assert client.post(path, json={**body, **ok}).status_code == 200
+
+
+def test_a_field_of_the_other_endpoint_is_named_with_it(client: TestClient):
+    prompt = client.post("/v1/chat/completions", json={**CHAT, "prompt": "x"}).json()["error"]
+    assert prompt["param"] == "prompt" and "text completions (/v1/completions)" in prompt["message"]
+    body = {"model": "tiny", "prompt": "x", "messages": CHAT["messages"]}
+    messages = client.post("/v1/completions", json=body).json()["error"]
+    assert messages["param"] == "messages"
+    assert "chat completions (/v1/chat/completions)" in messages["message"]
+    top = client.post("/v1/chat/completions", json={**CHAT, "top_logprobs": 2}).json()["error"]
+    assert top["param"] == "top_logprobs" and top["code"] == "invalid_value"
 
 
 def test_body_limit(make_client):
@@ -225,6 +305,37 @@ def test_unsupported_or_out_of_range_fields_are_refused(client: TestClient, body
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+NULLS = [
+    # (path, body, fields OpenAI's schema makes nullable, sent as null)
+    ("/v1/chat/completions", CHAT, ("n", "logprobs", "stream", "parallel_tool_calls")),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi"}, ("n", "echo", "stream")),
+    ("/v1/responses", {"model": "tiny", "input": "hi"}, ("parallel_tool_calls", "background")),
+    ("/v1/responses", {"model": "tiny", "input": "hi"}, ("truncation", "stream", "store")),
+]
+
+
+def answer_text(body: dict) -> str:
+    """A chat completion's, text completion's or response's first answer."""
+    if "output" in body:
+        return str(body["output"][0]["content"][0]["text"])
+    choice = body["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+@pytest.mark.parametrize(("path", "body", "fields"), NULLS)
+def test_null_stands_for_a_fields_default(client: TestClient, path, body, fields):
+    """OpenAI's SDKs send null for an argument left None: the field's default, the same answer
+    as without it; a required field's null is refused by its name."""
+    body = {**body, "max_tokens" if "input" not in body else "max_output_tokens": 3}
+    body = {**body, "temperature": 0}
+    plain = client.post(path, json=body)
+    nulls = client.post(path, json={**body, **dict.fromkeys(fields)})
+    assert plain.status_code == nulls.status_code == 200, nulls.text
+    assert answer_text(nulls.json()) == answer_text(plain.json())
+    refused = client.post(path, json={**body, "model": None})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
 
 
 def test_batch_prompts_count_against_max_n(client: TestClient):

@@ -142,6 +142,7 @@ def test_max_output_tokens_ends_incomplete(client: TestClient):
     assert response.output[0].status == "incomplete"
     assert response.usage.output_tokens == 3
     assert response.max_output_tokens == 3
+    assert response.completed_at is None  # only a completed response has one
 
 
 def test_a_finished_answer_is_completed(client: TestClient, monkeypatch: pytest.MonkeyPatch):
@@ -149,6 +150,7 @@ def test_a_finished_answer_is_completed(client: TestClient, monkeypatch: pytest.
     response = sdk(client).responses.create(input="hi there", **GREEDY)
     assert response.status == "completed" and response.incomplete_details is None
     assert response.output[0].status == "completed"
+    assert response.completed_at is not None and response.completed_at >= response.created_at
 
 
 def test_seed_reproduces_sampling_as_chat_does(client: TestClient):

@@ -25,7 +25,7 @@ from hotlora.server.http.request_errors import (
 
 WIRE = [
     # (exception, status, type, param, code, headers)
-    (InvalidRequest("no", param="n"), 400, "invalid_request_error", "n", None, {}),
+    (InvalidRequest("no", param="n"), 400, "invalid_request_error", "n", "invalid_value", {}),
     (ContextOverflow("long", param="messages"), 400, "invalid_request_error", "messages",
      "context_length_exceeded", {}),
     (ModelNotFound("x", ["tiny"]), 404, "invalid_request_error", "model", "model_not_found", {}),
