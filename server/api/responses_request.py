@@ -116,11 +116,13 @@ _INPUT_ITEMS: dict[str, type[ClosedObject]] = {
 
 
 def _input_item(index: int, item: Any) -> Any:
-    """One input item read as the model its `type` names (a message when it has none), its
-    problems located in it; an item that is not an object is left to the schema to refuse."""
+    """One input item read as the model its `type` names (a message when it has none, or
+    null), its problems located in it; an item that is not an object is left to the schema to
+    refuse."""
     if not isinstance(item, dict):
         return item
-    kind = item.get("type", "message")
+    kind = item.get("type")
+    kind = "message" if kind is None else kind
     model = _INPUT_ITEMS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise InvalidRequest(

@@ -4,6 +4,7 @@ streaming detokenizer."""
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -19,6 +20,9 @@ from mlx_lm.tokenizer_utils import (
 class TokenPiece:
     text: str
     bytes: bytes  # exact, also for a token holding part of a UTF-8 character
+
+
+_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece
 
 
 @lru_cache(maxsize=1)
@@ -37,12 +41,16 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class TokenPieces:
-    """Token id -> `TokenPiece`, cached; byte-level BPE vocabularies give exact bytes."""
+    """Token id -> `TokenPiece`, cached; byte-level BPE and SentencePiece vocabularies give
+    exact bytes, a word's opening space included (SentencePiece's `▁`, which a tokenizer's
+    decode of the token alone drops), so that a row's tokens join into its text."""
 
     def __init__(self, tokenizer: TokenizerWrapper):
         self.tokenizer = tokenizer
         self._cache: dict[int, TokenPiece] = {}
-        self._byte_level = type(tokenizer.detokenizer).__name__ == "BPEStreamingDetokenizer"
+        detokenizer = tokenizer.detokenizer
+        self._byte_level = type(detokenizer).__name__ == "BPEStreamingDetokenizer"
+        self._sentencepiece = isinstance(detokenizer, SPMStreamingDetokenizer)
 
     def __call__(self, token_id: int) -> TokenPiece:
         piece = self._cache.get(token_id)
@@ -52,6 +60,12 @@ class TokenPieces:
 
     def _piece(self, token_id: int) -> TokenPiece:
         text = self.tokenizer.decode([token_id])
+        if self._sentencepiece and token_id not in self.tokenizer.all_special_ids:
+            raw = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(raw, str):  # as mlx-lm's SentencePiece detokenizer reads its pieces
+                byte = _SPM_BYTE.fullmatch(raw)
+                data = bytes([int(byte[1], 16)]) if byte else raw.replace("\u2581", " ").encode()
+                return TokenPiece(data.decode("utf-8", errors="replace"), data)
         if self._byte_level and token_id not in self.tokenizer.all_special_ids:
             raw = self.tokenizer.convert_ids_to_tokens(token_id)
             decoder = _byte_decoder()

@@ -190,9 +190,8 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
 
 
 def _body_refusal(exc: RequestValidationError, first: dict[str, Any]) -> JSONResponse:
-    """A body that is no JSON object: none, one sent as another media type (FastAPI reads JSON
-    from `application/json` and `+json` types alone, or where no type is given), or another
-    JSON value."""
+    """A body that is no JSON object: none, one sent as another media type or with none
+    (FastAPI reads JSON from `application/json` and `+json` bodies), or another JSON value."""
     if first.get("type") == "missing":
         message = "The request has no body: send a JSON object."
     elif isinstance(exc.body, bytes | bytearray):

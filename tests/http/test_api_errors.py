@@ -334,6 +334,10 @@ def test_null_stands_for_a_fields_default(client: TestClient, path, body, fields
     nulls = client.post(path, json={**body, **dict.fromkeys(fields)})
     assert plain.status_code == nulls.status_code == 200, nulls.text
     assert answer_text(nulls.json()) == answer_text(plain.json())
+    if path == "/v1/responses":  # an input item's null type: a message, as none is
+        item = {"type": None, "role": "user", "content": "hi"}
+        typed = client.post(path, json={**body, "input": [item]})
+        assert answer_text(typed.json()) == answer_text(plain.json())
     refused = client.post(path, json={**body, "model": None})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
 

@@ -17,7 +17,7 @@ from hotlora.models.gguf_tokenizer import (
     pre_tokenizer_for,
     write_tokenizer_files,
 )
-from hotlora.server.engine.tokens import RowDetokenizers
+from hotlora.server.engine.tokens import RowDetokenizers, TokenPieces
 
 from tests.support.gguf_files import bytes_to_unicode, embedded_gguf
 from tests.support.gguf_models import SPM_PIECES, spm_vocab
@@ -390,3 +390,20 @@ def test_generated_text_keeps_the_space_it_opens_with(family, meta, phi3_meta, t
     digits = loaded.encode("2026", add_special_tokens=False)  # a digit a token
     digits = [t for t in digits if loaded.convert_ids_to_tokens(t) != "▁"]  # no space prefix
     assert streamed(second, digits)[0] == "2026"
+
+
+@pytest.mark.parametrize("family", ["bpe", "sentencepiece"])
+def test_token_pieces_join_into_the_generated_text(family, meta, phi3_meta, tmp_path):
+    """Each token's logprobs text, its opening space and raw bytes included, joins into the
+    text a row's detokenizer streams, so `text_offset`s point at the tokens."""
+    write_tokenizer_files(meta if family == "bpe" else phi3_meta, tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    text = "a canvas of wörld 🙂\n x"
+    ids = loaded.encode(text, add_special_tokens=False)
+    pieces = [TokenPieces(loaded)(token) for token in ids]
+    whole, _ = streamed(RowDetokenizers(loaded)(), ids)
+    assert b"".join(p.bytes for p in pieces).decode() == whole
+    assert whole == (" " if family == "sentencepiece" else "") + text  # its space prefix
+    assert pieces[0].text == (" a" if family == "sentencepiece" else "a")
+    if family == "sentencepiece":  # 🙂 has no piece of its own: four byte-fallback pieces
+        assert [p.bytes for p in pieces if len(p.bytes) == 1 and p.bytes[0] >= 0x80]
