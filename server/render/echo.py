@@ -16,20 +16,38 @@ from typing import Any
 from hotlora.server.api.completion_answers import CompletionLogprobs
 from hotlora.server.engine import SampledToken
 from hotlora.server.engine.generate import PromptLogprobs
-from hotlora.server.engine.tokens import TokenPieces
+from hotlora.server.engine.tokens import TokenPiece, TokenPieces
 
 
 @dataclass(frozen=True)
 class EchoedPrompt:
-    """One prompt as a choice echoes it: its text, and each of its tokens' text."""
+    """One prompt as a choice echoes it: its text, each of its tokens' text, and where each
+    starts in that text."""
 
     text: str
     pieces: tuple[str, ...]
+    offsets: tuple[int, ...]
 
     @property
     def length(self) -> int:
-        """Where the completion's first token starts: after the prompt's token texts."""
-        return sum(len(piece) for piece in self.pieces)
+        """Where the completion's first token starts: after the prompt's text."""
+        return len(self.text)
+
+
+def _offsets(text: str, pieces: Sequence[TokenPiece]) -> tuple[int, ...]:
+    """Where each token starts in `text`, matched on their bytes: a token the text does not
+    hold (a BOS the tokenizer adds) takes none of it, and a word's opening space that the text
+    does not open with (SentencePiece's space prefix) is left out; a token inside a character
+    (byte fallback) starts where that character does."""
+    data = text.encode()
+    offsets, at = [], 0
+    for piece in pieces:
+        offsets.append(len(data[:at].decode(errors="ignore")))
+        if data.startswith(piece.bytes, at):
+            at += len(piece.bytes)
+        elif piece.bytes.startswith(b" ") and data.startswith(piece.bytes[1:], at):
+            at += len(piece.bytes) - 1
+    return tuple(offsets)
 
 
 def echoed_prompts(
@@ -47,7 +65,9 @@ def echoed_prompts(
             text = original
         else:
             text = str(tokenizer.decode(kept))
-        echoed.append(EchoedPrompt(text, tuple(pieces(t).text for t in kept)))
+        kept_pieces = [pieces(t) for t in kept]
+        offsets = _offsets(text, kept_pieces)
+        echoed.append(EchoedPrompt(text, tuple(p.text for p in kept_pieces), offsets))
     return echoed
 
 
@@ -56,13 +76,9 @@ def prompt_part(echo: EchoedPrompt, reported: PromptLogprobs | None) -> Completi
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    at = 0
     for i, piece in enumerate(echo.pieces):
         entry = reported[i] if reported is not None and i < len(reported) else None
         tokens.append(piece)
-        offsets.append(at)
-        at += len(piece)
         if entry is None:
             values.append(None)
             tops.append(None)
@@ -70,7 +86,7 @@ def prompt_part(echo: EchoedPrompt, reported: PromptLogprobs | None) -> Completi
         values.append(entry[0].logprob)  # the prompt's own token comes first
         tops.append({e.text: e.logprob for e in entry})
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
+        tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=list(echo.offsets)
     )
 
 

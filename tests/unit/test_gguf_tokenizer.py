@@ -18,6 +18,7 @@ from hotlora.models.gguf_tokenizer import (
     write_tokenizer_files,
 )
 from hotlora.server.engine.tokens import RowDetokenizers, TokenPieces
+from hotlora.server.render.echo import echoed_prompts
 
 from tests.support.gguf_files import bytes_to_unicode, embedded_gguf
 from tests.support.gguf_models import SPM_PIECES, spm_vocab
@@ -407,3 +408,28 @@ def test_token_pieces_join_into_the_generated_text(family, meta, phi3_meta, tmp_
     assert pieces[0].text == (" a" if family == "sentencepiece" else "a")
     if family == "sentencepiece":  # 🙂 has no piece of its own: four byte-fallback pieces
         assert [p.bytes for p in pieces if len(p.bytes) == 1 and p.bytes[0] >= 0x80]
+
+
+@pytest.mark.parametrize("family", ["bpe", "sentencepiece"])
+def test_echoed_prompt_offsets_point_into_the_text_sent(family, meta, phi3_meta, tmp_path):
+    """An echoed prompt's `text_offset`s index the text as sent: a BOS the tokenizer adds and
+    SentencePiece's space prefix take none of it, the bytes of one character start at it, and
+    the completion starts after the whole text."""
+    write_tokenizer_files(meta if family == "bpe" else phi3_meta, tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    text = "a canvas of wörld 🙂!"
+    ids = loaded.encode(text)  # with the BOS where the tokenizer adds one
+    assert (ids[0] == loaded.bos_token_id) == (family == "sentencepiece")
+    [echoed] = echoed_prompts(loaded, TokenPieces(loaded), [text], [ids], [ids])
+    assert echoed.text == text and echoed.length == len(text)
+    assert len(echoed.offsets) == len(ids) and list(echoed.offsets) == sorted(echoed.offsets)
+    for piece, offset in zip(echoed.pieces, echoed.offsets, strict=True):
+        if piece in ("<s>", "\ufffd") or (len(piece) == 1 and not piece.isprintable()):
+            continue  # the BOS (at 0), a byte of the emoji (at the emoji)
+        assert text[offset:].startswith(piece.lstrip(" ") if offset == 0 else piece), piece
+    emoji = text.index("🙂")
+    assert echoed.offsets[-1] == emoji + 1  # "!" after the emoji's bytes
+    if family == "bpe":  # byte-level: the pieces are the text
+        assert "".join(echoed.pieces) == text
+    else:  # the emoji's four byte pieces start at it
+        assert echoed.offsets.count(emoji) == 4
