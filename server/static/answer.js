@@ -26,7 +26,9 @@ export function answerView(asked) {
     append(delta) {
       el.dataset.state = "streaming";
       el.dataset.chunks = String(++chunks);
-      text.textContent += delta;
+      // Shown without the space a token may open the answer with (SentencePiece models'
+      // first word); the conversation keeps the answer as the server sent it.
+      text.textContent = (text.textContent + delta).trimStart();
       stats.textContent = "streaming…";
     },
     served(name) {
