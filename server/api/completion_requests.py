@@ -348,6 +348,21 @@ class SamplingFields(GuidedFields, RequestBody, RequestMetadata):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingFields:
+        most = self.requested_max_tokens
+        if most is not None and self.min_tokens > most:
+            raise InvalidRequest(
+                f"min_tokens ({self.min_tokens}) must be at most the answer's token limit "
+                f"({most}).",
+                param="min_tokens",
+            )
+        return self
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -505,10 +520,6 @@ class CompletionRequest(SamplingFields):
         if self.prompt_logprobs is not None:
             return self.prompt_logprobs
         return self.logprobs if self.echo else None
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
 
 
 def template_refusal(exc: Exception, messages: list[dict[str, Any]]) -> InvalidRequest:

@@ -179,14 +179,18 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
             param=param,
             code="unknown_parameter",
         )
-    if not loc and first.get("loc") == ("body",):  # the body as a whole
-        return _body_refusal(exc, first)
+    if first.get("loc") == ("body",) and first.get("type") in _NOT_AN_OBJECT:
+        return _body_refusal(exc, first)  # the body as a whole
     message = first.get("msg", "Invalid request.")
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     if param:
         message = f"{message} (param '{param}')"
     return json_error(400, message, "invalid_request_error", param=param, code="invalid_value")
+
+
+# What pydantic says of a body that is no JSON object (`missing`: none at all).
+_NOT_AN_OBJECT = frozenset({"missing", "model_attributes_type", "model_type", "dict_type"})
 
 
 def _body_refusal(exc: RequestValidationError, first: dict[str, Any]) -> JSONResponse:

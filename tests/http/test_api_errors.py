@@ -56,6 +56,20 @@ ERRORS = [
     ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, "prompt", None),
     (
         "/v1/completions",
+        {"model": "tiny", "prompt": "x", "max_tokens": 10, "min_tokens": 20},
+        400,
+        "min_tokens",
+        "invalid_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": 2, "min_tokens": 3},
+        400,
+        "min_tokens",
+        "invalid_value",
+    ),
+    (
+        "/v1/completions",
         {"model": "tiny", "prompt": "x", "max_tokens": 100000},
         400,
         "max_tokens",
@@ -107,7 +121,10 @@ def test_a_body_that_is_no_json_object_says_what_it_is(client: TestClient):
     assert empty.status_code == 400 and "no body" in empty.json()["error"]["message"]
     listed = client.post("/v1/chat/completions", json=[CHAT])
     assert listed.status_code == 400 and "JSON object" in listed.json()["error"]["message"]
-    for response in (form, empty, listed):
+    # A JSON object a whole-body rule refuses is no such case: its own words.
+    both = client.post("/tokenize", json={"model": "tiny", "prompt": "hi", **CHAT})
+    assert both.status_code == 400 and "'prompt' or 'messages'" in both.json()["error"]["message"]
+    for response in (form, empty, listed, both):
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1}).status_code == 200
 
