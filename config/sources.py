@@ -175,6 +175,7 @@ def load_settings(
     try:
         if cli is not None:
             _note_old_flags(settings_cls, parsed_args)
+            _refuse_repeated_names(settings_cls, parsed_args)
             cli = cli(parsed_args=parsed_args)
             flags = cli()
         return settings_cls(_cli_settings_source=cli)
@@ -182,6 +183,26 @@ def load_settings(
         raise _unreadable(settings_cls, exc, parsed_args) from None
     except ValidationError as exc:
         raise _invalid(settings_cls, exc, flags) from None
+
+
+def _refuse_repeated_names(settings_cls: type[BaseSettings], parsed_args: Any) -> None:
+    """A mapping's flag given twice with one name (`--adapter a=x --adapter a=y`) is refused:
+    merged, the last would silently drop the first."""
+    for field, info in settings_cls.model_fields.items():
+        given = getattr(parsed_args, field, None)
+        if metavar(info) is None or not isinstance(given, list):
+            continue
+        seen: dict[str, str] = {}
+        for pair in given:
+            if not isinstance(pair, str) or "=" not in pair or pair.lstrip().startswith("{"):
+                continue  # JSON objects and malformed pairs: the parser's to judge
+            name = pair.partition("=")[0]
+            if name in seen:
+                raise InvalidSetting(
+                    f"{flag_name(settings_cls, field)}: {name!r} given twice "
+                    f"({seen[name]} and {pair})"
+                )
+            seen[name] = pair
 
 
 def _note_old_flags(settings_cls: type[BaseSettings], parsed_args: Any) -> None:

@@ -219,6 +219,12 @@ BAD_VALUES = [
         "--adapter: expected NAME=PATH (got no-equals-sign)",
     ),
     (
+        ["--adapter", "a=lib1", "--adapter", "b=lib3", "--adapter", "a=lib2"],
+        {},
+        None,
+        "--adapter: 'a' given twice (a=lib1 and a=lib2)",
+    ),
+    (
         [],
         {"HOTLORA_STARTUP_ADAPTERS": "sft"},
         None,
