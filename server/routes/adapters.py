@@ -5,6 +5,8 @@ loaded a 400, a path with nothing there a 404."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,7 +23,7 @@ from hotlora.adapters import (
     AdapterPathRefused,
     resolve_under_root,
 )
-from hotlora.config.errors import InvalidRequest
+from hotlora.config.errors import HotloraError, InvalidRequest
 from hotlora.server.api.admin_models import (
     AdapterCard,
     AdapterList,
@@ -176,12 +178,34 @@ def _loaded_before(metrics: Metrics, name: str) -> InvalidRequest:
     )
 
 
+# The admin API's fields as vLLM's routes call them, for a refusal's `param`.
+_VLLM_PARAMS = {"path": "lora_path", "id": "lora_name", "adapter": "lora_name"}
+
+
+@contextlib.contextmanager
+def _in_vllm_words() -> Iterator[None]:
+    """A refusal of vLLM's adapter routes names the field the request sent (`lora_path`,
+    `lora_name`), not the admin API's (`path`, `id`)."""
+    try:
+        yield
+    except HotloraError as exc:
+        exc.param = _VLLM_PARAMS.get(exc.param or "", exc.param)
+        raise
+
+
 @router.post(paths.LOAD_LORA_ADAPTER, response_class=PlainTextResponse, responses=_TEXT_OK)
 async def load_lora_adapter(
     body: LoadLoraAdapterRequest, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> PlainTextResponse:
     """As vLLM's: a name already loaded is a 400 unless `load_inplace`, which swaps it; a path
     with nothing there is a 404."""
+    with _in_vllm_words():
+        return await _load_lora_adapter(body, request, manager, metrics)
+
+
+async def _load_lora_adapter(
+    body: LoadLoraAdapterRequest, request: Request, manager: AdapterManager, metrics: Metrics
+) -> PlainTextResponse:
     name, inplace = body.lora_name, body.load_inplace
     _check_mount(request, manager, name, body.lora_path)
     if not inplace and _is_loaded(manager, name):
@@ -203,6 +227,7 @@ async def load_lora_adapter(
 async def unload_lora_adapter(
     body: UnloadLoraAdapterRequest, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> PlainTextResponse:
-    _check_id(request_tenant(request), manager, body.lora_name)
-    await _unmount(manager, metrics, body.lora_name)
+    with _in_vllm_words():
+        _check_id(request_tenant(request), manager, body.lora_name)
+        await _unmount(manager, metrics, body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

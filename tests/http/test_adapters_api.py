@@ -129,6 +129,12 @@ def test_vllm_aliases(api: TestClient):
     missing = api.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "adapter_not_found"
+    # Refusals name vLLM's fields, as the request sent them.
+    assert missing.json()["error"]["param"] == "lora_name"
+    outside = api.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "/etc"})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "lora_path"
+    assert mount(api, "z", "/etc").json()["error"]["param"] == "path"  # the admin API's own
+    assert api.get("/v1/adapters").json()["data"] == []
 
 
 def test_vllm_load_of_a_path_with_nothing_there_is_a_404(api: TestClient):
