@@ -245,9 +245,13 @@ class AdapterManager:
                 adopt = same and not on_demand and adapter_id in self._residency.on_demand
                 if same and not adopt:
                     assert current is not None
-                    if not pin or adapter_id in self._residency.pinned:
+                    # The same files: a pin asked for is added; a replace without one unpins,
+                    # as a replace with other files does; else nothing changes.
+                    pinned = adapter_id in self._residency.pinned
+                    if pin == pinned or not (pin or replace):
                         return self._info(current), False
-                    self._residency.check(adapter_id, loaded.ram_bytes, pin=True)
+                    if pin:
+                        self._residency.check(adapter_id, loaded.ram_bytes, pin=True)
                 elif current is not None and not replace and not adopt:
                     raise AdapterConflict(
                         f"adapter '{adapter_id}' is already mounted from {current.adapter.path} "
@@ -261,7 +265,7 @@ class AdapterManager:
                         give_back_freed_memory()
                         raise
             if same and not adopt:
-                return self._pin(current, record=record), False
+                return self._pin(current, pin, replace, record=record), False
             if record and self._journal is not None:
                 self._journal.mounted(
                     adapter_id, str(directory), loaded.revision, replace or adopt, pin=pin
@@ -302,14 +306,20 @@ class AdapterManager:
         on_demand = gone is None or gone.on_demand
         self._mount(adapter_id, path, False, revision=revision, record=False, on_demand=on_demand)
 
-    def _pin(self, mounted: MountedAdapter | None, *, record: bool) -> AdapterInfo:
-        """Pin what is mounted already, recorded first as a mount is. Called holding `_admin`."""
+    def _pin(
+        self, mounted: MountedAdapter | None, pin: bool, replace: bool, *, record: bool
+    ) -> AdapterInfo:
+        """Pin or unpin what is mounted already, recorded first as a mount is. Called holding
+        `_admin`."""
         assert mounted is not None
         adapter = mounted.adapter
         if record and self._journal is not None:
-            self._journal.mounted(mounted.id, str(adapter.path), adapter.revision, False, pin=True)
+            self._journal.mounted(mounted.id, str(adapter.path), adapter.revision, replace, pin=pin)
         with self._lock:
-            self._residency.pinned.add(mounted.id)
+            if pin:
+                self._residency.pinned.add(mounted.id)
+            else:
+                self._residency.pinned.discard(mounted.id)
             return self._info(mounted)
 
     def unmount(

@@ -45,7 +45,8 @@ class MountJournal(Protocol):
         self, adapter_id: str, path: str, revision: str, replace: bool, *, pin: bool = False
     ) -> None:
         """`adapter_id` is about to be mounted from `path` (a directory) at `revision`; `pin`:
-        kept from eviction (the same revision again with `pin` is a pin added)."""
+        kept from eviction (the same revision again with `pin` is a pin added, with `replace`
+        and no `pin` a pin dropped)."""
 
     def unmounted(self, adapter_id: str) -> None:
         """`adapter_id` is about to be unmounted."""
@@ -117,13 +118,13 @@ class MountedSet:
         pin: bool = False,
         now: int | None = None,
     ) -> bool:
-        """Record the mount; False when this revision was already recorded, pinned if `pin`
-        (nothing changed)."""
+        """Record the mount; False when nothing changed. The revision recorded already: a pin
+        asked for is added, a replace without one unpins, else nothing changes."""
         current = self.records.get(adapter_id)
         if current is not None and current.revision == revision:
-            if not pin or current.pinned:
+            if pin == current.pinned or not (pin or replace):
                 return False
-            self.records[adapter_id] = dataclasses.replace(current, pinned=True)
+            self.records[adapter_id] = dataclasses.replace(current, pinned=pin)
             self.version += 1
             return True
         if current is not None and not replace:

@@ -58,7 +58,7 @@ class Residency:
 
     def check(self, adapter_id: str, ram_bytes: int, *, pin: bool) -> None:
         """Refuse an adapter that can never fit: alone over the bytes budget, or pinned where
-        the pinned ones (never evicted) would fill the budget. Changes nothing."""
+        the pinned ones (never evicted) would go past the budget. Changes nothing."""
         most = self.budget.max_bytes
         if most is not None and ram_bytes > most:
             raise AdapterOverBudget(

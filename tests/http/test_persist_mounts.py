@@ -142,6 +142,12 @@ def test_a_replace_without_pin_unpins_and_the_record_follows(make_client, root: 
     replaced = {"id": "a", "path": "a2", "replace": True}
     assert first.post("/v1/adapters", json=replaced).status_code == 201
     assert pins(first) == {"a": False}
+    # The same files: a mount asking nothing leaves the pin, a replace without one unpins.
+    assert first.post("/v1/adapters", json={**replaced, "pin": True}).status_code == 200
+    assert first.post("/v1/adapters", json={"id": "a", "path": "a2"}).status_code == 200
+    assert pins(first) == {"a": True}
+    assert first.post("/v1/adapters", json=replaced).status_code == 200
+    assert pins(first) == {"a": False}
     stop(first)
     assert pins(make_client(adapter_root=root, persist_mounts=True)) == {"a": False}
 
