@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from hotlora.config.sources import ConfigFile, Metavar, Variables
@@ -284,7 +284,8 @@ class Settings(BaseSettings):
         default=False,
         description="Mount an adapter on its first request: a request naming an id that is not "
         "mounted, whose directory of that name is under the adapter root, mounts it (requests "
-        "that ask at once share one load). Off: only admin mounts are served.",
+        "that ask at once share one load). Off: only admin mounts are served. Not with ray "
+        "(refused at start).",
     )
     adapter_dtype: Literal["auto", "float32", "float16"] = Field(
         default="auto",
@@ -308,7 +309,7 @@ class Settings(BaseSettings):
         gt=0,
         description="Memory the mounted adapters' arrays may hold together, in bytes: evicted "
         "as with max_mounted_adapters past it; an adapter larger on its own is refused (400). "
-        "Not with ray. Unset: no bound.",
+        "Not with ray (refused at start). Unset: no bound.",
     )
     # Ray Serve.
     ray: bool = Field(
@@ -369,6 +370,27 @@ class Settings(BaseSettings):
     def _non_empty_key(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
             raise ValueError("an API key must not be empty; leave it unset to disable the check")
+        return value
+
+    @field_validator("ray")
+    @classmethod
+    def _ray_keeps_no_budget_of_its_own(cls, value: bool, info: ValidationInfo) -> bool:
+        # A replica mounts the registry's adapters up to its own cap; these would be dropped.
+        if value:
+            given = [
+                flag
+                for flag, field, off in (
+                    ("--adapter-memory-bytes", "adapter_memory_bytes", None),
+                    ("--auto-mount", "auto_mount", False),
+                )
+                if info.data.get(field, off) != off
+            ]
+            if given:
+                verb = "does" if len(given) == 1 else "do"
+                raise ValueError(
+                    f"{' and '.join(given)} {verb} not apply with ray: its replicas mount the "
+                    "registry's adapters, up to --max-mounted-adapters each"
+                )
         return value
 
     @field_validator("log_level")

@@ -219,6 +219,13 @@ BAD_VALUES = [
         "--adapter: expected NAME=PATH (got no-equals-sign)",
     ),
     (
+        ["--ray", "--adapter-memory-bytes", "1000"],
+        {},
+        None,
+        "--ray: --adapter-memory-bytes does not apply with ray: its replicas mount the registry's "
+        "adapters, up to --max-mounted-adapters each",
+    ),
+    (
         ["--adapter", "a=lib1", "--adapter", "b=lib3", "--adapter", "a=lib2"],
         {},
         None,
