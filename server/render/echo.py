@@ -40,9 +40,13 @@ def _offsets(text: str, pieces: Sequence[TokenPiece]) -> tuple[int, ...]:
     does not open with (SentencePiece's space prefix) is left out; a token inside a character
     (byte fallback) starts where that character does."""
     data = text.encode()
+    # The characters wholly before each byte offset of `data`.
+    chars = [0]
+    for i, char in enumerate(text):
+        chars += [i] * (len(char.encode()) - 1) + [i + 1]
     offsets, at = [], 0
     for piece in pieces:
-        offsets.append(len(data[:at].decode(errors="ignore")))
+        offsets.append(chars[at])
         if data.startswith(piece.bytes, at):
             at += len(piece.bytes)
         elif piece.bytes.startswith(b" ") and data.startswith(piece.bytes[1:], at):
