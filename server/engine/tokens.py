@@ -4,7 +4,6 @@ streaming detokenizer."""
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -22,7 +21,7 @@ class TokenPiece:
     bytes: bytes  # exact, also for a token holding part of a UTF-8 character
 
 
-_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece
+_SPM_SPACE = "\u2581".encode()  # SentencePiece's word boundary, a space in the text
 
 
 @lru_cache(maxsize=1)
@@ -49,8 +48,11 @@ class TokenPieces:
         self.tokenizer = tokenizer
         self._cache: dict[int, TokenPiece] = {}
         detokenizer = tokenizer.detokenizer
-        self._byte_level = type(detokenizer).__name__ == "BPEStreamingDetokenizer"
-        self._sentencepiece = isinstance(detokenizer, SPMStreamingDetokenizer)
+        self._byte_level = type(detokenizer) is BPEStreamingDetokenizer
+        # mlx-lm's SentencePiece detokenizer's own map: each piece's bytes, `▁` still in them.
+        self._pieces: list[bytes] | None = (
+            detokenizer.tokenmap if isinstance(detokenizer, SPMStreamingDetokenizer) else None
+        )
 
     def __call__(self, token_id: int) -> TokenPiece:
         piece = self._cache.get(token_id)
@@ -60,12 +62,10 @@ class TokenPieces:
 
     def _piece(self, token_id: int) -> TokenPiece:
         text = self.tokenizer.decode([token_id])
-        if self._sentencepiece and token_id not in self.tokenizer.all_special_ids:
-            raw = self.tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(raw, str):  # as mlx-lm's SentencePiece detokenizer reads its pieces
-                byte = _SPM_BYTE.fullmatch(raw)
-                data = bytes([int(byte[1], 16)]) if byte else raw.replace("\u2581", " ").encode()
-                return TokenPiece(data.decode("utf-8", errors="replace"), data)
+        pieces = self._pieces
+        if pieces and token_id < len(pieces) and token_id not in self.tokenizer.all_special_ids:
+            data = pieces[token_id].replace(_SPM_SPACE, b" ")  # as the detokenizer writes it
+            return TokenPiece(data.decode("utf-8", errors="replace"), data)
         if self._byte_level and token_id not in self.tokenizer.all_special_ids:
             raw = self.tokenizer.convert_ids_to_tokens(token_id)
             decoder = _byte_decoder()
