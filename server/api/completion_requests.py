@@ -435,11 +435,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise InvalidRequest(
-                "top_logprobs requires logprobs to be true.",
-                param="top_logprobs",
-                code="invalid_value",
-            )
+            raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.continue_final_message:
             if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
                 raise InvalidRequest(

@@ -250,15 +250,10 @@ class HotloraReplica:
             startup=given.startup_adapters,
         )
         # The registry records mounts for every replica; this one keeps no record of its own.
-        # The registry keeps the replica's cap (ClusterMounts above): no budget of its own.
+        # The registry keeps the replica's cap (ClusterMounts above): no budget of its own
+        # (--adapter-memory-bytes and --auto-mount are refused with ray, by Settings).
         local = given.model_copy(
-            update={
-                "persist_mounts": False,
-                "startup_adapters": {},
-                "max_mounted_adapters": None,
-                "adapter_memory_bytes": None,
-                "auto_mount": False,
-            }
+            update={"persist_mounts": False, "startup_adapters": {}, "max_mounted_adapters": None}
         )
         failures: list[BaseException] = []
         self._app = create_app(local, on_fatal=failures.append, mount_store=self._mounts)
