@@ -55,6 +55,9 @@ class Row:
     cached: int = 0  # prompt tokens that came from the prompt cache
     head: int = 0  # its opening shared with recent prompts, to keep once done (not cached)
     prompt_logprobs: PromptLogprobs | None = None  # set once prefilled, when asked for
+    # Sampled tokens whose text the stop matcher still holds, with where their text starts and
+    # ends in the text fed to it: a token's log-probability goes out with its text.
+    held: list[tuple[SampledToken, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         params = self.job.params
@@ -100,10 +103,13 @@ class Row:
             self.detokenizer.add_token(token)
         # Stop strings are looked for from `min_tokens` on, as vLLM does.
         armed = self.generated >= params.min_tokens
+        start = self.stops.fed
         text = self.stops.feed(self.detokenizer.last_segment, armed=armed)
-        if text or sampled is not None:
-            event = Delta(text, (sampled,) if sampled else (), self.generated)
-            self.sink.event(self.position, event)
+        if sampled is not None:
+            self.held.append((sampled, start, self.stops.fed))
+        shown = self._shown_tokens()
+        if text or shown:
+            self.sink.event(self.position, Delta(text, shown, self.generated))
         ended = token in self.enders or self.stops.stopped
         if ended or (self.constraint is not None and self.constraint.done):
             self.finish("stop")
@@ -117,12 +123,29 @@ class Row:
         """Emit the text held back for stop matching, then `Finished`."""
         self.detokenizer.finalize()
         tail = self.stops.feed(self.detokenizer.last_segment) + self.stops.flush()
-        if tail and reason != "cancelled":
-            self.sink.event(self.position, Delta(tail, (), self.generated))
+        shown = self._shown_tokens()
+        if (tail or shown) and reason != "cancelled":
+            self.sink.event(self.position, Delta(tail, shown, self.generated))
         finished = Finished(
             reason, len(self.job.prompt), self.generated, self.cached, self.prompt_logprobs
         )
         self.sink.event(self.position, finished)
+
+    def _shown_tokens(self) -> tuple[SampledToken, ...]:
+        """The held tokens whose text has all gone out; once a stop sequence is reached, those
+        whose text starts before its cut (one holding the cut included), and the rest never:
+        the log-probabilities cover the answer's text and nothing past it."""
+        emitted = self.stops.emitted
+        if self.stops.stopped:
+            shown = tuple(token for token, start, _ in self.held if start < emitted)
+            self.held.clear()
+            return shown
+        done = 0
+        while done < len(self.held) and self.held[done][2] <= emitted:
+            done += 1
+        shown = tuple(token for token, _, _ in self.held[:done])
+        del self.held[:done]
+        return shown
 
 
 @dataclass(eq=False)

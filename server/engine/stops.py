@@ -15,16 +15,21 @@ class StopMatcher:
         self.include = include  # the stop sequence itself is emitted, and nothing after it
         self.pending = ""
         self.stopped = False
+        self.fed = 0  # characters fed so far
+        self.emitted = 0  # characters returned so far: the text a client has, at its length
 
     def feed(self, delta: str, *, armed: bool = True) -> str:
         """Add text; return what is now safe to emit. Sets `stopped` when a stop is reached.
         Text fed while not `armed` goes out unchecked (vLLM's `min_tokens`)."""
         if self.stopped:
             return ""
+        self.fed += len(delta)
         if not self.stops:
+            self.emitted += len(delta)
             return delta
         if not armed:
             out, self.pending = self.pending + delta, ""
+            self.emitted += len(out)
             return out
         self.pending += delta
         found = self._first_stop()
@@ -33,15 +38,18 @@ class StopMatcher:
             self.stopped = True
             end = cut + len(stop) if self.include else cut
             out, self.pending = self.pending[:end], ""
+            self.emitted += len(out)
             return out
         keep = self._held_back()
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(self.pending) - keep :]
+        self.emitted += len(out)
         return out
 
     def flush(self) -> str:
         """The end of generation: pending text can no longer become a stop sequence."""
         out, self.pending = ("" if self.stopped else self.pending), ""
+        self.emitted += len(out)
         return out
 
     def _first_stop(self) -> tuple[int, str] | None:

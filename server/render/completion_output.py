@@ -85,7 +85,9 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> answers.Compl
     return answers.CompletionLogprobs(
         tokens=[e.token.text for e in entries],
         token_logprobs=[e.logprob for e in entries],
-        top_logprobs=[{t.text: v for t, v in e.top} for e in entries],
+        # As OpenAI's legacy completions and vLLM: the sampled token, then the `logprobs` most
+        # likely (so up to logprobs + 1 entries), as an echoed prompt's tokens are.
+        top_logprobs=[{e.token.text: e.logprob, **{t.text: v for t, v in e.top}} for e in entries],
         text_offset=offsets,
     )
 

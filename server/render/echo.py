@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotlora.server.api.completion_answers import CompletionLogprobs
-from hotlora.server.engine import SampledToken
 from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.engine.tokens import TokenPiece, TokenPieces
 
@@ -91,20 +90,6 @@ def prompt_part(echo: EchoedPrompt, reported: PromptLogprobs | None) -> Completi
         tops.append({e.text: e.logprob for e in entry})
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=list(echo.offsets)
-    )
-
-
-def completion_part(entries: Sequence[SampledToken], start: int = 0) -> CompletionLogprobs:
-    """Generated tokens in the legacy shape, their offsets from `start`."""
-    offsets, at = [], start
-    for e in entries:
-        offsets.append(at)
-        at += len(e.token.text)
-    return CompletionLogprobs(
-        tokens=[e.token.text for e in entries],
-        token_logprobs=[e.logprob for e in entries],
-        top_logprobs=[{t.text: v for t, v in e.top} for e in entries],
-        text_offset=offsets,
     )
 
 

@@ -133,6 +133,28 @@ def test_stop_sequence_is_cut_and_never_leaks(client: TestClient):
     assert "".join(pieces) == full[: full.index(stop)]
 
 
+@pytest.mark.parametrize("at", [1, 3, 6])
+def test_logprobs_end_with_the_text_a_stop_sequence_cuts(client: TestClient, at: int):
+    # The tokens that make up the stop sequence (and any after it) were generated but are not
+    # in the answer: their log-probabilities are not either, streamed or not.
+    req = {"model": "tiny", "prompt": "the cat", "max_tokens": 24, "temperature": 0, "logprobs": 1}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]
+    stop = full["text"][at : at + 3]
+    cut = client.post("/v1/completions", json={**req, "stop": stop}).json()["choices"][0]
+    text, logprobs = cut["text"], cut["logprobs"]
+    assert text == full["text"][: full["text"].index(stop)]
+    tokens = logprobs["tokens"]
+    assert tokens == full["logprobs"]["tokens"][: len(tokens)]
+    assert "".join(tokens).startswith(text)
+    assert len("".join(tokens[:-1])) < len(text) if tokens else text == ""
+    assert all(offset < len(text) for offset in logprobs["text_offset"])
+    assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == len(tokens)
+    streamed = client.post("/v1/completions", json={**req, "stop": stop, "stream": True})
+    chunks = [json.loads(e)["choices"][0] for e in sse_events(streamed)[:-1]]
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == tokens
+    assert "".join(c["text"] for c in chunks) == text
+
+
 def test_n_choices_and_logprobs(client: TestClient):
     body = client.post(
         "/v1/chat/completions",
@@ -168,6 +190,23 @@ def test_completion_logprobs_and_token_prompt(client: TestClient):
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == body["usage"]["completion_tokens"]
     assert body["usage"]["prompt_tokens"] == 3
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client: TestClient):
+    # OpenAI's legacy shape: "up to logprobs + 1" entries, the sampled token always among them,
+    # where sampling picked one outside the most likely `logprobs`.
+    body = client.post(
+        "/v1/completions",
+        json={"model": "tiny", "prompt": "the cat", "max_tokens": 12, "logprobs": 1}
+        | {"temperature": 2.0, "seed": 4},
+    ).json()
+    lp = body["choices"][0]["logprobs"]
+    tops = lp["top_logprobs"]
+    assert len(tops) == len(lp["tokens"]) == 12
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], tops, strict=True):
+        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2
+        assert all(value >= logprob - 1e-6 for value in top.values())  # the other: likelier
+    assert any(len(top) == 2 for top in tops)  # some sampled token was not the most likely
 
 
 def test_a_repeated_prompt_reuses_the_prompt_cache(client: TestClient):
