@@ -108,6 +108,9 @@ class FunctionCall(ClosedObject):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
+    # The openai SDK's `parse` and `stream` helpers add the arguments they parsed.
+    tolerated = frozenset({"parsed_arguments"})
+
 
 class ToolCall(ClosedObject):
     id: str
@@ -143,12 +146,23 @@ class ChatMessage(ClosedObject):
         default=None, description="OpenAI's deprecated single call: refused, send tool_calls."
     )
 
-    # What the openai SDKs and LangChain send back when they replay an assistant answer: its
-    # refusal, annotations, audio reference and (vLLM's, this server's) reasoning. Chat
+    # What the openai SDKs, LangChain and LiteLLM send back when they replay an assistant
+    # answer: its refusal, annotations, audio reference, (vLLM's, this server's) reasoning, the
+    # SDK's `parse` helpers' parsed content, LiteLLM's own fields and thinking blocks. Chat
     # templates do not show them, and drop an earlier turn's thinking. And the prompt-caching
     # mark of text parts, which LiteLLM also puts on messages.
     tolerated = frozenset(
-        {"refusal", "annotations", "audio", "reasoning_content", "reasoning", "cache_control"}
+        {
+            "refusal",
+            "annotations",
+            "audio",
+            "reasoning_content",
+            "reasoning",
+            "parsed",
+            "provider_specific_fields",
+            "thinking_blocks",
+            "cache_control",
+        }
     )
 
     @field_validator("function_call", mode="before")

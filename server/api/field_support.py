@@ -107,7 +107,7 @@ REFUSED: dict[str, Refused] = {
     "image_data": _NO_MULTIMODAL,
     # OpenAI's, for what this server cannot do.
     "functions": Refused("send tools", _EMPTY),
-    "function_call": Refused("send tool_choice"),
+    "function_call": Refused("send tool_choice", (None, "none")),
     "audio": Refused("audio output is not supported"),
     "modalities": Refused("the answer is text", (None, ["text"])),
     "prediction": Refused("predicted outputs are not implemented"),
@@ -215,7 +215,9 @@ RESPONSES_REFUSED: dict[str, Refused] = {
     **REFUSED,
     "include": Refused("no extra output (encrypted reasoning, logprobs) is added", _EMPTY),
     "max_tool_calls": Refused("there are no built-in tools whose calls it would bound"),
-    "reasoning": Refused("send the reasoning effort as a chat completion's reasoning_effort"),
+    "reasoning": Refused(
+        "send the reasoning effort as a chat completion's reasoning_effort", (None, {})
+    ),
     "stream_options": Refused(
         "stream obfuscation padding is not implemented",
         (*_EMPTY, {"include_obfuscation": False}),
@@ -242,9 +244,13 @@ def declared_names(model: type[BaseModel]) -> set[str]:
 
 
 def _same(value: Any, neutral: Any) -> bool:
-    """Equal as JSON values: 1 and 1.0 alike, but never true and 1."""
+    """Equal as JSON values: 1 and 1.0 alike, but never true and 1; an object's null members
+    are left out (`{"effort": null}` asks for what `{}` does)."""
     if isinstance(value, bool) or isinstance(neutral, bool):
         return value is neutral
+    if isinstance(value, dict) and isinstance(neutral, dict):
+        value = {k: v for k, v in value.items() if v is not None}
+        return value.keys() == neutral.keys() and all(_same(value[k], neutral[k]) for k in value)
     if isinstance(value, int | float) and isinstance(neutral, int | float):
         return value == neutral
     return type(value) is type(neutral) and value == neutral

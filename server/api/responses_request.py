@@ -55,6 +55,9 @@ class InputMessage(ClosedObject):
     id: str | None = Field(default=None, description="An earlier answer's id; not read.")
     status: str | None = Field(default=None, description="An earlier answer's status; not read.")
 
+    # An earlier answer's phase (commentary or final answer), which OpenAI asks to send back.
+    tolerated = frozenset({"phase"})
+
     # A string arrives as one `input_text` part.
     @field_validator("content", mode="before", json_schema_input_type=str | list[InputText])
     @classmethod
@@ -78,6 +81,10 @@ class FunctionCallItem(ClosedObject):
     arguments: str  # JSON text, as OpenAI sends it
     status: str | None = None
 
+    # What an earlier answer's item holds in the SDKs' types (its caller, the tool's namespace,
+    # whether it ran asynchronously), sent back as dumped: not read.
+    tolerated = frozenset({"caller", "namespace", "async"})
+
 
 class FunctionCallOutputItem(ClosedObject):
     """The result of a tool call, for the model to read."""
@@ -87,6 +94,8 @@ class FunctionCallOutputItem(ClosedObject):
     call_id: str
     output: str | list[InputText]
     status: str | None = None
+
+    tolerated = frozenset({"caller", "namespace"})  # as on function_call items
 
     def text(self) -> str:
         if isinstance(self.output, str):

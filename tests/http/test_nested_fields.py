@@ -251,18 +251,30 @@ def test_neutral_values_pass_on_every_route(tiny: TestClient):
             "/v1/chat/completions",
             _with(CHAT, stream=True, stream_options={"include_obfuscation": False}),
         ),
+        # An object whose members are all null asks for what an empty one does.
+        ("/v1/responses", _with(RESPONSES, reasoning={})),
+        ("/v1/responses", _with(RESPONSES, reasoning={"effort": None, "summary": None})),
+        ("/v1/responses", _with(RESPONSES, stream_options={"include_obfuscation": None})),
+        ("/v1/chat/completions", _with(CHAT, function_call="none")),
     ]
     for path, body in sent:
         response = tiny.post(path, json=body)
         assert response.status_code == 200, (path, response.text)
+    for path, body, param in [
+        ("/v1/responses", _with(RESPONSES, reasoning={"effort": "high"}), "reasoning"),
+        ("/v1/chat/completions", _with(CHAT, function_call="auto"), "function_call"),
+    ]:
+        response = tiny.post(path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
 def test_an_assistant_turn_replayed_by_an_sdk_is_accepted_and_logged_once(
     tiny: TestClient, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ):
     """The openai SDKs send back an answer's message as they parsed it (with `refusal`,
-    `annotations`, `audio` and this server's `reasoning_content`), and LangChain gathers a
-    streamed tool call with its delta `index`."""
+    `annotations`, `audio`, this server's `reasoning_content`, and the `parse` helpers'
+    `parsed` and `parsed_arguments`), LiteLLM with its `provider_specific_fields`, and LangChain
+    gathers a streamed tool call with its delta `index`."""
     replayed = {
         "role": "assistant",
         "content": "a b",
@@ -271,7 +283,12 @@ def test_an_assistant_turn_replayed_by_an_sdk_is_accepted_and_logged_once(
         "audio": None,
         "function_call": None,
         "reasoning_content": "thought about it",
-        "tool_calls": [{**CALL, "index": 0}],
+        "parsed": None,
+        "provider_specific_fields": {"refusal": None},
+        "thinking_blocks": None,
+        "tool_calls": [
+            {**CALL, "index": 0, "function": {**CALL["function"], "parsed_arguments": {"x": 1}}}
+        ],
     }
     messages = [USER, replayed, {"role": "tool", "tool_call_id": "c1", "content": "1"}, USER]
     monkeypatch.setattr(wire_base, "_noted", set())  # as in a fresh process
@@ -281,9 +298,12 @@ def test_an_assistant_turn_replayed_by_an_sdk_is_accepted_and_logged_once(
             assert response.status_code == 200, response.text
     noted = [r.getMessage() for r in caplog.records if "accepted with no effect" in r.getMessage()]
     # Once for each key that held a value; keys sent empty (`refusal: null`) ask for nothing.
+    said = " is accepted with no effect (logged once per key)"
     assert sorted(noted) == [
-        "ChatMessage key 'reasoning_content' is accepted with no effect (logged once per key)",
-        "ToolCall key 'index' is accepted with no effect (logged once per key)",
+        f"ChatMessage key 'provider_specific_fields'{said}",
+        f"ChatMessage key 'reasoning_content'{said}",
+        f"FunctionCall key 'parsed_arguments'{said}",
+        f"ToolCall key 'index'{said}",
     ]
     # The text parts' prompt-caching mark some clients add is accepted too.
     mark = {"type": "ephemeral"}
@@ -298,15 +318,30 @@ def test_an_assistant_turn_replayed_by_an_sdk_is_accepted_and_logged_once(
 
 def test_a_responses_output_replayed_is_accepted(tiny: TestClient):
     """openai-agents sends an earlier output message back with its id, status, and its text
-    part's annotations and logprobs."""
+    part's annotations and logprobs; an output dumped with the SDK's `model_dump()` holds every
+    key its types declare (a message's `phase`, a call's `caller`, `namespace` and `async`)."""
     earlier = {
         "type": "message",
         "id": "msg_1",
         "status": "completed",
+        "phase": "final_answer",
         "role": "assistant",
         "content": [{"type": "output_text", "text": "a b", "annotations": [], "logprobs": []}],
     }
     body = _with(RESPONSES, input=[USER, earlier, USER])
+    response = tiny.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    call = {
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "f",
+        "arguments": "{}",
+        "caller": None,
+        "namespace": None,
+        "async": False,
+    }
+    output = {"type": "function_call_output", "call_id": "c1", "output": "1", "caller": None}
+    body = _with(RESPONSES, input=[USER, call, output])
     response = tiny.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
 
