@@ -268,7 +268,7 @@ class InferenceService:
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
         if self.tool_format is None:
             return GenericToolCalls(GENERIC, tools, use=use, parallel=request.parallel_tool_calls)
-        return ToolCalls(self.tool_format, tools, parallel=request.parallel_tool_calls)
+        return ToolCalls(self.tool_format, tools, parallel=request.parallel_tool_calls, use=use)
 
     def _is_control(self, text: str) -> bool:
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -47,8 +47,6 @@ def _parse(body: str, tools: Any) -> Any:
 class GenericToolCalls(ToolCalls):
     """One request's tools in the generic format: what the answer may be, and how it is read."""
 
-    use: str = "auto"  # 'auto', 'required', or the name of the function it must call
-
     def answer_schema(self) -> dict[str, Any]:
         """The JSON schema of an answer that calls tools: one or more calls (one when not
         `parallel`), to the named function when `use` names one."""
@@ -66,11 +64,6 @@ class GenericToolCalls(ToolCalls):
             "required": [CALLS_KEY],
             "additionalProperties": False,
         }
-
-    @property
-    def text_allowed(self) -> bool:
-        """The answer may be text instead of calls."""
-        return self.use == "auto"
 
 
 @dataclass

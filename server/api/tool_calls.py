@@ -94,6 +94,12 @@ class ToolCalls:
     format: ToolFormat
     tools: list[dict[str, Any]]  # as the chat template and the parser see them
     parallel: bool = True  # several calls in one answer (`parallel_tool_calls`)
+    use: str = "auto"  # 'auto', 'required', or the name of the function it must call
+
+    @property
+    def text_allowed(self) -> bool:
+        """The answer may be text instead of calls (`tool_choice` 'auto')."""
+        return self.use == "auto"
 
     def split(self, text: str) -> tuple[str, list[OutputToolCall]]:
         """A whole answer as (its text outside tool calls, the calls in order)."""

@@ -254,12 +254,11 @@ async def chat_stream(
             if prepared.reasoning is not None:
                 thinking[index] = prepared.reasoning.stream()
             # The role chunk (and an echoed message) come before the choice's first token:
-            # their usage counts none.
-            yield chunk(
-                answers.ChatChunkChoice(
-                    index=index, delta=answers.ChatDelta(role="assistant", content="")
-                )
-            )
+            # their usage counts none. Its content is null where the answer is tool calls (a
+            # `tool_choice` that requires one), as OpenAI's.
+            calls_only = prepared.tool_calls is not None and not prepared.tool_calls.text_allowed
+            role = answers.ChatDelta(role="assistant", content=None if calls_only else "")
+            yield chunk(answers.ChatChunkChoice(index=index, delta=role))
             if prepared.echo_chat:
                 delta = answers.ChatDelta(content=prepared.echo_chat)
                 yield chunk(answers.ChatChunkChoice(index=index, delta=delta))

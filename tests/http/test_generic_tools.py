@@ -125,6 +125,21 @@ def test_a_required_call_streams_as_deltas(client, choice):
     ]
 
 
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_the_sdks_stream_helper_gathers_a_required_call_as_unstreamed(client, choice):
+    # An answer that must call a tool opens with no empty content, so the message the SDK
+    # gathers from the stream has content null, as the unstreamed answer's.
+    fields = {"tool_choice": choice, "temperature": 1, "seed": 3}
+    kwargs = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 120, **fields}
+    with sdk(client).chat.completions.stream(**kwargs) as stream:
+        gathered = stream.get_final_completion().choices[0].message
+    whole = create(client, **fields).choices[0].message
+    assert gathered.content is None and whole.content is None
+    assert [c.function.name for c in gathered.tool_calls] == [
+        c.function.name for c in whole.tool_calls
+    ]
+
+
 PARALLEL = (
     '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
     '{"name": "get_time", "arguments": {"zone": "CET"}}]}'
