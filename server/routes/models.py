@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from hotlora.config.errors import ModelNotFound
+from hotlora.adapters import parse_selection
+from hotlora.config.errors import HotloraError, ModelNotFound
 from hotlora.server.api.admin_models import ModelCard, ModelList
 from hotlora.server.deps import RuntimeDep
 from hotlora.server.http.auth import InferenceRoute
@@ -25,12 +26,39 @@ async def list_models(request: Request, runtime: RuntimeDep) -> ModelList:
 
 @router.get(paths.MODELS + "/{model_id:path}")
 async def get_model(model_id: str, request: Request, runtime: RuntimeDep) -> ModelCard:
+    """A card of the list, or of a selection `model` may name (`<base-id>:sft+dpo`, as an
+    answer's `model` echoes it) when its adapters are mounted and in the key's scope."""
     runtime.require_inference()
     cards = _visible(request, runtime)
     for card in cards:
         if card.id == model_id:
             return card
-    raise ModelNotFound(model_id, [card.id for card in cards])
+    selection = _selection_card(model_id, runtime.model_cards())
+    if selection is None:
+        raise ModelNotFound(model_id, [card.id for card in cards])
+    return selection
+
+
+def _selection_card(model_id: str, cards: list[ModelCard]) -> ModelCard | None:
+    """The card of the adapter selection `model_id` names; None when it names none that can
+    be served now."""
+    base, adapters = cards[0], {card.id: card for card in cards[1:]}
+    try:
+        refs = parse_selection(base.id, model_id, (), adapters)
+    except HotloraError:
+        return None
+    if not refs:  # `<base-id>:none`: the base alone
+        return base.model_copy(update={"id": model_id})
+    if any(ref.id not in adapters for ref in refs):
+        return None
+    return base.model_copy(
+        update={
+            "id": model_id,
+            "created": max(adapters[ref.id].created for ref in refs),
+            "root": None,
+            "parent": base.id,
+        }
+    )
 
 
 def _visible(request: Request, runtime: Runtime) -> list[ModelCard]:

@@ -87,6 +87,13 @@ def test_adapter_selection_changes_output_and_the_base_stays(api: TestClient):
     assert stacked.json()["model"] == "tiny:a+b"
     assert api.post("/v1/chat/completions", json={**CHAT, "model": "a"}).json()["model"] == "a"
     assert text(api) == base
+    # The model an answer names can be looked up, as any model it may name.
+    card = api.get("/v1/models/tiny:a+b").json()
+    assert (card["id"], card["parent"], card["object"]) == ("tiny:a+b", "tiny", "model")
+    assert card["max_model_len"] == api.get("/v1/models/tiny").json()["max_model_len"]
+    for unknown in ("tiny:a+c", "tiny:a@x", "a+b", "other:a"):
+        missing = api.get(f"/v1/models/{unknown}")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_stream_with_adapter_equals_whole(api: TestClient):

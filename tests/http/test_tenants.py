@@ -235,6 +235,9 @@ def test_models_lists_what_the_key_may_use(tenants: TestClient, who: str, listed
     for model in ("tiny", "acme-a", "globex-a"):
         one = tenants.get(f"/v1/models/{model}", headers=auth(who))
         assert one.status_code == (200 if model in listed else 404), (model, one.text)
+    for adapter in ("acme-a", "globex-a"):  # as `model` names a selection: in the scope only
+        one = tenants.get(f"/v1/models/tiny:{adapter}", headers=auth(who))
+        assert one.status_code == (200 if adapter in listed else 404), (adapter, one.text)
 
 
 def test_auto_mount_never_mounts_outside_the_scope(tenants: TestClient):
