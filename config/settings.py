@@ -217,8 +217,8 @@ class Settings(BaseSettings):
         default=32,
         ge=0,
         description="Connections one client address may hold without a whole request sent "
-        "(connected, idle between requests, or sending one); its newest takes the place of its "
-        "oldest. 0: no cap, e.g. behind a reverse proxy with a larger keep-alive pool.",
+        "within a second (connected, idle between requests, or sending one); its oldest make "
+        "way. 0: no cap, e.g. behind a reverse proxy with a larger keep-alive pool.",
     )
     keep_alive_timeout: int = Field(
         default=5,

@@ -3,14 +3,19 @@ sent a whole request, so that clients holding half-sent requests cannot lock oth
 
 Before a request's headers are in, nothing says whose it is: no key, no tenant. What is fair
 then is by arrival: one address keeps at most `per_peer` connections that have not sent a whole
-request (its oldest makes way for its newest; `--max-unfinished-per-address`, 0: no cap), and at
-`--max-connections` the oldest such connection of any address makes way. A connection whose
-request is in and being answered is never closed for another; when every connection is such,
-the newcomer is closed.
+request for `SETTLE_S` (its oldest make way; `--max-unfinished-per-address`, 0: no cap), and at
+`--max-connections` the oldest such connection of any address makes way (one that has had its
+`SETTLE_S` first). A connection whose request is in and being answered is never closed for
+another; when every connection is such, the newcomer is closed.
+
+`SETTLE_S` is what tells a burst from a flood: a hundred clients that connect at once and send
+their requests at once are taken in one loop iteration, before any of their requests is read,
+and look alike until then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -21,6 +26,9 @@ from typing import Protocol
 log = logging.getLogger("hotlora")
 
 UNFINISHED_PER_PEER = 32  # the default of connections one address may hold without a request
+# How long a connection has to send its request (from its arrival, or from its last answer)
+# before the per-address cap counts it.
+SETTLE_S = 1.0
 LOG_EVERY_S = 10.0  # one line at most this often, however many connections make way
 
 # The order connections begin to wait on their clients. Not the event loop's clock: uvloop's
@@ -54,6 +62,11 @@ class Holder(Protocol):
         request is in and being answered."""
         ...
 
+    @property
+    def settled(self) -> bool:
+        """It began to wait for its request `SETTLE_S` ago or more."""
+        ...
+
     def make_way(self) -> None:
         """Close it for a newcomer (a request whose headers are in gets a 408)."""
         ...
@@ -69,14 +82,10 @@ def make_room(
     unfinished = sorted(
         (since, i) for i, c in enumerate(others) if (since := c.unfinished_since) is not None
     )
-    gone: set[int] = set()
-    if new.peer is not None and per_peer > 0:
-        mine = [i for _, i in unfinished if others[i].peer == new.peer]
-        for i in mine[: max(0, len(mine) - per_peer + 1)]:
-            gone.add(i)
-            _record.made_way(others[i], "per_peer")
+    gone = set(_beyond_the_cap(new.peer, others, unfinished, per_peer - 1))
     if len(others) - len(gone) >= limit:
-        oldest = next((i for _, i in unfinished if i not in gone), None)
+        left = [i for _, i in unfinished if i not in gone]
+        oldest = next((i for i in left if others[i].settled), left[0] if left else None)
         if oldest is None:
             _record.refused()
             return False
@@ -87,12 +96,40 @@ def make_room(
     return True
 
 
+def keep_to_the_cap(new: Holder, connections: Collection[Holder], per_peer: int) -> None:
+    """`SETTLE_S` after `new` arrived: close its address's settled unfinished connections beyond
+    `per_peer`, oldest first (it may be one of them); nothing when there is no cap (0)."""
+    if per_peer <= 0:
+        return
+    others = [c for c in connections if c.open]
+    unfinished = sorted(
+        (since, i) for i, c in enumerate(others) if (since := c.unfinished_since) is not None
+    )
+    for i in _beyond_the_cap(new.peer, others, unfinished, per_peer):
+        others[i].make_way()
+
+
+def _beyond_the_cap(
+    peer: str | None, others: list[Holder], unfinished: list[tuple[int, int]], keep: int
+) -> list[int]:
+    """Which of `peer`'s settled unfinished connections (indexes into `others`, `unfinished`
+    oldest first) make way for it to keep `keep` of them; none when there is no cap."""
+    if peer is None or keep < 0:
+        return []
+    mine = [i for _, i in unfinished if others[i].peer == peer and others[i].settled]
+    gone = mine[: max(0, len(mine) - keep)]
+    for i in gone:
+        _record.made_way(others[i], "per_peer")
+    return gone
+
+
 class _Record:
     """Counts connections closed to make room and newcomers refused; says so at once, then in
     one line at most every `LOG_EVERY_S` (what happened since the last line)."""
 
     def __init__(self) -> None:
         self._reset(time.monotonic() - LOG_EVERY_S)
+        self._later: asyncio.TimerHandle | None = None  # the line owed, once its time comes
 
     def _reset(self, now: float) -> None:
         self.reasons: Counter[str] = Counter()
@@ -112,6 +149,7 @@ class _Record:
     def _flush(self) -> None:
         now = time.monotonic()
         if now - self.logged < LOG_EVERY_S:
+            self._flush_later(self.logged + LOG_EVERY_S - now)
             return
         if self.reasons:
             peer, most = self.peers.most_common(1)[0]
@@ -133,6 +171,21 @@ class _Record:
                 self.refusals,
             )
         self._reset(now)
+
+    def _flush_later(self, delay: float) -> None:
+        """What happened since the last line is said once its time comes, whether or not
+        anything more happens by then."""
+        if self._later is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on the server's loop (a check of the rule alone)
+        self._later = loop.call_later(delay, self._flush_owed)
+
+    def _flush_owed(self) -> None:
+        self._later = None
+        self._flush()
 
 
 _record = _Record()

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -28,7 +29,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from hotlora.server.http.connections import UNFINISHED_PER_PEER, make_room, waiting_order
+from hotlora.server.http import connections
+from hotlora.server.http.connections import (
+    UNFINISHED_PER_PEER,
+    keep_to_the_cap,
+    make_room,
+    waiting_order,
+)
 from hotlora.server.http.error_responses import error_response
 from hotlora.server.http.request_errors import RequestTimeout
 from hotlora.server.runtime import Runtime
@@ -112,25 +119,39 @@ class BoundedH11Protocol(H11Protocol):
         else:
             self.timeouts, self.max_connections = ClientTimeouts(), config.limit_concurrency
         self._since = 0  # when (`waiting_order()`) it last began to wait for a request
+        self._since_s = 0.0  # and when that was, in `time.monotonic()` seconds
+        self._settling: asyncio.TimerHandle | None = None  # the cap's look, SETTLE_S on
         self._reading: asyncio.TimerHandle | None = None  # the request timeout, while one arrives
         self._writing: asyncio.TimerHandle | None = None  # the send timeout, while writes wait
         self._unsent = 0  # bytes waiting in the transport when the send timer was last set
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._since = waiting_order()
+        self._began_waiting()
         limit = self.max_connections
         room = len(self.connections) if limit is None else limit
         if not make_room(self, self.connections, room, self.per_peer):
             transport.close()
             return
+        if self.per_peer > 0:
+            # Its address's connections that arrived with it are counted once they had time
+            # to send their requests.
+            self._settling = self.loop.call_later(connections.SETTLE_S, self._keep_to_the_cap)
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
 
     def on_response_complete(self) -> None:
-        self._since = waiting_order()
+        self._began_waiting()
         super().on_response_complete()
+
+    def _began_waiting(self) -> None:
+        self._since, self._since_s = waiting_order(), time.monotonic()
+
+    def _keep_to_the_cap(self) -> None:
+        self._settling = None
+        if not self.transport.is_closing():
+            keep_to_the_cap(self, self.connections, self.per_peer)
 
     # Room at the limit: what `make_room` reads and calls.
 
@@ -152,6 +173,10 @@ class BoundedH11Protocol(H11Protocol):
             return self._since
         return None
 
+    @property
+    def settled(self) -> bool:
+        return time.monotonic() - self._since_s >= connections.SETTLE_S
+
     def make_way(self) -> None:
         self._close_unfinished(
             "The connection was closed for a newer one: the server is at its connection limit "
@@ -159,6 +184,9 @@ class BoundedH11Protocol(H11Protocol):
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._settling is not None:
+            self._settling.cancel()
+            self._settling = None
         self._stop_reading_timer()
         self._stop_writing_timer()
         super().connection_lost(exc)

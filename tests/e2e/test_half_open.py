@@ -4,6 +4,7 @@ connection is answered at once however many sit half-sent."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
@@ -48,6 +49,27 @@ def timed(call: object) -> tuple[float, httpx.Response]:
     began = time.monotonic()
     response = call()
     return time.monotonic() - began, response
+
+
+def test_a_burst_of_whole_requests_from_one_address_is_answered(server: ServerProcess):
+    """Three times the per-address cap of clients connect at once, each sending its request at
+    once: all are taken in before any request is read, and every one is answered."""
+    chat = {
+        "model": server.model_id,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 1,
+    }
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=0)
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client:
+            sent = [client.get("/health") for _ in range(2 * UNFINISHED_PER_PEER)]
+            sent += [
+                client.post("/v1/chat/completions", json=chat) for _ in range(UNFINISHED_PER_PEER)
+            ]
+            return [r.status_code for r in await asyncio.gather(*sent)]
+
+    assert asyncio.run(burst()) == [200] * (3 * UNFINISHED_PER_PEER)
 
 
 def test_whole_requests_from_new_connections_are_answered_beside_300_half_sent(

@@ -23,6 +23,7 @@ class Conn:
     peer: str | None
     unfinished_since: int | None  # None: answering a request
     open: bool = True
+    settled: bool = True  # it had SETTLE_S to send its request
 
     def make_way(self) -> None:
         assert self.open, "closed twice"
@@ -93,6 +94,47 @@ def test_the_log_says_it_at_once_then_at_most_every_few_seconds(
     assert len(caplog.records) == 1
 
 
+def test_connections_of_a_burst_are_counted_once_settled():
+    """A hundred clients that connect at once are taken in before any request is read: the
+    address's cap waits until they had time to send them, the connection limit prefers
+    closing one that had."""
+    burst = [Conn("10.0.0.1", i, settled=False) for i in range(2 * UNFINISHED_PER_PEER)]
+    new = Conn("10.0.0.1", 100, settled=False)
+    assert make_room(new, [*burst, new], limit=1000)
+    assert all(c.open for c in burst)
+    idle = Conn("10.0.0.2", 50)  # a younger connection, but one that had its time
+    assert make_room(new, [*burst, idle, new], limit=len(burst) + 1)
+    assert not idle.open and all(c.open for c in burst)
+    fresh = [Conn("10.0.0.3", i, settled=False) for i in range(3)]
+    assert make_room(new, [*fresh, new], limit=3)  # none settled: the oldest, as ever
+    assert [c.open for c in fresh] == [False, True, True]
+    for conn in burst:
+        conn.settled = True
+    connections.keep_to_the_cap(new, [*burst, new], UNFINISHED_PER_PEER)
+    expected = [False] * UNFINISHED_PER_PEER + [True] * UNFINISHED_PER_PEER
+    assert [c.open for c in burst] == expected
+    connections.keep_to_the_cap(new, burst, 0)  # no cap
+    assert [c.open for c in burst] == expected
+
+
+def test_a_line_owed_is_said_when_its_time_comes(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(connections, "LOG_EVERY_S", 0.2)
+
+    async def two_closed_at_once() -> None:
+        for i in range(2):
+            held = [Conn("10.0.0.1", i)]
+            new = Conn("10.0.0.2", 100)
+            assert make_room(new, [*held, new], limit=1)
+        await asyncio.sleep(0.4)  # nothing more happens
+
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        asyncio.run(two_closed_at_once())
+    said = [r.getMessage() for r in caplog.records]
+    assert [line.split(" that")[0] for line in said] == ["closed 1 connections"] * 2
+
+
 @pytest.mark.parametrize("per_peer", [4, 0])
 def test_the_per_address_cap_is_set_or_off(per_peer: int):
     """`--max-unfinished-per-address`: a proxy's keep-alive pool shares one address; 0 lets it
@@ -107,10 +149,13 @@ def test_the_per_address_cap_is_set_or_off(per_peer: int):
         assert [c.open for c in pool] == [False] + [True] * 39
 
 
-def test_connections_taken_in_one_loop_iteration_make_way_oldest_first():
+def test_connections_taken_in_one_loop_iteration_make_way_oldest_first(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """uvloop reads its clock once a loop iteration: connections accepted together must still
     be told apart by their arrival, so that the oldest make way and never the newest."""
     uvloop = pytest.importorskip("uvloop")
+    monkeypatch.setattr(connections, "SETTLE_S", 0.1)
     per_peer, count = 4, 24
     config = ServerConfig(
         _no_app, timeouts=ClientTimeouts(), max_connections=1000, unfinished_per_peer=per_peer
@@ -129,7 +174,7 @@ def test_connections_taken_in_one_loop_iteration_make_way_oldest_first():
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
         for client in clients:
             client.sendall(b"GET / HTTP/1.1\r\nHo")
-        loop.run_until_complete(asyncio.sleep(0.2))
+        loop.run_until_complete(asyncio.sleep(0.5))  # settled, and the cap kept
         orders = sorted(c.unfinished_since for c in state.connections)
         assert len(set(orders)) == len(orders) == per_peer  # the others closed
         expected = [True] * (count - per_peer) + [False] * per_peer
