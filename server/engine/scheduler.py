@@ -6,11 +6,12 @@ One loop in the spirit of vLLM's scheduler, on MLX-native batch state (mlx-lm's
 1. Admit waiting rows while the batch has room (`max_batch`) and the KV cache budget covers
    every admitted row's prompt plus its `max_tokens`: each tenant's rows first come first
    served, the tenants' queues by weighted fair share (`FairQueue`).
-2. Prefill: spend at most what `prefill_chunk` prompt tokens cost on an empty cache, oldest
-   group first (`PrefillCost`: deeper in a long prompt, attention makes each token dearer and
-   a step takes fewer). A group is one prompt with its adapter set: the `n` choices of a
-   request share it. A long prompt takes several steps, so running streams never wait for
-   more than one chunk's cost.
+2. Prefill: spend at most what `prefill_chunk` prompt tokens cost on an empty cache
+   (`PrefillCost`: deeper in a long prompt, attention makes each token dearer and a step takes
+   fewer), first on the groups whose whole rest fits in half of it, then oldest group first.
+   A group is one prompt with its adapter set: the `n` choices of a request share it. A long
+   prompt takes several steps, so running streams never wait for more than one chunk's cost,
+   and a short prompt behind long ones never for theirs.
 3. Decode: one batched model call for every running row, each row with its own adapter set,
    sampler, PRNG key, stops and `max_tokens`. Finished, stopped and cancelled rows leave at
    once; prefilled groups join before the next call. The next step is launched from this
@@ -259,11 +260,11 @@ class Scheduler:
     # Prefill.
 
     def _prefill(self) -> None:
-        """Spend up to one step's prefill budget, oldest group first, in one model call."""
+        """Spend up to one step's prefill budget in one model call (`_prefill_order`)."""
         work: list[tuple[Group, list[int], int]] = []  # (group, chunk, its first position)
         sizes: list[tuple[int, int]] = []  # (tokens, context) of each chunk in the call
         cost = self.prefill if self.running else self.prefill_alone
-        for group in self.prefilling:
+        for group in self._prefill_order(cost):
             if sizes and cost.call_cost(sizes) + 1 > cost.budget:
                 break  # not one token more fits: the next groups wait for the next step
             if not group.started and self._waits_for_opening(group):
@@ -295,6 +296,22 @@ class Scheduler:
             if not group.pending and group in self.prefilling:
                 self.prefilling.remove(group)
                 self._join(group)
+
+    def _prefill_order(self, cost: PrefillCost) -> list[Group]:
+        """The prefilling groups in the order a step serves them: first, oldest first, those
+        whose whole rest fits in half the step's budget together (a short prompt behind long
+        ones is prefilled in one step, and its first token does not wait for theirs); then
+        the others, oldest first, which the other half at least goes to."""
+        quick: list[Group] = []
+        sizes: list[tuple[int, int]] = []
+        for group in self.prefilling:
+            # Not started: its whole prompt, as if nothing of it were cached.
+            rest = len(group.pending) if group.started else len(group.prompt) - 1
+            size = (rest, group.context if group.started else 0)
+            if cost.call_cost([*sizes, size]) <= cost.budget / 2:
+                quick.append(group)
+                sizes.append(size)
+        return [*quick, *(group for group in self.prefilling if group not in quick)]
 
     def _prefill_together(self, work: list[tuple[Group, list[int], int]]) -> None:
         """One batched call for several groups' chunks: right-padded, each with its adapters."""

@@ -143,6 +143,37 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(s
     assert waiting.text() == whole.text()
 
 
+def test_a_short_prompt_behind_long_ones_gets_its_first_token_before_theirs(setup):
+    """The groups whose whole rest fits in half a step's budget are prefilled first: a short
+    prompt that arrives behind two long ones joins the batch at once, and the long ones go on
+    with the rest of each step."""
+    engine, _ = setup
+    longs = [[4 + (i * 7 + k) % 120 for i in range(200)] for k in range(2)]
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=32, prefill_context_unit=1 << 30)
+    endless = tuple((eos, -100.0) for eos in engine.tokenizer.eos_token_ids)
+    running, short = Recorder(), Recorder()
+    long_sinks = [Recorder(), Recorder()]
+    scheduler.add([job(PROMPTS[0], max_tokens=200, logit_bias=endless)], running)
+    scheduler.step()
+    for prompt, sink in zip(longs, long_sinks, strict=True):
+        scheduler.add([job(prompt, max_tokens=4)], sink)
+    scheduler.step()
+    quick = job(PROMPTS[1], max_tokens=4)
+    scheduler.add([quick], short)
+    before = len(scheduler.prefilling[0].pending)
+    scheduler.step()
+    [row] = [row for row in scheduler.running if row.job is quick]  # prefilled, and decoding
+    assert row.generated == 1
+    assert 0 < len(scheduler.prefilling[0].pending) < before  # the oldest went on beside it
+    assert len(scheduler.prefilling) == 2
+    while not scheduler.idle:
+        if all(sink.finished() for sink in [short, *long_sinks]):
+            break
+        scheduler.step()
+    for prompt, sink in [(PROMPTS[1], short), *zip(longs, long_sinks, strict=True)]:
+        assert sink.text() == solo(engine, [job(prompt, max_tokens=4)]).text()
+
+
 class CallLog:
     """The scheduler's model, as it is, noting each call: (decode or prefill, tokens, context)."""
 
