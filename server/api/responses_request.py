@@ -82,8 +82,9 @@ class FunctionCallItem(ClosedObject):
     status: str | None = None
 
     # What an earlier answer's item holds in the SDKs' types (its caller, the tool's namespace,
-    # whether it ran asynchronously), sent back as dumped: not read.
-    tolerated = frozenset({"caller", "namespace", "async"})
+    # whether it ran asynchronously: `async_` as the Python SDK's `model_dump()` names it), sent
+    # back as dumped: not read.
+    tolerated = frozenset({"caller", "namespace", "async", "async_"})
 
 
 class FunctionCallOutputItem(ClosedObject):

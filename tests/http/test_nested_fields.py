@@ -341,9 +341,11 @@ def test_a_responses_output_replayed_is_accepted(tiny: TestClient):
         "async": False,
     }
     output = {"type": "function_call_output", "call_id": "c1", "output": "1", "caller": None}
-    body = _with(RESPONSES, input=[USER, call, output])
-    response = tiny.post("/v1/responses", json=body)
-    assert response.status_code == 200, response.text
+    dumped = {("async_" if key == "async" else key): value for key, value in call.items()}
+    for sent in (call, dumped):  # `async_`: what the Python SDK's `model_dump()` writes
+        body = _with(RESPONSES, input=[USER, sent, output])
+        response = tiny.post("/v1/responses", json=body)
+        assert response.status_code == 200, response.text
 
 
 def test_request_id_is_the_answers_id(tiny: TestClient):
