@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from pydantic_settings import CliSettingsSource
 
+from hotlora.config.errors import HotloraError
 from hotlora.config.settings import Settings
 from hotlora.config.sources import (
     InvalidSetting,
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, RuntimeError, OSError) as exc:
+    except (HotloraError, ValueError, RuntimeError, OSError) as exc:
         print(f"hotlora {args.command}: {exc}", file=sys.stderr)
         return 1
 

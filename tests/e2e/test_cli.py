@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,12 @@ import pytest
 from hotlora.models.cpu.fidelity import record, recorded, verdict_path
 from hotlora.models.loader import load_model_dir
 
-from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+from tests.support.adapter_builders import (
+    random_pairs,
+    tiny_model,
+    write_mlx_adapter,
+    write_peft_adapter,
+)
 from tests.support.gguf_models import write_family_gguf
 from tests.support.server_process import ServerProcess, hotlora_spec
 from tests.support.tiny import is_quantized, write_tiny_llama
@@ -132,6 +138,18 @@ def test_quantize_then_fuse(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert (fused / "tokenizer.json").read_bytes() == (float_dir / "tokenizer.json").read_bytes()
     assert is_quantized(load_model_dir(fused).model)
+    # An adapter refused, or not there: one line saying why.
+    dora = write_peft_adapter(tmp_path / "dora", random_pairs(tiny_model(quantize=True)))
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    missing = tmp_path / "none"
+    for refused, words in [(dora, "DoRA adapters (use_dora)"), (missing, "does not exist")]:
+        out = tmp_path / "refused"
+        result = hotlora("fuse", "--model", str(quantized), "--adapter", str(refused), str(out))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("hotlora fuse: ") and words in line
+        assert not out.exists()
 
 
 def test_fidelity_records_a_verdict_and_serve_keeps_to_it(tmp_path: Path):
