@@ -235,6 +235,17 @@ def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
     return x.reshape(n_head, -1, 2, *rest).swapaxes(1, 2).reshape(x.shape)
 
 
+def _check_whole(src: Path, header: GGUFHeader) -> None:
+    """Refuse a file cut short (a download that stopped): every tensor's data within it."""
+    size = src.stat().st_size
+    for name, info in header.tensors.items():
+        if header.data_start + info.offset + tensor_bytes(info.type, info.shape) > size:
+            raise UnsupportedGGUF(
+                f"{src.name} is truncated: {name} ends past the end of the file "
+                f"({size:,} bytes); download it again"
+            )
+
+
 def read_tensors(src: Path, header: GGUFHeader) -> dict[str, mx.array]:
     """Every tensor of the file by GGUF name, a quantized `x.weight` as `x.weight`, `x.scales`
     and `x.biases`; converted one at a time from a read-only map of the file."""
@@ -330,6 +341,7 @@ def import_gguf(src: Path, dest: Path) -> Path:
     src, dest = Path(src), Path(dest)
     header = read_header(src)
     family = _check_supported(header)
+    _check_whole(src, header)
     with atomic_model_dir(dest) as tmp:
         try:
             write_tokenizer_files(header.metadata, tmp)

@@ -23,7 +23,7 @@ from hotlora.models.embedded import (
     ensure_embedded_model,
     imported_gguf_path,
 )
-from hotlora.models.gguf import UnsupportedGGUF, import_gguf
+from hotlora.models.gguf import UnsupportedGGUF, import_gguf, read_header
 from hotlora.server.runtime import base_model_id, model_dir
 
 from tests.support.gguf_files import (
@@ -264,6 +264,18 @@ def refused(tmp_path: Path, match: str, **gguf_options) -> None:
 @pytest.mark.parametrize("kind", [Q.IQ4_NL, Q.MXFP4], ids=lambda k: k.name)
 def test_unreadable_quant_types_are_refused(tmp_path, kind):
     refused(tmp_path, kind.name, types={"blk.1.ffn_down": kind})
+
+
+def test_a_file_cut_short_is_refused_as_truncated(tmp_path):
+    """A download that stopped in the tensor data: the last tensor named, nothing imported."""
+    write_tiny_gguf(tmp_path / "m.gguf")
+    whole = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "m.gguf").write_bytes(whole[: len(whole) - 100])
+    header = read_header(tmp_path / "m.gguf")  # the header is whole
+    last = max(header.tensors, key=lambda name: header.tensors[name].offset)
+    with pytest.raises(UnsupportedGGUF, match=f"m.gguf is truncated: {last} ends past the end"):
+        import_gguf(tmp_path / "m.gguf", tmp_path / "model")
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
 
 
 def test_other_architectures_are_refused(tmp_path):
