@@ -60,9 +60,9 @@ def read_adapter_config(
         field = "scale" if "scale" not in params and "scale" in raw else "lora_parameters.scale"
         return AdapterConfig(rank, _scale(params.get("scale", raw.get("scale")), field))
 
-    for key in ("rank_pattern", "alpha_pattern"):
+    for key, what in (("rank_pattern", "ranks"), ("alpha_pattern", "alphas")):
         if raw.get(key):
-            raise InvalidAdapter(f"{CONFIG_FILE}: per-module ranks ({key}) are not supported")
+            raise InvalidAdapter(f"{CONFIG_FILE}: per-module {what} ({key}) are not supported")
     rank = _rank(raw.get("r"), "r", max_rank)
     rslora = bool(raw.get("use_rslora"))
     if raw.get("scale") is not None:

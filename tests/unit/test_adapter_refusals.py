@@ -151,12 +151,17 @@ def oversized_weights(root: Path) -> str:
     return "bad"
 
 
-def peft_rank_pattern(root: Path) -> str:
-    directory = write_peft_adapter(root / "bad", random_pairs(tiny_model(), keys=["q_proj"]))
-    config = json.loads((directory / "adapter_config.json").read_text())
-    config["rank_pattern"] = {"q_proj": 8}
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    return "bad"
+def peft_pattern(key: str) -> Callable[[Path], str]:
+    """A PEFT adapter whose config gives `q_proj` a rank or alpha of its own (`key`)."""
+
+    def make(root: Path) -> str:
+        directory = write_peft_adapter(root / "bad", random_pairs(tiny_model(), keys=["q_proj"]))
+        config = json.loads((directory / "adapter_config.json").read_text())
+        config[key] = {"q_proj": 8}
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+        return "bad"
+
+    return make
 
 
 # (case id, adapter id, path maker -> path argument, exception, words in the message)
@@ -194,7 +199,10 @@ CASES: list[tuple[str, str, Callable[[Path], str], type[AdapterError], str]] = [
      InvalidAdapter, "no valid scale"),
     ("rank-mismatch", "sft", lambda r: edit_config(r, lora_parameters={"rank": 8, "scale": 1.0}),
      InvalidAdapter, "adapter_config.json says 8"),
-    ("rank-pattern", "sft", peft_rank_pattern, InvalidAdapter, "rank_pattern"),
+    ("rank-pattern", "sft", peft_pattern("rank_pattern"), InvalidAdapter,
+     "per-module ranks (rank_pattern)"),
+    ("alpha-pattern", "sft", peft_pattern("alpha_pattern"), InvalidAdapter,
+     "per-module alphas (alpha_pattern)"),
     # A config that trained more than LoRA pairs, whether or not the file holds those weights.
     ("modules-to-save", "sft", lambda r: edit_peft_config(r, modules_to_save=["lm_head"]),
      InvalidAdapter, "modules_to_save ('lm_head') says the adapter was trained with full copies"),
