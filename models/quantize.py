@@ -5,13 +5,17 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 from pathlib import Path
 
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from hotlora.models.model_files import atomic_model_dir, copy_aux_files
 from hotlora.models.progress import evaluate
+
+log = logging.getLogger("hotlora")
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -25,7 +29,9 @@ def quantize_model_dir(src: Path, dest: Path, bits: int = 4, group_size: int = 6
     """Write an affine-quantized copy of the float model at `src` to `dest`; return `dest`.
 
     Every linear and embedding layer whose input size divides by `group_size` is quantized;
-    norms stay float. Tokenizer, templates and model card are copied byte for byte.
+    norms stay float. A `group_size` that leaves more layers in float than another would is
+    refused; layers that no group size divides stay float, with a warning naming them.
+    Tokenizer, templates and model card are copied byte for byte.
     """
     src, dest = Path(src), Path(dest)
     if bits not in SUPPORTED_BITS:
@@ -38,6 +44,7 @@ def quantize_model_dir(src: Path, dest: Path, bits: int = 4, group_size: int = 6
             f"{src} is already quantized ({json.dumps(existing)[:120]}); quantize a float model"
         )
     model, _ = load_model(src, lazy=True)
+    _check_group_size(model, group_size)
     with atomic_model_dir(dest) as tmp:
         # mlx-lm prints a bits-per-weight line; the caller decides what to report.
         with contextlib.redirect_stdout(io.StringIO()):
@@ -48,3 +55,34 @@ def quantize_model_dir(src: Path, dest: Path, bits: int = 4, group_size: int = 6
         save_config(config, tmp / "config.json")
         copy_aux_files(src, tmp)
     return dest
+
+
+def _check_group_size(model: nn.Module, group_size: int) -> None:
+    """Refuse a group size that leaves layers in float which another would quantize; warn of
+    the layers that none can."""
+    widths = {
+        path: module.weight.shape[-1]
+        for path, module in model.named_modules()
+        if hasattr(module, "to_quantized") and "weight" in module
+    }
+
+    def left(size: int) -> list[str]:
+        return [path for path, width in widths.items() if width % size]
+
+    kept = left(group_size)
+    if not kept:
+        return
+    best = min(SUPPORTED_GROUP_SIZES, key=lambda size: (len(left(size)), -size))
+    shown = ", ".join(f"{path} ({widths[path]} wide)" for path in kept[:3])
+    if len(left(best)) < len(kept):
+        raise ValueError(
+            f"group_size {group_size} does not divide the input width of {len(kept)} of "
+            f"{len(widths)} layers ({shown}, ...): they would stay in float; use "
+            f"--group-size {best}"
+        )
+    log.warning(
+        "%d of %d layers stay in float: no group size divides their input width (%s)",
+        len(kept),
+        len(widths),
+        shown,
+    )

@@ -1,6 +1,8 @@
 """Quantizing a float model directory; copying auxiliary files; writing directories atomically."""
 
 import json
+import logging
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,6 +68,32 @@ def test_unsupported_settings_are_refused(float_dir, tmp_path, bits, group_size)
     with pytest.raises(ValueError, match="must be one of"):
         quantize_model_dir(float_dir, tmp_path / "q", bits=bits, group_size=group_size)
     assert not (tmp_path / "q").exists()
+
+
+def test_a_group_size_that_leaves_layers_in_float_is_refused(float_dir, tmp_path):
+    # The tiny model's rows are 64 wide (128 for down_proj): group 128 would quantize only
+    # down_proj and leave the rest, embedding included, in float.
+    words = r"group_size 128 does not divide the input width of 13 of 15 layers \(model\."
+    with pytest.raises(ValueError, match=words + r".*use --group-size 64"):
+        quantize_model_dir(float_dir, tmp_path / "q", group_size=128)
+    assert not (tmp_path / "q").exists()
+
+
+def test_layers_no_group_size_divides_stay_float_with_a_warning(
+    tmp_path, caplog: pytest.LogCaptureFixture
+):
+    src = tmp_path / "narrow"
+    args = replace(tiny_args(), hidden_size=48)  # rows 48 wide: no group size divides them
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    save_model(src, model)
+    save_config(dict(vars(args)), src / "config.json")
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        dest = quantize_model_dir(src, tmp_path / "q", group_size=32)
+    assert "13 of 15 layers stay in float: no group size divides their input width" in caplog.text
+    quantized, _ = load_model(dest)
+    downs = [m for p, m in quantized.named_modules() if p.endswith("down_proj")]
+    assert downs and all(isinstance(m, nn.QuantizedLinear) for m in downs)
 
 
 def test_copy_aux_files_copies_only_what_is_there(tmp_path):
