@@ -25,6 +25,17 @@ BUILTINS = ("chatml", "gemma", "llama3", "mistral", "phi3", "smollm2")
 _CHATML = ("<|im_start|>", "<|im_end|>")
 _LLAMA3 = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 _GEMMA = ("<start_of_turn>", "<end_of_turn>")
+_PHI3 = ("<|user|>", "<|assistant|>", "<|end|>")
+# The turn markers each built-in writes that a vocabulary it suits holds as tokens (Mistral's
+# `[INST]` is text in its older vocabularies).
+BUILTIN_MARKERS: dict[str, tuple[str, ...]] = {
+    "chatml": _CHATML,
+    "smollm2": _CHATML,
+    "llama3": _LLAMA3,
+    "gemma": _GEMMA,
+    "phi3": _PHI3,
+    "mistral": (),
+}
 # The built-ins each family's models speak (by config.json's `model_type`, which a GGUF's
 # `general.architecture` becomes at import), each with the turn markers it writes: the first
 # whose markers are all tokens of the vocabulary serves a model that has no template.
@@ -38,7 +49,7 @@ FAMILY_TEMPLATES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "gemma2": (("gemma", _GEMMA),),
     "gemma3": (("gemma", _GEMMA),),
     "gemma3_text": (("gemma", _GEMMA),),
-    "phi3": (("phi3", ("<|user|>", "<|assistant|>", "<|end|>")),),
+    "phi3": (("phi3", _PHI3),),
 }
 
 FLAG = "--chat-template NAME|FILE"
@@ -79,8 +90,8 @@ def read_chat_template(value: str) -> str:
         where = value
     environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
     try:
-        environment.parse(text)
-    except TemplateSyntaxError as exc:
+        environment.from_string(text)  # compiled: a filter or test it names must exist
+    except TemplateSyntaxError as exc:  # and TemplateAssertionError, an unknown filter
         raise ChatTemplateError(
             f"{where}: not a valid Jinja template: {exc.message} (line {exc.lineno})"
         ) from None
@@ -115,6 +126,16 @@ def install_chat_template(loaded: LoadedModel, setting: str | None) -> None:
             "the one given" if is_inline(setting) else repr(setting),
             ", in place of the model's own" if had_one else "",
         )
+        vocabulary = set(special_tokens(loaded.tokenizer))
+        missing = [m for m in BUILTIN_MARKERS.get(setting, ()) if m not in vocabulary]
+        if missing:
+            log.warning(
+                "the built-in %r chat template writes turn markers this model's vocabulary has "
+                "no token for (%s): the model reads them as plain text, and its answers may "
+                "run past the end of their turn; its own family's template may suit it better",
+                setting,
+                ", ".join(missing),
+            )
         return
     if loaded.tokenizer.has_chat_template:
         return

@@ -112,6 +112,10 @@ def test_a_file_and_the_text_itself_are_templates_too(model_dirs: dict[str, Path
             "the template given: not a valid Jinja template: unexpected end of template",
         ),
         ("bad.jinja", "bad.jinja: not a valid Jinja template: Encountered unknown tag 'endfor'"),
+        (
+            "{{ messages | nosuchfilter }}",
+            "the template given: not a valid Jinja template: No filter named 'nosuchfilter'",
+        ),
         (".", ".: cannot be read as a text file"),
     ],
 )
@@ -175,9 +179,25 @@ def test_a_model_with_its_own_template_keeps_it(model_dirs, tmp_path, caplog):
     assert render(load(own_dir), CONVERSATION[1:2]) == "own:Hi"
     assert [r for r in caplog.records if r.name == "hotlora"] == []
     assert render(load(own_dir, "chatml"), CONVERSATION[1:2]).startswith("<|im_start|>user")
-    (said,) = [r for r in caplog.records if r.name == "hotlora"]
+    said, warned = [r for r in caplog.records if r.name == "hotlora"]
     assert said.getMessage() == (
         "chat template: 'chatml' (--chat-template), in place of the model's own"
+    )
+    assert warned.getMessage().startswith("the built-in 'chatml' chat template writes turn")
+
+
+def test_a_builtin_whose_turn_markers_the_vocabulary_lacks_is_served_with_a_warning(
+    model_dirs, caplog
+):
+    caplog.set_level(logging.WARNING, logger="hotlora")
+    gemma = model_dirs["gemma"]
+    assert "<start_of_turn>user" in render(load(gemma, "gemma"), CONVERSATION[1:2])
+    assert [r for r in caplog.records if r.name == "hotlora"] == []  # its own family's fits
+    assert "<|start_header_id|>user" in render(load(gemma, "llama3"), CONVERSATION[1:2])
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "hotlora"]
+    assert said.startswith(
+        "the built-in 'llama3' chat template writes turn markers this model's vocabulary has no "
+        "token for (<|start_header_id|>, <|end_header_id|>, <|eot_id|>)"
     )
 
 
