@@ -95,35 +95,56 @@ def old_flags(settings_cls: type[BaseSettings]) -> dict[str, str]:
     return {f"--{old.replace('_', '-')}": old for old in old_names(settings_cls)}
 
 
-# Renamed settings given under an old name in this process: the warning about each, and the
-# ones already logged. The sources note them; `log_old_names` logs them once logging is set up.
-_old_name_warnings: dict[str, str] = {}
-_logged_old_names: set[str] = set()
+# What the sources noted in this process (renamed settings given under an old name, variables
+# that look misspelt): the warning about each, and the ones already logged. `log_setting_notes`
+# logs them once logging is set up.
+_setting_notes: dict[str, str] = {}
+_logged_notes: set[str] = set()
 
 
 def _note_old_name(setting: str, used: str, current: str) -> None:
-    _old_name_warnings.setdefault(setting, f"{used} is the old name of {current} (it still works)")
+    _setting_notes.setdefault(setting, f"{used} is the old name of {current} (it still works)")
 
 
-def log_old_names() -> None:
-    """Log a WARNING for each renamed setting given under its old name, once per process."""
-    for setting, warning in _old_name_warnings.items():
-        if setting not in _logged_old_names:
-            _logged_old_names.add(setting)
+def log_setting_notes() -> None:
+    """Log a WARNING for each renamed setting given under its old name and each `HOTLORA_*`
+    variable that is no setting but nearly names one, once per process."""
+    for key, warning in _setting_notes.items():
+        if key not in _logged_notes:
+            _logged_notes.add(key)
             log.warning(warning)
 
 
 class Variables(EnvSettingsSource):
     """The `HOTLORA_*` variables; a renamed setting's old variable works, and is noted for
-    `log_old_names`."""
+    `log_setting_notes`."""
 
     def __call__(self) -> dict[str, Any]:
         present = {name.lower() for name in self.env_vars}
-        for old, setting in old_names(self.settings_cls).items():
+        renamed = old_names(self.settings_cls)
+        for old, setting in renamed.items():
             if env_name(self.settings_cls, old).lower() in present:
                 used, current = (env_name(self.settings_cls, n) for n in (old, setting))
                 _note_old_name(setting, used, current)
+        self._note_misspelt(present, [*self.settings_cls.model_fields, *renamed])
         return super().__call__()
+
+    def _note_misspelt(self, present: set[str], names: list[str]) -> None:
+        """A `HOTLORA_*` variable that is no setting but nearly names one (HOTLORA_MAX_BTACH)
+        has no effect: noted, as a TOML key would be refused. Others of the prefix (a
+        container's own) pass unremarked."""
+        prefix = self.env_prefix.lower()
+        for variable in sorted(present):
+            name = variable.removeprefix(prefix)
+            if not variable.startswith(prefix) or name in names:
+                continue
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+            if close:
+                _setting_notes.setdefault(
+                    variable,
+                    f"{variable.upper()} is not a setting and has no effect (did you mean "
+                    f"{env_name(self.settings_cls, close[0])}?)",
+                )
 
 
 class ConfigFile(PydanticBaseSettingsSource):
@@ -182,7 +203,7 @@ def load_settings(
     except SettingsError as exc:
         raise _unreadable(settings_cls, exc, parsed_args) from None
     except ValidationError as exc:
-        raise _invalid(settings_cls, exc, flags) from None
+        raise invalid_setting(settings_cls, exc, flags) from None
 
 
 def _refuse_repeated_names(settings_cls: type[BaseSettings], parsed_args: Any) -> None:
@@ -236,7 +257,7 @@ def _unreadable(
     return InvalidSetting(f"{flag_name(settings_cls, field)}: expected {shape} (got {shown})")
 
 
-def _invalid(
+def invalid_setting(
     settings_cls: type[BaseSettings], exc: ValidationError, flags: Mapping[str, Any]
 ) -> InvalidSetting:
     """The first validation error, named after the source that gave the value."""

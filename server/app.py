@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from hotlora.adapters import MountStore
 from hotlora.config.settings import Settings
-from hotlora.config.sources import log_old_names
+from hotlora.config.sources import log_setting_notes
 from hotlora.server.http.cors import install_cors
 from hotlora.server.http.error_responses import install_error_handlers
 from hotlora.server.http.lifecycle import InFlight
@@ -46,7 +46,7 @@ def create_app(
     record of `persist_mounts` (a Ray replica passes its link to the cluster's registry).
     """
     settings = settings or Settings()
-    log_old_names()  # settings given under a renamed setting's old name
+    log_setting_notes()  # old names of renamed settings, misspelt variables
     logging.getLogger("hotlora").setLevel(settings.log_level.upper().replace("TRACE", "DEBUG"))
     runtime = Runtime(settings, on_fatal=on_fatal, mount_store=mount_store)
     tenancy = Tenancy.from_settings(settings, runtime.metrics)  # a bad keys file stops here

@@ -18,8 +18,9 @@ from hotlora.config.errors import HotloraError
 from hotlora.config.settings import Settings
 from hotlora.config.sources import (
     InvalidSetting,
+    invalid_setting,
     load_settings,
-    log_old_names,
+    log_setting_notes,
     metavar,
     old_flags,
     refused,
@@ -69,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = serve_settings(args)
     except InvalidSetting as exc:
-        log_old_names()  # the line may name a setting the user gave under its old name
+        log_setting_notes()  # the line may name a setting the user gave under its old name
         print(f"hotlora serve: {exc}", file=sys.stderr)
         return 2
     began = time.perf_counter()
@@ -79,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     imported = time.perf_counter() - began
     configure_logging(settings)
-    log_old_names()
+    log_setting_notes()
     logging.getLogger("hotlora").info(
         "start-up: imports took %.2fs",
         imported,
@@ -248,17 +249,23 @@ def _fidelity_parser(sub: Any) -> None:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    from hotlora.config.settings import Settings
+    from pydantic import ValidationError
+
     from hotlora.models.cpu.fidelity import measure, measured_rows, record
     from hotlora.server.runtime import model_dir
 
     if args.positions < 2:
         raise ValueError("--positions is at least 2")
-    # The model and home as serve takes them (flags, HOTLORA_* variables), these flags first.
-    given = {"model": args.model, "home": args.home}
-    settings = Settings(**{name: value for name, value in given.items() if value is not None})
+    # The model, home and threads as serve takes them (flags, HOTLORA_* variables), these
+    # flags first, held to the same bounds.
+    given = {"model": args.model, "home": args.home, "threads": args.threads}
+    given = {name: value for name, value in given.items() if value is not None}
+    try:
+        settings = Settings(**given)
+    except ValidationError as exc:
+        raise invalid_setting(Settings, exc, given) from None
     path = model_dir(settings, progress=print)
-    verdict = measure(path, threads=args.threads, positions=args.positions)
+    verdict = measure(path, threads=settings.threads, positions=args.positions)
     print("\n".join(measured_rows(verdict)))
     print(f"recorded in {record(settings.home, verdict)}")
     return 0 if verdict.holds else 3

@@ -152,6 +152,19 @@ def test_quantize_then_fuse(tmp_path: Path):
         assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--threads", "0"], "--threads: must be between 1 and 256 (got 0)"),
+        (["--positions", "1"], "--positions is at least 2"),
+    ],
+)
+def test_fidelity_refuses_what_serve_would_in_one_line(flags: list[str], line: str):
+    result = hotlora("fidelity", *flags)
+    assert result.returncode == 1
+    assert result.stderr == f"hotlora fidelity: {line}\n"
+
+
 def test_fidelity_records_a_verdict_and_serve_keeps_to_it(tmp_path: Path):
     """`hotlora fidelity` measures a 4-bit model and records its verdict in the home; a server
     on a model whose recorded verdict says int8 activations break their rule serves exact."""

@@ -18,7 +18,7 @@ from pydantic.fields import FieldInfo
 from hotlora.config import sources
 from hotlora.config.settings import Settings
 from hotlora.config.settings_table import HEADER, settings_table
-from hotlora.config.sources import CONFIG, env_name, flag_name, log_old_names
+from hotlora.config.sources import CONFIG, env_name, flag_name, log_setting_notes
 from hotlora.server.cli import build_parser, main, package_version, serve_settings
 
 SETTINGS_DOC = Path(__file__).resolve().parents[2] / "config" / "SETTINGS.md"
@@ -290,8 +290,8 @@ def test_a_bad_value_is_one_line_naming_the_setting_and_its_source(
 @pytest.fixture
 def first_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """As in a fresh process: no old name noted or logged yet."""
-    monkeypatch.setattr(sources, "_old_name_warnings", {})
-    monkeypatch.setattr(sources, "_logged_old_names", set())
+    monkeypatch.setattr(sources, "_setting_notes", {})
+    monkeypatch.setattr(sources, "_logged_notes", set())
 
 
 OLD_NAMES = [
@@ -342,9 +342,24 @@ def test_the_native_kernels_setting_takes_its_old_name_with_one_warning(
     with caplog.at_level(logging.WARNING, logger="hotlora.config"):
         for _ in range(2):  # the settings read twice, the warnings logged twice: one line
             assert serve(*flags).cpu_native_kernels is False
-            log_old_names()
+            log_setting_notes()
     expected = warning.replace(FILE, str(tmp_path / "hotlora.toml")) + " (it still works)"
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.WARNING, expected)]
+
+
+@pytest.mark.usefixtures("first_warnings")
+def test_a_variable_that_nearly_names_a_setting_is_warned_of_and_others_pass(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    monkeypatch.setenv("HOTLORA_MAX_BTACH", "4")  # misspelt: no effect, and said so
+    monkeypatch.setenv("HOTLORA_VENV", "/opt/hotlora/venv")  # a container's own: not a setting
+    with caplog.at_level(logging.WARNING, logger="hotlora.config"):
+        for _ in range(2):
+            assert serve().max_batch == 8
+            log_setting_notes()
+    assert [r.getMessage() for r in caplog.records] == [
+        "HOTLORA_MAX_BTACH is not a setting and has no effect (did you mean HOTLORA_MAX_BATCH?)"
+    ]
 
 
 @pytest.mark.usefixtures("first_warnings")
@@ -355,10 +370,10 @@ def test_the_old_flag_keeps_its_place_among_the_sources_and_the_new_name_warns_o
     with caplog.at_level(logging.WARNING, logger="hotlora.config"):
         assert serve().cpu_native_kernels is False
         assert serve("--no-cpu-native-kernels").cpu_native_kernels is False
-        log_old_names()
+        log_setting_notes()
         assert not caplog.records
         assert serve("--cpu-batch-matmul").cpu_native_kernels is True  # a flag beats a variable
-        log_old_names()
+        log_setting_notes()
     [record] = caplog.records
     assert record.getMessage() == (
         "--cpu-batch-matmul is the old name of --cpu-native-kernels (it still works)"
