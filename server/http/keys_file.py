@@ -318,6 +318,8 @@ def add_key(path: Path, entry: dict[str, Any]) -> str:
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     text = (old + ("\n" if old and not old.endswith("\n") else "") + _table(fields)).lstrip("\n")
     parse_keys(text, str(path))
+    if not path.parent.is_dir():
+        raise KeysFileError(f"{path}: its folder {path.parent} does not exist")
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(text, encoding="utf-8")
     temporary.chmod(0o600)

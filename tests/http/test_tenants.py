@@ -652,3 +652,8 @@ def test_keys_add_prints_a_key_once_and_stores_its_hash(
     assert main(["keys", "add", "x", "--role", "tenant-admin", "--file", str(path)]) == 1
     assert "needs both mount_prefix and mount_dir" in capsys.readouterr().err
     assert path.read_text() == before
+    # A file in a folder that is not there: named as asked.
+    nowhere = tmp_path / "none" / "keys.toml"
+    assert main(["keys", "add", "x", "--file", str(nowhere)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"hotlora keys: {nowhere}: its folder {nowhere.parent} does not exist\n"
