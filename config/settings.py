@@ -210,15 +210,17 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=256,
         ge=1,
-        description="Open HTTP connections at most; beyond it a new one takes the place of the "
-        "oldest that has not sent a whole request, or is closed when all are answering.",
+        description="Open HTTP connections at most; beyond it a new one takes the place of one "
+        "that has not sent a whole request (the oldest of the address holding the most), or is "
+        "closed when all are answering.",
     )
     max_unfinished_per_address: int = Field(
         default=32,
         ge=0,
         description="Connections one client address may hold without a whole request sent "
-        "within a second (connected, idle between requests, or sending one); its oldest make "
-        "way. 0: no cap, e.g. behind a reverse proxy with a larger keep-alive pool.",
+        "(connected, idle between requests, or sending one), counted a second after each of its "
+        "arrivals; its oldest make way. 0: no cap, e.g. behind a reverse proxy with a larger "
+        "keep-alive pool.",
     )
     keep_alive_timeout: int = Field(
         default=5,

@@ -1,16 +1,15 @@
-"""Room at the connection limit: a new connection takes the place of the oldest one that has not
+"""Room at the connection limit: a new connection takes the place of an old one that has not
 sent a whole request, so that clients holding half-sent requests cannot lock others out.
 
 Before a request's headers are in, nothing says whose it is: no key, no tenant. What is fair
-then is by arrival: one address keeps at most `per_peer` connections that have not sent a whole
-request for `SETTLE_S` (its oldest make way; `--max-unfinished-per-address`, 0: no cap), and at
-`--max-connections` the oldest such connection of any address makes way (one that has had its
-`SETTLE_S` first). A connection whose request is in and being answered is never closed for
-another; when every connection is such, the newcomer is closed.
-
-`SETTLE_S` is what tells a burst from a flood: a hundred clients that connect at once and send
-their requests at once are taken in one loop iteration, before any of their requests is read,
-and look alike until then.
+then is by address and arrival. One address keeps at most `per_peer` connections that have not
+sent a whole request (`--max-unfinished-per-address`, 0: no cap), counted `SETTLE_S` after each
+of its arrivals, when its oldest beyond the cap make way: a burst of clients that connect at once
+and send their requests at once is taken in before any request is read, and they look alike
+until then. At `--max-connections` the oldest unfinished connection of the address holding the
+most makes way, so that a flood from one address pays for itself. A connection whose request is
+in and being answered is never closed for another; when every connection is such, the newcomer
+is closed.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ from typing import Protocol
 log = logging.getLogger("hotlora")
 
 UNFINISHED_PER_PEER = 32  # the default of connections one address may hold without a request
-# How long a connection has to send its request (from its arrival, or from its last answer)
-# before the per-address cap counts it.
+# How long after a connection arrives its address's unfinished connections are counted: time for
+# the requests of a burst that arrived with it to be read.
 SETTLE_S = 1.0
 LOG_EVERY_S = 10.0  # one line at most this often, however many connections make way
 
@@ -62,65 +61,43 @@ class Holder(Protocol):
         request is in and being answered."""
         ...
 
-    @property
-    def settled(self) -> bool:
-        """It began to wait for its request `SETTLE_S` ago or more."""
-        ...
-
     def make_way(self) -> None:
         """Close it for a newcomer (a request whose headers are in gets a 408)."""
         ...
 
 
-def make_room(
-    new: Holder, connections: Collection[Holder], limit: int, per_peer: int = UNFINISHED_PER_PEER
-) -> bool:
-    """Close what must close for `new` to stay; False when nothing can make way and `new` must
-    be refused. `connections` may hold `new` itself and connections already closing;
-    `per_peer`: the unfinished connections one address keeps (0: no cap)."""
+def make_room(new: Holder, connections: Collection[Holder], limit: int) -> bool:
+    """Close what must close for `new` to stay within `limit`: the oldest unfinished connection
+    of the address that holds the most. False when nothing can make way and `new` must be
+    refused. `connections` may hold `new` itself and connections already closing."""
     others = [c for c in connections if c is not new and c.open]
+    if len(others) < limit:
+        return True
     unfinished = sorted(
         (since, i) for i, c in enumerate(others) if (since := c.unfinished_since) is not None
     )
-    gone = set(_beyond_the_cap(new.peer, others, unfinished, per_peer - 1))
-    if len(others) - len(gone) >= limit:
-        left = [i for _, i in unfinished if i not in gone]
-        oldest = next((i for i in left if others[i].settled), left[0] if left else None)
-        if oldest is None:
-            _record.refused()
-            return False
-        gone.add(oldest)
-        _record.made_way(others[oldest], "limit")
-    for i in gone:
-        others[i].make_way()
+    if not unfinished:
+        _record.refused()
+        return False
+    held = Counter(others[i].peer for _, i in unfinished)
+    most = max(held.values())
+    oldest = next(others[i] for _, i in unfinished if held[others[i].peer] == most)
+    _record.made_way(oldest, "limit")
+    oldest.make_way()
     return True
 
 
 def keep_to_the_cap(new: Holder, connections: Collection[Holder], per_peer: int) -> None:
-    """`SETTLE_S` after `new` arrived: close its address's settled unfinished connections beyond
-    `per_peer`, oldest first (it may be one of them); nothing when there is no cap (0)."""
-    if per_peer <= 0:
+    """`SETTLE_S` after `new` arrived: its address keeps `per_peer` connections that have not
+    sent a whole request, its oldest beyond them making way (`new` may be one); nothing when
+    there is no cap (0)."""
+    if per_peer <= 0 or new.peer is None:
         return
-    others = [c for c in connections if c.open]
-    unfinished = sorted(
-        (since, i) for i, c in enumerate(others) if (since := c.unfinished_since) is not None
-    )
-    for i in _beyond_the_cap(new.peer, others, unfinished, per_peer):
-        others[i].make_way()
-
-
-def _beyond_the_cap(
-    peer: str | None, others: list[Holder], unfinished: list[tuple[int, int]], keep: int
-) -> list[int]:
-    """Which of `peer`'s settled unfinished connections (indexes into `others`, `unfinished`
-    oldest first) make way for it to keep `keep` of them; none when there is no cap."""
-    if peer is None or keep < 0:
-        return []
-    mine = [i for _, i in unfinished if others[i].peer == peer and others[i].settled]
-    gone = mine[: max(0, len(mine) - keep)]
-    for i in gone:
-        _record.made_way(others[i], "per_peer")
-    return gone
+    waiting = [(c.unfinished_since, c) for c in connections if c.open and c.peer == new.peer]
+    mine = sorted(((since, c) for since, c in waiting if since is not None), key=lambda p: p[0])
+    for _, connection in mine[: max(0, len(mine) - per_peer)]:
+        _record.made_way(connection, "per_peer")
+        connection.make_way()
 
 
 class _Record:

@@ -5,8 +5,8 @@ requests in flight finish for up to `--drain-timeout` seconds, ends the rest (a 
 error event and `[DONE]`, a plain request with a 503), cuts the connections still busy, and
 exits 0. A second signal exits at once. A connection is bounded in time both ways: its client
 must send each request within `--request-timeout`, and take some of its answer within
-`--send-timeout`; and at `--max-connections` the oldest connection without a whole request
-sent makes way for a new one (`connections.py`).
+`--send-timeout`; and at `--max-connections` a connection without a whole request sent makes
+way for a new one (`connections.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import contextlib
 import logging
 import socket
 import struct
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -94,9 +93,10 @@ class ServerConfig(uvicorn.Config):
 class BoundedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 connection, bounded so that no client can hold it forever.
 
-    A connection beyond `max_connections` takes the place of the oldest one that has not sent
-    a whole request, or is closed on arrival when all are answering (`make_room`, which also
-    caps such connections per address); one that sends nothing is closed after the keep-alive
+    A connection beyond `max_connections` takes the place of one that has not sent a whole
+    request, or is closed on arrival when all are answering (`make_room`); an address's such
+    connections are capped a second after each arrival (`keep_to_the_cap`); one that sends
+    nothing is closed after the keep-alive
     timeout, as an idle keep-alive connection is; one that starts a
     request and does not finish it within the request timeout is closed (with a 408 when its
     headers are in and nothing was answered yet); one whose client takes no byte of its answer
@@ -119,7 +119,6 @@ class BoundedH11Protocol(H11Protocol):
         else:
             self.timeouts, self.max_connections = ClientTimeouts(), config.limit_concurrency
         self._since = 0  # when (`waiting_order()`) it last began to wait for a request
-        self._since_s = 0.0  # and when that was, in `time.monotonic()` seconds
         self._settling: asyncio.TimerHandle | None = None  # the cap's look, SETTLE_S on
         self._reading: asyncio.TimerHandle | None = None  # the request timeout, while one arrives
         self._writing: asyncio.TimerHandle | None = None  # the send timeout, while writes wait
@@ -127,14 +126,14 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._began_waiting()
+        self._since = waiting_order()
         limit = self.max_connections
         room = len(self.connections) if limit is None else limit
-        if not make_room(self, self.connections, room, self.per_peer):
+        if not make_room(self, self.connections, room):
             transport.close()
             return
         if self.per_peer > 0:
-            # Its address's connections that arrived with it are counted once they had time
+            # Its address's connections are counted once those that arrived with it had time
             # to send their requests.
             self._settling = self.loop.call_later(connections.SETTLE_S, self._keep_to_the_cap)
         self.timeout_keep_alive_task = self.loop.call_later(
@@ -142,11 +141,8 @@ class BoundedH11Protocol(H11Protocol):
         )
 
     def on_response_complete(self) -> None:
-        self._began_waiting()
+        self._since = waiting_order()
         super().on_response_complete()
-
-    def _began_waiting(self) -> None:
-        self._since, self._since_s = waiting_order(), time.monotonic()
 
     def _keep_to_the_cap(self) -> None:
         self._settling = None
@@ -172,10 +168,6 @@ class BoundedH11Protocol(H11Protocol):
         if state is h11.SEND_BODY and cycle is not None and not cycle.response_started:
             return self._since
         return None
-
-    @property
-    def settled(self) -> bool:
-        return time.monotonic() - self._since_s >= connections.SETTLE_S
 
     def make_way(self) -> None:
         self._close_unfinished(

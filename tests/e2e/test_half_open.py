@@ -8,6 +8,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -69,7 +70,10 @@ def test_a_burst_of_whole_requests_from_one_address_is_answered(server: ServerPr
             ]
             return [r.status_code for r in await asyncio.gather(*sent)]
 
-    assert asyncio.run(burst()) == [200] * (3 * UNFINISHED_PER_PEER)
+    # On a thread of its own: the test process's main thread may hold a running event loop.
+    with ThreadPoolExecutor(1) as thread:
+        statuses = thread.submit(asyncio.run, burst()).result()
+    assert statuses == [200] * (3 * UNFINISHED_PER_PEER)
 
 
 def test_whole_requests_from_new_connections_are_answered_beside_300_half_sent(
@@ -102,15 +106,22 @@ def test_whole_requests_from_new_connections_are_answered_beside_300_half_sent(
         assert len(open_) <= MAX_CONNECTIONS
         assert not any(sock in open_ for sock in held[:100])
         assert all(sock in open_ for sock in held[-100:])
-        # One address alone keeps only so many half-sent: its oldest make way for its newest.
+        # One address alone keeps only so many half-sent: its oldest make way for its newest
+        # (at the connection limit, as the address holding the most, and by its cap).
         one = half_open(server.port, 2 * UNFINISHED_PER_PEER, range(20, 21))
-        expected = [True] * UNFINISHED_PER_PEER + [False] * UNFINISHED_PER_PEER
-        # The server closes them as it takes the new ones in: up to a few seconds on a busy
-        # machine, never the newest.
+
+        def kept() -> list[bool]:
+            return [not closed(sock) for sock in one]
+
+        # The server closes them a second after they arrive: a few seconds on a busy machine.
         deadline = time.monotonic() + 5
-        while [closed(sock) for sock in one] != expected and time.monotonic() < deadline:
+        while sum(kept()) > UNFINISHED_PER_PEER and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert [closed(sock) for sock in one] == expected
+        time.sleep(0.2)  # every close seen
+        states = kept()
+        newest = sum(states)
+        assert 0 < newest <= UNFINISHED_PER_PEER
+        assert states == [False] * (len(states) - newest) + [True] * newest, states
         held += one
         took, response = timed(lambda: httpx.get(f"{server.url}/health", timeout=10))
         assert response.status_code == 200 and took < 1.0, took

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -23,7 +24,6 @@ class Conn:
     peer: str | None
     unfinished_since: int | None  # None: answering a request
     open: bool = True
-    settled: bool = True  # it had SETTLE_S to send its request
 
     def make_way(self) -> None:
         assert self.open, "closed twice"
@@ -67,6 +67,15 @@ def test_a_newcomer_is_refused_when_every_connection_is_answering(
     assert "refused 1 new connections: every connection is answering" in caplog.text
 
 
+def test_at_the_limit_the_address_holding_the_most_makes_way():
+    """A flood from one address pays for itself: its oldest goes, not another's older one."""
+    others = [Conn("10.0.0.2", 0), Conn("10.0.0.3", 1)]  # idle, the oldest
+    flood = [Conn("10.0.0.1", 10 + i) for i in range(5)]
+    new = Conn("10.0.0.1", 100)
+    assert make_room(new, [*others, *flood, new], limit=7)
+    assert [c.open for c in [*others, *flood]] == [True, True, False] + [True] * 4
+
+
 def test_one_address_holds_a_bounded_number_of_unfinished_connections(
     caplog: pytest.LogCaptureFixture,
 ):
@@ -76,6 +85,8 @@ def test_one_address_holds_a_bounded_number_of_unfinished_connections(
     new = Conn("10.0.0.1", 100)
     with caplog.at_level(logging.WARNING, logger="hotlora"):
         assert make_room(new, [*others, *busy, *mine, new], limit=1000)
+        assert all(c.open for c in mine)  # none counted yet: a burst's requests may be unread
+        connections.keep_to_the_cap(new, [*others, *busy, *mine, new], UNFINISHED_PER_PEER)
     assert [c.open for c in mine] == [False] + [True] * (UNFINISHED_PER_PEER - 1)
     assert all(c.open for c in [*others, *busy])
     assert "closed 1 connections that had not sent a whole request" in caplog.text
@@ -94,26 +105,21 @@ def test_the_log_says_it_at_once_then_at_most_every_few_seconds(
     assert len(caplog.records) == 1
 
 
-def test_connections_of_a_burst_are_counted_once_settled():
-    """A hundred clients that connect at once are taken in before any request is read: the
-    address's cap waits until they had time to send them, the connection limit prefers
-    closing one that had."""
-    burst = [Conn("10.0.0.1", i, settled=False) for i in range(2 * UNFINISHED_PER_PEER)]
-    new = Conn("10.0.0.1", 100, settled=False)
-    assert make_room(new, [*burst, new], limit=1000)
-    assert all(c.open for c in burst)
-    idle = Conn("10.0.0.2", 50)  # a younger connection, but one that had its time
-    assert make_room(new, [*burst, idle, new], limit=len(burst) + 1)
-    assert not idle.open and all(c.open for c in burst)
-    fresh = [Conn("10.0.0.3", i, settled=False) for i in range(3)]
-    assert make_room(new, [*fresh, new], limit=3)  # none settled: the oldest, as ever
-    assert [c.open for c in fresh] == [False, True, True]
+def test_a_burst_whose_requests_are_in_by_the_count_keeps_every_connection():
+    """A hundred clients that connect at once are taken in before any request is read; by the
+    time the address's connections are counted, their requests are in and none is counted."""
+    burst = [Conn("10.0.0.1", i) for i in range(3 * UNFINISHED_PER_PEER)]
     for conn in burst:
-        conn.settled = True
-    connections.keep_to_the_cap(new, [*burst, new], UNFINISHED_PER_PEER)
-    expected = [False] * UNFINISHED_PER_PEER + [True] * UNFINISHED_PER_PEER
+        assert make_room(conn, burst, limit=1000)
+    for conn in burst:
+        conn.unfinished_since = None  # its request read, and being answered
+    silent = burst[: UNFINISHED_PER_PEER + 2]
+    for i, conn in enumerate(silent):  # but these never sent theirs
+        conn.unfinished_since = i
+    connections.keep_to_the_cap(burst[-1], burst, UNFINISHED_PER_PEER)
+    expected = [False, False] + [True] * (len(burst) - 2)  # the two oldest silent ones
     assert [c.open for c in burst] == expected
-    connections.keep_to_the_cap(new, burst, 0)  # no cap
+    connections.keep_to_the_cap(burst[-1], burst, 0)  # no cap
     assert [c.open for c in burst] == expected
 
 
@@ -129,8 +135,8 @@ def test_a_line_owed_is_said_when_its_time_comes(
             assert make_room(new, [*held, new], limit=1)
         await asyncio.sleep(0.4)  # nothing more happens
 
-    with caplog.at_level(logging.WARNING, logger="hotlora"):
-        asyncio.run(two_closed_at_once())
+    with caplog.at_level(logging.WARNING, logger="hotlora"), ThreadPoolExecutor(1) as thread:
+        thread.submit(asyncio.run, two_closed_at_once()).result()  # a loop of its own
     said = [r.getMessage() for r in caplog.records]
     assert [line.split(" that")[0] for line in said] == ["closed 1 connections"] * 2
 
@@ -141,11 +147,12 @@ def test_the_per_address_cap_is_set_or_off(per_peer: int):
     keep every idle connection, and the connection limit alone makes way."""
     pool = [Conn("10.0.0.9", i) for i in range(40)]  # idle between requests
     new = Conn("10.0.0.9", 100)
-    assert make_room(new, [*pool, new], limit=1000, per_peer=per_peer)
+    assert make_room(new, [*pool, new], limit=1000)
+    connections.keep_to_the_cap(new, [*pool, new], per_peer)
     closed = sum(not c.open for c in pool)
     assert closed == (40 - per_peer + 1 if per_peer else 0)
     if not per_peer:
-        assert make_room(new, [*pool, new], limit=40, per_peer=0)
+        assert make_room(new, [*pool, new], limit=40)
         assert [c.open for c in pool] == [False] + [True] * 39
 
 
@@ -174,7 +181,7 @@ def test_connections_taken_in_one_loop_iteration_make_way_oldest_first(
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
         for client in clients:
             client.sendall(b"GET / HTTP/1.1\r\nHo")
-        loop.run_until_complete(asyncio.sleep(0.5))  # settled, and the cap kept
+        loop.run_until_complete(asyncio.sleep(0.5))  # counted, and the cap kept
         orders = sorted(c.unfinished_since for c in state.connections)
         assert len(set(orders)) == len(orders) == per_peer  # the others closed
         expected = [True] * (count - per_peer) + [False] * per_peer
