@@ -55,9 +55,12 @@ class Row:
     cached: int = 0  # prompt tokens that came from the prompt cache
     head: int = 0  # its opening shared with recent prompts, to keep once done (not cached)
     prompt_logprobs: PromptLogprobs | None = None  # set once prefilled, when asked for
-    # Sampled tokens whose text the stop matcher still holds, with where their text starts and
-    # ends in the text fed to it: a token's log-probability goes out with its text.
+    # Sampled tokens whose text has not all gone out, with where it starts and ends in the
+    # answer's text: a token's log-probability goes out with its text. Counted on the tokens'
+    # own texts, which join into the text, not on what the detokenizer has written so far (it
+    # may hold a token's text back: mlx-lm's byte-level BPE holds a lone space).
     held: list[tuple[SampledToken, int, int]] = field(default_factory=list)
+    spelled: int = 0  # the sampled tokens' texts so far, in characters
 
     def __post_init__(self) -> None:
         params = self.job.params
@@ -103,10 +106,11 @@ class Row:
             self.detokenizer.add_token(token)
         # Stop strings are looked for from `min_tokens` on, as vLLM does.
         armed = self.generated >= params.min_tokens
-        start = self.stops.fed
         text = self.stops.feed(self.detokenizer.last_segment, armed=armed)
         if sampled is not None:
-            self.held.append((sampled, start, self.stops.fed))
+            start = self.spelled
+            self.spelled += 0 if token in self.silent else len(sampled.token.text)
+            self.held.append((sampled, start, self.spelled))
         shown = self._shown_tokens()
         if text or shown:
             self.sink.event(self.position, Delta(text, shown, self.generated))
@@ -123,7 +127,7 @@ class Row:
         """Emit the text held back for stop matching, then `Finished`."""
         self.detokenizer.finalize()
         tail = self.stops.feed(self.detokenizer.last_segment) + self.stops.flush()
-        shown = self._shown_tokens()
+        shown = self._shown_tokens(end=True)
         if (tail or shown) and reason != "cancelled":
             self.sink.event(self.position, Delta(tail, shown, self.generated))
         finished = Finished(
@@ -131,13 +135,15 @@ class Row:
         )
         self.sink.event(self.position, finished)
 
-    def _shown_tokens(self) -> tuple[SampledToken, ...]:
+    def _shown_tokens(self, end: bool = False) -> tuple[SampledToken, ...]:
         """The held tokens whose text has all gone out; once a stop sequence is reached, those
         whose text starts before its cut (one holding the cut included), and the rest never:
-        the log-probabilities cover the answer's text and nothing past it."""
+        the log-probabilities cover the answer's text and nothing past it. At the `end` of an
+        answer no stop cut, every one."""
         emitted = self.stops.emitted
-        if self.stops.stopped:
-            shown = tuple(token for token, start, _ in self.held if start < emitted)
+        if self.stops.stopped or end:
+            stopped = self.stops.stopped
+            shown = tuple(token for token, start, _ in self.held if start < emitted or not stopped)
             self.held.clear()
             return shown
         done = 0

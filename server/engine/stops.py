@@ -15,7 +15,6 @@ class StopMatcher:
         self.include = include  # the stop sequence itself is emitted, and nothing after it
         self.pending = ""
         self.stopped = False
-        self.fed = 0  # characters fed so far
         self.emitted = 0  # characters returned so far: the text a client has, at its length
 
     def feed(self, delta: str, *, armed: bool = True) -> str:
@@ -23,7 +22,6 @@ class StopMatcher:
         Text fed while not `armed` goes out unchecked (vLLM's `min_tokens`)."""
         if self.stopped:
             return ""
-        self.fed += len(delta)
         if not self.stops:
             self.emitted += len(delta)
             return delta

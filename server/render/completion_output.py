@@ -87,7 +87,10 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> answers.Compl
         token_logprobs=[e.logprob for e in entries],
         # As OpenAI's legacy completions and vLLM: the sampled token, then the `logprobs` most
         # likely (so up to logprobs + 1 entries), as an echoed prompt's tokens are.
-        top_logprobs=[{e.token.text: e.logprob, **{t.text: v for t, v in e.top}} for e in entries],
+        top_logprobs=[
+            {e.token.text: e.logprob, **{t.text: v for t, v in e.top if t.text != e.token.text}}
+            for e in entries
+        ],
         text_offset=offsets,
     )
 
@@ -351,8 +354,11 @@ async def completion_stream(
                 continue
             logprobs = None
             if prepared.params.logprobs:
-                logprobs = _text_logprobs(list(event.logprobs), offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(event.text)
+                # Offsets count the tokens' texts, as the whole answer's do: a chunk's first
+                # token may have begun in text an earlier chunk sent (held for a stop string).
+                at = offsets.get(index, 0)
+                logprobs = _text_logprobs(list(event.logprobs), at)
+                offsets[index] = at + sum(len(e.token.text) for e in event.logprobs)
             choice = answers.CompletionChoice(
                 index=index, text=event.text, logprobs=logprobs, finish_reason=None
             )

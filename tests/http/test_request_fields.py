@@ -281,6 +281,25 @@ def test_prompt_logprobs_in_vllms_shape(smol):
     refused(chat(smol, status=400, stream=True, prompt_logprobs=1), "prompt_logprobs")
 
 
+def test_streamed_offsets_are_the_whole_answers_where_a_stop_string_holds_text_back(
+    smol: TestClient,
+):
+    # A stop string that starts with a token's last character holds that character back
+    # until the next token rules the stop out: the chunk that sends it starts mid-token.
+    req = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 1}
+    tokens = smol.post("/v1/completions", json=req).json()["choices"][0]["logprobs"]["tokens"]
+    k = next(i for i, token in enumerate(tokens[:-1]) if len(token) >= 2)
+    req["stop"] = tokens[k][-1] + "\x07"  # a character the model never writes: never found
+    whole = smol.post("/v1/completions", json=req).json()["choices"][0]
+    assert whole["logprobs"]["tokens"] == tokens and whole["finish_reason"] == "length"
+    streamed = smol.post("/v1/completions", json={**req, "stream": True})
+    chunks = [json.loads(e)["choices"][0] for e in sse_events(streamed)[:-1]]
+    logprobs = [c["logprobs"] for c in chunks if c["logprobs"]]
+    assert [t for lp in logprobs for t in lp["tokens"]] == tokens
+    assert [o for lp in logprobs for o in lp["text_offset"]] == whole["logprobs"]["text_offset"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+
+
 def test_completion_logprobs_go_up_to_20(smol):
     body = complete(smol, max_tokens=2, logprobs=20)
     tops = body["choices"][0]["logprobs"]["top_logprobs"]

@@ -1,6 +1,15 @@
-import pytest
+from pathlib import Path
 
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from hotlora.server.engine.generate import Delta, GenerationJob, SampledToken
+from hotlora.server.engine.sampling import SamplingParams
+from hotlora.server.engine.sequences import Row
 from hotlora.server.engine.stops import StopMatcher
+from hotlora.server.engine.tokens import RowDetokenizers, TokenPieces
+
+from tests.support.scheduling import Recorder
 
 
 def run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
@@ -62,3 +71,25 @@ def test_text_fed_unarmed_goes_out_unchecked():
     assert not matcher.stopped
     assert matcher.feed("c. d") == "c"
     assert matcher.stopped
+
+
+@pytest.mark.parametrize(("stop", "shown"), [("\n", ["x", " "]), (" \n", ["x"]), ("x", [])])
+def test_a_rows_logprobs_end_where_its_text_does(embedded_model_dir: Path, stop: str, shown):
+    """mlx-lm's byte-level BPE detokenizer holds a lone space token back and sends it with the
+    next token's text: that token's own text still starts after the space, so a stop string
+    at it leaves it out of the logprobs, as it leaves it out of the text."""
+    tokenizer = load_tokenizer(embedded_model_dir)
+    pieces = TokenPieces(tokenizer)
+    ids = [tokenizer.encode(text, add_special_tokens=False)[0] for text in ("x", " ", "\n", "y")]
+    assert [pieces(i).text for i in ids] == ["x", " ", "\n", "y"]
+    params = SamplingParams(max_tokens=8, stop=(stop,), logprobs=True)
+    sink = Recorder()
+    row = Row(GenerationJob([1, 2], params), sink, 0, RowDetokenizers(tokenizer)(), frozenset())
+    for token in ids:
+        if not row.advance(token, SampledToken(pieces(token), -1.0, ())):
+            break
+    deltas = [event for _, event in sink.events if isinstance(event, Delta)]
+    text = "".join(delta.text for delta in deltas)
+    assert text == "x \ny"[: "x \ny".index(stop)]
+    assert [token.token.text for delta in deltas for token in delta.logprobs] == shown
+    assert "".join(shown) == text
