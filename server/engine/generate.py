@@ -104,6 +104,20 @@ def prompt_cache_key(base_id: str, adapters: AdapterSet) -> tuple[str, ...]:
     return (base_id, *adapters.key)
 
 
+def cached_length(cache: LRUPromptCache, key: tuple[str, ...], prompt: list[int]) -> int:
+    """How many of `prompt`'s tokens `cache.fetch_nearest_cache` would give under `key`, by a
+    look that copies nothing (the search of the trie it fetches from)."""
+    trie = getattr(cache, "_trie", None)
+    if trie is None:  # an mlx-lm without it: nothing known in advance
+        return 0
+    found = trie.search(key, prompt)
+    if found.exact is not None:
+        return len(prompt)
+    shorter = len(found.shorter) if found.shorter is not None else 0
+    longer = min(len(prompt) - 1, found.common_prefix) if found.longer is not None else 0
+    return max(shorter, longer)
+
+
 class Engine:
     """Owns the model, its tokenizer, the prompt cache and the prompt heads (both kept per base
     + adapter revisions)."""

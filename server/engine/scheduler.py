@@ -8,10 +8,11 @@ One loop in the spirit of vLLM's scheduler, on MLX-native batch state (mlx-lm's
    served, the tenants' queues by weighted fair share (`FairQueue`).
 2. Prefill: spend at most what `prefill_chunk` prompt tokens cost on an empty cache
    (`PrefillCost`: deeper in a long prompt, attention makes each token dearer and a step takes
-   fewer), first on the groups whose whole rest fits in half of it, then oldest group first.
-   A group is one prompt with its adapter set: the `n` choices of a request share it. A long
-   prompt takes several steps, so running streams never wait for more than one chunk's cost,
-   and a short prompt behind long ones never for theirs.
+   fewer), first on the groups whose whole rest fits in half of it, then oldest group first,
+   and every other step oldest first while both kinds wait. A group is one prompt with its
+   adapter set: the `n` choices of a request share it. A long prompt takes several steps, so
+   running streams never wait for more than one chunk's cost, and a short prompt behind long
+   ones never for theirs.
 3. Decode: one batched model call for every running row, each row with its own adapter set,
    sampler, PRNG key, stops and `max_tokens`. Finished, stopped and cancelled rows leave at
    once; prefilled groups join before the next call. The next step is launched from this
@@ -43,6 +44,7 @@ from hotlora.server.engine.generate import (
     GenerationJob,
     NonFiniteLogits,
     SampledToken,
+    cached_length,
     prompt_cache_key,
 )
 from hotlora.server.engine.kv_caches import (
@@ -105,6 +107,7 @@ class Scheduler:
         self.eos = frozenset(engine.tokenizer.eos_token_ids)
         self.waiting = FairQueue()
         self.prefilling: deque[Group] = deque()
+        self._quick_first = False  # the last step served short prompts before older ones
         self.running: list[Row] = []
         # Rows out of the batch while their client takes none of their tokens, each with its
         # own KV cache: they keep their slot and compute nothing.
@@ -300,18 +303,30 @@ class Scheduler:
     def _prefill_order(self, cost: PrefillCost) -> list[Group]:
         """The prefilling groups in the order a step serves them: first, oldest first, those
         whose whole rest fits in half the step's budget together (a short prompt behind long
-        ones is prefilled in one step, and its first token does not wait for theirs); then
-        the others, oldest first, which the other half at least goes to."""
+        ones, a new turn of a cached conversation: prefilled in one step, its first token not
+        waiting for theirs); then the others, oldest first. While both kinds wait, every other
+        step serves the oldest first (a step's first chunk always advances), so a long prompt
+        is never held for longer than one step at a time."""
         quick: list[Group] = []
         sizes: list[tuple[int, int]] = []
         for group in self.prefilling:
-            # Not started: its whole prompt, as if nothing of it were cached.
-            rest = len(group.pending) if group.started else len(group.prompt) - 1
-            size = (rest, group.context if group.started else 0)
+            size = (len(group.pending), group.context) if group.started else self._unstarted(group)
             if cost.call_cost([*sizes, size]) <= cost.budget / 2:
                 quick.append(group)
                 sizes.append(size)
-        return [*quick, *(group for group in self.prefilling if group not in quick)]
+        rest = [group for group in self.prefilling if group not in quick]
+        if quick and rest and self._quick_first:
+            self._quick_first = False
+            return list(self.prefilling)
+        self._quick_first = bool(quick and rest)
+        return [*quick, *rest]
+
+    def _unstarted(self, group: Group) -> tuple[int, int]:
+        """(tokens to prefill, context) of a group not started yet, as the prompt cache holds
+        its prompt now."""
+        key = prompt_cache_key(self.engine.base_id, group.adapters)
+        cached = min(cached_length(self.engine.prompt_cache, key, group.prompt), len(group.prompt))
+        return max(0, len(group.prompt) - 1 - cached), cached
 
     def _prefill_together(self, work: list[tuple[Group, list[int], int]]) -> None:
         """One batched call for several groups' chunks: right-padded, each with its adapters."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 
 import mlx.core as mx
@@ -172,6 +173,34 @@ def test_a_short_prompt_behind_long_ones_gets_its_first_token_before_theirs(setu
         scheduler.step()
     for prompt, sink in [(PROMPTS[1], short), *zip(longs, long_sinks, strict=True)]:
         assert sink.text() == solo(engine, [job(prompt, max_tokens=4)]).text()
+
+
+def test_short_prompts_arriving_every_step_leave_a_long_one_every_other_step(setup):
+    """Deep in a long prompt, a short prompt's chunk padded beside the long one's costs more
+    than the step's budget: a step serves one or the other. Short ones always waiting take
+    every other step at most; the long one advances in the others."""
+    engine, _ = setup
+    long_prompt = [4 + i % 120 for i in range(400)]
+    scheduler = Scheduler(engine, max_batch=8, prefill_chunk=32, prefill_context_unit=16)
+    endless = tuple((eos, -100.0) for eos in engine.tokenizer.eos_token_ids)
+    scheduler.add([job(PROMPTS[0], max_tokens=400, logit_bias=endless)], Recorder())
+    scheduler.step()
+    scheduler.add([job(long_prompt, max_tokens=2)], Recorder())
+    for _ in range(6):  # into the prompt, where each token's attention costs several tokens'
+        scheduler.step()
+    [group] = scheduler.prefilling
+    shorts = [Recorder() for _ in range(16)]
+    advanced = []
+    for i in range(0, len(shorts), 2):  # two a step: one waits whenever the other is served
+        for k in (i, i + 1):
+            scheduler.add([job(PROMPTS[1 + k % 4], max_tokens=1)], shorts[k])
+        before = len(group.pending)
+        scheduler.step()
+        advanced.append(len(group.pending) < before)
+    assert all(a or b for a, b in pairwise(advanced)), advanced
+    for _ in range(2):
+        scheduler.step()
+    assert all(sink.finished() for sink in shorts)
 
 
 class CallLog:
@@ -438,6 +467,26 @@ def test_a_finished_row_leaves_its_cache_for_the_next_turn(setup, tiny_model_dir
     assert again.text() == first.text()
     assert first.finished().cached_tokens == 0
     assert again.finished().cached_tokens == len(PROMPTS[4]) - 1
+
+
+def test_a_new_turn_of_a_cached_conversation_counts_as_short(tiny_model_dir: Path):
+    """What the prompt cache holds of a prompt is not prefilled again: a long conversation's
+    next turn, a few tokens past its cache, goes before a long prompt that came first."""
+    engine = Engine(load_model_dir(tiny_model_dir), base_id="tiny", prompt_cache_size=4)
+    conversation = [4 + (i * 5) % 120 for i in range(300)]
+    first = solo(engine, [job(conversation, max_tokens=4)])
+    assert first.finished().completion_tokens == 4
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=32, prefill_context_unit=1 << 30)
+    endless = tuple((eos, -100.0) for eos in engine.tokenizer.eos_token_ids)
+    scheduler.add([job(PROMPTS[0], max_tokens=100, logit_bias=endless)], Recorder())
+    scheduler.step()
+    scheduler.add([job([4 + (i * 3) % 120 for i in range(300)], max_tokens=2)], Recorder())
+    scheduler.step()
+    next_turn = job([*conversation, 7, 8, 9], max_tokens=2)  # three tokens past the cache
+    scheduler.add([next_turn], Recorder())
+    scheduler.step()
+    [row] = [row for row in scheduler.running if row.job is next_turn]  # prefilled, decoding
+    assert row.cached >= len(conversation) - 1
 
 
 def test_a_failed_model_call_fails_its_rows_and_the_scheduler_serves_on(setup, monkeypatch):
