@@ -45,7 +45,13 @@ from hotlora.adapters.mount_journal import (
 )
 from hotlora.adapters.residency import Budget
 from hotlora.adapters.root_listing import RootEntry
-from hotlora.adapters.scope import AdapterScope, current_scope, reset_scope, use_scope
+from hotlora.adapters.scope import (
+    EVERYTHING,
+    AdapterScope,
+    current_scope,
+    reset_scope,
+    use_scope,
+)
 from hotlora.adapters.slots import activate
 from hotlora.adapters.spec import (
     ADAPTER_ID_SCHEMA,
@@ -58,6 +64,7 @@ __all__ = [
     "ADAPTER_ID_SCHEMA",
     "MOUNTS_FILE",
     "BASE_ONLY",
+    "EVERYTHING",
     "AdapterConflict",
     "AdapterError",
     "AdapterInfo",

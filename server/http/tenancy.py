@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotlora.adapters import reset_scope, use_scope
-from hotlora.adapters.scope import EVERYTHING
+from hotlora.adapters import EVERYTHING, reset_scope, use_scope
 from hotlora.config.settings import Settings
 from hotlora.server.http.keys_file import KeyRing, flag_keys
 from hotlora.server.http.tenant_limits import Admission, TenantLimits

@@ -105,7 +105,8 @@ def _text(f: dict[str, Any]) -> str:
         parts.append(f"adapters={'+'.join(f['adapters'])}")
     if f["prompt_tokens"] is not None:
         parts.append(f"prompt={f['prompt_tokens']} completion={f['completion_tokens']}")
-        parts.append(f"cached={f['cached_tokens']}")
+        if f["cached_tokens"] is not None:  # embeddings cache nothing
+            parts.append(f"cached={f['cached_tokens']}")
     if f["ttft_ms"] is not None:
         parts.append(f"ttft={f['ttft_ms']}ms")
     if f["finish_reason"] is not None:

@@ -22,7 +22,7 @@ A keeps 64 streams in flight, beside A's queued requests' first token.
                           [--rounds 5]
                           [--max-tokens 128] [--clients 8] [--concurrency-tokens 96]
                           [--concurrency-rounds 5] [--prefill-tokens 8000] [--prefill-rounds 1]
-                          [--cpu-models embedded,1b] [--cpu-streams 1,8,16] [--cpu-tokens 96]
+                          [--cpu-models embedded,q4km,1b] [--cpu-streams 1,8,16] [--cpu-tokens 96]
                           [--cpu-prefill-tokens 1250] [--cpu-adapters 16]
                           [--cpu-adapter-dtype auto|float32|float16] [--cpu-rounds 1]
                           [--cpu-adapter-pairs 4] [--cpu-precisions fast,exact]
@@ -57,7 +57,7 @@ from hotlora.config.settings import KernelsIsa
 from tests.bench.adapter_decode import run_adapters
 from tests.bench.concurrency import QUESTIONS as CONCURRENT_QUESTIONS
 from tests.bench.concurrency import run_concurrency
-from tests.bench.cpu import CPU_MODELS, Options, run_cpu
+from tests.bench.cpu import CPU_MODELS, DEFAULT_CPU_MODELS, Options, run_cpu
 from tests.bench.fairness import run_fairness
 from tests.bench.prefill import run_prefill
 from tests.bench.scoring import run_scoring
@@ -401,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--cpu-models",
-        default=",".join(CPU_MODELS),
+        default=",".join(DEFAULT_CPU_MODELS),
         help=f"Models of section cpu, of: {', '.join(CPU_MODELS)}.",
     )
     p.add_argument(

@@ -253,6 +253,12 @@ def test_the_access_line_has_the_request_facts_and_no_secrets(make_client, root,
         ).status_code
         == 401
     )
+    embedded = client.post(
+        "/v1/embeddings",
+        json={"model": "tiny", "input": "the cat"},
+        headers={**key, "x-request-id": "r-5"},
+    )
+    assert embedded.status_code == 200
 
     access = [r for r in caplog.records if r.name == "hotlora.access"]
     lines = {
@@ -283,7 +289,13 @@ def test_the_access_line_has_the_request_facts_and_no_secrets(make_client, root,
         "POST /v1/chat/completions 200" in text
         and "model=tiny:a adapters=a" in text
         and "ttft=" in text
+        and f"cached={usage['prompt_tokens_details']['cached_tokens']}" in text
     )
+    # A fact that does not apply is left out of the text line: embeddings cache nothing.
+    text = logging.Formatter(TEXT_FORMAT).format(
+        next(r for r in access if "id=r-5" in r.getMessage())
+    )
+    assert "POST /v1/embeddings 200" in text and "prompt=" in text and "cached=" not in text
     # Neither the key nor the prompt reaches any log line, in either format.
     for record in caplog.records:
         for line in (JsonFormatter().format(record), logging.Formatter(TEXT_FORMAT).format(record)):
