@@ -15,6 +15,7 @@ from hotlora.server.engine.generate import (
     NonFiniteLogits,
     SampledToken,
 )
+from hotlora.server.engine.grammar import GrammarFailed
 from hotlora.server.engine.sampling import SamplingParams
 from hotlora.server.engine.scheduler import Scheduler
 from hotlora.server.engine.worker import (
@@ -34,6 +35,7 @@ __all__ = [
     "Finished",
     "GenerationJob",
     "GenerationWorker",
+    "GrammarFailed",
     "LoadSnapshot",
     "NonFiniteLogits",
     "QueueFull",

@@ -77,7 +77,9 @@ class UnsupportedSchema(InvalidRequest):
 
 
 class GrammarFailed(HotloraError):
-    """A row's matcher went into an error state: it stops, the rest of the batch goes on."""
+    """A row's matcher went into an error state: it stops, the rest of the batch goes on. The
+    constraint compiled, but following it went past the grammar engine's limits (counted
+    repetitions nested a thousand deep): the request's to simplify, a 400."""
 
     code = "grammar_failed"
 
@@ -374,7 +376,12 @@ def constrain(
         if constraint is None or i in failed:
             continue
         if constraint.error:
-            failed[i] = GrammarFailed(f"Generation left the answer's grammar: {constraint.error}")
+            failed[i] = GrammarFailed(
+                "The answer's constraint (response_format, a guided_* field, a grammar or a "
+                "tool's parameters) could not be followed: the grammar engine reached one of "
+                f"its limits ({constraint.error}); make it smaller, e.g. fewer or shorter "
+                "counted repetitions"
+            )
             continue
         constraint.fill(bitmask[i])
     # Token t is bit t % 32 of word t // 32: in a little-endian int32, byte-wise little bit order.

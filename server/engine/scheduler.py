@@ -47,6 +47,7 @@ from hotlora.server.engine.generate import (
     cached_length,
     prompt_cache_key,
 )
+from hotlora.server.engine.grammar import GrammarFailed
 from hotlora.server.engine.kv_caches import (
     KV_STEP,
     LayerCaches,
@@ -570,7 +571,10 @@ class Scheduler:
     # Failure.
 
     def _fail(self, rows: list[Row], error: BaseException) -> None:
-        log.error("generation failed: %s", printable(error), exc_info=error)
+        if isinstance(error, GrammarFailed):  # the request's constraint, not the server
+            log.warning("generation stopped: %s", printable(error))
+        else:
+            log.error("generation failed: %s", printable(error), exc_info=error)
         for row in rows:
             row.sink.failed(row.position, error)
 

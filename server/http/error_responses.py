@@ -23,7 +23,13 @@ from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
 from hotlora.server.api.wire_base import unknown_key_message
-from hotlora.server.engine import ClientNotReading, NonFiniteLogits, QueueFull, WorkerStopped
+from hotlora.server.engine import (
+    ClientNotReading,
+    GrammarFailed,
+    NonFiniteLogits,
+    QueueFull,
+    WorkerStopped,
+)
 from hotlora.server.http.request_errors import (
     ClientDisconnected,
     LoraPathNotFound,
@@ -69,6 +75,7 @@ HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
     QueueFull: HttpError(503, _UNAVAILABLE, {"Retry-After": "1"}),
     WorkerStopped: HttpError(503, _UNAVAILABLE, {"Retry-After": "5"}),
     NonFiniteLogits: HttpError(500, "server_error"),
+    GrammarFailed: _INVALID,
 }
 
 

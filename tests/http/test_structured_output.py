@@ -192,3 +192,19 @@ def test_a_huge_schema_is_refused_before_generation_and_logged_by_size(
     logged = [record.getMessage() for record in caplog.records]
     assert any(m.startswith("refused response_format of 60") for m in logged), logged
     assert all(len(m) < 1000 and "pirate" not in m for m in logged)
+
+
+def test_a_constraint_past_the_grammar_engines_limits_is_a_400(client: TestClient):
+    """A pattern that compiles but that the grammar engine cannot follow for long (counted
+    repetitions nested a thousand deep) is the request's to simplify: a 400, streamed as an
+    error event, and the server serves on."""
+    body = {**CHAT, "max_tokens": 8, "guided_regex": "(a{1000}){1000}"}
+    refused = client.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "grammar_failed")
+    assert "could not be followed: the grammar engine reached one of its limits" in error["message"]
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = [json.loads(e) for e in sse_events(streamed)[:-1]]
+    assert events[-1]["error"]["code"] == "grammar_failed"
+    assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}).status_code == 200
