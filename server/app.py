@@ -65,8 +65,15 @@ def create_app(
             await runtime.stop()
 
     # The docs pages are served by `install_page`, from files in the package, not a CDN.
+    # No redirect to a route without its trailing slash: a 404 (a redirect answers a DELETE or
+    # POST with a 307 to wherever the Host header says).
     app = FastAPI(
-        title="hotlora", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+        title="hotlora",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        redirect_slashes=False,
     )
     app.state.runtime = runtime
     app.state.tenancy = tenancy

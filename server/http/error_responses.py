@@ -218,13 +218,15 @@ def _body_refusal(exc: RequestValidationError, first: dict[str, Any]) -> JSONRes
 
 
 def _http_response(exc: StarletteHTTPException) -> JSONResponse:
+    code = {413: "request_too_large", 400: "invalid_json"}.get(exc.status_code)
     if exc.status_code == 404:
         message = "Unknown route."
     elif exc.status_code == 405:
         message = "Method not allowed for this route."
+    elif exc.status_code == 400:  # FastAPI's: a body it could not decode (UTF-8, nesting)
+        message = "We could not parse the JSON body of your request."
     else:
         message = str(exc.detail)
-    code = "request_too_large" if exc.status_code == 413 else None
     return json_error(
         exc.status_code, message, _type_for(exc.status_code), code=code, headers=exc.headers
     )

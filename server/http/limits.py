@@ -1,4 +1,5 @@
-"""ASGI middleware that refuses request bodies over the configured size with 413."""
+"""ASGI middleware that refuses request bodies over the configured size with 413, and bodies
+sent compressed (a `Content-Encoding` other than identity) with 415: they are read as sent."""
 
 from __future__ import annotations
 
@@ -23,9 +24,20 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        headers = dict(scope.get("headers", ()))
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):
+            shown = encoding.decode("latin-1")[:40]
+            await self._refuse(
+                send,
+                415,
+                f"Content-Encoding '{shown}' is not supported: send the body uncompressed.",
+                "unsupported_media_type",
+            )
+            return
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, 413, too_large_message(self.max_bytes), "request_too_large")
             return
         seen = 0
 
@@ -41,15 +53,11 @@ class BodyLimit:
 
         await self.app(scope, counted, send)
 
-    async def _refuse(self, send: Send) -> None:
-        body = json_bytes(
-            error_body(
-                too_large_message(self.max_bytes), "invalid_request_error", code="request_too_large"
-            )
-        ).encode()
+    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
+        body = json_bytes(error_body(message, "invalid_request_error", code=code)).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import mlx.core as mx
@@ -104,6 +105,40 @@ def test_invalid_json_unknown_route_and_method(client: TestClient):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     wrong = client.get("/v1/chat/completions")
     assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_bodies_that_cannot_be_read_are_named_and_routes_keep_their_spelling(client: TestClient):
+    """A body FastAPI cannot decode (invalid UTF-8, nesting past Python's recursion limit) is
+    invalid JSON as any other; a compressed body is refused, not read as JSON; a path with a
+    trailing slash is no route (no redirect to wherever the Host header points)."""
+    chat = json.dumps({**CHAT, "max_tokens": 1}).encode()
+    json_type = {"content-type": "application/json"}
+    for body in (chat.replace(b'"user"', b'"us\xe9\xffr"'), b"[" * 5000 + b"]" * 5000):
+        bad = client.post("/v1/chat/completions", content=body, headers=json_type)
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["code"] == "invalid_json"
+        assert bad.json()["error"]["message"] == "We could not parse the JSON body of your request."
+    packed = client.post(
+        "/v1/chat/completions",
+        content=gzip.compress(chat),
+        headers={**json_type, "content-encoding": "gzip"},
+    )
+    assert packed.status_code == 415 and packed.json()["error"]["code"] == "unsupported_media_type"
+    assert "Content-Encoding 'gzip' is not supported" in packed.json()["error"]["message"]
+    plain = client.post(
+        "/v1/chat/completions", content=chat, headers={**json_type, "content-encoding": "identity"}
+    )
+    assert plain.status_code == 200
+    for method, path in (
+        ("DELETE", "/v1/adapters/"),
+        ("GET", "/health/"),
+        ("POST", "/v1/completions/"),
+    ):
+        slashed = client.request(method, path, headers={"host": "elsewhere.example"})
+        assert slashed.status_code == 404 and "location" not in slashed.headers
+    for path in ("/health", "/ready"):
+        head = client.head(path)
+        assert head.status_code == 200 and head.content == b""
 
 
 def test_a_body_that_is_no_json_object_says_what_it_is(client: TestClient):
