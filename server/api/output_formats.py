@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic.json_schema import JsonDict
 
 from hotlora.config.errors import InvalidRequest
 from hotlora.server.api.wire_base import ClosedObject, OpenAIBase
@@ -66,6 +67,10 @@ class ResponseFormat(ClosedObject):
         return self.json_schema.schema_ if self.json_schema else None
 
 
+# What `_choices` holds a list to, shown in the OpenAPI document (on an array only, null passes).
+_CHOICES_SCHEMA: JsonDict = {"minItems": 1, "maxItems": MAX_CHOICES, "items": {"minLength": 1}}
+
+
 def _choices(value: list[str] | None) -> list[str] | None:
     if value is not None and (not value or len(value) > MAX_CHOICES):
         raise ValueError(f"give between 1 and {MAX_CHOICES} choices")
@@ -92,7 +97,7 @@ class StructuredOutputs(OpenAIBase):
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(default=None, json_schema_extra=_CHOICES_SCHEMA)
     grammar: str | None = None
     json_object: StrictBool | None = None
     disable_any_whitespace: StrictBool | None = Field(
@@ -165,7 +170,9 @@ class GuidedFields(OpenAIBase):
         default=None, description="vLLM: the answer matches this regular expression."
     )
     guided_choice: list[str] | None = Field(
-        default=None, description="vLLM: the answer is exactly one of these strings."
+        default=None,
+        description="vLLM: the answer is exactly one of these strings.",
+        json_schema_extra=_CHOICES_SCHEMA,
     )
     guided_grammar: str | None = Field(
         default=None, description="vLLM: the answer follows this grammar (Lark or GBNF)."

@@ -7,7 +7,9 @@ import re
 from functools import cache
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, GetJsonSchemaHandler, field_validator, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from hotlora.config.errors import InvalidRequest
 from hotlora.config.log_text import printable
@@ -37,6 +39,27 @@ class OpenAIBase(BaseModel):
             return data
         defaulted = _defaulted_keys(cls)
         return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        # The document says what `_null_is_the_default` takes: null, for a defaulted field.
+        schema = handler(core_schema)
+        properties = handler.resolve_ref_schema(schema).get("properties", {})
+        for key in _defaulted_keys(cls) & properties.keys():
+            field = properties[key]
+            if _takes_null(field):
+                continue
+            shown = {k: field.pop(k) for k in ("title", "description", "default") if k in field}
+            properties[key] = {"anyOf": [field, {"type": "null"}], **shown}
+        return schema
+
+
+def _takes_null(field: dict[str, Any]) -> bool:
+    return field.get("type") == "null" or any(
+        option.get("type") == "null" for option in field.get("anyOf", ())
+    )
 
 
 @cache

@@ -253,6 +253,10 @@ REFUSED = [
     ("/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": "3"}),
     ("/v1/chat/completions", {**CHAT, "messages": []}),
     ("/v1/chat/completions", {**CHAT, "stream": "true"}),
+    ("/v1/completions", {"model": "tiny", "prompt": "0", "guided_choice": []}),
+    ("/v1/completions", {"model": "tiny", "prompt": "0", "guided_choice": ["a", ""]}),
+    ("/v1/completions", {"model": "tiny", "prompt": "0", "guided_choice": ["a"] * 257}),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"choice": []}}),
 ]
 
 
@@ -277,6 +281,10 @@ SERVED = [
     ("/v1/adapters", {"id": "b" * 64, "path": "b"}),
     ("/v1/completions", {"model": "tiny", "prompt": " ", "max_tokens": 1}),
     ("/v1/completions", {"model": "tiny", "prompt": [[5], [6, 7]], "max_tokens": 1}),
+    ("/v1/completions", {"model": "tiny", "prompt": "0", "max_tokens": 1, "guided_choice": ["a"]}),
+    # null for a defaulted field is that default, as the SDKs send an argument left None.
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 1, "stream": None, "n": None}),
+    ("/tokenize", {"model": "tiny", "prompt": "x", "return_token_strs": None}),
 ]
 
 
