@@ -39,7 +39,7 @@ class ErrorResponse(BaseModel):
 
 _REF = "#/components/schemas/{model}"
 
-_ADMIN_POST = (400, 401, 404, 409, 413, 415, 503)
+_ADMIN_POST = (400, 401, 404, 408, 409, 413, 415, 503)
 # The error statuses each operation can answer with; 405 and unknown routes are not operations.
 # Every inference route counts against its key's limits (429).
 ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
@@ -47,12 +47,12 @@ ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
     ("get", "/ready"): (503,),
     ("get", paths.MODELS): (401, 429, 503),
     ("get", f"{paths.MODELS}/{{model_id}}"): (401, 404, 429, 503),
-    ("post", paths.CHAT_COMPLETIONS): (400, 401, 404, 413, 415, 429, 500, 503),
-    ("post", paths.COMPLETIONS): (400, 401, 404, 413, 415, 429, 500, 503),
-    ("post", paths.RESPONSES): (400, 401, 404, 413, 415, 429, 500, 503),
-    ("post", paths.EMBEDDINGS): (400, 401, 404, 413, 415, 429, 503),
-    ("post", paths.TOKENIZE): (400, 401, 404, 413, 415, 429, 503),
-    ("post", paths.DETOKENIZE): (400, 401, 404, 413, 415, 429, 503),
+    ("post", paths.CHAT_COMPLETIONS): (400, 401, 404, 408, 413, 415, 429, 500, 503),
+    ("post", paths.COMPLETIONS): (400, 401, 404, 408, 413, 415, 429, 500, 503),
+    ("post", paths.RESPONSES): (400, 401, 404, 408, 413, 415, 429, 500, 503),
+    ("post", paths.EMBEDDINGS): (400, 401, 404, 408, 413, 415, 429, 503),
+    ("post", paths.TOKENIZE): (400, 401, 404, 408, 413, 415, 429, 503),
+    ("post", paths.DETOKENIZE): (400, 401, 404, 408, 413, 415, 429, 503),
     ("get", paths.VERSION): (),
     ("post", paths.ADAPTERS): _ADMIN_POST,
     ("get", paths.ADAPTERS): (401, 503),
@@ -60,7 +60,7 @@ ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
     ("get", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
     ("delete", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
     ("post", paths.LOAD_LORA_ADAPTER): _ADMIN_POST,
-    ("post", paths.UNLOAD_LORA_ADAPTER): (400, 401, 404, 413, 415, 503),
+    ("post", paths.UNLOAD_LORA_ADAPTER): (400, 401, 404, 408, 413, 415, 503),
     ("get", paths.USAGE): (401,),
 }
 
@@ -70,7 +70,8 @@ _DESCRIPTIONS = {
     404: "Unknown model or adapter, or one outside the key's scope.",
     409: "Another adapter is mounted under this id; mount with `replace` to swap it.",
     413: "The request body is over the server's limit.",
-    415: "The body was sent as another media type than `application/json`.",
+    408: "The request was not received in full within the server's request timeout.",
+    415: "The body was sent as another media type than `application/json`, or compressed.",
     429: "A limit of the key's tenant is reached (requests or tokens a minute, requests at once).",
     500: "The model computed NaN or infinite logits for this request (`non_finite_logits`).",
     503: "The model is loading, the wait list is full, or the server is shutting down.",

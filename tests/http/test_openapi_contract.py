@@ -26,9 +26,9 @@ from hotlora.server.app import create_app
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 
 ERROR_KEYS = {"message", "type", "param", "code"}
-POST_ERRORS = {"400", "401", "404", "413", "415", "503"}
+POST_ERRORS = {"400", "401", "404", "408", "413", "415", "503"}
 INFERENCE_ERRORS = POST_ERRORS | {"429"}  # a tenant's limits hold on every inference route
-ADMIN_POST = {"201", "200", "400", "401", "404", "409", "413", "415", "503"}
+ADMIN_POST = {"201", "200", "400", "401", "404", "408", "409", "413", "415", "503"}
 # Every operation and the statuses it can answer with.
 STATUSES = {
     ("get", "/health"): {"200"},
