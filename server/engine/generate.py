@@ -57,6 +57,12 @@ class SampledToken:
     token: TokenPiece
     logprob: float
     top: tuple[tuple[TokenPiece, float], ...]
+    silent: bool = False  # a control token that adds nothing to the text (skip_special_tokens)
+
+    @property
+    def width(self) -> int:
+        """What it adds to the answer's text, in characters: its text, or nothing if silent."""
+        return 0 if self.silent else len(self.token.text)
 
 
 @dataclass(frozen=True)

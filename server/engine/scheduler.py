@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -524,7 +524,8 @@ class Scheduler:
         params = row.job.params
         if not params.logprobs or row.ends_quietly(token):
             return None
-        return self.engine.logprob(token, logprobs[i][0], params.top_logprobs)
+        sampled = self.engine.logprob(token, logprobs[i][0], params.top_logprobs)
+        return replace(sampled, silent=True) if token in row.silent else sampled
 
     def _store(self, row: Row, index: int) -> None:
         """Keep a finished row's cache (prompt + output) for the next turn of its conversation,

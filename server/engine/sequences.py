@@ -56,11 +56,12 @@ class Row:
     head: int = 0  # its opening shared with recent prompts, to keep once done (not cached)
     prompt_logprobs: PromptLogprobs | None = None  # set once prefilled, when asked for
     # Sampled tokens whose text has not all gone out, with where it starts and ends in the
-    # answer's text: a token's log-probability goes out with its text. Counted on the tokens'
-    # own texts, which join into the text, not on what the detokenizer has written so far (it
-    # may hold a token's text back: mlx-lm's byte-level BPE holds a lone space).
+    # answer's text, in UTF-8 bytes: a token's log-probability goes out with its text. Counted
+    # on the tokens' own bytes, which join into the text (a character split over byte tokens
+    # included), not on what the detokenizer has written so far (it may hold a token's text
+    # back: mlx-lm's byte-level BPE holds a lone space).
     held: list[tuple[SampledToken, int, int]] = field(default_factory=list)
-    spelled: int = 0  # the sampled tokens' texts so far, in characters
+    spelled: int = 0  # the sampled tokens' bytes so far
 
     def __post_init__(self) -> None:
         params = self.job.params
@@ -109,7 +110,7 @@ class Row:
         text = self.stops.feed(self.detokenizer.last_segment, armed=armed)
         if sampled is not None:
             start = self.spelled
-            self.spelled += 0 if token in self.silent else len(sampled.token.text)
+            self.spelled += 0 if sampled.silent else len(sampled.token.bytes)
             self.held.append((sampled, start, self.spelled))
         shown = self._shown_tokens()
         if text or shown:

@@ -15,7 +15,7 @@ class StopMatcher:
         self.include = include  # the stop sequence itself is emitted, and nothing after it
         self.pending = ""
         self.stopped = False
-        self.emitted = 0  # characters returned so far: the text a client has, at its length
+        self.emitted = 0  # UTF-8 bytes returned so far: the text a client has, at its size
 
     def feed(self, delta: str, *, armed: bool = True) -> str:
         """Add text; return what is now safe to emit. Sets `stopped` when a stop is reached.
@@ -23,11 +23,11 @@ class StopMatcher:
         if self.stopped:
             return ""
         if not self.stops:
-            self.emitted += len(delta)
+            self.emitted += len(delta.encode())
             return delta
         if not armed:
             out, self.pending = self.pending + delta, ""
-            self.emitted += len(out)
+            self.emitted += len(out.encode())
             return out
         self.pending += delta
         found = self._first_stop()
@@ -36,18 +36,18 @@ class StopMatcher:
             self.stopped = True
             end = cut + len(stop) if self.include else cut
             out, self.pending = self.pending[:end], ""
-            self.emitted += len(out)
+            self.emitted += len(out.encode())
             return out
         keep = self._held_back()
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(self.pending) - keep :]
-        self.emitted += len(out)
+        self.emitted += len(out.encode())
         return out
 
     def flush(self) -> str:
         """The end of generation: pending text can no longer become a stop sequence."""
         out, self.pending = ("" if self.stopped else self.pending), ""
-        self.emitted += len(out)
+        self.emitted += len(out.encode())
         return out
 
     def _first_stop(self) -> tuple[int, str] | None:

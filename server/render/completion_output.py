@@ -81,7 +81,7 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> answers.Compl
     offsets, at = [], start
     for e in entries:
         offsets.append(at)
-        at += len(e.token.text)
+        at += e.width
     return answers.CompletionLogprobs(
         tokens=[e.token.text for e in entries],
         token_logprobs=[e.logprob for e in entries],
@@ -358,7 +358,7 @@ async def completion_stream(
                 # token may have begun in text an earlier chunk sent (held for a stop string).
                 at = offsets.get(index, 0)
                 logprobs = _text_logprobs(list(event.logprobs), at)
-                offsets[index] = at + sum(len(e.token.text) for e in event.logprobs)
+                offsets[index] = at + sum(e.width for e in event.logprobs)
             choice = answers.CompletionChoice(
                 index=index, text=event.text, logprobs=logprobs, finish_reason=None
             )

@@ -93,3 +93,24 @@ def test_a_rows_logprobs_end_where_its_text_does(embedded_model_dir: Path, stop:
     assert text == "x \ny"[: "x \ny".index(stop)]
     assert [token.token.text for delta in deltas for token in delta.logprobs] == shown
     assert "".join(shown) == text
+
+
+def test_logprobs_of_characters_split_over_byte_tokens_go_out_with_them(embedded_model_dir: Path):
+    """A character the vocabulary spells in several byte tokens is written once, whole: the
+    logprobs before a stop are every token of the text before it, counted in bytes."""
+    tokenizer = load_tokenizer(embedded_model_dir)
+    pieces = TokenPieces(tokenizer)
+    text = "日本語です 😀\nfoo"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # characters split over tokens
+    assert b"".join(pieces(i).bytes for i in ids) == text.encode()
+    sink = Recorder()
+    params = SamplingParams(max_tokens=64, stop=("\n",), logprobs=True)
+    row = Row(GenerationJob([1, 2], params), sink, 0, RowDetokenizers(tokenizer)(), frozenset())
+    for token in ids:
+        if not row.advance(token, SampledToken(pieces(token), -1.0, ())):
+            break
+    deltas = [event for _, event in sink.events if isinstance(event, Delta)]
+    assert "".join(delta.text for delta in deltas) == "日本語です 😀"
+    shown = b"".join(token.token.bytes for delta in deltas for token in delta.logprobs)
+    assert shown == "日本語です 😀".encode()
