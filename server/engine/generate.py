@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from hotlora.adapters import BASE_ONLY, AdapterSet
 from hotlora.config.errors import HotloraError
@@ -116,11 +116,17 @@ def cached_length(cache: LRUPromptCache, key: tuple[str, ...], prompt: list[int]
     trie = getattr(cache, "_trie", None)
     if trie is None:  # an mlx-lm without it: nothing known in advance
         return 0
+
+    def trimmable(tokens: list[int]) -> bool:  # a cache it must cut back
+        return bool(can_trim_prompt_cache(trie.get(found.model, tokens).prompt_cache))
+
     found = trie.search(key, prompt)
     if found.exact is not None:
-        return len(prompt)
+        return len(prompt) if trimmable(found.exact) else 0
     shorter = len(found.shorter) if found.shorter is not None else 0
-    longer = min(len(prompt) - 1, found.common_prefix) if found.longer is not None else 0
+    longer = 0
+    if found.longer is not None and found.common_prefix > shorter and trimmable(found.longer):
+        longer = min(len(prompt) - 1, found.common_prefix)
     return max(shorter, longer)
 
 

@@ -323,11 +323,17 @@ class Scheduler:
         return [*quick, *rest]
 
     def _unstarted(self, group: Group) -> tuple[int, int]:
-        """(tokens to prefill, context) of a group not started yet, as the prompt cache holds
-        its prompt now."""
-        key = prompt_cache_key(self.engine.base_id, group.adapters)
-        cached = min(cached_length(self.engine.prompt_cache, key, group.prompt), len(group.prompt))
-        return max(0, len(group.prompt) - 1 - cached), cached
+        """(tokens to prefill, context) of a group not started yet, as the prompt cache held
+        its prompt when first asked (one search of it a group, not one a step); a scoring
+        prompt, which takes nothing from the prompt cache, whole."""
+        if group.estimate is None:
+            cached = 0
+            if scoring_key(self.engine.base_id, group) is None:
+                key = prompt_cache_key(self.engine.base_id, group.adapters)
+                cached = cached_length(self.engine.prompt_cache, key, group.prompt)
+            cached = min(cached, len(group.prompt) - 1)
+            group.estimate = (max(0, len(group.prompt) - 1 - cached), cached)
+        return group.estimate
 
     def _prefill_together(self, work: list[tuple[Group, list[int], int]]) -> None:
         """One batched call for several groups' chunks: right-padded, each with its adapters."""

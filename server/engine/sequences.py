@@ -164,6 +164,9 @@ class Group:
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
     started: bool = False
     prompt_logprobs: list[tuple[RankedLogprob, ...]] = field(default_factory=list)  # so far
+    # Before it starts: (tokens to prefill, context) as the prompt cache held its prompt when
+    # the scheduler first looked, for the order of prefills (`Scheduler._prefill_order`).
+    estimate: tuple[int, int] | None = None
 
     @property
     def prompt(self) -> list[int]:
