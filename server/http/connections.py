@@ -3,13 +3,13 @@ sent a whole request, so that clients holding half-sent requests cannot lock oth
 
 Before a request's headers are in, nothing says whose it is: no key, no tenant. What is fair
 then is by address and arrival. One address keeps at most `per_peer` connections that have not
-sent a whole request (`--max-unfinished-per-address`, 0: no cap), counted `SETTLE_S` after each
-of its arrivals, when its oldest beyond the cap make way: a burst of clients that connect at once
-and send their requests at once is taken in before any request is read, and they look alike
-until then. At `--max-connections` the oldest unfinished connection of the address holding the
-most makes way, so that a flood from one address pays for itself. A connection whose request is
-in and being answered is never closed for another; when every connection is such, the newcomer
-is closed.
+sent a whole request (`--max-unfinished-per-address`, 0: no cap): `SETTLE_S` after each of its
+arrivals, those that have waited that long are counted and its oldest beyond the cap make way.
+A burst of clients that connect at once and send their requests at once is taken in before any
+request is read, and they look alike until then. At `--max-connections` the oldest unfinished
+connection makes way, the oldest of the address holding the most when that is over its cap, so
+that a flood from one address pays for itself. A connection whose request is in and being
+answered is never closed for another; when every connection is such, the newcomer is closed.
 """
 
 from __future__ import annotations
@@ -66,10 +66,13 @@ class Holder(Protocol):
         ...
 
 
-def make_room(new: Holder, connections: Collection[Holder], limit: int) -> bool:
-    """Close what must close for `new` to stay within `limit`: the oldest unfinished connection
-    of the address that holds the most. False when nothing can make way and `new` must be
-    refused. `connections` may hold `new` itself and connections already closing."""
+def make_room(
+    new: Holder, connections: Collection[Holder], limit: int, per_peer: int = UNFINISHED_PER_PEER
+) -> bool:
+    """Close what must close for `new` to stay within `limit`: the oldest unfinished connection,
+    of the address that holds the most when it holds more than `per_peer` (0: no cap). False
+    when nothing can make way and `new` must be refused. `connections` may hold `new` itself
+    and connections already closing."""
     others = [c for c in connections if c is not new and c.open]
     if len(others) < limit:
         return True
@@ -80,21 +83,28 @@ def make_room(new: Holder, connections: Collection[Holder], limit: int) -> bool:
         _record.refused()
         return False
     held = Counter(others[i].peer for _, i in unfinished)
-    most = max(held.values())
-    oldest = next(others[i] for _, i in unfinished if held[others[i].peer] == most)
+    peer, most = held.most_common(1)[0]
+    flooding = per_peer > 0 and most > per_peer
+    oldest = next(others[i] for _, i in unfinished if not flooding or others[i].peer == peer)
     _record.made_way(oldest, "limit")
     oldest.make_way()
     return True
 
 
-def keep_to_the_cap(new: Holder, connections: Collection[Holder], per_peer: int) -> None:
-    """`SETTLE_S` after `new` arrived: its address keeps `per_peer` connections that have not
-    sent a whole request, its oldest beyond them making way (`new` may be one); nothing when
-    there is no cap (0)."""
-    if per_peer <= 0 or new.peer is None:
+def keep_to_the_cap(
+    peer: str | None, arrived: int, connections: Collection[Holder], per_peer: int
+) -> None:
+    """`SETTLE_S` after a connection from `peer` arrived (at `waiting_order()` `arrived`): of
+    the address's connections that have waited since then or longer without a whole request,
+    it keeps `per_peer`, its oldest making way; nothing when there is no cap (0). Those that
+    began waiting since are not counted yet: a burst's requests may still be unread."""
+    if per_peer <= 0 or peer is None:
         return
-    waiting = [(c.unfinished_since, c) for c in connections if c.open and c.peer == new.peer]
-    mine = sorted(((since, c) for since, c in waiting if since is not None), key=lambda p: p[0])
+    waiting = [(c.unfinished_since, c) for c in connections if c.open and c.peer == peer]
+    mine = sorted(
+        ((since, c) for since, c in waiting if since is not None and since <= arrived),
+        key=lambda pair: pair[0],
+    )
     for _, connection in mine[: max(0, len(mine) - per_peer)]:
         _record.made_way(connection, "per_peer")
         connection.make_way()

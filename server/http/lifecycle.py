@@ -129,13 +129,15 @@ class BoundedH11Protocol(H11Protocol):
         self._since = waiting_order()
         limit = self.max_connections
         room = len(self.connections) if limit is None else limit
-        if not make_room(self, self.connections, room):
+        if not make_room(self, self.connections, room, self.per_peer):
             transport.close()
             return
         if self.per_peer > 0:
             # Its address's connections are counted once those that arrived with it had time
             # to send their requests.
-            self._settling = self.loop.call_later(connections.SETTLE_S, self._keep_to_the_cap)
+            self._settling = self.loop.call_later(
+                connections.SETTLE_S, self._keep_to_the_cap, self._since
+            )
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
@@ -144,10 +146,9 @@ class BoundedH11Protocol(H11Protocol):
         self._since = waiting_order()
         super().on_response_complete()
 
-    def _keep_to_the_cap(self) -> None:
+    def _keep_to_the_cap(self, arrived: int) -> None:
         self._settling = None
-        if not self.transport.is_closing():
-            keep_to_the_cap(self, self.connections, self.per_peer)
+        keep_to_the_cap(self.peer, arrived, self.connections, self.per_peer)
 
     # Room at the limit: what `make_room` reads and calls.
 

@@ -67,13 +67,16 @@ def test_a_newcomer_is_refused_when_every_connection_is_answering(
     assert "refused 1 new connections: every connection is answering" in caplog.text
 
 
-def test_at_the_limit_the_address_holding_the_most_makes_way():
-    """A flood from one address pays for itself: its oldest goes, not another's older one."""
+def test_at_the_limit_an_address_over_its_cap_makes_way_first():
+    """A flood from one address pays for itself: its oldest goes, not another's older one; an
+    address within its cap (a proxy's pool) is no flood, and the oldest overall goes."""
     others = [Conn("10.0.0.2", 0), Conn("10.0.0.3", 1)]  # idle, the oldest
     flood = [Conn("10.0.0.1", 10 + i) for i in range(5)]
     new = Conn("10.0.0.1", 100)
-    assert make_room(new, [*others, *flood, new], limit=7)
+    assert make_room(new, [*others, *flood, new], limit=7, per_peer=4)
     assert [c.open for c in [*others, *flood]] == [True, True, False] + [True] * 4
+    assert make_room(new, [*others, *flood, new], limit=6, per_peer=4)  # 4 left: within
+    assert [c.open for c in [*others, *flood]] == [False, True, False] + [True] * 4
 
 
 def test_one_address_holds_a_bounded_number_of_unfinished_connections(
@@ -86,7 +89,8 @@ def test_one_address_holds_a_bounded_number_of_unfinished_connections(
     with caplog.at_level(logging.WARNING, logger="hotlora"):
         assert make_room(new, [*others, *busy, *mine, new], limit=1000)
         assert all(c.open for c in mine)  # none counted yet: a burst's requests may be unread
-        connections.keep_to_the_cap(new, [*others, *busy, *mine, new], UNFINISHED_PER_PEER)
+        everyone = [*others, *busy, *mine, new]
+        connections.keep_to_the_cap("10.0.0.1", 100, everyone, UNFINISHED_PER_PEER)
     assert [c.open for c in mine] == [False] + [True] * (UNFINISHED_PER_PEER - 1)
     assert all(c.open for c in [*others, *busy])
     assert "closed 1 connections that had not sent a whole request" in caplog.text
@@ -105,22 +109,26 @@ def test_the_log_says_it_at_once_then_at_most_every_few_seconds(
     assert len(caplog.records) == 1
 
 
-def test_a_burst_whose_requests_are_in_by_the_count_keeps_every_connection():
-    """A hundred clients that connect at once are taken in before any request is read; by the
-    time the address's connections are counted, their requests are in and none is counted."""
-    burst = [Conn("10.0.0.1", i) for i in range(3 * UNFINISHED_PER_PEER)]
-    for conn in burst:
-        assert make_room(conn, burst, limit=1000)
-    for conn in burst:
+def test_the_cap_counts_only_connections_that_had_their_time():
+    """A hundred clients that connect at once are taken in before any request is read. The
+    look a second after an earlier arrival counts none of them (they came after it); the look
+    after their own arrival finds their requests in, and counts only those that sent none."""
+    early = Conn("10.0.0.1", 0)
+    burst = [Conn("10.0.0.1", 10 + i) for i in range(3 * UNFINISHED_PER_PEER)]
+    everyone = [early, *burst]
+    for conn in everyone:
+        assert make_room(conn, everyone, limit=1000)
+    connections.keep_to_the_cap("10.0.0.1", 0, everyone, UNFINISHED_PER_PEER)  # early's look
+    assert all(c.open for c in everyone)
+    for conn in burst[UNFINISHED_PER_PEER + 1 :]:
         conn.unfinished_since = None  # its request read, and being answered
-    silent = burst[: UNFINISHED_PER_PEER + 2]
-    for i, conn in enumerate(silent):  # but these never sent theirs
-        conn.unfinished_since = i
-    connections.keep_to_the_cap(burst[-1], burst, UNFINISHED_PER_PEER)
-    expected = [False, False] + [True] * (len(burst) - 2)  # the two oldest silent ones
-    assert [c.open for c in burst] == expected
-    connections.keep_to_the_cap(burst[-1], burst, 0)  # no cap
-    assert [c.open for c in burst] == expected
+    last = burst[-1]
+    connections.keep_to_the_cap("10.0.0.1", 10 + len(burst) - 1, everyone, UNFINISHED_PER_PEER)
+    # 34 silent (early and 33 of the burst) against a cap of 32: the two oldest go.
+    assert [c.open for c in everyone] == [False, False] + [True] * (len(everyone) - 2)
+    assert last.open
+    connections.keep_to_the_cap("10.0.0.1", 10_000, everyone, 0)  # no cap
+    assert sum(not c.open for c in everyone) == 2
 
 
 def test_a_line_owed_is_said_when_its_time_comes(
@@ -147,12 +155,12 @@ def test_the_per_address_cap_is_set_or_off(per_peer: int):
     keep every idle connection, and the connection limit alone makes way."""
     pool = [Conn("10.0.0.9", i) for i in range(40)]  # idle between requests
     new = Conn("10.0.0.9", 100)
-    assert make_room(new, [*pool, new], limit=1000)
-    connections.keep_to_the_cap(new, [*pool, new], per_peer)
+    assert make_room(new, [*pool, new], limit=1000, per_peer=per_peer)
+    connections.keep_to_the_cap("10.0.0.9", 100, [*pool, new], per_peer)
     closed = sum(not c.open for c in pool)
     assert closed == (40 - per_peer + 1 if per_peer else 0)
     if not per_peer:
-        assert make_room(new, [*pool, new], limit=40)
+        assert make_room(new, [*pool, new], limit=40, per_peer=0)
         assert [c.open for c in pool] == [False] + [True] * 39
 
 
