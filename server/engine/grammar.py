@@ -84,6 +84,24 @@ class GrammarFailed(HotloraError):
     code = "grammar_failed"
 
 
+# What llguidance says when a grammar outgrows its limits (`lexer error: too many expressions
+# constructed`, `parser error: Too many items (limit 50000; ...)`): the request's to simplify.
+_LIMIT_WORDS = ("too many", "limit")
+
+
+def _failure(error: str) -> Exception:
+    """The error a row's failed matcher ends it with: a grammar past the engine's limits is
+    the request's (a 400); anything else (a token the mask allowed and the matcher refused) is
+    the server's (a 500, logged with its traceback)."""
+    if any(word in error.lower() for word in _LIMIT_WORDS):
+        return GrammarFailed(
+            "The answer's constraint (response_format, a guided_* field, a grammar or a "
+            "tool's parameters) could not be followed: the grammar engine reached one of its "
+            f"limits ({error}); make it smaller, e.g. fewer or shorter counted repetitions"
+        )
+    return RuntimeError(f"Generation left the answer's grammar: {error}")
+
+
 class Constraint:
     """One row's place in its grammar: which tokens may come next, and when it is complete."""
 
@@ -376,12 +394,7 @@ def constrain(
         if constraint is None or i in failed:
             continue
         if constraint.error:
-            failed[i] = GrammarFailed(
-                "The answer's constraint (response_format, a guided_* field, a grammar or a "
-                "tool's parameters) could not be followed: the grammar engine reached one of "
-                f"its limits ({constraint.error}); make it smaller, e.g. fewer or shorter "
-                "counted repetitions"
-            )
+            failed[i] = _failure(constraint.error)
             continue
         constraint.fill(bitmask[i])
     # Token t is bit t % 32 of word t // 32: in a little-endian int32, byte-wise little bit order.

@@ -26,7 +26,8 @@ class BodyLimit:
             return
         headers = dict(scope.get("headers", ()))
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-        if encoding not in (b"", b"identity"):
+        with_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        if with_body and encoding not in (b"", b"identity"):
             shown = encoding.decode("latin-1")[:40]
             await self._refuse(
                 send,

@@ -129,6 +129,7 @@ def test_bodies_that_cannot_be_read_are_named_and_routes_keep_their_spelling(cli
         "/v1/chat/completions", content=chat, headers={**json_type, "content-encoding": "identity"}
     )
     assert plain.status_code == 200
+    assert client.get("/health", headers={"content-encoding": "gzip"}).status_code == 200  # no body
     for method, path in (
         ("DELETE", "/v1/adapters/"),
         ("GET", "/health/"),

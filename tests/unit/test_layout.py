@@ -12,13 +12,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _is_module(name: str) -> bool:
+    """Whether `hotlora.x.y` is a module or package of the checkout (`x/y.py`, `x/y/`)."""
+    path = ROOT.joinpath(*name.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def imported(folder: str) -> list[tuple[str, str]]:
-    """(file, module) for every `hotlora.*` module the Python files under `folder` import."""
+    """(file, module) for every `hotlora.*` module the Python files under `folder` import:
+    relative imports resolved, and `from hotlora.x import y` naming `hotlora.x.y` too when `y`
+    is a module."""
     found = []
     for path in sorted((ROOT / folder).rglob("*.py")):
+        parts = ["hotlora", *path.relative_to(ROOT).with_suffix("").parts]
+        package = parts[:-1]  # a module's package; an `__init__`'s own
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - (node.level - 1)] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                names = [module]
+                names += [
+                    f"{module}.{a.name}" for a in node.names if _is_module(f"{module}.{a.name}")
+                ]
             elif isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:

@@ -20,6 +20,7 @@ from hotlora.server.engine import (
     GenerationJob,
     SamplingParams,
     Scheduler,
+    grammar,
     next_tokens,
 )
 from hotlora.server.engine.generate import IMPOSSIBLE_LOGPROB
@@ -202,7 +203,9 @@ def test_a_row_whose_matcher_fails_stops_alone(setup):
     row.constraint.consume(PROMPTS[0][0])  # a token the grammar never allows here
     while not scheduler.idle:
         scheduler.step()
-    assert len(broken.errors) == 1 and isinstance(broken.errors[0], GrammarFailed)
+    # A token the mask allowed and the matcher refused is the server's fault, not the request's.
+    [error] = broken.errors
+    assert type(error) is RuntimeError and "left the answer's grammar" in str(error)
     assert free.errors == [] and free.finished().completion_tokens == 12
 
 
@@ -252,3 +255,18 @@ def test_a_grammar_error_does_not_quote_the_grammar(setup):
     constraint.consume(wrong)  # the grammar forces a quote first
     assert constraint.error and len(constraint.error) < 200
     assert "quiet" not in constraint.error
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        ("lexer error: too many expressions constructed", GrammarFailed),
+        ("parser error: Too many items (limit 50000; ff_tokens)", GrammarFailed),
+        ("token 42 is not allowed here", RuntimeError),
+    ],
+)
+def test_a_grammar_past_its_limits_is_the_requests_and_a_refused_token_the_servers(
+    error: str, kind: type[Exception]
+):
+    failure = grammar._failure(error)
+    assert type(failure) is kind and error in str(failure)
