@@ -210,8 +210,8 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=256,
         ge=1,
-        description="Open HTTP connections at most; beyond it a new one takes the place of one "
-        "that has not sent a whole request (the oldest of the address holding the most), or is "
+        description="Open HTTP connections at most; beyond it a new one takes the place of the "
+        "oldest that has not sent a whole request (of an address over its cap first), or is "
         "closed when all are answering.",
     )
     max_unfinished_per_address: int = Field(
