@@ -23,12 +23,10 @@ class StopMatcher:
         if self.stopped:
             return ""
         if not self.stops:
-            self.emitted += len(delta.encode())
-            return delta
+            return self._emit(delta)
         if not armed:
             out, self.pending = self.pending + delta, ""
-            self.emitted += len(out.encode())
-            return out
+            return self._emit(out)
         self.pending += delta
         found = self._first_stop()
         if found is not None:
@@ -36,17 +34,19 @@ class StopMatcher:
             self.stopped = True
             end = cut + len(stop) if self.include else cut
             out, self.pending = self.pending[:end], ""
-            self.emitted += len(out.encode())
-            return out
+            return self._emit(out)
         keep = self._held_back()
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(self.pending) - keep :]
-        self.emitted += len(out.encode())
-        return out
+        return self._emit(out)
 
     def flush(self) -> str:
         """The end of generation: pending text can no longer become a stop sequence."""
         out, self.pending = ("" if self.stopped else self.pending), ""
+        return self._emit(out)
+
+    def _emit(self, out: str) -> str:
+        """`out`, counted into `emitted`."""
         self.emitted += len(out.encode())
         return out
 

@@ -25,8 +25,9 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))
+        declared = headers.get(b"content-length", b"")
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-        with_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        with_body = declared not in (b"", b"0") or b"transfer-encoding" in headers
         if with_body and encoding not in (b"", b"identity"):
             shown = encoding.decode("latin-1")[:40]
             await self._refuse(
@@ -36,7 +37,6 @@ class BodyLimit:
                 "unsupported_media_type",
             )
             return
-        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send, 413, too_large_message(self.max_bytes), "request_too_large")
             return
