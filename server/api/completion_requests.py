@@ -447,6 +447,23 @@ class ChatCompletionRequest(SamplingFields):
         return choice.function.name if isinstance(choice, NamedToolChoice) else choice
 
     @model_validator(mode="after")
+    def _tool_replies_answer_calls(self) -> ChatCompletionRequest:
+        # A reply to no call is a conversation put together wrongly (a trimmed history, an id
+        # mistyped): a template would show the model a result of nothing it asked for.
+        called: set[str] = set()
+        for index, message in enumerate(self.messages):
+            called.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise InvalidRequest(
+                    f"messages.{index} answers the tool call "
+                    f"{printable(str(message.tool_call_id))!r}, which no earlier assistant "
+                    "message's tool_calls holds; a tool message must follow the assistant "
+                    "message with that call.",
+                    param=f"messages.{index}.tool_call_id",
+                )
+        return self
+
+    @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")

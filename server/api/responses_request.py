@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from hotlora.config.errors import HotloraError, InvalidRequest
+from hotlora.config.log_text import printable
 from hotlora.server.api.completion_requests import (
     AdapterSpec,
     ChatCompletionRequest,
@@ -279,6 +280,22 @@ class ResponsesRequest(RequestBody, RequestMetadata):
         if not isinstance(value, list):
             return value
         return [_input_item(i, item) for i, item in enumerate(value)]
+
+    @field_validator("input")
+    @classmethod
+    def _outputs_answer_calls(cls, items: list[InputItem]) -> list[InputItem]:
+        called: set[str] = set()
+        for index, item in enumerate(items):
+            if isinstance(item, FunctionCallItem):
+                called.add(item.call_id)
+            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in called:
+                raise InvalidRequest(
+                    f"No tool call found for function call output with call_id "
+                    f"{printable(item.call_id)!r} (input.{index}): send the function_call item "
+                    "before its output.",
+                    param=f"input.{index}.call_id",
+                )
+        return items
 
     @field_validator("previous_response_id", "conversation", "prompt")
     @classmethod

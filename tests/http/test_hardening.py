@@ -178,13 +178,38 @@ def test_a_vanishing_temperature_samples_as_greedy(client):
     assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]
 
 
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "mul", "arguments": "{}"}}
+
+
 def test_a_tool_reply_with_its_call_id_is_served(client):
     messages = [
         {"role": "user", "content": "what is 6 x 7?"},
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": "42"},
     ]
     response = client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        [],  # no call at all
+        [{"role": "assistant", "content": None, "tool_calls": [{**_CALL, "id": "call_2"}]}],
+    ],
+)
+def test_a_tool_reply_to_no_call_is_refused(client, before):
+    messages = [
+        {"role": "user", "content": "what is 6 x 7?"},
+        *before,
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    response = client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    index = len(messages) - 1
+    assert (error["param"], error["code"]) == (f"messages.{index}.tool_call_id", "invalid_value")
+    assert "'call_1'" in error["message"]
 
 
 @pytest.mark.parametrize(

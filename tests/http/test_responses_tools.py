@@ -134,6 +134,19 @@ def test_the_official_client_reads_calls_and_sends_results_back(tool_client: Tes
     assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
 
 
+def test_an_output_of_no_call_is_refused(tool_client: TestClient):
+    history = [
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_b", "output": "sunny, 21C"},
+    ]
+    response = tool_client.post("/v1/responses", json={**BODY, "input": history})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("input.2.call_id", "invalid_value")
+    assert "call_id 'call_b'" in error["message"]
+
+
 def test_required_and_named_tool_choice_hold_the_answer_to_a_call(tool_client: TestClient):
     """The random tiny model, left to itself, writes a valid call: the grammar holds it to one."""
     small = {"type": "function", **SMALL_WEATHER["function"]}
