@@ -31,6 +31,7 @@ from hotlora.models.gguf import (
     TensorInfo,
     _mlx_path,  # the importer's own name table and q/k row order: adapter and base agree
     _unpermute_rows,
+    check_whole,
     read_header,
 )
 from hotlora.models.gguf_families import Family, UnsupportedGGUF, family_of
@@ -70,7 +71,8 @@ def read_gguf_adapter(
     Refused, naming the key or tensors at fault: a file that is not a GGUF LoRA adapter (a
     base model's GGUF included), an architecture other than the base's, activated LoRA, a
     tensor that is not a LoRA half of a projection the base has, a pair that does not fit its
-    projection, ranks that differ between pairs or pass `max_rank`, a scale past `MAX_SCALE`.
+    projection, ranks that differ between pairs or pass `max_rank`, a scale past `MAX_SCALE`,
+    a file cut short.
     """
     try:
         header = read_header(path)
@@ -94,6 +96,10 @@ def read_gguf_adapter(
             f"{path.name} is an activated LoRA (adapter.alora.invocation_tokens), whose residual "
             "applies only after its invocation tokens; it is not supported"
         )
+    try:
+        check_whole(path, header)
+    except UnsupportedGGUF as exc:
+        raise InvalidAdapter(str(exc)) from None
     family = _family(path, meta.get("general.architecture"), targets)
     modules, pairs = _pairs(header, family, targets)
     rank = _rank(pairs, targets, modules, max_rank)
@@ -114,10 +120,6 @@ def load_gguf_tensors(adapter: GGUFAdapter) -> dict[str, mx.array]:
             info = header.tensors[tensor]
             start = header.data_start + info.offset
             end = start + tensor_bytes(info.type, info.shape)
-            if end > len(data):
-                raise InvalidAdapter(
-                    f"{adapter.path.name} is truncated: {tensor} ends past the end of the file"
-                )
             array = _values(data[start:end], info)
             if heads is not None and half == "lora_b":
                 array = _unpermute_rows(array, heads)

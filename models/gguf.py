@@ -235,8 +235,9 @@ def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
     return x.reshape(n_head, -1, 2, *rest).swapaxes(1, 2).reshape(x.shape)
 
 
-def _check_whole(src: Path, header: GGUFHeader) -> None:
-    """Refuse a file cut short (a download that stopped): every tensor's data within it."""
+def check_whole(src: Path, header: GGUFHeader) -> None:
+    """Refuse a file cut short (a download that stopped): every tensor's data within it. A model
+    is checked before anything is written, an adapter before it mounts."""
     size = src.stat().st_size
     for name, info in header.tensors.items():
         if header.data_start + info.offset + tensor_bytes(info.type, info.shape) > size:
@@ -341,7 +342,7 @@ def import_gguf(src: Path, dest: Path) -> Path:
     src, dest = Path(src), Path(dest)
     header = read_header(src)
     family = _check_supported(header)
-    _check_whole(src, header)
+    check_whole(src, header)
     with atomic_model_dir(dest) as tmp:
         try:
             write_tokenizer_files(header.metadata, tmp)
