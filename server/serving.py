@@ -472,6 +472,13 @@ class InferenceService:
                 usage.add(index, event)
         return Outcome([choices[i] for i in sorted(choices)], usage)
 
+    def let_go(self, submitted: Submitted) -> None:
+        """Nobody reads the rest of `submitted`: stop its rows and release its adapters. A no-op
+        once done; the routes call it however their response ends, since a response cut before
+        it asked for the first event never ran `events` (whose end calls it too)."""
+        self.worker.abandon(submitted.ticket)  # a no-op once finished
+        submitted.prepared.lease.release()
+
     async def events(self, submitted: Submitted) -> AsyncIterator[tuple[int, Delta | Finished]]:
         """Every choice's events in order, tagged with its index; releases the lease after."""
         prepared = submitted.prepared
@@ -492,8 +499,7 @@ class InferenceService:
             stats.failed = True
             raise
         finally:
-            self.worker.abandon(submitted.ticket)  # a no-op once finished
-            submitted.prepared.lease.release()
+            self.let_go(submitted)
             if submitted.ticket.not_read:
                 # Its reader may never see the error: the connection is cut for not reading.
                 stats.failed = True

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
+from sse_starlette import EventSourceResponse
+from starlette.types import Receive, Scope, Send
 
 from hotlora.server.http.request_errors import ClientDisconnected
 
@@ -30,3 +32,20 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     finally:
         if not task.done():
             task.cancel()
+
+
+class EventStream(EventSourceResponse):
+    """Server-sent events of admitted work, whose `end` runs however the response ends: sent
+    whole, its client gone, or cut before the first event was asked for (then the events'
+    generator never started, and its own cleanup never runs). sse-starlette cancels the
+    generator when the client goes away, which cancels the work."""
+
+    def __init__(self, events: AsyncIterable[str | dict[str, str]], end: Callable[[], None]):
+        super().__init__(events, sep="\n", ping=15)
+        self._end = end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end()

@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from sse_starlette import EventSourceResponse
 
 from hotlora.server.api.responses_objects import ResponseObject
 from hotlora.server.api.responses_request import ResponsesRequest, responses_params
 from hotlora.server.deps import InferenceDep
 from hotlora.server.http.auth import InferenceRoute
-from hotlora.server.http.disconnects import until_disconnect
+from hotlora.server.http.disconnects import EventStream
 from hotlora.server.http.tenants import request_tenant
 from hotlora.server.render import responses_output as render
 from hotlora.server.routes import paths
+from hotlora.server.routes.answering import event_stream, whole_answer
 
 router = APIRouter(tags=["inference"], route_class=InferenceRoute)
 
@@ -45,13 +45,11 @@ _OK: dict[int | str, dict[str, Any]] = {
 @router.post(paths.RESPONSES, response_model=None, responses=_OK)
 async def create_response(
     body: ResponsesRequest, request: Request, service: InferenceDep
-) -> ResponseObject | EventSourceResponse:
+) -> ResponseObject | EventStream:
     chat = body.chat_request()
     with responses_params():
         submitted = service.submit(await service.prepare_chat(chat), request_tenant(request))
     if body.stream:
-        # sse-starlette cancels the generator when the client goes away, which cancels the job.
-        events = render.response_stream(service, submitted, body)
-        return EventSourceResponse(events, sep="\n", ping=15)
-    outcome = await until_disconnect(request, service.run(submitted))
+        return event_stream(service, submitted, render.response_stream(service, submitted, body))
+    outcome = await whole_answer(request, service, submitted)
     return render.response_object(body, submitted.prepared, outcome)
