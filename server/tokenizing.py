@@ -23,9 +23,13 @@ class TokenizingService:
         self.tokenizer = inference.tokenizer
 
     def check_model(self, model: str | None) -> None:
-        """`model`, when given, must be one a request could be served with."""
+        """`model`, when given, must be one a request could be served with. An adapter that
+        would be mounted on first use (or was evicted) is not loaded for it: the tokenizer is the
+        base's whatever the adapters."""
         if model is not None:
-            self.inference.adapters.select(model).release()
+            lease = self.inference.adapters.try_select(model)
+            if lease is not None:
+                lease.release()
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """The prompt's token ids, or the conversation's as the chat template renders it."""

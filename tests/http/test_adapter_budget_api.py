@@ -86,6 +86,22 @@ def test_a_failed_first_load_is_a_400_naming_the_problem(make_client, root: Path
     assert resident(client) == [] and states(client)["broken"] == "on disk"
 
 
+def test_tokenize_names_an_adapter_on_disk_without_mounting_it(make_client, root: Path):
+    client = make_client(adapter_root=root, auto_mount=True, max_mounted_adapters=1)
+    assert chat(client, adapter="a").status_code == 200
+    for model in ("b", "tiny:b"):
+        tokens = client.post("/tokenize", json={"model": model, "prompt": "the cat"})
+        assert tokens.status_code == 200, tokens.text
+        ids = tokens.json()["tokens"]
+        back = client.post("/detokenize", json={"model": model, "tokens": ids})
+        assert back.status_code == 200 and back.json()["prompt"] == "the cat"
+    # Nothing loaded for it, and nothing evicted to make room.
+    assert resident(client) == ["a"] and states(client)["b"] == "on disk"
+    assert metric(client, "hotlora_adapter_loads_total") == 1
+    unknown = client.post("/tokenize", json={"model": "nope", "prompt": "the cat"})
+    assert unknown.status_code == 404
+
+
 def test_eviction_past_the_budget_and_back_on_next_use(make_client, root: Path):
     client = make_client(adapter_root=root, auto_mount=True, max_mounted_adapters=2)
     first = {adapter_id: chat(client, adapter=adapter_id).json()["choices"] for adapter_id in IDS}
