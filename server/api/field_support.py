@@ -37,6 +37,21 @@ _OFF: tuple[Any, ...] = (None, False)
 _EMPTY: tuple[Any, ...] = (None, [], {})
 _NO_MULTIMODAL = Refused("this server reads text only", _EMPTY)
 
+# llama.cpp's default sampler chain, as its server reports it; its README lists the chain
+# without "penalties" and "top_n_sigma". Either, sent, asks for nothing.
+_LLAMA_CPP_SAMPLERS = [
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typ_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+]
+_NEWER = ("penalties", "top_n_sigma")
+
 REFUSED: dict[str, Refused] = {
     # vLLM's sampling and extra parameters.
     "use_beam_search": Refused("beam search is not implemented; sample n choices instead", _OFF),
@@ -75,7 +90,12 @@ REFUSED: dict[str, Refused] = {
     "n_predict": Refused("send max_tokens", (None, -1)),
     "typical_p": Refused("typical sampling is not implemented", (None, 1)),
     "repeat_penalty": Refused("send repetition_penalty", (None, 1)),
-    "repeat_last_n": Refused("the penalties look at the last 20 tokens, mlx-lm's window"),
+    # Its default asks for nothing with llama.cpp's default penalties; -1 is the whole
+    # sequence, the window of this server's penalties.
+    "repeat_last_n": Refused(
+        "the penalties look at the whole sequence (as -1 does), vLLM's and OpenAI's window",
+        (None, 64, -1),
+    ),
     "penalize_nl": Refused("not implemented", _OFF),
     "mirostat": Refused("mirostat sampling is not implemented", (None, 0)),
     # Settings of a refused sampler take effect only with it: llama.cpp's defaults pass.
@@ -94,7 +114,10 @@ REFUSED: dict[str, Refused] = {
     ),
     "top_n_sigma": Refused("top-n-sigma sampling is not implemented", (None, -1)),
     "min_keep": Refused("not implemented", (None, 0)),
-    "samplers": Refused("the sampler order is fixed: top-p, min-p, top-k"),
+    "samplers": Refused(
+        "the sampler order is fixed: top-p, min-p, top-k",
+        (None, _LLAMA_CPP_SAMPLERS, [s for s in _LLAMA_CPP_SAMPLERS if s not in _NEWER]),
+    ),
     "n_probs": Refused("send logprobs / top_logprobs", (None, 0)),
     "n_keep": Refused("send truncate_prompt_tokens", (None, 0)),
     "cache_prompt": Refused("prompts are always cached", (None, True)),
@@ -105,6 +128,39 @@ REFUSED: dict[str, Refused] = {
     "return_tokens": Refused("not implemented", _OFF),
     "lora": Refused("send adapter", _EMPTY),
     "image_data": _NO_MULTIMODAL,
+    "n_cmpl": Refused("send n", (None, 1)),
+    "n_indent": Refused("not implemented", (None, 0)),
+    "n_discard": Refused("the context is never shifted: a prompt past it is refused", (None, 0)),
+    "n_cache_reuse": Refused("the prompt cache reuses whole prefixes only", (None, 0)),
+    "t_max_prompt_ms": Refused("not implemented", (None, -1)),
+    "response_fields": Refused("the answer's fields are OpenAI's", _EMPTY),
+    "return_progress": Refused("prompt processing progress is not streamed", _OFF),
+    "sse_ping_interval": Refused("streams are pinged every 15 seconds", (None, 15)),
+    "verbose": Refused("not implemented", _OFF),
+    "backend_sampling": Refused("not implemented", _OFF),
+    "adaptive_target": Refused("adaptive sampling is not implemented", (None, -1)),
+    "adaptive_decay": Refused("adaptive sampling is not implemented", (None, 0.9)),
+    "reasoning_format": Refused(
+        "a thinking model's reasoning is always split out as reasoning_content (llama.cpp's "
+        "'deepseek'); send include_reasoning false to leave it out",
+        (None, "auto", "deepseek"),
+    ),
+    "reasoning_control": Refused("not implemented", _OFF),
+    "reasoning_budget_tokens": Refused("reasoning budgets are not implemented", (None, -1)),
+    "reasoning_budget_message": Refused("reasoning budgets are not implemented", (None, "")),
+    "reasoning_budget_start_tag": Refused("reasoning budgets are not implemented", (None, "")),
+    "reasoning_budget_end_tags": Refused("reasoning budgets are not implemented", _EMPTY),
+    "parse_tool_calls": Refused("tool calls are always parsed when tools are sent", (None, True)),
+    "parse_special": Refused("special tokens in the text are always read as such", (None, True)),
+    "with_pieces": Refused("send return_token_strs", _OFF),
+    "add_special": Refused("send add_special_tokens"),
+    "generation_prompt": Refused("send add_generation_prompt or continue_final_message"),
+    "chat_format": Refused("the chat template decides the format"),
+    "chat_parser": Refused("the chat template decides the format"),
+    "grammar_lazy": Refused("send tools and tool_choice", _OFF),
+    "grammar_triggers": Refused("send tools and tool_choice", _EMPTY),
+    "preserved_tokens": Refused("not implemented", _EMPTY),
+    "embd_normalize": Refused("embeddings are always L2-normalised", (None, 2)),
     # OpenAI's, for what this server cannot do.
     "functions": Refused("send tools", _EMPTY),
     "function_call": Refused("send tool_choice", (None, "none")),
@@ -132,9 +188,9 @@ HONOURED: dict[str, str] = {
     "prompt": "completions: text, a list of texts, or token ids",
     "echo": "completions: the prompt before the completion, with its scores when asked; chat: "
     "the last message's content before the answer when it is the assistant's",
-    "frequency_penalty": "as OpenAI's",
-    "presence_penalty": "as OpenAI's",
-    "repetition_penalty": "vLLM's multiplicative penalty",
+    "frequency_penalty": "as OpenAI's: over the tokens generated so far",
+    "presence_penalty": "as OpenAI's: over the tokens generated so far",
+    "repetition_penalty": "vLLM's multiplicative penalty, over the prompt and the tokens generated",
     "logit_bias": "as OpenAI's",
     "logprobs": "chat: true/false; completions: how many alternatives, up to 20",
     "top_logprobs": "chat: alternatives per token, up to 20",

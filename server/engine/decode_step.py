@@ -101,9 +101,9 @@ def launch(
 
 def launches_ahead(rows: Sequence[Row]) -> bool:
     """Whether the next step of `rows` may be launched from this step's tokens before they are
-    read: no row's logits processors (penalties; not `logit_bias`) or grammar need its latest
+    read: no row's penalties (not `logit_bias`, which reads no tokens) or grammar need its latest
     token in Python, and some row may go on past this step (else the step ahead would be thrown
     away)."""
-    return all(not row.sampler.processors and row.constraint is None for row in rows) and any(
+    return all(not row.sampler.penalties and row.constraint is None for row in rows) and any(
         row.generated + 1 < row.job.params.max_tokens for row in rows
     )

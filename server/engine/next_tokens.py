@@ -18,18 +18,18 @@ from hotlora.server.engine.sequences import Row
 
 
 def processed(rows: list[Row], logits: mx.array) -> tuple[mx.array, dict[int, Exception]]:
-    """The logits after each row's `logit_bias`, then its processors (penalties): mlx-lm's
-    order; the rows the processors failed."""
+    """The logits after each row's `logit_bias`, then its penalties: mlx-lm's order; the rows
+    the penalties failed."""
     logits = biased(rows, logits)
     failed: dict[int, Exception] = {}
-    if not any(row.sampler.processors for row in rows):
+    if not any(row.sampler.penalties for row in rows):
         return logits, failed
     parts = []
     for i, row in enumerate(rows):
         part = logits[i : i + 1]
-        if row.sampler.processors:
+        if row.sampler.penalties:
             try:
-                part = row.sampler.process(mx.array(row.tokens), part)
+                part = row.sampler.process(row.tokens, len(row.job.prompt), part)
             except Exception as exc:  # noqa: BLE001
                 failed[i] = exc
         parts.append(part)

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 LogitsFilter = Callable[[mx.array], mx.array]  # logprobs [1, vocab] -> logprobs [1, vocab]
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (tokens so far, logits) -> logits
 SEED_RANGE = 2**64  # MLX keys take an unsigned 64-bit seed
 GREEDY_BELOW = 1e-5  # temperatures this low sample as greedy (vLLM's threshold too)
 
@@ -60,11 +59,7 @@ class RowSampler:
         # processor adds them; unlike the penalties it needs none of the tokens so far.
         # Ids given twice ("5" and "05") keep the last value, as a dict of them does.
         self.bias = tuple(dict(params.logit_bias).items())
-        self.processors: list[LogitsProcessor] = make_logits_processors(
-            repetition_penalty=params.repetition_penalty,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-        )
+        self.penalties = Penalties.of(params)
         self.filters = _filters(params)
         self.min_tokens = params.min_tokens
         self._enders = sorted(eos)
@@ -73,11 +68,12 @@ class RowSampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         self.key = mx.random.key(seed % SEED_RANGE)
 
-    def process(self, context: mx.array, logits: mx.array) -> mx.array:
-        """Apply the logits processors; `context`: every token so far, `logits`: [1, vocab]."""
-        for processor in self.processors:
-            logits = processor(context, logits)
-        return logits
+    def process(self, tokens: list[int], prompt_length: int, logits: mx.array) -> mx.array:
+        """The penalties applied; `tokens`: the prompt's `prompt_length` and every token generated
+        since, `logits`: [1, vocab]."""
+        if self.penalties is None:
+            return logits
+        return self.penalties.apply(tokens, prompt_length, logits)
 
     @property
     def masks_tokens(self) -> bool:
@@ -112,6 +108,55 @@ class RowSampler:
         keys = mx.random.split(self.key)
         self.key = keys[0]
         return mx.random.categorical(logprobs * (1 / self.temperature), key=keys[1])
+
+
+class Penalties:
+    """vLLM's `repetition_penalty` over the prompt and the tokens generated so far (a seen
+    token's logit divided by it when positive, multiplied when not), then OpenAI's
+    `frequency_penalty` and `presence_penalty` over the generated tokens alone (each token's
+    logit less `frequency` x its count, and `presence` once it has appeared): the whole sequence,
+    as vLLM; no window. The counts grow as tokens come, so a step reads only the new ones."""
+
+    def __init__(self, repetition: float, frequency: float, presence: float):
+        self.repetition, self.frequency, self.presence = repetition, frequency, presence
+        self._counts: dict[int, int] = {}  # generated token -> times
+        self._seen: set[int] = set()  # the prompt's tokens and the generated ones
+        self._read = 0  # tokens of the sequence counted
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> Penalties | None:
+        """The request's penalties, or None when none takes effect."""
+        repetition = params.repetition_penalty or 1.0
+        frequency = params.frequency_penalty or 0.0
+        presence = params.presence_penalty or 0.0
+        if repetition == 1.0 and frequency == 0.0 and presence == 0.0:
+            return None
+        return cls(repetition, frequency, presence)
+
+    def apply(self, tokens: list[int], prompt_length: int, logits: mx.array) -> mx.array:
+        self._count(tokens, prompt_length)
+        if self.repetition != 1.0 and self._seen:
+            ids = mx.array(sorted(self._seen))
+            picked, penalty = logits[:, ids], self.repetition
+            logits = mx.array(logits)  # the caller's logits stay as they were
+            logits[:, ids] = mx.where(picked < 0, picked * penalty, picked / penalty)
+        if self._counts and (self.frequency or self.presence):
+            ids = mx.array(list(self._counts))
+            counts = mx.array(list(self._counts.values()), dtype=mx.float32)
+            logits = logits.at[:, ids].add(-(self.frequency * counts + self.presence))
+        return logits
+
+    def _count(self, tokens: list[int], prompt_length: int) -> None:
+        if len(tokens) < self._read:  # not the sequence counted so far: count it afresh
+            self._counts.clear()
+            self._seen.clear()
+            self._read = 0
+        for position in range(self._read, len(tokens)):
+            token = tokens[position]
+            self._seen.add(token)
+            if position >= prompt_length:
+                self._counts[token] = self._counts.get(token, 0) + 1
+        self._read = len(tokens)
 
 
 def _filters(params: SamplingParams) -> list[LogitsFilter]:

@@ -363,6 +363,18 @@ def test_bad_constraints_are_refused_by_field(smol):
 
 # Refused, or parsed for later.
 
+LLAMA_CPP_SAMPLERS = [
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typ_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+]
+
 
 @pytest.mark.parametrize(
     ("field", "refused_value", "neutral"),
@@ -375,6 +387,16 @@ def test_bad_constraints_are_refused_by_field(smol):
         ("guided_decoding_backend", "xgrammar", "guidance"),
         ("repeat_penalty", 1.3, 1),
         ("mirostat", 2, 0),
+        ("repeat_last_n", 20, 64),  # llama.cpp's default
+        ("repeat_last_n", 0, -1),  # the whole sequence: this server's window
+        ("samplers", ["top_k", "temperature"], LLAMA_CPP_SAMPLERS),
+        ("samplers", ["min_p"], [s for s in LLAMA_CPP_SAMPLERS if s != "top_n_sigma"][1:]),
+        ("n_cmpl", 2, 1),
+        ("n_indent", 4, 0),
+        ("response_fields", ["content"], []),
+        ("reasoning_format", "none", "deepseek"),
+        ("parse_tool_calls", False, True),
+        ("sse_ping_interval", 1, 15),
     ],
 )
 def test_unimplemented_fields_are_refused_unless_they_ask_nothing(

@@ -96,6 +96,10 @@ TOKEN_REFUSALS = [
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize", {"tokens": ["1"]}, 400, "tokens.0"),
     ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),
+    # llama.cpp's spellings of this route's fields name the ones to send.
+    ("/tokenize", {"prompt": "x", "with_pieces": True}, 400, "with_pieces"),
+    ("/tokenize", {"prompt": "x", "add_special": False}, 400, "add_special"),
+    ("/tokenize", {"prompt": "x", "parse_special": False}, 400, "parse_special"),
 ]
 
 

@@ -191,7 +191,7 @@ def test_rows_with_a_logit_bias_launch_ahead_and_answer_as_mlx_lm_biases_them(
     # mlx-lm's processors, the bias first, on the same logits give the same bits as the batch's
     # one scatter, beside a row with a penalty after its bias.
     requests = [jobs[0] for jobs in biased_batch()]
-    rows = [SimpleNamespace(sampler=RowSampler(r.params), tokens=r.prompt) for r in requests]
+    rows = [SimpleNamespace(sampler=RowSampler(r.params), tokens=r.prompt, job=r) for r in requests]
     logits = mx.random.normal((len(rows), 128), key=mx.random.key(3)).astype(dtype)
     got, failed = processed(rows, logits)
     assert not failed
