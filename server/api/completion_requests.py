@@ -26,7 +26,7 @@ from hotlora.server.api.field_support import check_fields, declared_names
 from hotlora.server.api.output_formats import GuidedFields, ResponseFormat
 from hotlora.server.api.wire_base import ClosedObject, RequestBody, RequestMetadata
 
-MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCES = 64  # OpenAI takes 4; llama.cpp any number
 # The `adapter` field: parsed at validation into the ordered adapter references.
 AdapterSpec = Annotated[
     tuple[AdapterRef, ...],

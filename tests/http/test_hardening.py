@@ -337,3 +337,12 @@ def test_tokenizing_runs_off_the_event_loop(make_client, monkeypatch):
     assert client.post("/v1/completions", json=body).status_code == 200
     assert len(threads) == 4  # the template, its encoding, each of two prompts
     assert all(name.startswith("hotlora-tokenize") for name in threads), threads
+
+
+def test_up_to_64_stop_strings_are_taken(client):
+    stops = [f"zz{i}" for i in range(64)]
+    assert client.post("/v1/chat/completions", json={**CHAT, "stop": stops}).status_code == 200
+    response = client.post("/v1/chat/completions", json={**CHAT, "stop": [*stops, "zz64"]})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "stop" and "at most 64" in error["message"]
