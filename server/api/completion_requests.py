@@ -239,7 +239,9 @@ class SamplingFields(GuidedFields, RequestBody, RequestMetadata):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(
+        default=None, ge=0.0, le=1.0, description="Nucleus sampling; 0 keeps the top token alone."
+    )
     top_k: StrictInt | None = Field(
         default=None,
         ge=-1,

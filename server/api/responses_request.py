@@ -248,7 +248,9 @@ class ResponsesRequest(RequestBody, RequestMetadata):
     text: TextConfig = Field(default_factory=TextConfig)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice = "auto"
     tools: list[FunctionTool] = Field(default_factory=list)
-    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(
+        default=None, ge=0.0, le=1.0, description="Nucleus sampling; 0 keeps the top token alone."
+    )
     truncation: Literal["disabled"] = "disabled"
     seed: StrictInt | None = Field(
         default=None,

@@ -162,7 +162,9 @@ class Penalties:
 def _filters(params: SamplingParams) -> list[LogitsFilter]:
     """mlx-lm's sampling filters, in its order: top-p, then min-p, then top-k."""
     filters: list[LogitsFilter] = []
-    if 0 < params.top_p < 1.0:
+    if params.top_p == 0:  # the smallest set holding p of the mass: the top token
+        filters.append(lambda x: apply_top_k(x, 1))
+    elif params.top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, params.top_p))
     if params.min_p != 0.0:
         filters.append(lambda x: apply_min_p(x, params.min_p))

@@ -181,6 +181,15 @@ def test_a_vanishing_temperature_samples_as_greedy(client):
 _CALL = {"id": "call_1", "type": "function", "function": {"name": "mul", "arguments": "{}"}}
 
 
+def test_top_p_zero_keeps_the_top_token_alone(client):
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 6}
+    greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()
+    for seed in (1, 2):
+        nucleus = {**body, "temperature": 1.5, "top_p": 0, "seed": seed}
+        answer = client.post("/v1/completions", json=nucleus).json()
+        assert answer["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
 def test_a_tool_reply_with_its_call_id_is_served(client):
     messages = [
         {"role": "user", "content": "what is 6 x 7?"},

@@ -346,7 +346,7 @@ BAD_REQUESTS = [
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "greater than"),
     ({"input": "hi", "max_output_tokens": 100_000}, "max_output_tokens", "max_output_tokens is"),
     ({"input": "hi", "temperature": 3}, "temperature", "less than"),
-    ({"input": "hi", "top_p": 0}, "top_p", "greater than"),
+    ({"input": "hi", "top_p": -0.1}, "top_p", "greater than or equal"),
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format", "'schema'"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type", "'text'"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "function tools"),
