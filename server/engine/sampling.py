@@ -121,6 +121,7 @@ class Penalties:
         self.repetition, self.frequency, self.presence = repetition, frequency, presence
         self._counts: dict[int, int] = {}  # generated token -> times
         self._seen: set[int] = set()  # the prompt's tokens and the generated ones
+        self._seen_ids: mx.array | None = None  # `_seen` sorted, until it grows
         self._read = 0  # tokens of the sequence counted
 
     @classmethod
@@ -136,7 +137,9 @@ class Penalties:
     def apply(self, tokens: list[int], prompt_length: int, logits: mx.array) -> mx.array:
         self._count(tokens, prompt_length)
         if self.repetition != 1.0 and self._seen:
-            ids = mx.array(sorted(self._seen))
+            if self._seen_ids is None:
+                self._seen_ids = mx.array(sorted(self._seen))
+            ids = self._seen_ids
             picked, penalty = logits[:, ids], self.repetition
             logits = mx.array(logits)  # the caller's logits stay as they were
             logits[:, ids] = mx.where(picked < 0, picked * penalty, picked / penalty)
@@ -153,7 +156,9 @@ class Penalties:
             self._read = 0
         for position in range(self._read, len(tokens)):
             token = tokens[position]
-            self._seen.add(token)
+            if token not in self._seen:
+                self._seen.add(token)
+                self._seen_ids = None
             if position >= prompt_length:
                 self._counts[token] = self._counts.get(token, 0) + 1
         self._read = len(tokens)
