@@ -153,7 +153,7 @@ class Penalties:
         if len(tokens) < self._read:  # not the sequence counted so far: count it afresh
             self._counts.clear()
             self._seen.clear()
-            self._read = 0
+            self._seen_ids, self._read = None, 0
         for position in range(self._read, len(tokens)):
             token = tokens[position]
             if token not in self._seen:
