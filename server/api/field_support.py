@@ -39,7 +39,7 @@ _NO_MULTIMODAL = Refused("this server reads text only", _EMPTY)
 
 # llama.cpp's default sampler chain, as its server reports it; its README lists the chain
 # without "penalties" and "top_n_sigma". Either, sent, asks for nothing.
-_LLAMA_CPP_SAMPLERS = [
+LLAMA_CPP_SAMPLERS = [
     "penalties",
     "dry",
     "top_n_sigma",
@@ -50,7 +50,7 @@ _LLAMA_CPP_SAMPLERS = [
     "xtc",
     "temperature",
 ]
-_NEWER = ("penalties", "top_n_sigma")
+_NEWER_SAMPLERS = ("penalties", "top_n_sigma")
 
 REFUSED: dict[str, Refused] = {
     # vLLM's sampling and extra parameters.
@@ -116,7 +116,7 @@ REFUSED: dict[str, Refused] = {
     "min_keep": Refused("not implemented", (None, 0)),
     "samplers": Refused(
         "the sampler order is fixed: top-p, min-p, top-k",
-        (None, _LLAMA_CPP_SAMPLERS, [s for s in _LLAMA_CPP_SAMPLERS if s not in _NEWER]),
+        (None, LLAMA_CPP_SAMPLERS, [s for s in LLAMA_CPP_SAMPLERS if s not in _NEWER_SAMPLERS]),
     ),
     "n_probs": Refused("send logprobs / top_logprobs", (None, 0)),
     "n_keep": Refused("send truncate_prompt_tokens", (None, 0)),

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from hotlora.config.settings import Settings
 from hotlora.server.api.completion_requests import ChatCompletionRequest
+from hotlora.server.api.field_support import LLAMA_CPP_SAMPLERS
 from hotlora.server.app import create_app
 
 from tests.support.sse import sse_events
@@ -362,18 +363,6 @@ def test_bad_constraints_are_refused_by_field(smol):
 
 
 # Refused, or parsed for later.
-
-LLAMA_CPP_SAMPLERS = [
-    "penalties",
-    "dry",
-    "top_n_sigma",
-    "top_k",
-    "typ_p",
-    "top_p",
-    "min_p",
-    "xtc",
-    "temperature",
-]
 
 
 @pytest.mark.parametrize(
