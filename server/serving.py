@@ -101,6 +101,7 @@ class Submitted:
 
     prepared: Prepared
     ticket: Ticket
+    stats: RequestStats | None = None  # once its events are read
 
 
 @dataclass
@@ -473,16 +474,25 @@ class InferenceService:
         return Outcome([choices[i] for i in sorted(choices)], usage)
 
     def let_go(self, submitted: Submitted) -> None:
-        """Nobody reads the rest of `submitted`: stop its rows and release its adapters. A no-op
-        once done; the routes call it however their response ends, since a response cut before
-        it asked for the first event never ran `events` (whose end calls it too)."""
+        """Nobody reads the rest of `submitted`: stop its rows, release its adapters and count
+        what it used. A no-op once done; the routes call it however their response ends: a
+        response cut before it asked for the first event never ran `events` (whose end calls it
+        too), and one cut later may leave its events' generator to be closed by the garbage
+        collector, after the access log has been written."""
         self.worker.abandon(submitted.ticket)  # a no-op once finished
         submitted.prepared.lease.release()
+        stats = submitted.stats
+        if stats is not None and not stats.ended:
+            if submitted.ticket.not_read:
+                # Its reader may never see the error: the connection is cut for not reading.
+                stats.failed = True
+                self.metrics.client_not_reading()
+            stats.done()
 
     async def events(self, submitted: Submitted) -> AsyncIterator[tuple[int, Delta | Finished]]:
         """Every choice's events in order, tagged with its index; releases the lease after."""
         prepared = submitted.prepared
-        stats = RequestStats(
+        stats = submitted.stats = RequestStats(
             self.metrics,
             prepared.lease.model,
             prepared.lease.adapters,
@@ -500,11 +510,6 @@ class InferenceService:
             raise
         finally:
             self.let_go(submitted)
-            if submitted.ticket.not_read:
-                # Its reader may never see the error: the connection is cut for not reading.
-                stats.failed = True
-                self.metrics.client_not_reading()
-            stats.done()
 
 
 def _release_unclaimed(selecting: asyncio.Future[AdapterLease]) -> None:

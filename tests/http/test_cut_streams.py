@@ -27,9 +27,9 @@ def client(make_client, tmp_path: Path) -> TestClient:
     return make_client(adapter_root=root, startup_adapters={"a": "a"}, max_batch=1)
 
 
-async def _cut_before_the_first_event(app, path: str, body: dict) -> None:
+async def _cut_before_the_first_event(app, path: str, body: dict, after: int = 0) -> None:
     """POST `body` as a client whose socket takes nothing, then goes away: the response's
-    headers wait to be sent until the disconnect arrives."""
+    headers wait to be sent until the disconnect arrives. `after`: the events taken first."""
     data = json.dumps(body).encode()
     scope = {
         "type": "http",
@@ -61,8 +61,13 @@ async def _cut_before_the_first_event(app, path: str, body: dict) -> None:
         await gone.wait()
         return {"type": "http.disconnect"}
 
+    taken = 0
+
     async def send(message: dict) -> None:
-        if message["type"] == "http.response.start":
+        nonlocal taken
+        if message["type"] == "http.response.body" and b"data:" in message.get("body", b""):
+            taken += 1
+        if message["type"] == "http.response.start" and after == 0 or taken > after:
             started.set()
             await asyncio.sleep(3600)  # the socket's buffers are full: the write waits
 
@@ -95,3 +100,16 @@ def test_a_stream_cut_before_its_first_event_lets_go(client: TestClient, path: s
         json={"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
     )
     assert answer.status_code == 200, answer.text
+
+
+def test_a_stream_its_client_stopped_counts_what_it_generated(client: TestClient):
+    body = {**BODIES["/v1/chat/completions"], "model": "a", "stream": True, "max_tokens": 400}
+    body["ignore_eos"] = True
+    path = "/v1/chat/completions"
+    client.portal.call(_cut_before_the_first_event, client.app, path, body, 6)
+    [tenant] = client.get("/v1/usage").json()["data"]
+    used = tenant["adapters"]["a"]
+    assert used["requests"] == 1
+    assert used["prompt_tokens"] > 0
+    # The tokens its events told of (a role chunk, then one or more tokens each), not all 400.
+    assert 5 <= used["completion_tokens"] < 400
