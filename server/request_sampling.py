@@ -15,6 +15,11 @@ from hotlora.server.engine.grammar import Grammar
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
+# llama.cpp's (and KoboldCpp's) seed for "a random one": clients written for them send it to
+# have each answer differ.
+NO_SEED = -1
+
+
 def sampling_params(
     request: SamplingFields,
     *,
@@ -37,7 +42,7 @@ def sampling_params(
         # vLLM's spelling of off.
         top_k=top_k if 0 < top_k < vocab_size else 0,
         min_p=_pick(request.min_p, None, 0.0),
-        seed=request.seed,
+        seed=None if request.seed == NO_SEED else request.seed,
         stop=tuple(request.stop_list),
         logprobs=logprobs,
         top_logprobs=top_logprobs,

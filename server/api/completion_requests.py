@@ -234,7 +234,12 @@ class SamplingFields(GuidedFields, RequestBody, RequestMetadata):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     n: StrictInt = Field(default=1, ge=1)
     logit_bias: dict[str, StrictFloat] | None = None
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: StrictInt | None = Field(
+        default=None,
+        ge=-(2**63),
+        lt=2**64,
+        description="Sample reproducibly; -1 (llama.cpp's spelling) draws a random seed.",
+    )
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -181,6 +181,17 @@ def test_a_vanishing_temperature_samples_as_greedy(client):
 _CALL = {"id": "call_1", "type": "function", "function": {"name": "mul", "arguments": "{}"}}
 
 
+def test_seed_minus_one_is_a_random_seed_as_in_llama_cpp(client):
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 12, "temperature": 1.5}
+    fixed = [client.post("/v1/completions", json={**body, "seed": 7}).json() for _ in range(2)]
+    assert fixed[0]["choices"][0]["text"] == fixed[1]["choices"][0]["text"]
+    drawn = {
+        client.post("/v1/completions", json={**body, "seed": -1}).json()["choices"][0]["text"]
+        for _ in range(3)
+    }
+    assert len(drawn) > 1
+
+
 def test_top_p_zero_keeps_the_top_token_alone(client):
     body = {"model": "tiny", "prompt": "the", "max_tokens": 6}
     greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()
