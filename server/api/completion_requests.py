@@ -46,12 +46,29 @@ MAX_STOP_TOKEN_IDS = 64
 
 
 class TextPart(ClosedObject):
-    type: Literal["text"]
-    text: str
+    """A text part; an assistant's may be a refusal, as OpenAI's schema lets a replayed answer
+    hold one: the model is shown its text as what the assistant said."""
+
+    type: Literal["text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
 
     # Prompt-caching marks some clients (LiteLLM, for Anthropic) put on parts; caching is
     # automatic here.
     tolerated = frozenset({"cache_control"})
+
+    @model_validator(mode="after")
+    def _its_own_field(self) -> TextPart:
+        field, other = ("text", "refusal") if self.type == "text" else ("refusal", "text")
+        if getattr(self, field) is None:
+            raise ValueError(f"a '{self.type}' part needs its '{field}'")
+        if getattr(self, other) is not None:
+            raise ValueError(f"a '{self.type}' part holds '{field}', not '{other}'")
+        return self
+
+    @property
+    def words(self) -> str:
+        return self.text if self.text is not None else self.refusal or ""
 
 
 # Content parts for inputs this server cannot read: what a refusal calls them (chat's and the
@@ -147,8 +164,9 @@ class ChatMessage(ClosedObject):
     )
 
     # What the openai SDKs, LangChain and LiteLLM send back when they replay an assistant
-    # answer: its refusal, annotations, audio reference, (vLLM's, this server's) reasoning, the
-    # SDK's `parse` helpers' parsed content, LiteLLM's own fields and thinking blocks. Chat
+    # answer: its refusal, annotations, audio reference, (vLLM's, this server's, OpenRouter's)
+    # reasoning, the SDK's `parse` helpers' parsed content, LiteLLM's own fields and thinking
+    # blocks. Chat
     # templates do not show them, and drop an earlier turn's thinking. And the prompt-caching
     # mark of text parts, which LiteLLM also puts on messages.
     tolerated = frozenset(
@@ -161,6 +179,7 @@ class ChatMessage(ClosedObject):
             "parsed",
             "provider_specific_fields",
             "thinking_blocks",
+            "reasoning_details",
             "cache_control",
         }
     )
@@ -187,6 +206,9 @@ class ChatMessage(ClosedObject):
         if isinstance(value, list) and not value:
             raise ValueError("an empty list of content parts; send one part at least, or a string")
         role = info.data.get("role")
+        parts = value if isinstance(value, list) else ()
+        if role != "assistant" and any(part.type == "refusal" for part in parts):
+            raise ValueError("only an assistant message may hold a refusal part")
         if value is None and role in _CONTENT_REQUIRED:
             raise ValueError(f"messages with role '{role}' must have a 'content'")
         return value
@@ -204,7 +226,7 @@ class ChatMessage(ClosedObject):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.words for part in self.content)
 
 
 class StreamOptions(ClosedObject):

@@ -316,6 +316,19 @@ def test_an_assistant_turn_replayed_by_an_sdk_is_accepted_and_logged_once(
     assert tiny.post("/v1/chat/completions", json=body).status_code == 200
 
 
+def test_a_refusal_part_is_what_the_assistant_said(tiny: TestClient):
+    def prompt(content: object, role: str = "assistant") -> dict:
+        turn = {"role": role, "content": content, "reasoning_details": [{"type": "reasoning.text"}]}
+        body = {"model": "tiny", "messages": [USER, turn, USER]}
+        return tiny.post("/tokenize", json=body).json()
+
+    as_part = prompt([{"type": "refusal", "refusal": "I cannot help with that."}])
+    assert as_part["tokens"] == prompt("I cannot help with that.")["tokens"]
+    refused = prompt([{"type": "refusal", "refusal": "no"}], role="user")
+    assert refused["error"]["param"] == "messages.1.content"
+    assert "only an assistant message may hold a refusal part" in refused["error"]["message"]
+
+
 def test_a_responses_output_replayed_is_accepted(tiny: TestClient):
     """openai-agents sends an earlier output message back with its id, status, and its text
     part's annotations and logprobs; an output dumped with the SDK's `model_dump()` holds every
