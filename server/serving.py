@@ -387,9 +387,9 @@ class InferenceService:
             )
         limit = self.settings.max_tokens_limit
         if max_tokens is not None and max_tokens > limit:
+            field = request.max_tokens_field
             raise InvalidRequest(
-                f"max_tokens is {max_tokens}; this server allows at most {limit}.",
-                param="max_tokens",
+                f"{field} is {max_tokens}; this server allows at most {limit}.", param=field
             )
         context = self.engine.context_length
         if request.truncate_prompt_tokens is not None:

@@ -395,6 +395,11 @@ class SamplingFields(GuidedFields, RequestBody, RequestMetadata):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field `requested_max_tokens` came from, for a refusal to name."""
+        return "max_tokens"
+
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingFields:
         most = self.requested_max_tokens
@@ -508,6 +513,10 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
 # A prompt or an input as the document shows it: no empty text, list or token list (`_non_empty`

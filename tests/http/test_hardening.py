@@ -366,3 +366,12 @@ def test_up_to_64_stop_strings_are_taken(client):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "stop" and "at most 64" in error["message"]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_token_limit_past_the_server_s_names_the_field_sent(client, field):
+    response = client.post("/v1/chat/completions", json={**CHAT, field: 100_000})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field
+    assert error["message"].startswith(f"{field} is 100000; this server allows at most")
