@@ -102,6 +102,16 @@ def _failure(error: str) -> Exception:
     return RuntimeError(f"Generation left the answer's grammar: {error}")
 
 
+def _in_words(error: str) -> str:
+    """llguidance's reason, said for a client where it names only its own internals."""
+    if "NoExtensionBias" in error:  # no token can begin anything the grammar admits
+        return (
+            "it admits no text this model's vocabulary can write (a pattern that matches "
+            "nothing, or characters no token of the vocabulary spells)"
+        )
+    return error
+
+
 class Constraint:
     """One row's place in its grammar: which tokens may come next, and when it is complete."""
 
@@ -307,7 +317,7 @@ class Grammars:
             matcher.compute_bitmask()
         if matcher.is_error():
             raise UnsupportedSchema(
-                f"{subject} cannot be enforced: {matcher.get_error()}.",
+                f"{subject} cannot be enforced: {_in_words(matcher.get_error())}.",
                 param=param,
                 kind="cannot be enforced",
             )
@@ -373,9 +383,13 @@ class _TokenBytes:
         self.bos_token_id = getattr(hf, "bos_token_id", None)
         self.tokens = [pieces(i).bytes for i in range(len(hf))]
         self.special_token_ids = sorted(special_ids)
+        self._unknown = getattr(hf, "unk_token_id", None)
 
     def __call__(self, text: str) -> list[int]:
-        return list(self._hf.encode(text, add_special_tokens=False))
+        ids = list(self._hf.encode(text, add_special_tokens=False))
+        # The unknown token stands for text no token spells, and spells other bytes: no
+        # tokenization of `text` (llguidance then knows the vocabulary cannot write it).
+        return [] if self._unknown is not None and self._unknown in ids else ids
 
 
 def constrain(

@@ -236,6 +236,19 @@ def test_a_schema_the_engine_cannot_enforce_is_refused_by_name(setup, schema, na
     assert refused.value.param == "response_format"
 
 
+@pytest.mark.parametrize("pattern", ["é", "ab¶", "a[^\\x00-\\U0010FFFF]"])
+def test_text_the_vocabulary_cannot_write_is_refused_in_words(setup, pattern):
+    """The tiny vocabulary spells printable ASCII alone (its unknown token stands for the
+    rest): a pattern needing other characters, or matching nothing, is the request's 400, in
+    words, where it was a 500 once a row sampled the unknown token the engine allowed."""
+    engine, _ = setup
+    with pytest.raises(UnsupportedSchema) as refused:
+        engine.grammars.regex(pattern, param="guided_regex")
+    assert "admits no text this model's vocabulary can write" in refused.value.message
+    assert "NoExtensionBias" not in refused.value.message
+    assert refused.value.param == "guided_regex"
+
+
 def test_a_huge_schema_is_refused_before_it_is_compiled(setup):
     engine, _ = setup
     with pytest.raises(UnsupportedSchema) as refused:
