@@ -220,7 +220,7 @@ def _body_refusal(exc: RequestValidationError, first: dict[str, Any]) -> JSONRes
 def _http_response(exc: StarletteHTTPException) -> JSONResponse:
     code = {413: "request_too_large", 400: "invalid_json"}.get(exc.status_code)
     if exc.status_code == 404:
-        message = "Unknown route."
+        message = exc.detail if exc.detail != "Not Found" else "Unknown route."
     elif exc.status_code == 405:
         message = "Method not allowed for this route."
     elif exc.status_code == 400:  # FastAPI's: a body it could not decode (UTF-8, nesting)
@@ -265,6 +265,22 @@ class UnexpectedErrors:
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
+def _unknown_route(app: FastAPI, request: Request) -> str:
+    """A 404's message: the method and path, and the route the client likely meant when its
+    base URL lacks `/v1` or its path doubles a slash."""
+    path = request.url.path
+    message = f"Unknown route: {request.method} {printable(path[:200])}."
+    squeezed = "/" + "/".join(part for part in path.split("/") if part)
+    for meant in (squeezed, "/v1" + squeezed):
+        if meant != path and _serves(app, {**request.scope, "path": meant}):
+            return f"{message} Did you mean {meant}? (An OpenAI client's base URL ends in /v1.)"
+    return message
+
+
+def _serves(app: FastAPI, scope: Scope) -> bool:
+    return any(route.matches(scope)[0] is Match.FULL for route in app.routes)
+
+
 def _allowed(app: FastAPI, request: Request) -> str:
     """Every method some route serves on the request's path, asked of the routes themselves."""
     allowed = [
@@ -285,6 +301,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
             # Starlette names the methods of the first route on the path; there may be more.
             exc = StarletteHTTPException(405, headers={"Allow": _allowed(app, request)})
+        elif isinstance(exc, StarletteHTTPException) and exc.status_code == 404:
+            exc = StarletteHTTPException(404, detail=_unknown_route(app, request))
         return error_response(exc)
 
     for exc_type in (HotloraError, RequestValidationError, StarletteHTTPException, Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotlora.adapters import parse_selection
 from hotlora.config.errors import HotloraError, ModelNotFound
@@ -28,6 +29,8 @@ async def list_models(request: Request, runtime: RuntimeDep) -> ModelList:
 async def get_model(model_id: str, request: Request, runtime: RuntimeDep) -> ModelCard:
     """A card of the list, or of a selection `model` may name (`<base-id>:sft+dpo`, as an
     answer's `model` echoes it) when its adapters are mounted and in the key's scope."""
+    if not model_id:  # a trailing slash: no route, as on every other path
+        raise StarletteHTTPException(404)
     runtime.require_inference()
     cards = _visible(request, runtime)
     for card in cards:

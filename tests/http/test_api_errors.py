@@ -103,6 +103,18 @@ def test_invalid_json_unknown_route_and_method(client: TestClient):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
     missing = client.get("/v1/nothing-here")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert missing.json()["error"]["message"] == "Unknown route: GET /v1/nothing-here."
+    # A base URL without /v1, a doubled slash: the route meant is named.
+    hint = " (An OpenAI client's base URL ends in /v1.)"
+    for method, path, meant in (
+        ("POST", "/chat/completions", "/v1/chat/completions"),
+        ("GET", "/models", "/v1/models"),
+        ("POST", "/v1//chat/completions", "/v1/chat/completions"),
+    ):
+        lost = client.request(method, path)
+        assert lost.status_code == 404
+        said = f"Unknown route: {method} {path}. Did you mean {meant}?{hint}"
+        assert lost.json()["error"]["message"] == said
     wrong = client.get("/v1/chat/completions")
     assert wrong.status_code == 405 and "error" in wrong.json()
 
@@ -132,11 +144,13 @@ def test_bodies_that_cannot_be_read_are_named_and_routes_keep_their_spelling(cli
     assert client.get("/health", headers={"content-encoding": "gzip"}).status_code == 200  # no body
     for method, path in (
         ("DELETE", "/v1/adapters/"),
+        ("GET", "/v1/models/"),
         ("GET", "/health/"),
         ("POST", "/v1/completions/"),
     ):
         slashed = client.request(method, path, headers={"host": "elsewhere.example"})
         assert slashed.status_code == 404 and "location" not in slashed.headers
+        assert slashed.json()["error"]["message"].startswith(f"Unknown route: {method} {path}.")
     for path in ("/health", "/ready"):
         head = client.head(path)
         assert head.status_code == 200 and head.content == b""
