@@ -327,7 +327,8 @@ def _keys_add(args: argparse.Namespace) -> int:
         "weight": args.weight,
     }
     key = add_key(args.file, {name: value for name, value in entry.items() if value is not None})
-    print(f"added a {args.role} key for '{args.name}' to {args.file}; the key (shown once):")
+    role = {"admin": "an admin", "tenant-admin": "a tenant-admin", "user": "a user"}[args.role]
+    print(f"added {role} key for '{args.name}' to {args.file}; the key (shown once):")
     print(key)
     return 0
 

@@ -294,7 +294,10 @@ class Runtime:
         them (`WorkerStopped`: a 503, or a stream's error event before `[DONE]`)."""
         self.draining, self.ready, self.status = True, False, "shutting down"
         loop = asyncio.get_running_loop()
-        log.info("shutting down: %d requests in flight, waiting up to %gs", self.in_flight, timeout)
+        requests = "request" if self.in_flight == 1 else "requests"
+        log.info(
+            "shutting down: %d %s in flight, waiting up to %gs", self.in_flight, requests, timeout
+        )
         deadline = loop.time() + timeout
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)

@@ -639,7 +639,8 @@ def test_keys_add_prints_a_key_once_and_stores_its_hash(
     text = path.read_text()
     assert key not in text and hashlib.sha256(key.encode()).hexdigest() in text
     assert main(["keys", "add", "ops", "--role", "admin", "--file", str(path)]) == 0
-    admin_key = capsys.readouterr().out.strip().splitlines()[-1]
+    said, admin_key = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert said.startswith("added an admin key for 'ops'")
     assert path.stat().st_mode & 0o077 == 0  # only its owner reads it
     client = make_client(keys=path)
     headers = {"Authorization": f"Bearer {key}"}
