@@ -109,7 +109,9 @@ def _serve(args: argparse.Namespace) -> int:
         **uvicorn_logging(settings),
     )
     runtime = app.state.runtime
-    server = DrainingServer(config, drain=lambda: runtime.drain(settings.drain_timeout))
+    server = DrainingServer(
+        config, drain=lambda: runtime.drain(settings.drain_timeout), hurry=runtime.hurry
+    )
     server.run()
     if fatal:
         print(f"hotlora: could not start: {fatal[0]}", file=sys.stderr)

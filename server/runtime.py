@@ -96,6 +96,7 @@ class Runtime:
         self.ready = False
         self.status = "starting"
         self.draining = False
+        self.hurried = False  # a second signal: the drain ends the requests in flight now
         self.in_flight = 0  # HTTP requests being answered, streams until their last event
         self.phases: dict[str, float] = {}  # start-up phase -> seconds it took
         self.metrics = Metrics()
@@ -290,8 +291,9 @@ class Runtime:
                 pass
 
     async def drain(self, timeout: float) -> None:
-        """Refuse new requests; let those in flight finish for up to `timeout` seconds, then end
-        them (`WorkerStopped`: a 503, or a stream's error event before `[DONE]`)."""
+        """Refuse new requests; let those in flight finish for up to `timeout` seconds (or until
+        `hurry`), then end them (`WorkerStopped`: a 503, or a stream's error event before
+        `[DONE]`)."""
         self.draining, self.ready, self.status = True, False, "shutting down"
         loop = asyncio.get_running_loop()
         requests = "request" if self.in_flight == 1 else "requests"
@@ -299,16 +301,22 @@ class Runtime:
             "shutting down: %d %s in flight, waiting up to %gs", self.in_flight, requests, timeout
         )
         deadline = loop.time() + timeout
-        while self.in_flight and loop.time() < deadline:
+        while self.in_flight and loop.time() < deadline and not self.hurried:
             await asyncio.sleep(0.05)
         if self.in_flight:
-            log.warning("drain timeout: ending %d requests still in flight", self.in_flight)
+            why = "a second signal" if self.hurried else "drain timeout"
+            requests = "request" if self.in_flight == 1 else "requests"
+            log.warning("%s: ending %d %s still in flight", why, self.in_flight, requests)
         if self.worker is not None:
             await self.worker.stop()
         # The ended requests write their last bytes; a client that does not read them is cut.
         deadline = loop.time() + _LAST_WRITE_S
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
+
+    def hurry(self) -> None:
+        """Cut the drain's wait short: the requests in flight are ended at once."""
+        self.hurried = True
 
     async def stop(self) -> None:
         if self.inference is not None:

@@ -3,7 +3,8 @@
 On the first signal the server keeps listening but refuses new requests with 503, lets the
 requests in flight finish for up to `--drain-timeout` seconds, ends the rest (a stream with an
 error event and `[DONE]`, a plain request with a 503), cuts the connections still busy, and
-exits 0. A second signal exits at once. A connection is bounded in time both ways: its client
+exits 0. A second signal ends the requests in flight at once, as the drain's timeout would; a
+third exits without waiting for anything. A connection is bounded in time both ways: its client
 must send each request within `--request-timeout`, and take some of its answer within
 `--send-timeout`; and at `--max-connections` a connection without a whole request sent makes
 way for a new one (`connections.py`).
@@ -287,9 +288,16 @@ class BoundedH11Protocol(H11Protocol):
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first SIGTERM/SIGINT drains (`drain`) before it exits."""
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Callable[[], Awaitable[None]],
+        hurry: Callable[[], None] | None = None,
+    ):
         super().__init__(config)
         self._drain = drain
+        self._hurry = hurry  # a second signal: the drain ends what is in flight at once
+        self._hurried = False
         self._draining: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -314,10 +322,16 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded as uvicorn's captured signal: it would be re-raised after the drain and
         # turn a clean exit into death by signal.
-        if self._draining is not None or self._loop is None or not self.started:
-            self.should_exit = self.force_exit = True  # a second signal, or still starting
+        if self._loop is None or not self.started:
+            self.should_exit = self.force_exit = True  # still starting
             return
-        self._loop.call_soon_threadsafe(self._start_drain)
+        if self._draining is None:
+            self._loop.call_soon_threadsafe(self._start_drain)
+        elif self._hurry is not None and not self._hurried:
+            self._hurried = True
+            self._loop.call_soon_threadsafe(self._hurry)
+        else:
+            self.should_exit = self.force_exit = True  # the signal after that
 
     def _start_drain(self) -> None:
         if self._draining is None:

@@ -93,10 +93,11 @@ def refused_while_draining(url: str, model: str) -> None:
 
 
 def drain(
-    model_dir: Path, drain_timeout: str, max_tokens: int, sig: signal.Signals
+    model_dir: Path, drain_timeout: str, max_tokens: int, sig: signal.Signals, *, twice=False
 ) -> tuple[ServerProcess, Requests]:
-    """A server with a stream and a plain request in flight, sent `sig`: what each got, once
-    the process has exited 0; new requests are refused meanwhile."""
+    """A server with a stream and a plain request in flight, sent `sig` (`twice`: again once
+    the drain began): what each got, once the process has exited 0; new requests are refused
+    meanwhile."""
     server = start(model_dir, "--drain-timeout", drain_timeout)
     try:
         running = Requests(server.url, server.model_id, max_tokens=max_tokens)
@@ -106,8 +107,10 @@ def drain(
         server.proc.send_signal(sig)
         time.sleep(0.3)
         refused_while_draining(server.url, server.model_id)
+        if twice:
+            server.proc.send_signal(sig)
         running.join()
-        assert server.proc.wait(timeout=60) == 0
+        assert server.proc.wait(timeout=10 if twice else 60) == 0
     finally:
         server.stop()
     assert running.stream_events[-1] == "[DONE]"
@@ -129,6 +132,16 @@ def test_at_the_drain_deadline_requests_end_with_an_error(embedded_model_dir: Pa
     assert json.loads(running.stream_events[-2])["error"]["code"] == "shutting_down"
     assert running.plain is not None and running.plain.status_code == 503
     assert running.plain.json()["error"]["code"] == "shutting_down"
+
+
+def test_a_second_signal_ends_the_requests_in_flight_at_once(embedded_model_dir: Path):
+    # A minute's drain and answers longer than that: only the second signal ends them.
+    server, running = drain(embedded_model_dir, "60", 4000, signal.SIGTERM, twice=True)
+    assert json.loads(running.stream_events[-2])["error"]["code"] == "shutting_down"
+    assert running.plain is not None and running.plain.status_code == 503
+    log = server.log(80)
+    assert "a second signal: ending 2 requests still in flight" in log
+    assert "Application shutdown complete." in log and "Traceback" not in log
 
 
 def test_the_drain_timeout_holds_whatever_the_clients_do(embedded_model_dir: Path):
