@@ -21,8 +21,21 @@ export function answerView(asked) {
   const text = part(el, "div", "answer-text");
   const stats = part(el, "div", "answer-stats", "waiting…");
   let chunks = 0;
+  let thoughts = null; // a thinking model's reasoning, folded above its answer
   return {
     el,
+    think(delta) {
+      if (thoughts === null) {
+        const fold = document.createElement("details");
+        fold.className = "answer-thinking";
+        part(fold, "summary", "", "thinking");
+        thoughts = part(fold, "div", "answer-thinking-text");
+        el.insertBefore(fold, text);
+      }
+      el.dataset.state = "streaming";
+      thoughts.textContent = (thoughts.textContent + delta).trimStart();
+      stats.textContent = "thinking…";
+    },
     append(delta) {
       el.dataset.state = "streaming";
       el.dataset.chunks = String(++chunks);
@@ -79,6 +92,14 @@ export async function streamAnswer(body, view, signal) {
       if (chunk.model) view.served(chunk.model);
       if (chunk.usage) usage = chunk.usage;
       for (const choice of chunk.choices || []) {
+        // A thinking model's reasoning comes first: shown apart, not kept in the conversation
+        // (chat templates drop an earlier turn's thinking).
+        const thought = choice.delta && choice.delta.reasoning_content;
+        if (thought) {
+          timing.last = performance.now();
+          timing.first ??= timing.last;
+          view.think(thought);
+        }
         const delta = choice.delta && choice.delta.content;
         if (delta) {
           timing.last = performance.now();

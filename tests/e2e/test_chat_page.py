@@ -332,3 +332,55 @@ def test_the_api_docs_load_offline(visit: Visit):
     expect(visit.page.locator(".swagger-ui .info .title")).to_contain_text("hotlora")
     visit.screenshot("docs")
     assert visit.unexpected() == []
+
+
+def test_a_thinking_model_s_reasoning_is_shown_apart_and_left_out_of_the_conversation(
+    visit: Visit, server: ServerProcess
+):
+    """The chunks a thinking model's stream holds (`reasoning_content` deltas, then `content`),
+    answered in place of the embedded model, which does not think."""
+    model = server.model_id
+    sent: list[dict] = []
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return (
+            "data: "
+            + json.dumps({"object": "chat.completion.chunk", "model": model, "choices": [choice]})
+            + "\n\n"
+        )
+
+    def thinking_model(route: Route) -> None:
+        sent.append(route.request.post_data_json)
+        usage = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
+        body = "".join(
+            [
+                chunk({"role": "assistant", "content": ""}),
+                chunk({"reasoning_content": "The user asks "}),
+                chunk({"reasoning_content": "for a capital."}),
+                chunk({"content": "Paris"}),
+                chunk({"content": "."}, finish="stop"),
+                "data: " + json.dumps({"choices": [], "usage": usage, "model": model}) + "\n\n",
+                "data: [DONE]\n\n",
+            ]
+        )
+        route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=body)
+
+    visit.page.route(f"{server.url}/v1/chat/completions", thinking_model)
+    visit.open()
+    visit.ready()
+    visit.settings()
+    for question in (QUESTION, "And of Italy?"):
+        visit.page.fill("#chat-input", question)
+        visit.page.click("#chat-send")
+        answer = visit.page.locator("#chat-log .answer").last
+        expect(answer).to_have_attribute("data-state", "done", timeout=ANSWER_TIMEOUT_MS)
+    first = visit.page.locator("#chat-log .answer").first
+    expect(first.locator(".answer-text")).to_have_text("Paris.")
+    expect(first.locator(".answer-thinking summary")).to_have_text("thinking")
+    expect(first.locator(".answer-thinking-text")).to_have_text("The user asks for a capital.")
+    expect(first.locator(".answer-stats")).to_contain_text("5 tokens")
+    # The next turn sends the answer back without its thinking.
+    assert sent[1]["messages"][-2] == {"role": "assistant", "content": "Paris."}
+    visit.screenshot("thinking")
+    assert visit.unexpected() == []
