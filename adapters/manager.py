@@ -114,6 +114,7 @@ class AdapterManager:
         self._journal = journal
         self._listeners = tuple(listeners)
         self._admin = threading.Lock()
+        self._eviction_waits = False  # a thread waits on `_admin` to evict what was let go
         self._mounted: dict[str, MountedAdapter] = {}
         self._residency = Residency(budget or Budget())
         self._first_use = FirstUseMounts(
@@ -458,13 +459,28 @@ class AdapterManager:
         with self._lock:
             self._holders.add(adapters, -1)
             over = self._residency.over()
+            if not over or self._eviction_waits:
+                return
         # What a request let go may now be evicted. Never wait here (the caller may be the
-        # event loop): a mount holding `_admin` evicts when it is done.
-        if over and self._admin.acquire(blocking=False):
+        # event loop): while an admin change holds `_admin` (an unmount, a pin, a mount
+        # already past its own eviction), a thread waits its turn.
+        if self._admin.acquire(blocking=False):
             try:
                 self._evict_over_budget()
             finally:
                 self._admin.release()
+            return
+        with self._lock:
+            if self._eviction_waits:
+                return
+            self._eviction_waits = True
+        threading.Thread(target=self._evict_when_free, name="hotlora-evict", daemon=True).start()
+
+    def _evict_when_free(self) -> None:
+        with self._admin:
+            with self._lock:
+                self._eviction_waits = False
+            self._evict_over_budget()
 
     def _info(self, mounted: MountedAdapter) -> AdapterInfo:
         return mounted_info(

@@ -248,6 +248,24 @@ def test_held_adapters_are_never_evicted_and_keep_their_weights(root):
     assert mx.array_equal(computed(d_first), alone(root, "d")).item()
 
 
+def test_an_adapter_let_go_during_an_admin_change_is_evicted_after_it(root):
+    """A request ending while an unmount (or any admin change) holds the admin lock cannot
+    evict then; its adapter is evicted once the change is done, not at some later release."""
+    heard = Heard()
+    manager = manager_on(root, heard, max_adapters=1)
+    a = select(manager, "a")
+    b = select(manager, "b")  # over the budget while `a` runs
+    with manager._admin:  # an admin change under way
+        a.release()
+        time.sleep(0.1)
+        assert resident(manager) == {"a", "b"}
+    deadline = time.monotonic() + 10
+    while resident(manager) != {"b"} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert resident(manager) == {"b"} and heard.count("evicted", "a") == 1
+    b.release()
+
+
 def test_requests_keep_their_adapter_while_loads_evict_around_them(root):
     """Threads selecting random adapters under a budget of two: every lease computes its own
     adapter's residual, whatever was evicted and loaded meanwhile."""
