@@ -96,13 +96,13 @@ def read_gguf_adapter(
             f"{path.name} is an activated LoRA (adapter.alora.invocation_tokens), whose residual "
             "applies only after its invocation tokens; it is not supported"
         )
-    try:
-        check_whole(path, header)
-    except UnsupportedGGUF as exc:
-        raise InvalidAdapter(str(exc)) from None
     family = _family(path, meta.get("general.architecture"), targets)
     modules, pairs = _pairs(header, family, targets)
     rank = _rank(pairs, targets, modules, max_rank)
+    try:
+        check_whole(path, header)  # every tensor's type known by now (`_pairs`, `_rank`)
+    except UnsupportedGGUF as exc:
+        raise InvalidAdapter(str(exc)) from None
     for name, (module_path, _) in list(modules.items()):
         modules[name] = (module_path, _heads(name, family, targets[module_path]))
     return GGUFAdapter(path, AdapterConfig(rank, _scale(path, meta, rank)), header, modules)

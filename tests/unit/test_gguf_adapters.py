@@ -9,6 +9,7 @@ same number as PEFT's `lora_alpha / r`.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import replace
 from pathlib import Path
 
@@ -270,6 +271,18 @@ def truncated(root: Path, model: nn.Module) -> str:
     return name
 
 
+def unknown_type(root: Path, model: nn.Module) -> str:
+    """A LoRA half whose type id no ggml release this reader knows has (a newer file)."""
+    name = gguf_with(root, model)
+    data = bytearray((root / name).read_bytes())
+    tensor = b"blk.0.attn_q.weight.lora_a"
+    at = data.find(tensor) + len(tensor)
+    dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * dims, 250)  # after the name: dims, shape, type
+    (root / name).write_bytes(bytes(data))
+    return name
+
+
 def mixed_ranks(root: Path, model: nn.Module) -> str:
     pairs = {**random_pairs(model, seed=12, keys=["q_proj"], rank=4)}
     pairs |= random_pairs(model, seed=13, keys=["v_proj"], rank=8)
@@ -305,6 +318,7 @@ REFUSED = [
     ("two-gguf-files", two_files, "holds 2 .gguf files (a.gguf, b.gguf); mount one by its path"),
     ("truncated", truncated,
      "bad.gguf is truncated: blk.1.attn_q.weight.lora_b ends past the end of the file"),
+    ("unknown-type", unknown_type, "blk.0.attn_q.weight.lora_a is stored as type id 250"),
     ("other-arch", lambda r, m: gguf_with(r, m, arch="qwen2", heads=None),
      "bad.gguf is a LoRA adapter for qwen2 models; the base model is llama"),
     ("unknown-arch", lambda r, m: gguf_with(r, m, arch="mamba"), "architecture 'mamba'"),
