@@ -115,13 +115,13 @@ class Penalties:
     token's logit divided by it when positive, multiplied when not), then OpenAI's
     `frequency_penalty` and `presence_penalty` over the generated tokens alone (each token's
     logit less `frequency` x its count, and `presence` once it has appeared): the whole sequence,
-    as vLLM; no window. The counts grow as tokens come, so a step reads only the new ones."""
+    as vLLM; no window. What was seen and how often is kept per vocabulary entry as the tokens
+    come, so a step costs the same whatever the sequence's length."""
 
     def __init__(self, repetition: float, frequency: float, presence: float):
         self.repetition, self.frequency, self.presence = repetition, frequency, presence
-        self._counts: dict[int, int] = {}  # generated token -> times
-        self._seen: set[int] = set()  # the prompt's tokens and the generated ones
-        self._seen_ids: mx.array | None = None  # `_seen` sorted, until it grows
+        self._seen: mx.array | None = None  # [vocab] bool: in the prompt or generated
+        self._counts: mx.array | None = None  # [vocab] float32: times generated
         self._read = 0  # tokens of the sequence counted
 
     @classmethod
@@ -135,33 +135,32 @@ class Penalties:
         return cls(repetition, frequency, presence)
 
     def apply(self, tokens: list[int], prompt_length: int, logits: mx.array) -> mx.array:
-        self._count(tokens, prompt_length)
-        if self.repetition != 1.0 and self._seen:
-            if self._seen_ids is None:
-                self._seen_ids = mx.array(sorted(self._seen))
-            ids = self._seen_ids
-            picked, penalty = logits[:, ids], self.repetition
-            logits = mx.array(logits)  # the caller's logits stay as they were
-            logits[:, ids] = mx.where(picked < 0, picked * penalty, picked / penalty)
-        if self._counts and (self.frequency or self.presence):
-            ids = mx.array(list(self._counts))
-            counts = mx.array(list(self._counts.values()), dtype=mx.float32)
-            logits = logits.at[:, ids].add(-(self.frequency * counts + self.presence))
+        seen, counts = self._count(tokens, prompt_length, logits.shape[-1])
+        if self.repetition != 1.0:
+            penalty = self.repetition
+            scaled = mx.where(logits < 0, logits * penalty, logits / penalty)
+            logits = mx.where(seen, scaled, logits)
+        if self.frequency or self.presence:
+            less = self.frequency * counts + self.presence * (counts > 0)
+            logits = logits - less.astype(logits.dtype)  # 0 for a token not generated
         return logits
 
-    def _count(self, tokens: list[int], prompt_length: int) -> None:
-        if len(tokens) < self._read:  # not the sequence counted so far: count it afresh
-            self._counts.clear()
-            self._seen.clear()
-            self._seen_ids, self._read = None, 0
-        for position in range(self._read, len(tokens)):
-            token = tokens[position]
-            if token not in self._seen:
-                self._seen.add(token)
-                self._seen_ids = None
-            if position >= prompt_length:
-                self._counts[token] = self._counts.get(token, 0) + 1
+    def _count(
+        self, tokens: list[int], prompt_length: int, vocab: int
+    ) -> tuple[mx.array, mx.array]:
+        if self._seen is None or self._counts is None or len(tokens) < self._read:
+            # The first step, or not the sequence counted so far: count it afresh.
+            self._seen = mx.zeros((vocab,), dtype=mx.bool_)
+            self._counts = mx.zeros((vocab,), dtype=mx.float32)
+            self._read = 0
+        new = tokens[self._read :]
+        if new:
+            self._seen[mx.array(new)] = True
+            generated = tokens[max(self._read, prompt_length) :]
+            if generated:
+                self._counts = self._counts.at[mx.array(generated)].add(1.0)
         self._read = len(tokens)
+        return self._seen, self._counts
 
 
 def _filters(params: SamplingParams) -> list[LogitsFilter]:
