@@ -38,13 +38,28 @@ from hotlora.server.api.wire_base import ClosedObject, RequestMetadata, unknown_
 
 
 class InputText(ClosedObject):
-    """A text part of an input message; `output_text` is an earlier answer sent back."""
+    """A text part of an input message; `output_text` is an earlier answer sent back, and
+    `refusal` an earlier refusal, shown to the model as the assistant's words."""
 
-    type: Literal["input_text", "output_text"]
-    text: str
+    type: Literal["input_text", "output_text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
 
     # An earlier answer's part, sent back as the SDKs received it.
     tolerated = frozenset({"annotations", "logprobs"})
+
+    @model_validator(mode="after")
+    def _its_own_field(self) -> InputText:
+        field, other = ("refusal", "text") if self.type == "refusal" else ("text", "refusal")
+        if getattr(self, field) is None:
+            raise ValueError(f"a '{self.type}' part needs its '{field}'")
+        if getattr(self, other) is not None:
+            raise ValueError(f"a '{self.type}' part holds '{field}', not '{other}'")
+        return self
+
+    @property
+    def words(self) -> str:
+        return self.text if self.text is not None else self.refusal or ""
 
 
 class InputMessage(ClosedObject):
@@ -68,8 +83,14 @@ class InputMessage(ClosedObject):
         refuse_unreadable_parts(value, "input_text")
         return value
 
+    @model_validator(mode="after")
+    def _refusals_are_the_assistant_s(self) -> InputMessage:
+        if self.role != "assistant" and any(part.type == "refusal" for part in self.content):
+            raise ValueError("only an assistant message may hold a refusal part")
+        return self
+
     def text(self) -> str:
-        return "".join(part.text for part in self.content)
+        return "".join(part.words for part in self.content)
 
 
 class FunctionCallItem(ClosedObject):
@@ -102,7 +123,7 @@ class FunctionCallOutputItem(ClosedObject):
     def text(self) -> str:
         if isinstance(self.output, str):
             return self.output
-        return "".join(part.text for part in self.output)
+        return "".join(part.words for part in self.output)
 
 
 class ReasoningItem(ClosedObject):

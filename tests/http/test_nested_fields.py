@@ -329,6 +329,20 @@ def test_a_refusal_part_is_what_the_assistant_said(tiny: TestClient):
     assert "only an assistant message may hold a refusal part" in refused["error"]["message"]
 
 
+def test_a_responses_refusal_part_is_what_the_assistant_said(tiny: TestClient):
+    def spent(part: dict, role: str = "assistant") -> dict:
+        earlier = {"type": "message", "role": role, "content": [part]}
+        return tiny.post("/v1/responses", json=_with(RESPONSES, input=[USER, earlier, USER])).json()
+
+    said = "I cannot help with that."
+    as_refusal = spent({"type": "refusal", "refusal": said})
+    as_text = spent({"type": "output_text", "text": said})
+    assert as_refusal["usage"]["input_tokens"] == as_text["usage"]["input_tokens"]
+    refused = spent({"type": "refusal", "refusal": said}, role="user")
+    assert refused["error"]["param"] == "input.1"
+    assert "only an assistant message may hold a refusal part" in refused["error"]["message"]
+
+
 def test_a_responses_output_replayed_is_accepted(tiny: TestClient):
     """openai-agents sends an earlier output message back with its id, status, and its text
     part's annotations and logprobs; an output dumped with the SDK's `model_dump()` holds every
