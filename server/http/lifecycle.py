@@ -297,7 +297,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._drain = drain
         self._hurry = hurry  # a second signal: the drain ends what is in flight at once
-        self._hurried = False
+        self._signals = 0  # counted as they come: the loop may not have run since the first
         self._draining: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -322,16 +322,16 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded as uvicorn's captured signal: it would be re-raised after the drain and
         # turn a clean exit into death by signal.
+        self._signals += 1
+        drained = self._draining is not None and self._draining.done()
         if self._loop is None or not self.started:
             self.should_exit = self.force_exit = True  # still starting
-            return
-        if self._draining is None:
+        elif self._signals == 1:
             self._loop.call_soon_threadsafe(self._start_drain)
-        elif self._hurry is not None and not self._hurried:
-            self._hurried = True
+        elif self._signals == 2 and self._hurry is not None and not drained:
             self._loop.call_soon_threadsafe(self._hurry)
         else:
-            self.should_exit = self.force_exit = True  # the signal after that
+            self.should_exit = self.force_exit = True  # a third, or the drain is over
 
     def _start_drain(self) -> None:
         if self._draining is None:
