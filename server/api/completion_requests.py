@@ -281,7 +281,10 @@ class SamplingFields(GuidedFields, RequestBody, RequestMetadata):
         default=None,
         ge=0.01,
         le=10.0,
-        description="Multiplicative penalty on recently seen tokens (0.01 to 10; 1 is none).",
+        description=(
+            "Multiplicative penalty on the prompt's and the generated tokens (0.01 to 10; 1 is "
+            "none)."
+        ),
     )
     adapter: AdapterSpec = Field(
         default=(),

@@ -31,6 +31,9 @@ class Refused:
 
     why: str
     neutral: tuple[Any, ...] = (None,)
+    # Honoured fields that, asking for something, make the neutral values ask for something
+    # too (a penalty's window, sent beside a penalty).
+    unless: tuple[str, ...] = ()
 
 
 _OFF: tuple[Any, ...] = (None, False)
@@ -90,11 +93,13 @@ REFUSED: dict[str, Refused] = {
     "n_predict": Refused("send max_tokens", (None, -1)),
     "typical_p": Refused("typical sampling is not implemented", (None, 1)),
     "repeat_penalty": Refused("send repetition_penalty", (None, 1)),
-    # Its default asks for nothing with llama.cpp's default penalties; -1 is the whole
-    # sequence, the window of this server's penalties.
+    # Its default (and -1, the whole context) ask for nothing while no penalty is on.
     "repeat_last_n": Refused(
-        "the penalties look at the whole sequence (as -1 does), vLLM's and OpenAI's window",
+        "the penalties have no window here: the repetition penalty looks at the prompt and the "
+        "tokens generated, the presence and frequency penalties at the tokens generated (vLLM's "
+        "and OpenAI's rules); send no repeat_last_n",
         (None, 64, -1),
+        unless=("frequency_penalty", "presence_penalty", "repetition_penalty"),
     ),
     "penalize_nl": Refused("not implemented", _OFF),
     "mirostat": Refused("mirostat sampling is not implemented", (None, 0)),
@@ -325,6 +330,11 @@ def _taken_by(name: str) -> str:
     return "chat and text completions"
 
 
+def _asks(name: str, value: Any) -> bool:
+    """Whether the honoured field `name` set to `value` asks for something."""
+    return value is not None and not any(_same(value, v) for v in NO_OP.get(name, ()))
+
+
 def check_fields(
     data: Any, declared: Iterable[str], refusing: dict[str, Refused] = REFUSED
 ) -> None:
@@ -338,7 +348,7 @@ def check_fields(
         if name in known or name in METADATA:
             continue
         if name in HONOURED and name not in refusing:
-            if value is not None and not any(_same(value, v) for v in NO_OP.get(name, ())):
+            if _asks(name, value):
                 raise InvalidRequest(
                     f"'{name}' is not taken by this endpoint: it is a field of {_taken_by(name)}.",
                     param=name,
@@ -347,7 +357,8 @@ def check_fields(
             continue
         refused = refusing.get(name)
         if refused is not None:
-            if not any(_same(value, neutral) for neutral in refused.neutral):
+            asked = [other for other in refused.unless if _asks(other, data.get(other))]
+            if value is not None and asked or not any(_same(value, v) for v in refused.neutral):
                 raise InvalidRequest(
                     f"'{name}' is not supported by this server: {refused.why}.",
                     param=name,

@@ -277,7 +277,10 @@ class ResponsesRequest(RequestBody, RequestMetadata):
         default=None,
         ge=-(2**63),
         lt=2**64,
-        description="Sample reproducibly: the same seed and request give the same answer.",
+        description=(
+            "Sample reproducibly: the same seed and request give the same answer; -1 (llama.cpp's "
+            "spelling) draws a random seed."
+        ),
     )
     adapter: AdapterSpec = Field(
         default=(),

@@ -395,6 +395,14 @@ def test_unimplemented_fields_are_refused_unless_they_ask_nothing(
     assert chat(smol, max_tokens=2, **{field: neutral})["choices"]
 
 
+def test_a_penalty_s_window_passes_only_while_no_penalty_is_on(smol):
+    for penalty in ({"frequency_penalty": 0.5}, {"presence_penalty": 0.2}):
+        refused(chat(smol, status=400, max_tokens=2, repeat_last_n=64, **penalty), "repeat_last_n")
+    off = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1}
+    assert chat(smol, max_tokens=2, repeat_last_n=64, **off)["choices"]
+    assert chat(smol, max_tokens=2, repeat_last_n=None, frequency_penalty=0.5)["choices"]
+
+
 def test_reasoning_fields_are_parsed_not_refused(smol):
     # A model that does not think: nothing to leave out.
     kept = chat(smol, max_tokens=2, include_reasoning=False)["choices"][0]["message"]
