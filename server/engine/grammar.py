@@ -386,7 +386,8 @@ class _TokenBytes:
         self._unknown = getattr(hf, "unk_token_id", None)
 
     def __call__(self, text: str) -> list[int]:
-        ids = list(self._hf.encode(text, add_special_tokens=False))
+        # Text spelling a special token ("<unk>", "<|im_end|>") is that text, not the token.
+        ids = list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
         # The unknown token stands for text no token spells, and spells other bytes: no
         # tokenization of `text` (llguidance then knows the vocabulary cannot write it).
         return [] if self._unknown is not None and self._unknown in ids else ids

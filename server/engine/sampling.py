@@ -153,12 +153,15 @@ class Penalties:
             self._seen = mx.zeros((vocab,), dtype=mx.bool_)
             self._counts = mx.zeros((vocab,), dtype=mx.float32)
             self._read = 0
-        new = tokens[self._read :]
-        if new:
+        # Only the arrays a penalty reads are kept up: one never read would grow a lazy graph
+        # a step at a time. Ids past the logits' width (none a working model makes) are left
+        # out: a scatter does not check its indices.
+        new = [token for token in tokens[self._read :] if token < vocab]
+        if new and self.repetition != 1.0:
             self._seen[mx.array(new)] = True
-            generated = tokens[max(self._read, prompt_length) :]
-            if generated:
-                self._counts = self._counts.at[mx.array(generated)].add(1.0)
+        generated = [token for token in tokens[max(self._read, prompt_length) :] if token < vocab]
+        if generated and (self.frequency or self.presence):
+            self._counts = self._counts.at[mx.array(generated)].add(1.0)
         self._read = len(tokens)
         return self._seen, self._counts
 

@@ -322,13 +322,14 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded as uvicorn's captured signal: it would be re-raised after the drain and
         # turn a clean exit into death by signal.
-        self._signals += 1
+        # One read and write: a handler may run inside another, between two statements.
+        count = self._signals = self._signals + 1
         drained = self._draining is not None and self._draining.done()
         if self._loop is None or not self.started:
             self.should_exit = self.force_exit = True  # still starting
-        elif self._signals == 1:
+        elif count == 1:
             self._loop.call_soon_threadsafe(self._start_drain)
-        elif self._signals == 2 and self._hurry is not None and not drained:
+        elif count == 2 and self._hurry is not None and not drained:
             self._loop.call_soon_threadsafe(self._hurry)
         else:
             self.should_exit = self.force_exit = True  # a third, or the drain is over

@@ -64,3 +64,13 @@ def test_no_penalty_asks_for_nothing():
         max_tokens=8, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0
     )
     assert RowSampler(neutral).penalties is None
+
+
+def test_an_id_past_the_logits_width_is_left_out():
+    """A scatter does not check its indices: an id no logit stands for is not counted."""
+    got = penalised([1, VOCAB + 3, 5, VOCAB], 1, repetition_penalty=2.0, frequency_penalty=1.0)
+    want = BASE.copy()
+    for token in (1, 5):
+        want[token] = want[token] * 2 if want[token] < 0 else want[token] / 2
+    want[5] -= 1.0
+    assert np.allclose(got, want, rtol=0, atol=1e-6)

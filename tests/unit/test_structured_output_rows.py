@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 
 from hotlora.adapters import AdapterManager, AdapterSet, parse_adapter_spec
@@ -28,6 +29,7 @@ from hotlora.server.engine.grammar import Grammar, GrammarFailed, UnsupportedSch
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 from tests.support.scheduling import Recorder, run
+from tests.support.tiny import UNK_ID
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33]]
 MAX_TOKENS = 160  # the longest answer to PERSON takes ~110 of the tiny model's character tokens
@@ -247,6 +249,19 @@ def test_text_the_vocabulary_cannot_write_is_refused_in_words(setup, pattern):
     assert "admits no text this model's vocabulary can write" in refused.value.message
     assert "NoExtensionBias" not in refused.value.message
     assert refused.value.param == "guided_regex"
+
+
+@pytest.mark.parametrize("pattern", ["<unk>", "say <unk> now", "a<\\|im_end\\|>"])
+def test_text_spelling_a_special_token_is_written_letter_by_letter(setup, pattern):
+    """The unknown token's own name, or another special token's, is text the vocabulary spells:
+    it compiles, and the grammar's first token is its first letter."""
+    engine, _ = setup
+    constraint = engine.grammars.regex(pattern, param="guided_regex").start()
+    row = np.zeros(4, dtype=np.int32)
+    constraint.fill(row)
+    allowed = np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0]
+    [first] = engine.tokenizer.encode(pattern[0], add_special_tokens=False)
+    assert first in allowed and UNK_ID not in allowed
 
 
 def test_a_huge_schema_is_refused_before_it_is_compiled(setup):
