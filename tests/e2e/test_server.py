@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -227,6 +228,27 @@ def test_http_error_table(server, method, path, body, status, code):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == code
+
+
+def test_a_whole_answer_s_client_leaving_stops_it_and_is_logged(server, model_id):
+    """A client that closes its connection while a whole (unstreamed) answer is generated: the
+    generation stops, well before its 400 tokens, and the access log says 499."""
+    body = json.dumps(
+        {"model": model_id, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
+    ).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        sock.sendall(head.encode() + body)
+        time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while "client_closed_request" not in server.log(20) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [line] = [x for x in server.log(20).splitlines() if "client_closed_request" in x]
+    assert "POST /v1/chat/completions 499" in line and "finish=cancelled" in line
+    completion = int(line.split(" completion=")[1].split()[0])
+    assert completion < 400
 
 
 def test_client_disconnect_stops_generation(server, client, model_id):
