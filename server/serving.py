@@ -47,7 +47,7 @@ from hotlora.server.engine import (
 from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.engine.grammar import Grammar
 from hotlora.server.http.request_errors import ContextOverflow
-from hotlora.server.http.request_ids import client_request_id
+from hotlora.server.http.request_ids import client_request_id, current_request_id
 from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
 from hotlora.server.render.chat_prompt import ChatTemplate
 from hotlora.server.render.chat_templates import NO_CHAT_TEMPLATE
@@ -426,8 +426,9 @@ class InferenceService:
         )
         # Select last: the lease it takes must be released on any later error.
         lease = await self.lease(request.model, request.adapter)
-        # As vLLM: the client's x-request-id header names the answer, else its request_id.
-        named = client_request_id() or request.request_id
+        # As vLLM: the client's x-request-id header names the answer, else its request_id;
+        # else the id the access log names the request by, so an answer's id finds its line.
+        named = client_request_id() or request.request_id or current_request_id()
         return Prepared(lease, prompts, params, request.n, grammar=grammar, request_id=named)
 
     async def lease(self, model: str, refs: tuple[AdapterRef, ...]) -> AdapterLease:

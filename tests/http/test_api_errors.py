@@ -447,3 +447,14 @@ def test_decode_ahead_reaches_the_scheduler_and_changes_no_answer(make_client):
         answers[asked] = [choice["message"]["content"] for choice in choices]
     assert answers["on"] == answers["off"] == answers["auto"]
     assert all(answers["on"])
+
+
+def test_an_answer_s_id_is_the_request_id_its_log_line_names(client: TestClient):
+    for path, body, prefix in (
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 2}, "chatcmpl-"),
+        ("/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 2}, "cmpl-"),
+    ):
+        answer = client.post(path, json=body)
+        assert answer.json()["id"] == prefix + answer.headers["x-request-id"]
+        named = client.post(path, json=body, headers={"x-request-id": "mine-7"})
+        assert named.json()["id"] == prefix + "mine-7"
