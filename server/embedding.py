@@ -80,7 +80,7 @@ class EmbeddingService:
         record = current_record()
         if record is not None:  # the access line, and the tenant's usage and token limit
             record.model, record.adapters = lease.model, lease.adapters.ids
-            record.prompt_tokens, record.completion_tokens = used, 0
+            record.prompt_tokens = used
         return EmbeddingResponse(
             data=data,
             model=lease.model,

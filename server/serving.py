@@ -101,7 +101,7 @@ class Submitted:
 
     prepared: Prepared
     ticket: Ticket
-    stats: RequestStats | None = None  # once its events are read
+    stats: RequestStats  # told of its events as they are read, ended by `let_go`
 
 
 @dataclass
@@ -454,10 +454,15 @@ class InferenceService:
         batch; refused, it holds nothing."""
         try:
             share = Share(tenant.name, tenant.weight)
-            return Submitted(prepared, self.worker.submit(prepared.jobs(), share))
+            ticket = self.worker.submit(prepared.jobs(), share)
         except BaseException:
             prepared.lease.release()
             raise
+        lease = prepared.lease
+        stats = RequestStats(
+            self.metrics, lease.model, lease.adapters, len(ticket.jobs), prepared.n, ticket
+        )
+        return Submitted(prepared, ticket, stats)
 
     async def run(self, submitted: Submitted) -> Outcome:
         """Generate every choice and collect it."""
@@ -483,7 +488,7 @@ class InferenceService:
         self.worker.abandon(submitted.ticket)  # a no-op once finished
         submitted.prepared.lease.release()
         stats = submitted.stats
-        if stats is not None and not stats.ended:
+        if not stats.ended:
             if submitted.ticket.not_read:
                 # Its reader may never see the error: the connection is cut for not reading.
                 stats.failed = True
@@ -492,15 +497,7 @@ class InferenceService:
 
     async def events(self, submitted: Submitted) -> AsyncIterator[tuple[int, Delta | Finished]]:
         """Every choice's events in order, tagged with its index; releases the lease after."""
-        prepared = submitted.prepared
-        stats = submitted.stats = RequestStats(
-            self.metrics,
-            prepared.lease.model,
-            prepared.lease.adapters,
-            len(submitted.ticket.jobs),
-            prepared.n,
-            submitted.ticket,
-        )
+        stats = submitted.stats
         try:
             async with contextlib.aclosing(self.worker.events(submitted.ticket)) as events:
                 async for index, event in events:

@@ -104,7 +104,9 @@ def _text(f: dict[str, Any]) -> str:
     if f["adapters"]:
         parts.append(f"adapters={'+'.join(f['adapters'])}")
     if f["prompt_tokens"] is not None:
-        parts.append(f"prompt={f['prompt_tokens']} completion={f['completion_tokens']}")
+        parts.append(f"prompt={f['prompt_tokens']}")
+        if f["completion_tokens"] is not None:  # embeddings generate nothing
+            parts.append(f"completion={f['completion_tokens']}")
         if f["cached_tokens"] is not None:  # embeddings cache nothing
             parts.append(f"cached={f['cached_tokens']}")
     if f["ttft_ms"] is not None:

@@ -116,9 +116,9 @@ class RequestStats:
         if record is None:
             return
         record.model, record.adapters = self.model, self.adapters
-        record.prompt_tokens = usage.prompt_tokens
-        record.completion_tokens = usage.completion_tokens
-        record.cached_tokens = usage.cached_tokens
-        if self._first:
+        if self._first:  # its counts, once a choice was heard from: none ran before that
+            record.prompt_tokens = usage.prompt_tokens
+            record.completion_tokens = usage.completion_tokens
+            record.cached_tokens = usage.cached_tokens
             record.ttft = min(self._first.values()) - self.began
         record.finish_reason = ",".join(reasons)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -81,13 +82,19 @@ async def _cut_before_the_first_event(app, path: str, body: dict, after: int = 0
 
 
 @pytest.mark.parametrize("path", BODIES)
-def test_a_stream_cut_before_its_first_event_lets_go(client: TestClient, path: str):
+def test_a_stream_cut_before_its_first_event_lets_go(
+    client: TestClient, path: str, caplog: pytest.LogCaptureFixture
+):
     body = {"model": "a", "stream": True, **BODIES[path]}
     if path == "/v1/responses":
         body["max_output_tokens"] = 400
     else:
         body.update(max_tokens=400, ignore_eos=True)
-    client.portal.call(_cut_before_the_first_event, client.app, path, body)
+    with caplog.at_level(logging.INFO, logger="hotlora.access"):
+        client.portal.call(_cut_before_the_first_event, client.app, path, body)
+    # It never ran: its line counts no tokens (rather than a prompt of 0).
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"POST {path}")]
+    assert "finish=cancelled" in line and "prompt=" not in line
     runtime = client.app.state.runtime
     deadline = time.monotonic() + 20
     while runtime.load_snapshot().running and time.monotonic() < deadline:
