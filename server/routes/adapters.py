@@ -85,22 +85,27 @@ async def _mount(
     anything (False: the same revision was already there, or another call mounted it first)."""
     # Reading and checking the files is blocking I/O; keep it off the event loop. The manager
     # tells the metrics of the mount itself, as of every other; a refusal is told here.
-    try:
+    with _refusals_counted(metrics, "mount"):
         return await asyncio.to_thread(
             manager.mount_reporting_change, adapter_id, path, replace, pin=pin
         )
-    except AdapterError as exc:
-        metrics.adapter_refused("mount", exc.code)
-        raise
 
 
 async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -> dict[str, Any]:
-    try:
+    with _refusals_counted(metrics, "unmount"):
         info = await asyncio.to_thread(manager.unmount, adapter_id)
-    except AdapterError as exc:
-        metrics.adapter_refused("unmount", exc.code)
-        raise
     return {"id": info.id, "object": "adapter", "deleted": True}
+
+
+@contextlib.contextmanager
+def _refusals_counted(metrics: Metrics, op: str) -> Iterator[None]:
+    """An adapter refusal raised within (a key's own limits included), told to the metrics by
+    its code."""
+    try:
+        yield
+    except AdapterError as exc:
+        metrics.adapter_refused(op, exc.code)
+        raise
 
 
 @router.post(paths.ADAPTERS, status_code=201, response_model=AdapterCard)
@@ -108,7 +113,8 @@ async def mount_adapter(
     body: MountAdapterRequest, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> JSONResponse:
     """201 when this call mounted something; 200 when the same revision was already there."""
-    _check_mount(request, manager, body.id, body.path)
+    with _refusals_counted(metrics, "mount"):
+        _check_mount(request, manager, body.id, body.path)
     info, changed = await _mount(manager, metrics, body.id, body.path, body.replace, body.pin)
     return JSONResponse(_card(info), status_code=201 if changed else 200)
 
@@ -150,7 +156,8 @@ async def get_adapter(adapter_id: str, request: Request, manager: ManagerDep) ->
 async def unmount_adapter(
     adapter_id: str, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> dict[str, Any]:
-    _check_id(request_tenant(request), manager, adapter_id)
+    with _refusals_counted(metrics, "unmount"):
+        _check_id(request_tenant(request), manager, adapter_id)
     return await _unmount(manager, metrics, adapter_id)
 
 
@@ -207,7 +214,8 @@ async def _load_lora_adapter(
     body: LoadLoraAdapterRequest, request: Request, manager: AdapterManager, metrics: Metrics
 ) -> PlainTextResponse:
     name, inplace = body.lora_name, body.load_inplace
-    _check_mount(request, manager, name, body.lora_path)
+    with _refusals_counted(metrics, "mount"):
+        _check_mount(request, manager, name, body.lora_path)
     if not inplace and _is_loaded(manager, name):
         raise _loaded_before(metrics, name)
     try:
@@ -228,6 +236,7 @@ async def unload_lora_adapter(
     body: UnloadLoraAdapterRequest, request: Request, manager: ManagerDep, metrics: MetricsDep
 ) -> PlainTextResponse:
     with _in_vllm_words():
-        _check_id(request_tenant(request), manager, body.lora_name)
+        with _refusals_counted(metrics, "unmount"):
+            _check_id(request_tenant(request), manager, body.lora_name)
         await _unmount(manager, metrics, body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
@@ -338,9 +339,13 @@ def test_tenant_admin_mounts_under_its_prefix_from_its_folder(tenants: TestClien
 def test_tenant_admin_cannot_touch_another_tenants_adapters(
     tenants: TestClient, method: str, path: str, body: Any, status: int, code: str
 ):
+    op = "unmount" if method == "DELETE" or "unload" in path else "mount"
+    refusals = _refusals(tenants, op, code)
     response = tenants.request(method, path, json=body, headers=auth("acme-admin"))
     assert response.status_code == status, response.text
     assert response.json()["error"]["code"] == code
+    # The metrics count a refused mount or unmount (a look is none).
+    assert _refusals(tenants, op, code) == refusals + (method != "GET")
     message = response.json()["error"]["message"]
     sent = [path.rsplit("/", 1)[-1], *(body or {}).values()]  # what the case names itself
     for value in sent:
@@ -348,6 +353,18 @@ def test_tenant_admin_cannot_touch_another_tenants_adapters(
     assert "globex" not in message, message
     ids = {c["id"] for c in tenants.get("/v1/adapters", headers=auth("ops")).json()["data"]}
     assert "globex-a" in ids and "globex-b" not in ids and "acme-x" not in ids
+
+
+def _refusals(client: TestClient, op: str, reason: str) -> float:
+    scraped = client.get("/metrics", headers=auth("ops")).text
+    for family in text_string_to_metric_families(scraped):
+        for sample in family.samples:
+            if sample.name == "hotlora_adapter_refusals_total" and sample.labels == {
+                "op": op,
+                "reason": reason,
+            }:
+                return sample.value
+    return 0.0
 
 
 def test_admin_routes_refuse_user_keys(tenants: TestClient):
