@@ -119,7 +119,10 @@ class AdapterRootList(BaseModel):
     object: Literal["list"] = "list"
     root: str = Field(description="The adapter root.")
     auto_mount: bool = Field(description="Whether a request mounts an adapter on first use.")
-    resident_bytes: int = Field(description="What the resident adapters' arrays hold together.")
+    resident_bytes: int = Field(
+        description="What the resident adapters' arrays hold together (a tenant-admin key: "
+        "those it may see)."
+    )
     max_mounted_adapters: int | None
     adapter_memory_bytes: int | None
     data: list[AdapterRootEntry]

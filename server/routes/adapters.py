@@ -130,15 +130,18 @@ async def list_adapters(request: Request, manager: ManagerDep) -> AdapterList:
 async def list_adapter_root(request: Request, manager: ManagerDep) -> AdapterRootList:
     tenant = request_tenant(request)
     entries = await asyncio.to_thread(manager.root_entries)  # reads the root's directories
+    resident = manager.resident_bytes
     if not tenant.is_admin:
         folder = (manager.adapter_root / (tenant.mount_dir or "")).resolve()
         entries = [
             e for e in entries if tenant.may_see(e.id) or Path(e.path).is_relative_to(folder)
         ]
+        # Its own adapters' memory: the whole would tell what other tenants keep resident.
+        resident = sum(info.ram_bytes for info in manager.list() if tenant.may_see(info.id))
     return AdapterRootList(
         root=str(manager.adapter_root),
         auto_mount=manager.auto_mount,
-        resident_bytes=manager.resident_bytes,
+        resident_bytes=resident,
         max_mounted_adapters=manager.budget.max_adapters,
         adapter_memory_bytes=manager.budget.max_bytes,
         data=[AdapterRootEntry(**entry.to_dict()) for entry in entries],

@@ -383,6 +383,12 @@ def test_adapter_root_shows_a_tenant_admin_its_own(tenants: TestClient):
     assert ids and all(i.startswith("acme-") for i in ids)
     everything = tenants.get("/v1/adapter_root", headers=auth("ops")).json()
     assert {"globex-a", "globex-auto"} <= {entry["id"] for entry in everything["data"]}
+    # The memory it is told of is its own adapters'.
+    cards = tenants.get("/v1/adapters", headers=auth("ops")).json()["data"]
+    sizes = {card["id"]: card["ram_bytes"] for card in cards}
+    assert everything["resident_bytes"] == sum(sizes.values())
+    own = sum(size for adapter_id, size in sizes.items() if adapter_id.startswith("acme-"))
+    assert root["resident_bytes"] == own < everything["resident_bytes"]
 
 
 def test_usage_per_tenant(tenants: TestClient):
