@@ -77,6 +77,7 @@ class EmbeddingService:
             for i, vector in enumerate(vectors)
         ]
         used = sum(len(tokens) for tokens in token_lists)
+        self.inference.metrics.embedded(lease.adapters.ids, prompt_tokens=used)
         record = current_record()
         if record is not None:  # the access line, and the tenant's usage and token limit
             record.model, record.adapters = lease.model, lease.adapters.ids

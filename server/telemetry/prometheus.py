@@ -290,6 +290,15 @@ class Metrics:
             self.adapter_prompt_tokens.labels(adapter_id).inc(prompt_tokens)
             self.adapter_generation_tokens.labels(adapter_id).inc(generation_tokens)
 
+    def embedded(self, adapters: Iterable[str], *, prompt_tokens: int) -> None:
+        """One embeddings request served with these adapter ids: its prompt tokens and its
+        adapters' counts (it generates nothing, so no generation metric hears of it)."""
+        model = self.model_name
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        for adapter_id in tuple(adapters) or (model,):
+            self.adapter_requests.labels(adapter_id).inc()
+            self.adapter_prompt_tokens.labels(adapter_id).inc(prompt_tokens)
+
     def client_not_reading(self) -> None:
         """A request was ended because its client took none of its latest tokens."""
         self.not_reading.inc()

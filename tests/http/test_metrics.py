@@ -143,6 +143,28 @@ def test_counters_follow_the_responses_usage_per_adapter(make_client, root: Path
     assert lora == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
 
 
+def test_embeddings_count_in_the_prompt_and_adapter_counters(make_client, root: Path):
+    client = make_client(adapter_root=root, startup_adapters={"a": "a"})
+    model = {"model_name": "tiny"}
+    before = scrape(client)
+    used = [
+        client.post("/v1/embeddings", json={"model": model_id, "input": ["the cat", "a dog"]})
+        for model_id in ("tiny", "a")
+    ]
+    tokens = [answer.json()["usage"]["prompt_tokens"] for answer in used]
+    after = scrape(client)
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("vllm:prompt_tokens_total", **model) == sum(tokens)
+    assert grew("hotlora_adapter_requests_total", adapter="tiny") == 1
+    assert grew("hotlora_adapter_prompt_tokens_total", adapter="a") == tokens[1]
+    # They generate nothing: no generation metric hears of them.
+    assert grew("vllm:e2e_request_latency_seconds_count", **model) == 0
+    assert grew("vllm:generation_tokens_total", **model) == 0
+
+
 def test_running_and_waiting_gauges_follow_the_batch(make_client, root: Path):
     client = make_client(adapter_root=root, max_batch=1, startup_adapters={"a": "a", "b": "b"})
     scheduler = client.app.state.runtime.worker.scheduler
