@@ -45,21 +45,17 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 
 
-class TextPart(ClosedObject):
-    """A text part; an assistant's may be a refusal, as OpenAI's schema lets a replayed answer
-    hold one: the model is shown its text as what the assistant said."""
+class TextOrRefusal(ClosedObject):
+    """A content part holding `text`, or (type `refusal`) an earlier answer's refusal, as
+    OpenAI's schema lets a replayed answer hold one: the model is shown either as the words."""
 
-    type: Literal["text", "refusal"]
+    type: str
     text: str | None = None
     refusal: str | None = None
 
-    # Prompt-caching marks some clients (LiteLLM, for Anthropic) put on parts; caching is
-    # automatic here.
-    tolerated = frozenset({"cache_control"})
-
     @model_validator(mode="after")
-    def _its_own_field(self) -> TextPart:
-        field, other = ("text", "refusal") if self.type == "text" else ("refusal", "text")
+    def _its_own_field(self) -> TextOrRefusal:
+        field, other = ("refusal", "text") if self.type == "refusal" else ("text", "refusal")
         if getattr(self, field) is None:
             raise ValueError(f"a '{self.type}' part needs its '{field}'")
         if getattr(self, other) is not None:
@@ -69,6 +65,16 @@ class TextPart(ClosedObject):
     @property
     def words(self) -> str:
         return self.text if self.text is not None else self.refusal or ""
+
+
+class TextPart(TextOrRefusal):
+    """A chat message's text part; an assistant's may be a refusal."""
+
+    type: Literal["text", "refusal"]
+
+    # Prompt-caching marks some clients (LiteLLM, for Anthropic) put on parts; caching is
+    # automatic here.
+    tolerated = frozenset({"cache_control"})
 
 
 # Content parts for inputs this server cannot read: what a refusal calls them (chat's and the

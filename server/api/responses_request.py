@@ -31,35 +31,21 @@ from hotlora.server.api.completion_requests import (
     AdapterSpec,
     ChatCompletionRequest,
     RequestBody,
+    TextOrRefusal,
     refuse_unreadable_parts,
 )
 from hotlora.server.api.field_support import RESPONSES_REFUSED, check_fields, declared_names
 from hotlora.server.api.wire_base import ClosedObject, RequestMetadata, unknown_key_message
 
 
-class InputText(ClosedObject):
+class InputText(TextOrRefusal):
     """A text part of an input message; `output_text` is an earlier answer sent back, and
     `refusal` an earlier refusal, shown to the model as the assistant's words."""
 
     type: Literal["input_text", "output_text", "refusal"]
-    text: str | None = None
-    refusal: str | None = None
 
     # An earlier answer's part, sent back as the SDKs received it.
     tolerated = frozenset({"annotations", "logprobs"})
-
-    @model_validator(mode="after")
-    def _its_own_field(self) -> InputText:
-        field, other = ("refusal", "text") if self.type == "refusal" else ("text", "refusal")
-        if getattr(self, field) is None:
-            raise ValueError(f"a '{self.type}' part needs its '{field}'")
-        if getattr(self, other) is not None:
-            raise ValueError(f"a '{self.type}' part holds '{field}', not '{other}'")
-        return self
-
-    @property
-    def words(self) -> str:
-        return self.text if self.text is not None else self.refusal or ""
 
 
 class InputMessage(ClosedObject):
