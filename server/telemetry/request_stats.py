@@ -88,10 +88,15 @@ class RequestStats:
         unfinished = "error" if self.failed else "cancelled"
         reasons = [self._reasons.get(i, unfinished) for i in range(self.choices)]
         for index, generated in self._generated.items():
-            if index not in self._reasons and self.ticket is not None:
+            if index in self._reasons:
+                continue
+            if self.ticket is not None:
                 # A choice that sent text had its whole prompt prefilled.
                 prompt = len(self.ticket.jobs[index].prompt)
                 self.usage.add_counts(index, prompt, generated)
+            if generated > 1:  # its tokens' pace up to where its client left
+                decoding = self._last[index] - self._first[index]
+                self.metrics.per_output_token(decoding / (generated - 1))
         for reason in reasons:
             self.metrics.finished(reason)
         usage = self.usage

@@ -113,10 +113,20 @@ def test_a_stream_its_client_stopped_counts_what_it_generated(client: TestClient
     body = {**BODIES["/v1/chat/completions"], "model": "a", "stream": True, "max_tokens": 400}
     body["ignore_eos"] = True
     path = "/v1/chat/completions"
+    paced = _tpot_count(client)
     client.portal.call(_cut_before_the_first_event, client.app, path, body, 6)
+    # Its tokens' pace is observed, as a finished choice's is.
+    assert _tpot_count(client) == paced + 1
     [tenant] = client.get("/v1/usage").json()["data"]
     used = tenant["adapters"]["a"]
     assert used["requests"] == 1
     assert used["prompt_tokens"] > 0
     # The tokens its events told of (a role chunk, then one or more tokens each), not all 400.
     assert 5 <= used["completion_tokens"] < 400
+
+
+def _tpot_count(client: TestClient) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("vllm:time_per_output_token_seconds_count"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
