@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
+    app.state.runtime.phases["imports"] = imported  # the first of the phases /metrics reports
     config = uvicorn_config(
         app,
         host=settings.host,

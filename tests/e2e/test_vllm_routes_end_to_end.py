@@ -94,3 +94,11 @@ def test_vllm_dashboard_queries_read_a_real_scrape(
     }
     wanted = set().union(*(metric_names(q) for q in queries(json.loads(DASHBOARD.read_text()))))
     assert wanted and not wanted - names, sorted(wanted - names)
+    # The start-up phases the log names, the served process's imports among them.
+    phases = {
+        sample.labels["phase"]
+        for family in text_string_to_metric_families(scraped)
+        for sample in family.samples
+        if sample.name == "hotlora_startup_phase_seconds"
+    }
+    assert {"imports", "model load", "warm-up"} <= phases, phases
