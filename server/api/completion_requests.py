@@ -88,6 +88,13 @@ _UNSUPPORTED_PARTS = {
 }
 
 
+def refuse_misplaced_refusals(role: str | None, parts: Any) -> None:
+    """A ValueError for a refusal part outside an assistant's message (only an answer refuses)."""
+    refusals = isinstance(parts, list) and any(getattr(p, "type", None) == "refusal" for p in parts)
+    if refusals and role != "assistant":
+        raise ValueError("only an assistant message may hold a refusal part")
+
+
 def refuse_unreadable_parts(value: Any, text_parts: str) -> None:
     """A ValueError for the first content part that is not text, naming what it holds."""
     if not isinstance(value, list):
@@ -172,9 +179,8 @@ class ChatMessage(ClosedObject):
     # What the openai SDKs, LangChain and LiteLLM send back when they replay an assistant
     # answer: its refusal, annotations, audio reference, (vLLM's, this server's, OpenRouter's)
     # reasoning, the SDK's `parse` helpers' parsed content, LiteLLM's own fields and thinking
-    # blocks. Chat
-    # templates do not show them, and drop an earlier turn's thinking. And the prompt-caching
-    # mark of text parts, which LiteLLM also puts on messages.
+    # blocks. Chat templates do not show them, and drop an earlier turn's thinking. And the
+    # prompt-caching mark of text parts, which LiteLLM also puts on messages.
     tolerated = frozenset(
         {
             "refusal",
@@ -212,9 +218,7 @@ class ChatMessage(ClosedObject):
         if isinstance(value, list) and not value:
             raise ValueError("an empty list of content parts; send one part at least, or a string")
         role = info.data.get("role")
-        parts = value if isinstance(value, list) else ()
-        if role != "assistant" and any(part.type == "refusal" for part in parts):
-            raise ValueError("only an assistant message may hold a refusal part")
+        refuse_misplaced_refusals(role, value)
         if value is None and role in _CONTENT_REQUIRED:
             raise ValueError(f"messages with role '{role}' must have a 'content'")
         return value

@@ -32,6 +32,7 @@ from hotlora.server.api.completion_requests import (
     ChatCompletionRequest,
     RequestBody,
     TextOrRefusal,
+    refuse_misplaced_refusals,
     refuse_unreadable_parts,
 )
 from hotlora.server.api.field_support import RESPONSES_REFUSED, check_fields, declared_names
@@ -71,8 +72,7 @@ class InputMessage(ClosedObject):
 
     @model_validator(mode="after")
     def _refusals_are_the_assistant_s(self) -> InputMessage:
-        if self.role != "assistant" and any(part.type == "refusal" for part in self.content):
-            raise ValueError("only an assistant message may hold a refusal part")
+        refuse_misplaced_refusals(self.role, self.content)
         return self
 
     def text(self) -> str:
