@@ -285,19 +285,22 @@ class Metrics:
         self.prefix_cache_queries.labels(model).inc(prompt_tokens)
         self.prefix_cache_hits.labels(model).inc(cached_tokens)
         self.e2e_latency.labels(model).observe(seconds)
-        for adapter_id in tuple(adapters) or (model,):
-            self.adapter_requests.labels(adapter_id).inc()
-            self.adapter_prompt_tokens.labels(adapter_id).inc(prompt_tokens)
-            self.adapter_generation_tokens.labels(adapter_id).inc(generation_tokens)
+        self._per_adapter(adapters, prompt_tokens, generation_tokens)
 
     def embedded(self, adapters: Iterable[str], *, prompt_tokens: int) -> None:
         """One embeddings request served with these adapter ids: its prompt tokens and its
         adapters' counts (it generates nothing, so no generation metric hears of it)."""
-        model = self.model_name
-        self.prompt_tokens.labels(model).inc(prompt_tokens)
-        for adapter_id in tuple(adapters) or (model,):
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        self._per_adapter(adapters, prompt_tokens, generation_tokens=0)
+
+    def _per_adapter(
+        self, adapters: Iterable[str], prompt_tokens: int, generation_tokens: int
+    ) -> None:
+        """A request's counts for each adapter of its set, the base model's id for none."""
+        for adapter_id in tuple(adapters) or (self.model_name,):
             self.adapter_requests.labels(adapter_id).inc()
             self.adapter_prompt_tokens.labels(adapter_id).inc(prompt_tokens)
+            self.adapter_generation_tokens.labels(adapter_id).inc(generation_tokens)
 
     def client_not_reading(self) -> None:
         """A request was ended because its client took none of its latest tokens."""

@@ -79,9 +79,13 @@ class RequestStats:
             self.usage.add(index, event)
             self._reasons[index] = event.finish_reason
             self._generated[index] = event.completion_tokens
-            if event.completion_tokens > 1:
-                decoding = now - self._first[index]
-                self.metrics.per_output_token(decoding / (event.completion_tokens - 1))
+            self._pace(index, event.completion_tokens)
+
+    def _pace(self, index: int, generated: int) -> None:
+        """The choice's time per output token: its decode time over its tokens but the first."""
+        if generated > 1:
+            decoding = self._last[index] - self._first[index]
+            self.metrics.per_output_token(decoding / (generated - 1))
 
     def done(self) -> None:
         self.ended = True
@@ -94,9 +98,7 @@ class RequestStats:
                 # A choice that sent text had its whole prompt prefilled.
                 prompt = len(self.ticket.jobs[index].prompt)
                 self.usage.add_counts(index, prompt, generated)
-            if generated > 1:  # its tokens' pace up to where its client left
-                decoding = self._last[index] - self._first[index]
-                self.metrics.per_output_token(decoding / (generated - 1))
+            self._pace(index, generated)  # up to where its client left
         for reason in reasons:
             self.metrics.finished(reason)
         usage = self.usage
