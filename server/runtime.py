@@ -296,23 +296,22 @@ class Runtime:
         `[DONE]`)."""
         self.draining, self.ready, self.status = True, False, "shutting down"
         loop = asyncio.get_running_loop()
-        requests = "request" if self.in_flight == 1 else "requests"
-        log.info(
-            "shutting down: %d %s in flight, waiting up to %gs", self.in_flight, requests, timeout
-        )
+        log.info("shutting down: %s in flight, waiting up to %gs", self._in_flight(), timeout)
         deadline = loop.time() + timeout
         while self.in_flight and loop.time() < deadline and not self.hurried:
             await asyncio.sleep(0.05)
         if self.in_flight:
             why = "a second signal" if self.hurried else "drain timeout"
-            requests = "request" if self.in_flight == 1 else "requests"
-            log.warning("%s: ending %d %s still in flight", why, self.in_flight, requests)
+            log.warning("%s: ending %s still in flight", why, self._in_flight())
         if self.worker is not None:
             await self.worker.stop()
         # The ended requests write their last bytes; a client that does not read them is cut.
         deadline = loop.time() + _LAST_WRITE_S
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
+
+    def _in_flight(self) -> str:
+        return f"{self.in_flight} request{'' if self.in_flight == 1 else 's'}"
 
     def hurry(self) -> None:
         """Cut the drain's wait short: the requests in flight are ended at once."""
