@@ -87,6 +87,10 @@ export async function streamAnswer(body, view, signal) {
   let usage = null;
   let finish = "stop";
   let content = "";
+  const arrived = () => {
+    timing.last = performance.now();
+    timing.first ??= timing.last;
+  };
   try {
     for await (const chunk of streamChat(body, signal)) {
       if (chunk.model) view.served(chunk.model);
@@ -96,14 +100,12 @@ export async function streamAnswer(body, view, signal) {
         // (chat templates drop an earlier turn's thinking).
         const thought = choice.delta && choice.delta.reasoning_content;
         if (thought) {
-          timing.last = performance.now();
-          timing.first ??= timing.last;
+          arrived();
           view.think(thought);
         }
         const delta = choice.delta && choice.delta.content;
         if (delta) {
-          timing.last = performance.now();
-          timing.first ??= timing.last;
+          arrived();
           timing.chunks += 1;
           content += delta;
           view.append(delta);
