@@ -15,6 +15,8 @@ from hotlora.config.sources import ConfigFile, Metavar, Variables
 # Pages served from this machine, on any port: a local chat UI works out of the box.
 LOOPBACK_ORIGINS = "http://localhost:*,http://127.0.0.1:*,http://[::1]:*"
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://([^/\s:\[\]]+|\[[0-9a-fA-F:.]+\])(:(\d+|\*))?")
+# A Host name, pattern or bracketed IPv6 address, without a port: `api.example.com`, `*.internal`.
+_HOST_NAME = re.compile(r"[A-Za-z0-9*?._-]+\.?|\[[0-9a-fA-F:.]+\]")
 
 
 def _split(origins: str) -> list[str]:
@@ -350,6 +352,14 @@ class Settings(BaseSettings):
         "alone for every origin; empty for none. Default: loopback pages on any port.",
     )
 
+    allowed_hosts: str = Field(
+        default="",
+        description="Names a request's Host header may give besides loopback ones: a comma list "
+        "of names without a port (`*.example.com` patterns; `*` for any). Default: on a loopback "
+        "--host, loopback names and this machine's name only (a page whose name is pointed at "
+        "127.0.0.1 cannot reach the server: DNS rebinding); on any other --host, every name.",
+    )
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -414,10 +424,26 @@ class Settings(BaseSettings):
                 )
         return value
 
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, value: str) -> str:
+        for name in _split(value):
+            if not _HOST_NAME.fullmatch(name):
+                raise ValueError(
+                    f"{name!r} is not a host name or pattern: a name without a port (the Host "
+                    "header's port is not matched), `*` and `?` standing for any characters"
+                )
+        return value
+
     @property
     def allowed_origin_list(self) -> list[str]:
         """`allowed_origins` split at its commas, blanks dropped."""
         return _split(self.allowed_origins)
+
+    @property
+    def allowed_host_list(self) -> list[str]:
+        """`allowed_hosts` split at its commas, blanks dropped."""
+        return _split(self.allowed_hosts)
 
     @property
     def resolved_adapter_root(self) -> Path:

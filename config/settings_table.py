@@ -29,7 +29,7 @@ def settings_table() -> str:
 
 def _default(name: str, field: FieldInfo) -> str:
     value: Any = field.get_default(call_default_factory=True)
-    if value is None or value == {}:
+    if value is None or value == {} or value == "":
         return "unset"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"

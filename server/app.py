@@ -14,6 +14,7 @@ from hotlora.config.settings import Settings
 from hotlora.config.sources import log_setting_notes
 from hotlora.server.http.cors import install_cors
 from hotlora.server.http.error_responses import install_error_handlers
+from hotlora.server.http.hosts import TrustedHosts, allowed_hosts
 from hotlora.server.http.lifecycle import InFlight
 from hotlora.server.http.limits import BodyLimit
 from hotlora.server.http.openapi import install_openapi
@@ -82,6 +83,9 @@ def create_app(
     app.add_middleware(InFlight, runtime=runtime)
     install_cors(app, settings.allowed_origin_list)
     app.add_middleware(TenantAccounts, tenancy=tenancy)
+    hosts = allowed_hosts(settings.host, settings.allowed_host_list)
+    if hosts is not None:
+        app.add_middleware(TrustedHosts, patterns=hosts)
     app.add_middleware(RequestIds)  # outermost: a 413 or 500 carries the id too
     app.include_router(health.router)
     app.include_router(metrics.router)

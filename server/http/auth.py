@@ -24,9 +24,16 @@ from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
 from hotlora.server.telemetry.access_log import current_record
 
 
-def _bearer(request: Request) -> str | None:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+def bearer_key(authorization: str) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header's value (the scheme in any case, any
+    spaces after it); None for another scheme or no key."""
+    scheme, _, given = authorization.partition(" ")
+    given = given.strip(" ")
     return given if scheme.lower() == "bearer" and given else None
+
+
+def _bearer(request: Request) -> str | None:
+    return bearer_key(request.headers.get("authorization", ""))
 
 
 def _tenant(request: Request, *, admin: bool) -> Tenant:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotlora.server.http.error_responses import error_body, json_bytes
+from hotlora.server.http.error_responses import json_error
 
 
 def too_large_message(max_bytes: int) -> str:
@@ -31,6 +31,8 @@ class BodyLimit:
         if with_body and encoding not in (b"", b"identity"):
             shown = encoding.decode("latin-1")[:40]
             await self._refuse(
+                scope,
+                receive,
                 send,
                 415,
                 f"Content-Encoding '{shown}' is not supported: send the body uncompressed.",
@@ -38,7 +40,9 @@ class BodyLimit:
             )
             return
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, 413, too_large_message(self.max_bytes), "request_too_large")
+            await self._refuse(
+                scope, receive, send, 413, too_large_message(self.max_bytes), "request_too_large"
+            )
             return
         seen = 0
 
@@ -54,11 +58,9 @@ class BodyLimit:
 
         await self.app(scope, counted, send)
 
-    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
-        body = json_bytes(error_body(message, "invalid_request_error", code=code)).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+    @staticmethod
+    async def _refuse(
+        scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str
+    ) -> None:
+        refusal = json_error(status, message, "invalid_request_error", code=code)
+        await refusal(scope, receive, send)

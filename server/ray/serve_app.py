@@ -41,6 +41,7 @@ from hotlora.config.errors import InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
+from hotlora.server.http.auth import bearer_key
 from hotlora.server.http.error_responses import error_body
 from hotlora.server.http.keys_file import KeyRing, flag_keys
 from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
@@ -137,8 +138,8 @@ def request_tenant(
         return DEFAULT_TENANT
     for name, value in request.headers:
         if name.lower() == b"authorization":
-            scheme, _, given = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and given:
+            given = bearer_key(value.decode("latin-1"))
+            if given is not None:
                 return keys.lookup(given) or unknown
     return unknown
 

@@ -35,7 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def send_raw(server: ServerProcess, target: str) -> bytes:
     """One GET of `target` exactly as written: no client normalises or re-escapes it."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        head = f"GET {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        sock.sendall(head.encode())
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk

@@ -19,7 +19,7 @@ from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
-from tests.support.server_process import free_port
+from tests.support.server_process import LOCALHOST, free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -146,7 +146,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
 
 def one_server_answers(settings: Settings) -> dict[str, object]:
     """One server's answers: each spec's text, a's and a2's long ones, an unknown adapter's 404."""
-    with TestClient(create_app(settings)) as one:
+    with TestClient(create_app(settings), base_url=LOCALHOST) as one:
         deadline = time.monotonic() + 60
         while one.get("/ready").status_code != 200:
             assert time.monotonic() < deadline, one.get("/ready").json()

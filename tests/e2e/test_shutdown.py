@@ -232,7 +232,7 @@ def test_an_error_leaves_the_connection_usable(limited: ServerProcess):
         statuses = []
         for body in (bad, b"{not json", good):
             sock.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                 b"Content-Type: application/json\r\n"
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body

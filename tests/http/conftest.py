@@ -13,6 +13,8 @@ from hotlora.adapters import MountStore
 from hotlora.config.settings import Settings
 from hotlora.server.app import create_app
 
+from tests.support.server_process import LOCALHOST
+
 
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
@@ -50,7 +52,9 @@ def make_client(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., 
         }
         settings = Settings(home=tmp_path / "home", **fields)
         app = create_app(settings, on_fatal=on_fatal, mount_store=mount_store)
-        client = TestClient(app, raise_server_exceptions=raise_server_exceptions)
+        client = TestClient(
+            app, base_url=LOCALHOST, raise_server_exceptions=raise_server_exceptions
+        )
         client.__enter__()
         clients.append(client)
         if ready:

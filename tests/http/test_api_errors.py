@@ -148,7 +148,7 @@ def test_bodies_that_cannot_be_read_are_named_and_routes_keep_their_spelling(cli
         ("GET", "/health/"),
         ("POST", "/v1/completions/"),
     ):
-        slashed = client.request(method, path, headers={"host": "elsewhere.example"})
+        slashed = client.request(method, path, headers={"host": "elsewhere.localhost"})
         assert slashed.status_code == 404 and "location" not in slashed.headers
         assert slashed.json()["error"]["message"].startswith(f"Unknown route: {method} {path}.")
     for path in ("/health", "/ready"):

@@ -43,7 +43,7 @@ async def _cut_before_the_first_event(app, path: str, body: dict, after: int = 0
         "query_string": b"",
         "root_path": "",
         "headers": [
-            (b"host", b"test"),
+            (b"host", b"localhost"),
             (b"content-type", b"application/json"),
             (b"content-length", str(len(data)).encode()),
         ],

@@ -19,6 +19,7 @@ from hotlora.server.app import create_app
 from hotlora.server.render.chat_templates import BUILTINS
 
 from tests.http.conftest import wait_ready
+from tests.support.server_process import LOCALHOST
 from tests.support.turn_models import (
     CONVERSATION,
     NO_MARKERS,
@@ -48,7 +49,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def serving(gguf: Path, home: Path, **settings: Any) -> Iterator[TestClient]:
     fields = {"cpu_vector_jit": False, "warmup": False, "max_batch": 1, **settings}
     app = create_app(Settings(home=home, model=gguf, served_model_name="tiny", **fields))
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCALHOST) as client:
         wait_ready(client)
         yield client
 

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from hotlora.server.engine import NonFiniteLogits
 from hotlora.server.http.error_responses import install_error_handlers
 
+from tests.support.server_process import LOCALHOST
 from tests.support.sse import sse_events
 from tests.support.tiny import ENDOFTEXT_ID, IM_START_ID
 
@@ -248,6 +249,21 @@ def test_the_key_is_checked_before_the_body(make_client, path, body):
     assert response.json()["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize(
+    ("header", "status"),
+    [
+        ("Bearer k", 200),
+        ("bearer  k", 200),
+        ("BEARER k ", 200),
+        ("Bearer  ", 401),
+        ("Basic k", 401),
+    ],
+)
+def test_the_bearer_scheme_is_read_as_http_has_it(make_client, header, status):
+    client = make_client(api_key="k")
+    assert client.get("/v1/models", headers={"authorization": header}).status_code == status
+
+
 def test_control_tokens_add_no_text(client):
     request = {"model": "tiny", "prompt": "the", "max_tokens": 4, "temperature": 0}
     # <|im_start|>: a control token that does not end the answer (<|endoftext|> does).
@@ -329,7 +345,7 @@ def test_an_unexpected_error_is_a_500_object_and_not_re_raised():
         raise RuntimeError("/secret/internal detail")
 
     # A re-raised error would surface here: TestClient raises server exceptions by default.
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCALHOST) as client:
         response = client.get("/boom")
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "server_error"

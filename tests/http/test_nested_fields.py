@@ -22,6 +22,7 @@ from hotlora.server.api import wire_base
 from hotlora.server.app import create_app
 
 from tests.http.conftest import wait_ready
+from tests.support.server_process import LOCALHOST
 from tests.support.sse import sse_events
 
 USER = {"role": "user", "content": "the cat"}
@@ -42,7 +43,7 @@ def tiny(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         served_model_name="tiny",
         cpu_vector_jit=False,
     )
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), base_url=LOCALHOST) as client:
         wait_ready(client)
         yield client
 
@@ -406,7 +407,7 @@ def test_request_id_is_the_answers_id(tiny: TestClient):
 def test_the_openai_sdk_replays_its_own_answers(tiny: TestClient):
     """The answer objects the openai client parsed, sent back as they are: the chat message
     (`messages.append(completion.choices[0].message)`) and the Responses output items."""
-    client = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=tiny)
+    client = OpenAI(base_url="http://localhost/v1", api_key="none", http_client=tiny)
     messages: list[Any] = [USER]
     completion = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
     messages += [completion.choices[0].message, USER]

@@ -31,6 +31,7 @@ from tests.http.test_tools import SMALL_WEATHER, WEATHER, steer
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 from tests.support.openai_schema import SOURCE, problems, source, stream_event_schemas
 from tests.support.openai_schema.extract import ROOTS, _refs
+from tests.support.server_process import LOCALHOST
 from tests.support.tiny import TOOL_CHAT_TEMPLATE, write_tiny_llama
 
 ASK = [{"role": "user", "content": "weather in paris?"}]
@@ -78,7 +79,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
         startup_adapters={"a": "a"},
         max_n=4,
     )
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with TestClient(
+        create_app(settings), base_url=LOCALHOST, raise_server_exceptions=False
+    ) as client:
         deadline = time.monotonic() + 60
         while client.get("/ready").status_code != 200:
             assert time.monotonic() < deadline, client.get("/ready").text

@@ -23,6 +23,7 @@ from hotlora.server.api.completion_requests import ChatCompletionRequest
 from hotlora.server.api.field_support import LLAMA_CPP_SAMPLERS
 from hotlora.server.app import create_app
 
+from tests.support.server_process import LOCALHOST
 from tests.support.sse import sse_events
 
 MODEL = "smol"
@@ -41,7 +42,7 @@ def smol(
         served_model_name=MODEL,
         cpu_vector_jit=False,
     )
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), base_url=LOCALHOST) as client:
         deadline = time.monotonic() + 600
         while client.get("/ready").status_code != 200:
             assert time.monotonic() < deadline, client.get("/ready").json()

@@ -36,7 +36,7 @@ EVENT_ORDER = [
 def sdk(client: TestClient) -> openai.OpenAI:
     """The official client, its requests answered by the in-process app."""
     return openai.OpenAI(
-        base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0
+        base_url="http://localhost/v1", api_key="x", http_client=client, max_retries=0
     )
 
 

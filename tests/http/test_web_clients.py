@@ -19,6 +19,7 @@ from hotlora.server.http.request_ids import current_request_id
 from hotlora.server.serving import InferenceService
 
 from tests.http.conftest import wait_ready
+from tests.support.server_process import LOCALHOST
 from tests.support.sse import sse_events
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}
@@ -350,7 +351,7 @@ def sampling_config_client(
             cpu_vector_jit=False,
             **overrides,
         )
-        client = TestClient(create_app(settings))
+        client = TestClient(create_app(settings), base_url=LOCALHOST)
         client.__enter__()
         clients.append(client)
         wait_ready(client)

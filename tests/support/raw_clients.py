@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+)
 
 
 def chat_request(body: dict[str, Any]) -> bytes:

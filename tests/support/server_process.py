@@ -20,6 +20,8 @@ from typing import IO
 import httpx
 
 READY_TIMEOUT_S = 300.0
+# The base URL of in-process clients: a loopback name, which a loopback server answers.
+LOCALHOST = "http://localhost"
 
 
 def free_port() -> int:
