@@ -68,8 +68,16 @@ class EmbeddingService:
                 )
         # Select last: the lease it takes is released whatever happens next.
         lease = await inference.lease(request.model, request.adapter)
+        record = current_record()  # the access line, and the tenant's usage and token limit
+        if record is not None:
+            record.model, record.adapters = lease.model, lease.adapters.ids
+            record.prompt_tokens = 0
+        vectors = []
         try:
-            vectors = [await self._pool(tokens, lease.adapters) for tokens in token_lists]
+            for tokens in token_lists:
+                vectors.append(await self._pool(tokens, lease.adapters))
+                if record is not None:  # counted as it is pooled, whether the client stays or not
+                    record.prompt_tokens += len(tokens)
         finally:
             lease.release()
         data = [
@@ -78,10 +86,6 @@ class EmbeddingService:
         ]
         used = sum(len(tokens) for tokens in token_lists)
         self.inference.metrics.embedded(lease.adapters.ids, prompt_tokens=used)
-        record = current_record()
-        if record is not None:  # the access line, and the tenant's usage and token limit
-            record.model, record.adapters = lease.model, lease.adapters.ids
-            record.prompt_tokens = used
         return EmbeddingResponse(
             data=data,
             model=lease.model,

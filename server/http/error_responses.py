@@ -38,7 +38,7 @@ from hotlora.server.http.request_errors import (
     Unauthorized,
 )
 from hotlora.server.http.tenant_limits import RateLimited, TokensRateLimited
-from hotlora.server.telemetry.access_log import note_error
+from hotlora.server.telemetry.access_log import CLIENT_CLOSED_REQUEST, note_error
 
 log = logging.getLogger("hotlora")
 
@@ -65,7 +65,7 @@ HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
     LoraPathNotFound: HttpError(404, "not_found_error"),
     AdapterConflict: HttpError(409, "conflict_error"),
     Unauthorized: HttpError(401, "authentication_error", {"WWW-Authenticate": "Bearer"}),
-    ClientDisconnected: HttpError(499, "client_closed_request"),
+    ClientDisconnected: HttpError(CLIENT_CLOSED_REQUEST, "client_closed_request"),
     # OpenAI's types for its rate limits; `Retry-After` comes from the error.
     RateLimited: HttpError(429, "requests"),
     TokensRateLimited: HttpError(429, "tokens"),

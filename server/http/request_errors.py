@@ -18,7 +18,7 @@ class NotReady(HotloraError):
 
 
 class ClientDisconnected(HotloraError):
-    """The client left before its response was ready; the answer goes nowhere (nginx's 499)."""
+    """The client left before its response was ready; the answer goes nowhere."""
 
 
 class RequestTimeout(HotloraError):

@@ -22,6 +22,10 @@ from hotlora.config.log_text import printable
 access_log = logging.getLogger("hotlora.access")
 
 
+CLIENT_CLOSED_REQUEST = 499
+"""The status logged for a client that left before its response was ready (nginx's)."""
+
+
 @dataclass
 class RequestRecord:
     """What one HTTP request did, filled in while it is answered."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from hotlora.server.telemetry.access_log import RequestRecord
+from hotlora.server.telemetry.access_log import CLIENT_CLOSED_REQUEST, RequestRecord
 from hotlora.server.telemetry.prometheus import Metrics
 
 
@@ -94,7 +94,9 @@ class TenantUsage:
             adapters: tuple[str, ...] = ("",)
         else:
             adapters = record.adapters or (self.metrics.model_name,)
-        failed = record.error is not None or status is None or status >= 400
+        # A client that left was not failed: its request counts as answered, streamed or not.
+        left = status == CLIENT_CLOSED_REQUEST
+        failed = not left and (record.error is not None or status is None or status >= 400)
         with self._lock:
             totals = self._totals.setdefault(tenant, _TenantTotals())
             totals.total.add(prompt, completion)

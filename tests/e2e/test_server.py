@@ -232,23 +232,60 @@ def test_http_error_table(server, method, path, body, status, code):
 
 def test_a_whole_answer_s_client_leaving_stops_it_and_is_logged(server, model_id):
     """A client that closes its connection while a whole (unstreamed) answer is generated: the
-    generation stops, well before its 400 tokens, and the access log says 499."""
-    body = json.dumps(
-        {"model": model_id, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
-    ).encode()
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        sock.sendall(head.encode() + body)
-        time.sleep(0.3)
+    generation stops, well before its 400 tokens, the access log says 499, and its tenant's
+    usage counts its tokens and no error, as for a stream its client left."""
+    before = _default_tenant_usage(server)
+    body = {"model": model_id, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
+    line = _post_then_leave(server, "/v1/chat/completions", body, after_s=0.3)
+    assert "finish=cancelled" in line
     deadline = time.monotonic() + 30
-    while "client_closed_request" not in server.log(20) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    [line] = [x for x in server.log(20).splitlines() if "client_closed_request" in x]
-    assert "POST /v1/chat/completions 499" in line and "finish=cancelled" in line
     completion = int(line.split(" completion=")[1].split()[0])
     assert completion < 400
+    after = _default_tenant_usage(server)
+    while after["completion_tokens"] == before["completion_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = _default_tenant_usage(server)
+    assert after["errors"] == before["errors"]
+    assert after["completion_tokens"] == before["completion_tokens"] + completion
+
+
+def test_an_embeddings_client_leaving_stops_its_work(server, model_id):
+    """Embeddings of a short input then many long ones: the client that leaves stops them (the
+    access log says 499, counting the inputs pooled by then), and the next request is answered
+    without waiting for the rest."""
+    embed = {"model": model_id, "input": "warm"}  # its first run compiles what embeddings run
+    assert httpx.post(server.url + "/v1/embeddings", json=embed, timeout=60).status_code == 200
+    inputs = ["hi there"] + [f"the cat number {i} sat on the mat. " * 160 for i in range(10)]
+    line = _post_then_leave(server, "/v1/embeddings", {"model": model_id, "input": inputs}, 1.0)
+    assert int(line.split(" prompt=")[1].split()[0]) >= 2  # "hi there", pooled before it left
+    quick = httpx.post(
+        server.url + "/v1/embeddings", json={"model": model_id, "input": "hi"}, timeout=30
+    )
+    assert quick.status_code == 200
+
+
+def _post_then_leave(server, path: str, body: dict, after_s: float) -> str:
+    """POST `body` to `path` on a socket of its own, close it `after_s` seconds later, and wait
+    for the access log's 499 line of it (which it returns)."""
+    data = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        sock.sendall(head.encode() + data)
+        time.sleep(after_s)
+    logged = f"POST {path} 499"
+    deadline = time.monotonic() + 30
+    while logged not in server.log(20) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [line] = [x for x in server.log(20).splitlines() if logged in x]
+    assert "client_closed_request" in line
+    return line
+
+
+def _default_tenant_usage(server) -> dict:
+    rows = {row["tenant"]: row for row in httpx.get(server.url + "/v1/usage").json()["data"]}
+    return rows.get("default", {"errors": 0, "completion_tokens": 0})
 
 
 def test_client_disconnect_stops_generation(server, client, model_id):
