@@ -171,7 +171,15 @@ class InferenceService:
             raise InvalidRequest(f"{NO_CHAT_TEMPLATE}, or use /v1/completions.")
         tool_calls = self._tool_calls(request)
         tools = tool_calls.tools if tool_calls else None
+        # Calls the conversation shows in the generic format, which an answer that may call
+        # nothing must not copy.
+        copied_calls = False
         if self.tool_format is None:  # the template cannot show tools: the generic format
+            copied_calls = (
+                tool_calls is None
+                and self._may_hold_to_text(request)
+                and any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+            )
             messages, tools = self.generic_messages(messages, tool_calls), None
         variables = self._template.variables(request)
         prompt = await self.off_loop(
@@ -185,7 +193,10 @@ class InferenceService:
             )
         )
         grammar = await self._grammar(
-            request.output_spec(request.response_format), tool_calls, request.tool_use
+            request.output_spec(request.response_format),
+            tool_calls,
+            request.tool_use,
+            text_only=copied_calls,
         )
         prepared = await self._prepare(
             request,
@@ -205,6 +216,17 @@ class InferenceService:
         prepared.reasoning = await self._reasoning(prompt, grammar, shown=shown)
         return prepared
 
+    def _may_hold_to_text(self, request: ChatCompletionRequest) -> bool:
+        """Whether an answer may be held to text that cannot begin as calls do without taking
+        from the request what it asked for: room to think, an assistant message to continue (it
+        may go on with a space), token masks of its own (refused beside a grammar)."""
+        return not (
+            self.think_tags is not None
+            or request.continue_final_message
+            or request.min_tokens
+            or request.allowed_token_ids
+        )
+
     async def _reasoning(
         self, prompt: list[int], grammar: Grammar | None, *, shown: bool = True
     ) -> Reasoning | None:
@@ -218,19 +240,30 @@ class InferenceService:
         return Reasoning(tags, tags.opened_by(tail), shown)
 
     async def _grammar(
-        self, spec: OutputSpec | None, tool_calls: ToolCalls | None, use: str = "none"
+        self,
+        spec: OutputSpec | None,
+        tool_calls: ToolCalls | None,
+        use: str = "none",
+        *,
+        text_only: bool = False,
     ) -> Grammar | None:
         """The grammar the answer is held to, compiled (or found in the cache) off the event
-        loop: the request's output constraint (`response_format`, `guided_*`, ...), or the tool
-        call `tool_choice` requires; None: free."""
+        loop: the request's output constraint (`response_format`, `guided_*`, ...), the tool
+        call `tool_choice` requires, or (`text_only`, when the answer may call no tool but the
+        conversation shows calls in the generic format) text that cannot begin as calls do;
+        None: free."""
         grammars = self.engine.grammars
         if use not in ("none", "auto"):
-            if spec is not None:
+            if spec is not None and spec.param != "response_format":
                 raise InvalidRequest(
                     f"{spec.param} cannot be combined with a tool_choice that requires a tool "
                     "call: the answer must be the tool call.",
                     param=spec.param,
                 )
+            if spec is not None:
+                # OpenAI's pair: the format holds a text answer, and this answer is the calls.
+                # Its schema is still checked, as it would be on its own.
+                await self._output_grammar(spec)
             assert tool_calls is not None  # there are tools when one must be called
             if isinstance(tool_calls, GenericToolCalls):
                 answer = tool_calls.answer_schema()
@@ -257,7 +290,12 @@ class InferenceService:
             answer = tool_calls.answer_schema()  # `auto`: calls or text
             return await self.off_loop(lambda: grammars.tool_answer(answer, text=True))
         if spec is None:
-            return None
+            return await self.off_loop(grammars.plain_text) if text_only else None
+        return await self._output_grammar(spec)
+
+    async def _output_grammar(self, spec: OutputSpec) -> Grammar:
+        """The grammar of the request's output constraint, compiled off the event loop."""
+        grammars = self.engine.grammars
         kind, value, param, closed = spec.kind, spec.value, spec.param, spec.closed
         return await self.off_loop(lambda: grammars.output(kind, value, param, closed=closed))
 

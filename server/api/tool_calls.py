@@ -42,15 +42,21 @@ def call_schema(
     tools: list[dict[str, Any]], name: str | None, key: str = "arguments"
 ) -> dict[str, Any]:
     """The JSON schema of one call `{"name": ..., "arguments": {...}}` (`key` for arguments) to
-    `name` (any of `tools` when None), its arguments held to the function's `parameters`."""
+    `name` (any of `tools` when None), its arguments held to the function's `parameters`.
+
+    Each function's parameters get an `$id` of their own (unless they have one), so that their
+    references (`#/$defs/Item`, `#`) resolve against them, not against the answer's schema."""
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": function}, key: arguments},
+            "properties": {
+                "name": {"const": function},
+                key: {"$id": f"urn:hotlora:tools:{number}", **arguments},
+            },
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for function, arguments in tool_parameters(tools, name)
+        for number, (function, arguments) in enumerate(tool_parameters(tools, name))
     ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 

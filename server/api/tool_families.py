@@ -230,6 +230,8 @@ def _gemma(calls: ToolCalls, named: str | None, literal: Literal, json_rule: Jso
 class UnenforceableArguments(InvalidRequest):
     """A tool's parameters that a family's format cannot be held to by the grammar."""
 
+    code = "invalid_function_parameters"  # OpenAI's, as for parameters no grammar can enforce
+
     def __init__(self, problem: str):
         super().__init__(
             f"tool_choice cannot be enforced for these tools in this model's tool-call format: "

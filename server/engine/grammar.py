@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -60,19 +61,29 @@ _ONE_SCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _MAX_CLOSING_DEPTH = 64
-# The start of a Lark grammar whose answer is `calls` or text that cannot be mistaken for them.
-_CALLS_OR_TEXT = "start: calls | text\ntext: TEXT?\nTEXT: /[^{\\s](.|\\n)*/\n"
+# Text that cannot be mistaken for the generic format's calls: empty, or not beginning with `{`
+# or whitespace. The start of a Lark grammar whose answer is `calls` or such text, and one whose
+# answer is only such text.
+_TEXT = "text: TEXT?\nTEXT: /[^{\\s](.|\\n)*/\n"
+_CALLS_OR_TEXT = "start: calls | text\n" + _TEXT
+_ONLY_TEXT = "start: text\n" + _TEXT
+# How llguidance begins a Lark error: the line and column in the grammar ("at 4(8): ").
+_GRAMMAR_PLACE = re.compile(r"^at \d+\(\d+\): ")
+_QUOTED_LINE = re.compile(r"^\s+\d+ \| ")  # "   4 | calls: %json {...": a line of the grammar
 
 
 class UnsupportedSchema(InvalidRequest):
-    """A `response_format` schema (or a required tool call's parameters) that is not valid or
-    uses what the grammar engine lacks; `param` names the request field it came in."""
+    """A `response_format` schema (or a tool's parameters) that is not valid or uses what the
+    grammar engine lacks; `param` names the request field it came in (OpenAI's code for a
+    tool's: `invalid_function_parameters`)."""
 
     code = "invalid_response_format"
     param = "response_format"
 
     def __init__(self, message: str, *, param: str, kind: str):
         super().__init__(message, param=param)
+        if param == _TOOL_PARAMETERS[1]:
+            self.code = "invalid_function_parameters"
         self.kind = kind  # what the log says of it: the schema's text never reaches the log
 
 
@@ -103,7 +114,12 @@ def _failure(error: str) -> Exception:
 
 
 def _in_words(error: str) -> str:
-    """llguidance's reason, said for a client where it names only its own internals."""
+    """llguidance's reason, said for a client where it names only its own internals, on one
+    line: without the place in a Lark grammar the client may never have written (a tool's
+    parameters sit in a grammar of the whole answer) and the grammar's lines it quotes after."""
+    lines = _GRAMMAR_PLACE.sub("", error.strip()).splitlines()
+    quoted = next((i for i, line in enumerate(lines) if _QUOTED_LINE.match(line)), len(lines))
+    error = " ".join(line.strip() for line in lines[:quoted] if line.strip())
     if "NoExtensionBias" in error:  # no token can begin anything the grammar admits
         return (
             "it admits no text this model's vocabulary can write (a pattern that matches "
@@ -218,7 +234,7 @@ class Grammars:
     def grammar(self, text: str, *, param: str) -> Grammar:
         """The grammar `text` defines: Lark as llguidance reads it (a `start:` rule), else
         llama.cpp's GBNF (a `root ::=` rule), converted to Lark."""
-        source = (f"The {param} grammar", param)
+        source = (f"The {param} grammar" if param != "grammar" else "The grammar", param)
         return self._cached(
             f"grammar:{text}", lambda: llguidance.grammar_from("grammar", text), source
         )
@@ -268,6 +284,15 @@ class Grammars:
         lark = f"{head}calls: %json {body}\n"
         return self._cached(
             lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
+        )
+
+    def plain_text(self) -> Grammar:
+        """The grammar of an answer that may call no tool in a conversation that shows calls in
+        the generic format: text that cannot begin as the calls' object does (or is empty)."""
+        return self._cached(
+            _ONLY_TEXT,
+            lambda: llguidance.LLMatcher.grammar_from_lark(_ONLY_TEXT),
+            _TOOL_PARAMETERS,
         )
 
     def _cached(self, key: str, definition: Callable[[], str], source: _Source) -> Grammar:

@@ -128,7 +128,8 @@ class ResponseDraft:
 
     def output(self, text: str, status: Finished) -> list[OutputItem]:
         """A whole answer's items: its reasoning, its message (left out when the answer is only
-        tool calls), its function calls."""
+        tool calls), its function calls (each whole, so `completed`, as streamed: a call cut
+        short is never one)."""
         prepared, reasoning, calls = self.prepared, "", []
         if prepared.reasoning is not None:
             reasoning, text = prepared.reasoning.split(text)
@@ -139,7 +140,7 @@ class ResponseDraft:
             items.append(_reasoning(reasoning_id(), reasoning))
         if text.strip() or not calls:
             items.append(_message(message_id(), text, status))
-        items.extend(_function_call(call, status) for call in calls)
+        items.extend(_function_call(call, "completed") for call in calls)
         return items
 
 

@@ -247,6 +247,41 @@ def test_the_round_trip_renders_in_the_generic_format(client):
     assert plain.usage.prompt_tokens == len(tokenizer.encode(no_tools, add_special_tokens=False))
 
 
+COPIED = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'
+
+
+@pytest.mark.parametrize("tools", [{"tools": TOOLS, "tool_choice": "none"}, {"tools": None}])
+def test_an_answer_that_may_call_nothing_cannot_copy_the_history_s_calls(client, tools):
+    """After a round trip in the generic format, an answer that may call no tool is held to
+    text that cannot begin as the calls' object: a model copying the history's markup cannot
+    send it as the answer's text."""
+    fields = {k: v for k, v in tools.items() if v is not None}
+    if "tools" not in fields:
+        fields["tools"] = openai.NOT_GIVEN
+    steer(client, COPIED)
+    [answer] = create(client, messages=ROUND_TRIP, **fields).choices
+    text = answer.message.content
+    assert answer.message.tool_calls is None
+    assert text and text[0] != "{" and not text[0].isspace()
+    # Without calls in the conversation the same answer is free to begin with a brace.
+    steer(client, COPIED)
+    [free] = create(client, **fields).choices
+    assert free.message.content == COPIED
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"min_tokens": 2}, {"allowed_token_ids": list(range(100))}],  # the tiny vocabulary: 128
+)
+def test_token_masks_after_a_round_trip_are_the_request_s_own(client, fields):
+    """A request that asked for its own token masks is not held to text as well (the grammar's
+    mask would override them): it is answered, not refused."""
+    [answer] = create(
+        client, messages=ROUND_TRIP, tools=openai.NOT_GIVEN, max_tokens=4, extra_body=fields
+    ).choices
+    assert answer.finish_reason in ("stop", "length")
+
+
 def test_tokenize_renders_the_tools_as_chat_does(client):
     chat = create(client, max_tokens=1)
     body = {"model": "tiny", "messages": ASK, "tools": TOOLS}
@@ -276,10 +311,20 @@ def test_responses_required_and_named_are_function_calls(client):
         jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
 
 
-def test_a_required_call_cannot_also_be_held_to_json(client):
+def test_a_required_call_with_a_response_format_is_the_call(client):
+    """OpenAI's pair: `response_format` holds a text answer, and this one must be calls. A
+    schema that cannot be enforced is still refused; a vLLM constraint is refused beside it."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for response_format in ({"type": "json_object"}, fmt):
+        [answer] = create(client, tool_choice="required", response_format=response_format).choices
+        check_calls(answer.message.tool_calls, {"get_weather", "get_time"})
+    broken = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}
     with pytest.raises(openai.BadRequestError) as caught:
-        create(client, tool_choice="required", response_format={"type": "json_object"})
+        create(client, tool_choice="required", response_format=broken)
     assert caught.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, tool_choice="required", extra_body={"guided_regex": "a+"})
+    assert caught.value.body["param"] == "guided_regex"
     # With auto the answer is held to the response format, and still read for calls.
     steer(client, PARALLEL)
     answer = create(client, response_format={"type": "json_object"}).choices[0]
@@ -317,3 +362,27 @@ def test_responses_stream_generic_calls_as_function_call_items(client):
     ]
     assert json.loads(done[1]["arguments"]) == {"zone": "CET"}
     assert not [name for name, _ in sent if name == "response.output_text.delta"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_whole_call_of_an_answer_cut_short_is_completed(client, stream):
+    """A response cut by `max_output_tokens` after one whole call is `incomplete`; the whole
+    call in it is `completed`, streamed or not (the call cut short is dropped)."""
+    script = steer(client, PARALLEL)
+    cut = len(script()) - 6  # inside the second call
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    body = {"model": "tiny", "input": "weather?", "tools": tools, "max_output_tokens": cut}
+    response = client.post("/v1/responses", json={**body, "stream": stream})
+    assert response.status_code == 200, response.text
+    if stream:
+        sent = events(response)
+        whole = [data["response"] for name, data in sent if name == "response.incomplete"][0]
+    else:
+        whole = response.json()
+    assert whole["status"] == "incomplete"
+    [call] = whole["output"]
+    assert (call["type"], call["name"], call["status"]) == (
+        "function_call",
+        "get_weather",
+        "completed",
+    )

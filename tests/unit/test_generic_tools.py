@@ -11,7 +11,7 @@ import pytest
 from hotlora.models.loader import load_model_dir
 from hotlora.server.api.generic_tools import GENERIC, GenericToolCalls
 from hotlora.server.engine import Engine
-from hotlora.server.engine.grammar import Grammar
+from hotlora.server.engine.grammar import Grammar, UnsupportedSchema
 from hotlora.server.render.tool_prompt import (
     generic_messages,
     takes_system_messages,
@@ -270,3 +270,57 @@ def test_the_grammar_holds_the_answer_to_the_tools(engine, use, parallel, answer
     calls = GenericToolCalls(GENERIC, TOOLS, use=use, parallel=parallel)
     grammar = engine.grammars.tool_answer(calls.answer_schema(), text=use == "auto")
     assert accepts(engine, grammar, answer) is allowed
+
+
+def _order_tool(name: str, item: dict) -> dict:
+    """A function whose parameters name a definition of their own, as SDKs write nested models."""
+    parameters = {
+        "type": "object",
+        "$defs": {"Item": item},
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+        "required": ["items"],
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+SKU = {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]}
+COUNT = {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}
+
+
+@pytest.mark.parametrize(
+    ("answer", "allowed"),
+    [
+        ('{"name": "order", "arguments": {"items": [{"sku": "a"}]}}', True),
+        ('{"name": "order", "arguments": {"items": [{"count": 2}]}}', False),
+        ('{"name": "tally", "arguments": {"items": [{"count": 2}]}}', True),
+        ('{"name": "tally", "arguments": {"items": [{"sku": "a"}]}}', False),
+    ],
+)
+def test_a_tool_s_references_resolve_in_its_own_parameters(engine, answer, allowed):
+    """Two tools with a definition of the same name each hold their calls to their own."""
+    tools = [_order_tool("order", SKU), _order_tool("tally", COUNT)]
+    calls = GenericToolCalls(GENERIC, tools, use="required")
+    grammar = engine.grammars.tool_answer(calls.answer_schema(), text=False)
+    assert accepts(engine, grammar, '{"tool_calls": [' + answer + "]}") is allowed
+
+
+def test_a_reference_that_does_not_resolve_is_refused_without_the_grammar(engine):
+    tool = _order_tool("order", SKU)
+    tool["function"]["parameters"]["properties"]["items"]["items"] = {"$ref": "#/$defs/Gone"}
+    calls = GenericToolCalls(GENERIC, [tool], use="auto")
+    with pytest.raises(UnsupportedSchema) as caught:
+        engine.grammars.tool_answer(calls.answer_schema(), text=True)
+    error = caught.value
+    assert (error.param, error.code) == ("tools", "invalid_function_parameters")
+    assert "/$defs/Gone" in error.message
+    assert "\n" not in error.message and "start:" not in error.message
+
+
+def test_a_regular_expression_s_error_says_why_on_one_line(engine):
+    """llguidance reports a regex's error at a place in its grammar, quoting it: the client
+    reads the reason, not the grammar."""
+    with pytest.raises(UnsupportedSchema) as caught:
+        engine.grammars.regex("a(b", param="guided_regex")
+    message = caught.value.message
+    assert "unclosed group" in message
+    assert "\n" not in message and "start:" not in message

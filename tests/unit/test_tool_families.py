@@ -382,7 +382,7 @@ def test_arguments_a_raw_format_cannot_hold_are_refused(qwen3_coder, parameters)
     grammars = qwen3_coder.grammars
     with pytest.raises(InvalidRequest) as caught:
         family_grammar(calls, "required", grammars.literal, grammars.json_rule)
-    assert caught.value.param == "tools"
+    assert (caught.value.param, caught.value.code) == ("tools", "invalid_function_parameters")
 
 
 GLM_CALL = (
