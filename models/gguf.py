@@ -10,16 +10,13 @@ K-quants to float16 (the whole model at once), drops some newer types and narrow
 from __future__ import annotations
 
 import math
-import mmap
-import struct
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, Keys
 from mlx_lm.utils import save_config
 
 from hotlora.models.gguf_families import (
@@ -30,96 +27,14 @@ from hotlora.models.gguf_families import (
     family_of,
     longrope_scaling,
 )
+from hotlora.models.gguf_header import GGUFHeader, read_header
 from hotlora.models.gguf_tensors import GROUP_SIZE, SUPPORTED_TYPES, read_tensor, tensor_bytes
 from hotlora.models.gguf_tokenizer import UnsupportedTokenizer, write_tokenizer_files
 from hotlora.models.model_files import atomic_model_dir, save_weights
 from hotlora.models.progress import bar, evaluate
 
 Q = GGMLQuantizationType
-GGUF_MAGIC = b"GGUF"
 __all__ = ["UnsupportedGGUF", "import_gguf", "read_header"]
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lies in the file; `shape` in numpy order (rows first)."""
-
-    type: int
-    shape: tuple[int, ...]
-    offset: int  # from the start of the data section
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    """Everything but the tensor data: the key/value metadata and the tensor directory."""
-
-    metadata: dict[str, Any]
-    tensors: dict[str, TensorInfo]
-    data_start: int
-
-
-# GGUF value type id -> struct format, for the fixed-size types (8 is a string, 9 an array).
-_SCALARS = {**dict(enumerate("BbHhIif?")), 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_header(path: Path) -> GGUFHeader:
-    """Parse the GGUF header (v2 or v3, little-endian) without touching the tensor data."""
-    try:
-        return _parse_header(path)
-    except (struct.error, ValueError, KeyError) as e:
-        if isinstance(e, UnsupportedGGUF):
-            raise
-        raise UnsupportedGGUF(f"{path} has a truncated or corrupt GGUF header ({e})") from e
-
-
-def _parse_header(path: Path) -> GGUFHeader:
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != GGUF_MAGIC:
-            raise UnsupportedGGUF(f"{path} is not a GGUF file")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise UnsupportedGGUF(f"GGUF version {version} is not supported (only 2 and 3)")
-        pos = 24
-
-        def scalar(fmt: str) -> Any:
-            nonlocal pos
-            (value,) = struct.unpack_from("<" + fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-            return value
-
-        def string() -> str:
-            nonlocal pos
-            n = scalar("Q")
-            pos += n
-            return buf[pos - n : pos].decode("utf-8", errors="replace")
-
-        def value(kind: int) -> Any:
-            nonlocal pos
-            if kind == _STRING:
-                return string()
-            if kind == _ARRAY:
-                item_kind, count = scalar("I"), scalar("Q")
-                if item_kind in _SCALARS:
-                    dtype = np.dtype("<" + _SCALARS[item_kind])
-                    items = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).tolist()
-                    pos += dtype.itemsize * count
-                    return items
-                return [value(item_kind) for _ in range(count)]
-            return scalar(_SCALARS[kind])
-
-        metadata = {}
-        for _ in range(n_kv):
-            key = string()
-            metadata[key] = value(scalar("I"))
-        tensors = {}
-        for _ in range(n_tensors):
-            name = string()
-            dims = [scalar("Q") for _ in range(scalar("I"))]
-            kind, offset = scalar("I"), scalar("Q")
-            tensors[name] = TensorInfo(kind, tuple(reversed(dims)), offset)
-        alignment = int(metadata.get("general.alignment", 32))
-        return GGUFHeader(metadata, tensors, -(-pos // alignment) * alignment)
 
 
 def _type_name(kind: int) -> str:
@@ -134,6 +49,7 @@ def _check_supported(header: GGUFHeader) -> Family:
     family = family_of(arch)
     if "token_embd.weight" not in header.tensors:
         raise UnsupportedGGUF("GGUF has no token_embd.weight tensor")
+    _check_vocabulary(header)
     if header.metadata.get(f"{arch}.expert_count", 0):
         raise UnsupportedGGUF(f"mixture-of-experts {arch} models are not supported")
     bad: dict[str, list[str]] = {}
@@ -154,6 +70,21 @@ def _check_supported(header: GGUFHeader) -> Family:
         )
         raise UnsupportedGGUF(f"unsupported tensor type: {found}{why}. Supported types: {allowed}")
     return family
+
+
+def _check_vocabulary(header: GGUFHeader) -> None:
+    """Refuse a token list that is not one token a row of the embedding and of an untied output
+    head, as llama.cpp does at load: an id past either list has no text or no logit."""
+    tokens = header.metadata.get(Keys.Tokenizer.LIST)
+    if not isinstance(tokens, list) or not tokens:
+        raise UnsupportedGGUF(f"GGUF has no vocabulary ({Keys.Tokenizer.LIST})")
+    for name in ("token_embd.weight", "output.weight"):
+        if (info := header.tensors.get(name)) is not None and info.shape[:1] != (len(tokens),):
+            rows = info.shape[0] if info.shape else 0
+            raise UnsupportedGGUF(
+                f"{name} has {rows:,} rows for a vocabulary of {len(tokens):,} tokens "
+                f"({Keys.Tokenizer.LIST}); llama.cpp refuses such a file too"
+            )
 
 
 # Meta's Llama 3.1 rope scaling constants; the releases since differ only in the factor.

@@ -32,7 +32,7 @@ class Metadata:
         value = self.raw.get(f"{self.arch}.{key}", default)
         if value is None:
             raise UnsupportedGGUF(f"GGUF metadata lacks {self.arch}.{key}")
-        if isinstance(value, list):
+        if isinstance(value, (list, np.ndarray)):
             raise UnsupportedGGUF(f"per-layer {self.arch}.{key} is not supported")
         return value
 
@@ -134,7 +134,7 @@ def common_config(meta: Metadata, tensors: dict[str, Any], *, head_dim_key: bool
         "num_key_value_heads": int(meta.get("attention.head_count_kv", n_head)),
         "rms_norm_eps": float32(meta.get("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
-        # The embedding's rows, not {arch}.vocab_size: some files pad the matrix past the vocab.
+        # The embedding's rows, one a token (the importer checks), not {arch}.vocab_size.
         "vocab_size": tensors["token_embd.weight"].shape[0],
         "max_position_embeddings": int(meta.get("context_length")),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -233,7 +233,7 @@ def sliding_pattern(meta: Metadata, layers: int, window: int) -> int:
         return 1
     key = f"{meta.arch}.attention.sliding_window_pattern"
     pattern = meta.raw.get(key, 6)
-    if isinstance(pattern, list):  # one flag a layer, true where the layer slides
+    if isinstance(pattern, (list, np.ndarray)):  # one flag a layer, true where the layer slides
         for n in range(1, layers + 1):
             if [bool(p) for p in pattern] == [(i + 1) % n != 0 for i in range(layers)]:
                 return n

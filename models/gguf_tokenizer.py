@@ -11,6 +11,7 @@ BPE whose merges are ranked by that score reproduces.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,21 @@ LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"}
 QWEN2 = {"qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"}
 # llama.cpp's fallback when the name is missing: four regexes applied one after another.
 DEFAULT_PATTERNS = (r"[\p{P}\$\+<=>\^~\|]+", GPT2_PATTERN, r"\p{N}+", r"[0-9][0-9][0-9]")
+# The pre-tokenizers whose BPE vocabularies llama.cpp starts with BOS when the file does not say
+# (`tokenizer.ggml.add_bos_token`); it always does for a sentencepiece one.
+BOS_BY_DEFAULT = {
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "jina-v5-nano",
+    "tekken",
+    "chameleon",
+}
 
 
 class UnsupportedTokenizer(ValueError):
@@ -92,7 +108,9 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
             f"tokenizer model {kind!r} is not supported (only 'gpt2' BPE and 'llama' sentencepiece)"
         )
     tokens: list[str] = meta[Keys.Tokenizer.LIST]
-    types: list[int] = meta.get(Keys.Tokenizer.TOKEN_TYPE) or [1] * len(tokens)
+    types = meta.get(Keys.Tokenizer.TOKEN_TYPE)
+    if types is None:
+        types = [1] * len(tokens)
     rstrip = _rstripped(meta, tokens, types)
     # llama.cpp matches these in the text before anything else; control and unknown tokens
     # only where special tokens are parsed, which is how chat prompts are encoded.
@@ -111,7 +129,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         ]
     )
     bos = meta.get(Keys.Tokenizer.BOS_ID)
-    if meta.get(Keys.Tokenizer.ADD_BOS, False) and bos is not None:
+    if adds_bos(meta) and bos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A",
             pair=f"{tokens[bos]} $A {tokens[bos]} $B",
@@ -120,7 +138,16 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     return tokenizer
 
 
-def _rstripped(meta: dict[str, Any], tokens: list[str], types: list[int]) -> set[str]:
+def adds_bos(meta: dict[str, Any]) -> bool:
+    """Whether llama.cpp starts a prompt with BOS: as `tokenizer.ggml.add_bos_token` says, else
+    as it does by default for the vocabulary (sentencepiece, and BPE with `BOS_BY_DEFAULT`)."""
+    if (flag := meta.get(Keys.Tokenizer.ADD_BOS)) is not None:
+        return bool(flag)
+    kind = meta.get(Keys.Tokenizer.MODEL)
+    return kind == "llama" or (kind == "gpt2" and meta.get(Keys.Tokenizer.PRE) in BOS_BY_DEFAULT)
+
+
+def _rstripped(meta: dict[str, Any], tokens: list[str], types: Sequence[int]) -> set[str]:
     """Tokens that swallow the whitespace after them. llama.cpp decides it by the model's name:
     for Phi-3 every special token but `<unk>`, `<s>` and `<|endoftext|>`, and `</s>`."""
     name = str(meta.get("general.name", "")).lower()
@@ -183,7 +210,7 @@ def _spm_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     unk = meta.get(Keys.Tokenizer.UNK_ID)
     bpe = models.BPE(
         vocab={token: i for i, token in reversed(list(enumerate(tokens)))},
-        merges=spm_merges(tokens, scores),
+        merges=spm_merges(tokens, [float(score) for score in scores]),
         unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None,
         fuse_unk=True,
         byte_fallback=True,
@@ -230,7 +257,8 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
     ids = special_token_ids(meta)
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get(Keys.Tokenizer.ADD_BOS, False)),
+        "add_bos_token": adds_bos(meta),
+        # llama.cpp adds no EOS by default to the vocabularies built here.
         "add_eos_token": bool(meta.get(Keys.Tokenizer.ADD_EOS, False)),
         "clean_up_tokenization_spaces": False,
     }

@@ -213,7 +213,7 @@ def write_gguf(
             writer.add_token_list([*tokens, *extra])
         elif key == "tokenizer.ggml.token_type":
             normal = [int(gguf.TokenType.NORMAL)] * len(extra)
-            writer.add_token_types([*metadata[key], *normal])
+            writer.add_token_types([*metadata[key].tolist(), *normal])
         elif key in metadata:
             add(writer, metadata[key])
     paths = sorted({key.rpartition(".")[0] for key in weights})

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_peft_adapter
 from tests.support.gguf_adapters import write_gguf_adapter
-from tests.support.gguf_files import write_tiny_gguf
+from tests.support.gguf_files import MALFORMED_HEADERS, write_raw_gguf, write_tiny_gguf
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
 ALPHA, RANK = 80.0, 4  # scale 20: the tiny model's greedy answer visibly changes
@@ -65,6 +65,23 @@ def test_a_base_model_gguf_is_refused_with_the_openai_error(make_client, root: P
         "/v1/adapters", json={"id": "g", "path": "base-model.gguf", "replace": True}
     )
     assert replaced.status_code == 400 and api.get("/v1/adapters").json() == before
+
+
+@pytest.mark.parametrize("case", ["alignment-0", "arrays-nested-deep"])
+def test_a_malformed_header_is_a_400_naming_the_file(make_client, root: Path, case: str):
+    values, words = MALFORMED_HEADERS[case]
+    write_raw_gguf(root / "crafted" / "bad.gguf", values)
+    api = make_client(adapter_root=root, auto_mount=True)
+    refused = api.post("/v1/adapters", json={"id": "c", "path": "crafted/bad.gguf"})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("path", "invalid_adapter")
+    assert "bad.gguf cannot be read as a GGUF adapter" in error["message"]
+    assert words in error["message"]
+    first_use = api.post("/v1/chat/completions", json={**CHAT, "adapter": "crafted"})
+    assert first_use.status_code == 400, first_use.text
+    assert words in first_use.json()["error"]["message"]
+    assert api.get("/v1/adapters").json()["data"] == []
 
 
 def test_startup_mounts_take_gguf_files(make_client, root: Path):

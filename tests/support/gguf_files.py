@@ -6,6 +6,7 @@ rotary layout included, so an importer must undo exactly what llama.cpp does.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -75,6 +76,60 @@ MLX_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+# Headers gguf-py's writer would not write, each value as (GGUF type id, its bytes), and words
+# of the refusal: alignments llama.cpp refuses, arrays nested past Python's recursion, a string
+# longer than the file.
+UINT32, FLOAT32, STRING, ARRAY = 4, 6, 8, 9
+MALFORMED_HEADERS = {
+    "alignment-0": (
+        {"general.alignment": (UINT32, struct.pack("<I", 0))},
+        "general.alignment 0 is not a power of two",
+    ),
+    "alignment-48": (
+        {"general.alignment": (UINT32, struct.pack("<I", 48))},
+        "general.alignment 48 is not a power of two",
+    ),
+    "alignment-inf": (
+        {"general.alignment": (FLOAT32, struct.pack("<f", float("inf")))},
+        "general.alignment inf is not a power of two",
+    ),
+    "alignment-array": (
+        {"general.alignment": (ARRAY, struct.pack("<IQI", UINT32, 1, 32))},
+        "is not a power of two",
+    ),
+    "arrays-nested-deep": (
+        {"x.deep": (ARRAY, struct.pack("<IQ", ARRAY, 1) * 100_000 + struct.pack("<IQ", UINT32, 0))},
+        "metadata key 'x.deep': an array of arrays",
+    ),
+    "string-past-the-end": (
+        {"x.long": (STRING, struct.pack("<Q", 1 << 62))},
+        "metadata key 'x.long': 4,611,686,018,427,387,904 bytes at offset",
+    ),
+}
+
+
+def write_raw_gguf(path: Path, values: dict[str, tuple[int, bytes]]) -> Path:
+    """A GGUF v3 file of a LoRA adapter's keys and `values`, no tensors; each value given as
+    (GGUF type id, its bytes)."""
+
+    def text(s: str) -> bytes:
+        return struct.pack("<Q", len(s.encode())) + s.encode()
+
+    def typed(value: str) -> tuple[int, bytes]:
+        return STRING, text(value)
+
+    pairs = {
+        "general.architecture": typed("llama"),
+        "general.type": typed("adapter"),
+        "adapter.type": typed("lora"),
+        **values,
+    }
+    body = b"".join(text(k) + struct.pack("<I", kind) + v for k, (kind, v) in pairs.items())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(pairs)) + body)
+    return path
 
 
 def embedded_gguf() -> Path:
@@ -196,10 +251,17 @@ def write_tiny_gguf(
     pre: str = "smollm",
     types: dict[str, Q] | None = None,
     extra_tensors: dict[str, tuple[np.ndarray, Q]] | None = None,
+    add_bos: bool | None = False,
+    rows: dict[str, int] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write the tiny llama GGUF to `path`; return the float32 values it holds, by mlx-lm name."""
+    """Write the tiny llama GGUF to `path`; return the float32 values it holds, by mlx-lm name.
+
+    `add_bos` is `tokenizer.ggml.add_bos_token`, None to leave the key out; `rows` gives
+    `token_embd` or `output` another number of rows than one a token."""
     tokens, token_types, merges = tiny_vocab()
     weights = tiny_float_weights(len(tokens))
+    for name, n in (rows or {}).items():
+        weights[name] = np.resize(weights[name], (n, HIDDEN))  # [n, hidden]
     types = {**TINY_TYPES, **(types or {})}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -219,7 +281,8 @@ def write_tiny_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(2)
-    writer.add_add_bos_token(False)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
     stored = {}
     for name, w in weights.items():

@@ -293,13 +293,15 @@ def write_family_gguf(
     special_tokens: tuple[str, ...] | None = None,
     eos_token: str | None = None,
     chat_template: str | None = CHAT_TEMPLATE,
+    add_bos: bool | None = True,
 ) -> tuple[dict[str, np.ndarray], dict[str, Q]]:
     """Write family `name`'s tiny GGUF to `path`, `arch` and `{arch}.` keys in `metadata`
     instead of the family's own, `shape` over `SHAPE` and `tensor_types` (GGUF type by llama.cpp
     name without `.weight`, float32 where absent) instead of `QUANTIZED`. `special_tokens` are
     the vocabulary's control tokens in place of the ChatML markers (after `<unk>`, `<s>` and
     `</s>` in a sentencepiece one), `eos_token` the one the metadata names eos (else id 2), and
-    `chat_template` the template (None: none).
+    `chat_template` the template (None: none). A sentencepiece vocabulary's `add_bos` is
+    `tokenizer.ggml.add_bos_token` (None: the key left out).
 
     Returns the values the GGUF holds as mlx-lm's class takes them (dequantized, by mlx-lm
     name) and the GGUF type of each tensor (by llama.cpp name, without `.weight`).
@@ -327,7 +329,8 @@ def write_family_gguf(
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(tokens.index(eos_token) if eos_token else 2)
         writer.add_unk_token_id(0)
-        writer.add_add_bos_token(True)
+        if add_bos is not None:
+            writer.add_add_bos_token(add_bos)
         if not family.add_space_prefix:
             writer.add_add_space_prefix(False)
     if chat_template is not None:
@@ -348,6 +351,8 @@ def write_family_gguf(
         full = f"{family.arch}.{key}"
         if isinstance(value, str):
             writer.add_string(full, value)
+        elif isinstance(value, list):
+            writer.add_array(full, value)
         elif isinstance(value, float):
             writer.add_float32(full, value)
         else:

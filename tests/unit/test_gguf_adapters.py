@@ -35,7 +35,13 @@ from tests.support.adapter_builders import (
     write_peft_adapter,
 )
 from tests.support.gguf_adapters import stored_pairs, write_gguf_adapter
-from tests.support.gguf_files import HEADS, KV_HEADS, write_tiny_gguf
+from tests.support.gguf_files import (
+    HEADS,
+    KV_HEADS,
+    MALFORMED_HEADERS,
+    write_raw_gguf,
+    write_tiny_gguf,
+)
 from tests.support.gguf_models import FAMILIES, write_family_gguf
 
 RANK = 4
@@ -311,6 +317,9 @@ REFUSED = [
      "its general.type is 'model', not 'adapter' (a model GGUF is served with --model"),
     ("control-vector", lambda r, m: gguf_with(r, m, adapter_type="cvec"),
      "adapter.type 'cvec' is not supported"),
+    ("type-of-numbers", lambda r, m: gguf_with(
+        r, m, general_type=None, metadata={"general.type": [1, 2]}),
+     "bad.gguf is not a LoRA adapter: its general.type is array([1, 2]"),
     ("alora", lambda r, m: gguf_with(r, m, metadata={"adapter.alora.invocation_tokens": [1, 2]}),
      "activated LoRA"),
     ("not-gguf", not_gguf, "notes.gguf cannot be read as a GGUF adapter"),
@@ -372,6 +381,8 @@ REFUSED = [
      "adapter.lora.alpha must be a finite number, got nan"),
     ("nan-values", poisoned,
      "NaN or infinite values in the tensor model.layers.0.self_attn.q_proj.lora_B.weight"),
+    *[(f"header-{case}", lambda r, m, values=values: write_raw_gguf(r / "bad.gguf", values).name,
+       words) for case, (values, words) in MALFORMED_HEADERS.items()],
 ]  # fmt: skip
 
 

@@ -132,6 +132,7 @@ def test_gemma_norms_are_stored_with_one_added(tmp_path):
         ("gemma3", {"final_logit_softcapping": 30.0}, "soft-capping"),
         ("qwen3", {"expert_count": 4}, "mixture-of-experts qwen3"),
         ("qwen2", {"attention.key_length": 32}, "head size"),
+        ("qwen2", {"attention.key_length": [32, 32]}, "per-layer qwen2.attention.key_length"),
     ],
 )
 def test_what_mlx_lm_cannot_express_is_refused(tmp_path, name, metadata, words):
@@ -139,6 +140,16 @@ def test_what_mlx_lm_cannot_express_is_refused(tmp_path, name, metadata, words):
     with pytest.raises(UnsupportedGGUF, match=words):
         import_gguf(tmp_path / "m.gguf", tmp_path / "model")
     assert not (tmp_path / "model").exists()
+
+
+def test_a_sliding_pattern_of_one_flag_a_layer_becomes_its_period(tmp_path):
+    slides = [True, True, False, True, True, False]  # the tiny gemma3's 6 layers, every 3rd global
+    pattern = {"attention.sliding_window_pattern": slides}
+    write_family_gguf(tmp_path / "m.gguf", "gemma3", metadata=pattern)
+    import_gguf(tmp_path / "m.gguf", tmp_path / "model")
+    assert (
+        json.loads((tmp_path / "model" / "config.json").read_text())["sliding_window_pattern"] == 3
+    )
 
 
 @pytest.mark.parametrize(("name", "arch"), [("qwen2", "gemma3"), ("gemma2", "qwen3")])

@@ -3,6 +3,8 @@
 import importlib.util
 import json
 import math
+import re
+import struct
 import threading
 from pathlib import Path
 
@@ -27,12 +29,16 @@ from hotlora.models.gguf import UnsupportedGGUF, import_gguf, read_header
 from hotlora.server.runtime import base_model_id, model_dir
 
 from tests.support.gguf_files import (
+    ARRAY,
     HEAD_DIM,
+    MALFORMED_HEADERS,
     TINY_TYPES,
+    UINT32,
     embedded_gguf,
     mlx_name,
     tiny_float_weights,
     tiny_vocab,
+    write_raw_gguf,
     write_tiny_gguf,
 )
 from tests.support.gguf_models import write_family_gguf
@@ -276,6 +282,42 @@ def test_a_file_cut_short_is_refused_as_truncated(tmp_path):
     with pytest.raises(UnsupportedGGUF, match=f"m.gguf is truncated: {last} ends past the end"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "model")
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+@pytest.mark.parametrize(
+    ("values", "words"), MALFORMED_HEADERS.values(), ids=list(MALFORMED_HEADERS)
+)
+def test_a_malformed_header_is_refused_naming_the_file(tmp_path, values, words):
+    src = write_raw_gguf(tmp_path / "m.gguf", values)
+    with pytest.raises(UnsupportedGGUF, match=re.escape(words)) as caught:
+        import_gguf(src, tmp_path / "model")
+    assert str(src) in str(caught.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_a_header_s_numeric_arrays_stay_as_compact_as_in_the_file(tmp_path):
+    """A million uint32 in the metadata are 4 MB, as in the file, not a list ten times that."""
+    values = np.arange(1_000_000, dtype=np.uint32) % 7
+    array = struct.pack("<IQ", UINT32, values.size) + values.tobytes()
+    ids = read_header(write_raw_gguf(tmp_path / "m.gguf", {"x.ids": (ARRAY, array)})).metadata
+    assert isinstance(ids["x.ids"], np.ndarray) and ids["x.ids"].nbytes == values.nbytes
+    np.testing.assert_array_equal(ids["x.ids"], values)
+
+
+@pytest.mark.parametrize(
+    ("rows", "words"),
+    [
+        ({"token_embd": 279}, "token_embd.weight has 279 rows for a vocabulary of 271 tokens"),
+        ({"token_embd": 263}, "token_embd.weight has 263 rows for a vocabulary of 271 tokens"),
+        ({"output": 279}, "output.weight has 279 rows for a vocabulary of 271 tokens"),
+    ],
+    ids=["embedding-past-the-tokens", "tokens-past-the-embedding", "head-past-the-tokens"],
+)
+def test_a_vocabulary_of_another_size_than_the_embedding_is_refused(tmp_path, rows, words):
+    """llama.cpp refuses the file too: an id past the embedding would have no logit, one past
+    the token list no text."""
+    assert len(tiny_vocab()[0]) == 271
+    refused(tmp_path, words, rows=rows)
 
 
 def test_other_architectures_are_refused(tmp_path):

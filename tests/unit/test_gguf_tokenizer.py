@@ -20,8 +20,8 @@ from hotlora.models.gguf_tokenizer import (
 from hotlora.server.engine.tokens import RowDetokenizers, TokenPieces
 from hotlora.server.render.echo import echoed_prompts
 
-from tests.support.gguf_files import bytes_to_unicode, embedded_gguf
-from tests.support.gguf_models import SPM_PIECES, spm_vocab
+from tests.support.gguf_files import bytes_to_unicode, embedded_gguf, write_tiny_gguf
+from tests.support.gguf_models import SPM_PIECES, spm_vocab, write_family_gguf
 
 TRICKY = [
     "12345",
@@ -187,6 +187,34 @@ def test_add_bos_puts_bos_first(meta):
     tokenizer = build_tokenizer({**meta, "tokenizer.ggml.add_bos_token": True})
     assert tokenizer.encode("hi").ids[0] == 1
     assert build_tokenizer(meta).encode("hi").ids[0] != 1
+
+
+# (vocabulary, tokenizer.ggml.add_bos_token, whether a prompt starts with BOS): llama.cpp's
+# default where the key is absent (dbrx splits as llama3 does, yet takes no BOS), the key where
+# present.
+BOS_CASES = [
+    ("sentencepiece", None, True),
+    ("sentencepiece", False, False),
+    ("llama-bpe", None, True),
+    ("llama3", None, True),
+    ("dbrx", None, False),
+    ("smollm", None, False),
+    ("qwen2", None, False),
+    ("llama-bpe", False, False),
+    ("smollm", True, True),
+]
+
+
+@pytest.mark.parametrize(("vocab", "add_bos", "bos_first"), BOS_CASES)
+def test_bos_is_added_where_llama_cpp_adds_it(tmp_path, vocab, add_bos, bos_first):
+    if vocab == "sentencepiece":
+        write_family_gguf(tmp_path / "m.gguf", "mistral", add_bos=add_bos)
+    else:
+        write_tiny_gguf(tmp_path / "m.gguf", pre=vocab, add_bos=add_bos)
+    write_tokenizer_files(read_header(tmp_path / "m.gguf").metadata, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is bos_first
+    assert (load_tokenizer(tmp_path).encode("hi")[0] == 1) is bos_first  # 1: the BOS id
 
 
 def test_user_defined_tokens_match_whole(meta):
