@@ -35,6 +35,11 @@ class AdapterConfig:
     rank: int
     scale: float
     rslora: bool = False
+    # mlx-lm's `num_layers`: its pairs are in the base's last that many layers (None: in any, as
+    # for 0, -1 or no such key), and `lora_parameters.keys`: the projections they may be, as
+    # paths within a layer (None: any). mlx-lm refuses a file with pairs elsewhere.
+    layers: int | None = None
+    keys: frozenset[str] | None = None
 
 
 def read_adapter_config(
@@ -58,7 +63,9 @@ def read_adapter_config(
             raise InvalidAdapter(f"{CONFIG_FILE}: lora_parameters must be an object")
         rank = _rank(params.get("rank"), "lora_parameters.rank", max_rank)
         field = "scale" if "scale" not in params and "scale" in raw else "lora_parameters.scale"
-        return AdapterConfig(rank, _scale(params.get("scale", raw.get("scale")), field))
+        scale = _scale(params.get("scale", raw.get("scale")), field)
+        layers, keys = _layers(raw.get("num_layers")), _keys(params.get("keys"))
+        return AdapterConfig(rank, scale, layers=layers, keys=keys)
 
     for key, what in (("rank_pattern", "ranks"), ("alpha_pattern", "alphas")):
         if raw.get(key):
@@ -76,6 +83,27 @@ def read_adapter_config(
     if rslora:
         return AdapterConfig(rank, _scale(alpha / math.sqrt(rank), "lora_alpha / sqrt(r)"), True)
     return AdapterConfig(rank, _scale(alpha / rank, "lora_alpha / r"))
+
+
+def _layers(value: Any) -> int | None:
+    """mlx-lm's `num_layers`: a count of the base's last layers; 0 or below (or none): all."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidAdapter(f"{CONFIG_FILE}: num_layers must be an integer, got {_shown(value)}")
+    return value if value > 0 else None
+
+
+def _keys(value: Any) -> frozenset[str] | None:
+    """mlx-lm's `lora_parameters.keys`: module paths within a layer (`self_attn.q_proj`)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(key, str) for key in value):
+        raise InvalidAdapter(
+            f"{CONFIG_FILE}: lora_parameters.keys must be a list of module paths, got "
+            f"{_shown(value)}"
+        )
+    return frozenset(value)
 
 
 def _load(path: Path, max_bytes: int) -> dict[str, Any]:

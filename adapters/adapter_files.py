@@ -34,7 +34,7 @@ from hotlora.adapters.gguf_adapter import (
     load_gguf_tensors,
     read_gguf_adapter,
 )
-from hotlora.adapters.pairs import match_pairs
+from hotlora.adapters.pairs import check_declared, match_pairs
 from hotlora.adapters.projections import TargetDims
 from hotlora.models.cpu import give_back_freed_memory
 
@@ -192,6 +192,7 @@ def _read(
         tensors = load()
         matched = match_pairs(tensors, targets, config.rank)
         del tensors
+        check_declared(matched.pairs, targets, config)
         mx.eval([array for pair in matched.pairs.values() for array in pair])
         after = os.stat(weight_file)
         if known and _same_file(before, after):
@@ -334,7 +335,7 @@ _REVISIONS = _Revisions()
 
 def _inside(path: Path, root: Path | None) -> Path:
     if root is not None and not path.resolve().is_relative_to(Path(root).resolve()):
-        raise AdapterPathRefused(f"{path} links outside the adapter root {root}")
+        raise AdapterPathRefused(f"{path} links outside {root}, where its files must be")
     return path
 
 

@@ -203,13 +203,22 @@ class AdapterManager:
         return info
 
     def mount_reporting_change(
-        self, adapter_id: str, path: str | Path, replace: bool = False, *, pin: bool = False
+        self,
+        adapter_id: str,
+        path: str | Path,
+        replace: bool = False,
+        *,
+        pin: bool = False,
+        within: Path | None = None,
     ) -> tuple[AdapterInfo, bool]:
         """`mount`, and whether this call mounted the files (False: the same revision was
         mounted already, by an earlier call or one running beside it; pinning it is no new
         mount). Told under the manager's lock, so of concurrent mounts of the same files
-        exactly one says True."""
-        return self._mount(adapter_id, path, replace, revision=None, record=True, pin=pin)
+        exactly one says True. `within`: a folder under the root every file read must resolve
+        under (a tenant's own), links included."""
+        return self._mount(
+            adapter_id, path, replace, revision=None, record=True, pin=pin, within=within
+        )
 
     def _mount(
         self,
@@ -221,6 +230,7 @@ class AdapterManager:
         record: bool,
         pin: bool = False,
         on_demand: bool = False,
+        within: Path | None = None,
     ) -> tuple[AdapterInfo, bool]:
         problem = adapter_id_problem(adapter_id)
         if problem is None and adapter_id == self.base_id:
@@ -236,7 +246,9 @@ class AdapterManager:
             revision=revision,
             max_rank=self.max_rank,
             max_bytes=self.max_bytes,
-            root=self.adapter_root,
+            # One mounted on first use reads its files from its own directory alone: no link
+            # in it reads another's (a tenant-admin's folder may be such a directory).
+            root=within or (directory if on_demand else self.adapter_root),
         )
         with self._admin:
             with self._lock:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 
+from hotlora.adapters.adapter_config import CONFIG_FILE, AdapterConfig
 from hotlora.adapters.adapter_errors import InvalidAdapter
 from hotlora.adapters.projections import TARGET_PROJECTIONS, TargetDims, canonical_path, float_dtype
 from hotlora.models.cpu import extension
@@ -232,6 +233,45 @@ def _why_unusable(name: str, module: str) -> str | None:
     if leaf not in TARGET_PROJECTIONS:
         return f"{leaf} is not a projection that takes LoRA"
     return None
+
+
+_IN_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")  # a layer's index, the path within it
+
+
+def check_declared(
+    pairs: Mapping[str, Any], targets: Mapping[str, TargetDims], config: AdapterConfig
+) -> None:
+    """Refuse pairs (by base module path) outside what an mlx-lm config declares: its
+    `num_layers` (the base's last that many layers) and `lora_parameters.keys` (the paths
+    within a layer), as mlx-lm refuses them; it would never compute such an adapter."""
+    if config.layers is None and config.keys is None:
+        return
+    indices = [int(found[1]) for path in targets if (found := _IN_LAYER.search(path))]
+    count = max(indices, default=-1) + 1  # the base's layers, as mlx-lm counts them
+    first = count - config.layers if config.layers is not None else 0
+    in_layers: list[str] = []  # pairs in a layer before the first the config declares
+    in_keys: list[str] = []  # pairs for a projection its keys leave out
+    for path in pairs:
+        found = _IN_LAYER.search(path)
+        if found is None:
+            continue
+        # A key is a path within a layer, or (as mlx-lm also reads one, in any layer, whatever
+        # `num_layers` says) the module's whole path.
+        whole = config.keys is not None and path in config.keys
+        if int(found[1]) < first and not whole:
+            in_layers.append(path)
+        if config.keys is not None and not whole and found[2] not in config.keys:
+            in_keys.append(path)
+    said, outside = [], sorted({*in_layers, *in_keys})
+    if in_layers:
+        said.append(f"num_layers {config.layers} (layers {max(first, 0)} to {count - 1})")
+    if in_keys:
+        said.append(f"lora_parameters.keys {sorted(config.keys or ())}")
+    if outside:
+        raise InvalidAdapter(
+            f"{CONFIG_FILE} says {' and '.join(said)}, but the file holds pairs outside them, "
+            f"so it was not mounted (mlx-lm refuses it too): {_listed(outside)}"
+        )
 
 
 def _listed(items: list[str]) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hotlora.adapters.adapter_config import CONFIG_FILE
-from hotlora.adapters.adapter_errors import InvalidAdapter
+from hotlora.adapters.adapter_errors import AdapterPathRefused, InvalidAdapter
 from hotlora.adapters.adapter_files import LoadedAdapter, weight_file_of
 from hotlora.adapters.gguf_adapter import GGUF_SUFFIX
 from hotlora.adapters.residency import Evicted
@@ -64,13 +64,16 @@ def list_root(
             continue
         if (directory / CONFIG_FILE).is_file() or any(directory.glob(f"*{GGUF_SUFFIX}")):
             entries[name] = RootEntry(
-                name, str(directory), "on disk", False, _size(directory), None
+                name, str(directory), "on disk", False, _size(directory, directory), None
             )
     return [entries[adapter_id] for adapter_id in sorted(entries)]
 
 
-def _size(directory: Path) -> int | None:
+def _size(directory: Path, within: Path) -> int | None:
+    """The size of `directory`'s weight file; None when there is none, or it links outside
+    `within` (as a mount on first use, which reads only its own directory, would refuse it: its
+    size would tell of a file the server never reads for it)."""
     try:
-        return weight_file_of(directory).stat().st_size
-    except (InvalidAdapter, OSError):  # no weight file, or more than one llama.cpp file
+        return weight_file_of(directory, within).stat().st_size
+    except (InvalidAdapter, AdapterPathRefused, OSError):  # none, several, or outside
         return None

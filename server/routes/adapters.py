@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -54,17 +55,21 @@ def _card(info: AdapterInfo) -> dict[str, Any]:
     return AdapterCard(**info.to_dict()).model_dump()
 
 
-def _check_mount(request: Request, manager: AdapterManager, adapter_id: str, path: str) -> None:
-    """A tenant-admin key mounts only ids under its prefix, from its folder under the root."""
+def _check_mount(
+    request: Request, manager: AdapterManager, adapter_id: str, path: str
+) -> Path | None:
+    """A tenant-admin key mounts only ids under its prefix, from its folder under the root:
+    the folder every file of the mount must resolve under (None: the root, for an admin)."""
     tenant = request_tenant(request)
     if tenant.is_admin:
-        return
+        return None
     _check_id(tenant, manager, adapter_id)
     folder = (manager.adapter_root / (tenant.mount_dir or "")).resolve()
     if not resolve_under_root(path, manager.adapter_root).is_relative_to(folder):
         raise AdapterPathRefused(
             f"this key mounts adapters only from '{tenant.mount_dir}' under the adapter root"
         )
+    return folder
 
 
 def _check_id(tenant: Tenant, manager: AdapterManager, adapter_id: str) -> None:
@@ -80,15 +85,17 @@ async def _mount(
     path: str,
     replace: bool,
     pin: bool = False,
+    *,
+    within: Path | None,
 ) -> tuple[AdapterInfo, bool]:
-    """The adapter mounted (pinned: never evicted by the budget), and whether this call changed
-    anything (False: the same revision was already there, or another call mounted it first)."""
+    """The adapter mounted (pinned: never evicted by the budget; its files all under `within`
+    when given), and whether this call changed anything (False: the same revision was already
+    there, or another call mounted it first)."""
     # Reading and checking the files is blocking I/O; keep it off the event loop. The manager
     # tells the metrics of the mount itself, as of every other; a refusal is told here.
+    mount = functools.partial(manager.mount_reporting_change, pin=pin, within=within)
     with _refusals_counted(metrics, "mount"):
-        return await asyncio.to_thread(
-            manager.mount_reporting_change, adapter_id, path, replace, pin=pin
-        )
+        return await asyncio.to_thread(mount, adapter_id, path, replace)
 
 
 async def _unmount(manager: AdapterManager, metrics: Metrics, adapter_id: str) -> dict[str, Any]:
@@ -114,8 +121,10 @@ async def mount_adapter(
 ) -> JSONResponse:
     """201 when this call mounted something; 200 when the same revision was already there."""
     with _refusals_counted(metrics, "mount"):
-        _check_mount(request, manager, body.id, body.path)
-    info, changed = await _mount(manager, metrics, body.id, body.path, body.replace, body.pin)
+        within = _check_mount(request, manager, body.id, body.path)
+    info, changed = await _mount(
+        manager, metrics, body.id, body.path, body.replace, body.pin, within=within
+    )
     return JSONResponse(_card(info), status_code=201 if changed else 200)
 
 
@@ -218,11 +227,11 @@ async def _load_lora_adapter(
 ) -> PlainTextResponse:
     name, inplace = body.lora_name, body.load_inplace
     with _refusals_counted(metrics, "mount"):
-        _check_mount(request, manager, name, body.lora_path)
+        within = _check_mount(request, manager, name, body.lora_path)
     if not inplace and _is_loaded(manager, name):
         raise _loaded_before(metrics, name)
     try:
-        _, changed = await _mount(manager, metrics, name, body.lora_path, inplace)
+        _, changed = await _mount(manager, metrics, name, body.lora_path, inplace, within=within)
     except AdapterPathMissing as exc:
         raise LoraPathNotFound(exc.message) from None
     except AdapterConflict:

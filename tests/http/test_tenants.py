@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from hotlora.server.http.keys_file import key_digest
 
 from tests.http.conftest import wait_ready
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
+from tests.support.server_process import LOCALHOST
 
 KEYS = {name: f"hl-test-{name}-key" for name in ("acme", "globex", "acme-admin", "ops")}
 
@@ -84,7 +86,7 @@ def start(tiny_model_dir: Path, home: Path, **overrides: Any) -> TestClient:
         default_max_tokens=3,
         **overrides,
     )
-    client = TestClient(create_app(settings))
+    client = TestClient(create_app(settings), base_url=LOCALHOST)
     client.__enter__()
     wait_ready(client)
     return client
@@ -353,6 +355,45 @@ def test_tenant_admin_cannot_touch_another_tenants_adapters(
     assert "globex" not in message, message
     ids = {c["id"] for c in tenants.get("/v1/adapters", headers=auth("ops")).json()["data"]}
     assert "globex-a" in ids and "globex-b" not in ids and "acme-x" not in ids
+
+
+@pytest.mark.parametrize("linked", ["adapters.safetensors", "adapter_config.json"])
+def test_tenant_admin_cannot_mount_another_tenants_file_through_a_link(
+    tenants: TestClient, linked: str
+):
+    """A file in the tenant's own folder that links into another tenant's is refused, and
+    nothing is mounted."""
+    root = tenants.app.state.runtime.require_adapters().adapter_root
+    folder = root / "acme" / f"linked-{linked}"
+    shutil.copytree(root / "acme" / "b", folder)
+    (folder / linked).unlink()
+    (folder / linked).symlink_to(root / "globex" / "b" / linked)
+    body = {"id": "acme-linked", "path": f"acme/{folder.name}"}
+    response = tenants.post("/v1/adapters", json=body, headers=auth("acme-admin"))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "adapter_path_refused"
+    ids = {c["id"] for c in tenants.get("/v1/adapters", headers=auth("ops")).json()["data"]}
+    assert "acme-linked" not in ids
+    # An admin mounts what the root holds, links within it included.
+    mounted = tenants.post("/v1/adapters", json=body, headers=auth("ops"))
+    assert mounted.status_code == 201, mounted.text
+    assert tenants.delete("/v1/adapters/acme-linked", headers=auth("ops")).status_code == 200
+
+
+def test_a_first_use_mount_reads_only_its_own_directory(tenants: TestClient):
+    """A directory in the root named as an id acme may run, whose weights link into globex's
+    folder: mounting it on first use is refused, and nothing is mounted."""
+    root = tenants.app.state.runtime.require_adapters().adapter_root
+    folder = root / "acme-linked-auto"
+    shutil.copytree(root / "acme" / "b", folder)
+    (folder / "adapters.safetensors").unlink()
+    (folder / "adapters.safetensors").symlink_to(root / "globex" / "b" / "adapters.safetensors")
+    body = {"model": "acme-linked-auto", "prompt": "the", "max_tokens": 2}
+    response = tenants.post("/v1/completions", json=body, headers=auth("acme"))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "adapter_path_refused"
+    ids = {c["id"] for c in tenants.get("/v1/adapters", headers=auth("ops")).json()["data"]}
+    assert "acme-linked-auto" not in ids
 
 
 def _refusals(client: TestClient, op: str, reason: str) -> float:

@@ -109,7 +109,7 @@ def write_mlx_adapter(
     mx.save_safetensors(str(directory / "adapters.safetensors"), tensors)
     default = {
         "fine_tune_type": "lora",
-        "num_layers": 2,
+        "num_layers": -1,  # every layer: the pairs may be in any
         "lora_parameters": {
             "rank": rank,
             "scale": scale,

@@ -54,6 +54,14 @@ def edit_config(root: Path, **changes: object) -> str:
     return "bad"
 
 
+def edit_lora_parameters(root: Path, **changes: object) -> str:
+    directory = good(root)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config["lora_parameters"].update(changes)
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return "bad"
+
+
 def with_tensors(root: Path, tensors: dict[str, mx.array], rank: int = 4) -> str:
     directory = root / "bad"
     write_mlx_adapter(directory, {}, extra_tensors=tensors, rank=rank)
@@ -186,6 +194,14 @@ CASES: list[tuple[str, str, Callable[[Path], str], type[AdapterError], str]] = [
      "no adapter_config.json"),
     ("bad-json", "sft", bad_json, InvalidAdapter, "cannot be read as JSON"),
     ("garbage-weights", "sft", garbage_weights, InvalidAdapter, "cannot read adapters.safetensors"),
+    ("num-layers-fewer", "sft", lambda r: edit_config(r, num_layers=1), InvalidAdapter,
+     "num_layers 1 (layers 1 to 1), but the file holds pairs outside them"),
+    ("num-layers-text", "sft", lambda r: edit_config(r, num_layers="2"), InvalidAdapter,
+     "num_layers must be an integer"),
+    ("keys-fewer", "sft", lambda r: edit_lora_parameters(r, keys=["self_attn.q_proj"]),
+     InvalidAdapter, "model.layers.0.mlp.down_proj"),
+    ("keys-not-a-list", "sft", lambda r: edit_lora_parameters(r, keys="self_attn.q_proj"),
+     InvalidAdapter, "keys must be a list"),
     ("dora", "sft", lambda r: edit_config(r, fine_tune_type="dora"), InvalidAdapter, "'dora'"),
     ("full", "sft", lambda r: edit_config(r, fine_tune_type="full"), InvalidAdapter, "'full'"),
     ("peft-dora", "sft", lambda r: edit_config(r, use_dora=True), InvalidAdapter, "DoRA"),
@@ -619,3 +635,28 @@ def test_a_peft_config_that_trained_only_pairs_mounts(tmp_path: Path, changes: d
     _, manager = make_manager(root, max_rank=MAX_RANK, max_bytes=MAX_BYTES)
     path = edit_peft_config(root, **changes)
     assert manager.mount("sft", path).rank == 4
+
+
+@pytest.mark.parametrize("num_layers", [2, 5, 0, -1])
+def test_a_config_that_declares_every_layer_the_pairs_are_in_mounts(tmp_path, num_layers):
+    """mlx-lm's `num_layers` at or above the base's layer count, or 0 or -1 (all), and `keys`
+    naming every projection the pairs are for: the adapter mounts."""
+    root = tmp_path / "root"
+    root.mkdir()
+    _, manager = make_manager(root, max_rank=MAX_RANK, max_bytes=MAX_BYTES)
+    edit_config(root, num_layers=num_layers)
+    assert manager.mount("declared", "bad").mounted_layers > 0
+
+
+def test_a_key_naming_a_module_s_whole_path_holds_in_any_layer(tmp_path):
+    """mlx-lm applies a key that is a module's whole path whatever `num_layers` says."""
+    root = tmp_path / "root"
+    root.mkdir()
+    _, manager = make_manager(root, max_rank=MAX_RANK, max_bytes=MAX_BYTES)
+    directory = good(root)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    within = config["lora_parameters"]["keys"]
+    config["num_layers"] = 1  # the last layer only, but for the whole paths of layer 0's
+    config["lora_parameters"]["keys"] = [f"model.layers.0.{key}" for key in within] + within
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    assert manager.mount("whole", "bad").mounted_layers > 0
