@@ -128,7 +128,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
             if k == USER_DEFINED
         ]
     )
-    bos = meta.get(Keys.Tokenizer.BOS_ID)
+    bos = special_token_ids(meta).get("bos")
     if adds_bos(meta) and bos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A",
@@ -207,11 +207,11 @@ def _spm_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     scores = meta.get(Keys.Tokenizer.SCORES)
     if scores is None or len(scores) != len(tokens):
         raise UnsupportedTokenizer("a sentencepiece vocabulary needs a score for every token")
-    unk = meta.get(Keys.Tokenizer.UNK_ID)
+    unk = special_token_ids(meta).get("unk")
     bpe = models.BPE(
         vocab={token: i for i, token in reversed(list(enumerate(tokens)))},
         merges=spm_merges(tokens, [float(score) for score in scores]),
-        unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None,
+        unk_token=tokens[unk] if unk is not None else None,
         fuse_unk=True,
         byte_fallback=True,
     )
@@ -244,10 +244,17 @@ SPECIAL_ID_KEYS = {
 }
 
 
+# llama.cpp's ids for a sentencepiece vocabulary's special tokens the metadata does not name.
+SPM_DEFAULT_IDS = {"bos": 1, "eos": 2, "unk": 0}
+
+
 def special_token_ids(meta: dict[str, Any]) -> dict[str, int]:
-    """The special token ids the metadata names, by role; ids outside the vocabulary dropped."""
+    """The special token ids the metadata names, by role (a sentencepiece vocabulary's bos, eos
+    and unk as llama.cpp takes them where it names none); ids outside the vocabulary dropped."""
     n = len(meta[Keys.Tokenizer.LIST])
     ids = {role: meta.get(key) for role, key in SPECIAL_ID_KEYS.items()}
+    if meta.get(Keys.Tokenizer.MODEL) == "llama":
+        ids |= {role: i for role, i in SPM_DEFAULT_IDS.items() if ids[role] is None}
     return {role: int(i) for role, i in ids.items() if i is not None and 0 <= i < n}
 
 

@@ -14,7 +14,9 @@ from hotlora.models.gguf import read_header
 from hotlora.models.gguf_tokenizer import (
     UnsupportedTokenizer,
     build_tokenizer,
+    generation_config,
     pre_tokenizer_for,
+    special_token_ids,
     write_tokenizer_files,
 )
 from hotlora.server.engine.tokens import RowDetokenizers, TokenPieces
@@ -215,6 +217,23 @@ def test_bos_is_added_where_llama_cpp_adds_it(tmp_path, vocab, add_bos, bos_firs
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["add_bos_token"] is bos_first
     assert (load_tokenizer(tmp_path).encode("hi")[0] == 1) is bos_first  # 1: the BOS id
+
+
+def test_a_sentencepiece_vocabulary_naming_no_special_ids_takes_llama_cpp_s(tmp_path):
+    """Without bos, eos and unk ids, a sentencepiece vocabulary's are 1, 2 and 0, as llama.cpp
+    takes them: a prompt starts with BOS, generation stops at EOS, unknown text is `<unk>`."""
+    write_family_gguf(tmp_path / "m.gguf", "mistral", add_bos=None)
+    meta = read_header(tmp_path / "m.gguf").metadata
+    named = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+    bare = {k: v for k, v in meta.items() if k not in (*named, "tokenizer.ggml.unknown_token_id")}
+    assert special_token_ids(bare) == {"bos": 1, "eos": 2, "unk": 0}
+    assert build_tokenizer(bare).encode("hi").ids[0] == 1
+    assert generation_config(bare) == {"bos_token_id": 1, "eos_token_id": 2}
+    # Ids the metadata names win; a BPE vocabulary takes none it does not name.
+    assert special_token_ids({**bare, named[1]: 3})["eos"] == 3
+    write_tiny_gguf(tmp_path / "b.gguf", pre="llama-bpe")
+    bpe = {k: v for k, v in read_header(tmp_path / "b.gguf").metadata.items() if k not in named}
+    assert "bos" not in special_token_ids(bpe) and "eos" not in special_token_ids(bpe)
 
 
 def test_user_defined_tokens_match_whole(meta):
