@@ -40,6 +40,47 @@ class AdapterConfig:
     # paths within a layer (None: any). mlx-lm refuses a file with pairs elsewhere.
     layers: int | None = None
     keys: frozenset[str] | None = None
+    # PEFT's `target_modules` and what narrows them: the modules its LoRA was put on.
+    peft_targets: PeftTargets | None = None
+
+
+@dataclass(frozen=True)
+class PeftTargets:
+    """The modules a PEFT config put LoRA on, matched against a module's name in the base (its
+    name in the file without `base_model.model.`) as PEFT matches them: `modules` a pattern the
+    whole name matches, or names the name is or ends with after a dot (None: `all-linear`, any);
+    `exclude` (PEFT's `exclude_modules`) likewise, taken out; `layers` (`layers_to_transform`)
+    the layer indices a list of `modules` is limited to, the index found after one of
+    `layers_pattern` (any part of the name where empty)."""
+
+    modules: str | frozenset[str] | None
+    exclude: str | frozenset[str] | None = None
+    layers: frozenset[int] | None = None
+    layers_pattern: tuple[str, ...] = ()
+
+    def holds(self, name: str) -> bool:
+        """Whether PEFT would have put LoRA on the module `name`."""
+        if self.exclude is not None and _names(self.exclude, name, fullmatch=True):
+            return False
+        if isinstance(self.modules, str):
+            return re.fullmatch(self.modules, name) is not None
+        if self.modules is not None and name in self.modules:
+            return True
+        if self.modules is not None and not _names(self.modules, name, fullmatch=False):
+            return False
+        if self.layers is None:
+            return True
+        patterns = self.layers_pattern or (r"[^.]*",)
+        found = next((m for p in patterns if (m := re.match(rf".*\.{p}\.(\d+)\.", name))), None)
+        return found is not None and int(found[1]) in self.layers
+
+
+def _names(given: str | frozenset[str], name: str, *, fullmatch: bool) -> bool:
+    """Whether `name` is one of `given`'s names or ends with one after a dot; a `given` string is
+    a pattern (`fullmatch`), else a name (PEFT reads `exclude_modules` so, `target_modules` not)."""
+    if isinstance(given, str):
+        return re.fullmatch(given, name) is not None if fullmatch else name == given
+    return name in given or any(name.endswith(f".{key}") for key in given)
 
 
 def read_adapter_config(
@@ -72,8 +113,9 @@ def read_adapter_config(
             raise InvalidAdapter(f"{CONFIG_FILE}: per-module {what} ({key}) are not supported")
     rank = _rank(raw.get("r"), "r", max_rank)
     rslora = bool(raw.get("use_rslora"))
+    targets = _peft_targets(raw)
     if raw.get("scale") is not None:
-        return AdapterConfig(rank, _scale(raw["scale"], "scale"), rslora)
+        return AdapterConfig(rank, _scale(raw["scale"], "scale"), rslora, peft_targets=targets)
     alpha = _finite(raw.get("lora_alpha"))
     if alpha is None:
         raise InvalidAdapter(
@@ -81,8 +123,58 @@ def read_adapter_config(
             f"finite number, got {_shown(raw.get('lora_alpha'))}"
         )
     if rslora:
-        return AdapterConfig(rank, _scale(alpha / math.sqrt(rank), "lora_alpha / sqrt(r)"), True)
-    return AdapterConfig(rank, _scale(alpha / rank, "lora_alpha / r"))
+        scale = _scale(alpha / math.sqrt(rank), "lora_alpha / sqrt(r)")
+        return AdapterConfig(rank, scale, True, peft_targets=targets)
+    return AdapterConfig(rank, _scale(alpha / rank, "lora_alpha / r"), peft_targets=targets)
+
+
+def _peft_targets(raw: dict[str, Any]) -> PeftTargets | None:
+    """PEFT's `target_modules` (None where the config gives none), `exclude_modules`,
+    `layers_to_transform` and `layers_pattern`; a pattern that is not a valid regex is refused."""
+    modules = _modules(raw.get("target_modules"), "target_modules")
+    if modules is None:
+        return None
+    exclude = _modules(raw.get("exclude_modules"), "exclude_modules")
+    layers = raw.get("layers_to_transform")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    if layers is not None and not (
+        isinstance(layers, list) and all(_positive_int(i) or i == 0 for i in layers)
+    ):
+        raise InvalidAdapter(
+            f"{CONFIG_FILE}: layers_to_transform must be a layer index or a list of them, got "
+            f"{_shown(layers)}"
+        )
+    pattern = raw.get("layers_pattern")
+    patterns = [pattern] if isinstance(pattern, str) else pattern or []
+    if not (isinstance(patterns, list) and all(isinstance(p, str) for p in patterns)):
+        raise InvalidAdapter(
+            f"{CONFIG_FILE}: layers_pattern must be a name or a list of names, got "
+            f"{_shown(pattern)}"
+        )
+    return PeftTargets(
+        None if modules == "all-linear" else modules,
+        exclude,
+        frozenset(layers) if layers else None,
+        tuple(patterns),
+    )
+
+
+def _modules(value: Any, field: str) -> str | frozenset[str] | None:
+    """A PEFT module list: a regex the whole name matches (checked), or names."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise InvalidAdapter(f"{CONFIG_FILE}: {field} is not a valid pattern: {exc}") from None
+        return value
+    if isinstance(value, list) and all(isinstance(name, str) for name in value):
+        return frozenset(value)
+    raise InvalidAdapter(
+        f"{CONFIG_FILE}: {field} must be a pattern or a list of module names, got {_shown(value)}"
+    )
 
 
 def _layers(value: Any) -> int | None:

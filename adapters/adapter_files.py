@@ -34,7 +34,7 @@ from hotlora.adapters.gguf_adapter import (
     load_gguf_tensors,
     read_gguf_adapter,
 )
-from hotlora.adapters.pairs import check_declared, match_pairs
+from hotlora.adapters.pairs import check_declared, check_targeted, match_pairs
 from hotlora.adapters.projections import TargetDims
 from hotlora.models.cpu import give_back_freed_memory
 
@@ -191,6 +191,7 @@ def _read(
         )
         tensors = load()
         matched = match_pairs(tensors, targets, config.rank)
+        check_targeted(tensors, config)
         del tensors
         check_declared(matched.pairs, targets, config)
         mx.eval([array for pair in matched.pairs.values() for array in pair])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -17,6 +17,7 @@ from hotlora.models.cpu import extension
 
 # `<module>.lora_a` (mlx-lm) or `<module>.lora_A.weight` (PEFT); either spelling, either suffix.
 _TENSOR_NAME = re.compile(r"^(?P<module>.+)\.(?P<half>lora_[aAbB])(?:\.weight)?$")
+_PEFT_WRAPPER = "base_model.model."  # before a module's name in the base, in PEFT's files
 _SHOWN = 3  # how many offending modules or tensors an error message names
 _PROJECTIONS = " ".join(sorted(TARGET_PROJECTIONS))
 _NUMPY_FLOATS = (mx.float16, mx.float32, mx.float64)  # the float dtypes NumPy reads as they are
@@ -271,6 +272,24 @@ def check_declared(
         raise InvalidAdapter(
             f"{CONFIG_FILE} says {' and '.join(said)}, but the file holds pairs outside them, "
             f"so it was not mounted (mlx-lm refuses it too): {_listed(outside)}"
+        )
+
+
+def check_targeted(names: Iterable[str], config: AdapterConfig) -> None:
+    """Refuse a PEFT adapter holding pairs for modules its config's `target_modules` (less its
+    `exclude_modules`, within its `layers_to_transform`) leaves out: PEFT puts LoRA on none of
+    them and would load the file without those pairs, so served with them it is not the adapter
+    its trainer made."""
+    targets = config.peft_targets
+    if targets is None:
+        return
+    modules = {found["module"] for name in names if (found := _TENSOR_NAME.match(name))}
+    outside = sorted(m for m in modules if not targets.holds(m.removeprefix(_PEFT_WRAPPER)))
+    if outside:
+        raise InvalidAdapter(
+            f"{CONFIG_FILE}'s target_modules (with its exclude_modules and layers_to_transform) "
+            "leave out modules the file holds pairs for, which PEFT would not apply, so it was "
+            f"not mounted: {_listed(outside)}"
         )
 
 

@@ -202,6 +202,23 @@ CASES: list[tuple[str, str, Callable[[Path], str], type[AdapterError], str]] = [
      InvalidAdapter, "model.layers.0.mlp.down_proj"),
     ("keys-not-a-list", "sft", lambda r: edit_lora_parameters(r, keys="self_attn.q_proj"),
      InvalidAdapter, "keys must be a list"),
+    ("peft-targets-fewer", "sft", lambda r: edit_peft_config(r, target_modules=["q_proj"]),
+     InvalidAdapter, "base_model.model.model.layers.0.mlp.down_proj"),
+    ("peft-targets-pattern", "sft",
+     lambda r: edit_peft_config(r, target_modules=r".*\.(q|k|v|o)_proj"), InvalidAdapter,
+     "leave out modules the file holds pairs for"),
+    ("peft-targets-excluded", "sft",
+     lambda r: edit_peft_config(r, target_modules="all-linear", exclude_modules=["down_proj"]),
+     InvalidAdapter, "layers.1.mlp.down_proj"),
+    ("peft-targets-layers", "sft",
+     lambda r: edit_peft_config(r, layers_to_transform=[1], layers_pattern="layers"),
+     InvalidAdapter, "layers.0.mlp.down_proj"),
+    ("peft-targets-bad-pattern", "sft", lambda r: edit_peft_config(r, target_modules="(q"),
+     InvalidAdapter, "target_modules is not a valid pattern"),
+    ("peft-targets-not-names", "sft", lambda r: edit_peft_config(r, target_modules=[1]),
+     InvalidAdapter, "target_modules must be a pattern or a list of module names"),
+    ("peft-layers-text", "sft", lambda r: edit_peft_config(r, layers_to_transform="0"),
+     InvalidAdapter, "layers_to_transform must be a layer index"),
     ("dora", "sft", lambda r: edit_config(r, fine_tune_type="dora"), InvalidAdapter, "'dora'"),
     ("full", "sft", lambda r: edit_config(r, fine_tune_type="full"), InvalidAdapter, "'full'"),
     ("peft-dora", "sft", lambda r: edit_config(r, use_dora=True), InvalidAdapter, "DoRA"),
@@ -635,6 +652,29 @@ def test_a_peft_config_that_trained_only_pairs_mounts(tmp_path: Path, changes: d
     _, manager = make_manager(root, max_rank=MAX_RANK, max_bytes=MAX_BYTES)
     path = edit_peft_config(root, **changes)
     assert manager.mount("sft", path).rank == 4
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"]},
+        {"target_modules": "all-linear"},
+        {"target_modules": r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj"},
+        {"target_modules": None},
+        {"target_modules": ["down_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                            "up_proj", "lm_head"], "exclude_modules": ["lm_head"]},
+        {"layers_to_transform": [0, 1], "layers_pattern": ["h", "layers"]},
+        {"layers_to_transform": [0, 1, 7]},
+    ],
+)  # fmt: skip
+def test_a_peft_config_whose_targets_cover_the_pairs_mounts(tmp_path: Path, changes: dict):
+    """Target modules as names, as `all-linear`, as a pattern or not given, and layers that
+    take in every pair's: PEFT puts LoRA on every module the file holds pairs for."""
+    root = tmp_path / "root"
+    _, manager = make_manager(root, max_rank=MAX_RANK, max_bytes=MAX_BYTES)
+    path = edit_peft_config(root, **changes)
+    assert manager.mount("sft", path).mounted_layers == len(random_pairs(tiny_model()))
 
 
 @pytest.mark.parametrize("num_layers", [2, 5, 0, -1])
