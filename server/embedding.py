@@ -17,6 +17,7 @@ import numpy as np
 
 from hotlora.adapters import AdapterSet, activate
 from hotlora.config.errors import InvalidRequest
+from hotlora.models.cpu.attention import parts_of
 from hotlora.server.api.token_requests import (
     Embedding,
     EmbeddingRequest,
@@ -118,10 +119,14 @@ class _Pooled:
     def add(self, tokens: list[int]) -> None:
         if self.cache is None:
             self.cache = new_caches(self.model)
-        with activate(self.adapters):
+        # As a call of the whole model runs: the attention kernel where it takes every call.
+        with activate(self.adapters), parts_of(self.model):
             hidden = self.body(mx.array([tokens]), cache=self.cache)  # [1, tokens, hidden]
-        summed = hidden[0].astype(mx.float32).sum(axis=0)  # [hidden]
-        self.total = summed if self.total is None else self.total + summed
+        states = hidden[0].astype(mx.float32)  # [tokens, hidden]
+        if self.total is not None:
+            states = mx.concatenate([self.total[None], states])
+        # A running sum, token after token (a scan adds in order): the same bits in any chunking.
+        self.total = mx.cumsum(states, axis=0)[-1]
         self.count += len(tokens)
         mx.eval(self.total)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any, cast
 
@@ -146,13 +147,29 @@ class _RowsModel(nn.Module):
     rows_mode: bool | str = True  # "all": every call takes the kernel, not batched steps only
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outer = getattr(_running, "rows", False), getattr(_running, "masks", None)
-        _running.rows = self.rows_mode
-        _running.masks = {}  # what this call's layers share: `call_shared`
-        try:
+        with _rows_call(self.rows_mode):
             return super().__call__(*args, **kwargs)
-        finally:
-            _running.rows, _running.masks = outer
+
+
+@contextmanager
+def _rows_call(mode: bool | str) -> Iterator[None]:
+    """A call of an installed model, whose layers `rows_attention` serves as `mode` says."""
+    outer = getattr(_running, "rows", False), getattr(_running, "masks", None)
+    _running.rows = mode
+    _running.masks = {}  # what this call's layers share: `call_shared`
+    try:
+        yield
+    finally:
+        _running.rows, _running.masks = outer
+
+
+def parts_of(model: nn.Module) -> AbstractContextManager[None]:
+    """Within it, a call of a part of `model` (its body without the head, as embeddings run it)
+    takes the attention kernel as a call of the whole model does: where the model takes it on
+    every call, each query token computed on its own, the same bits in any chunking."""
+    if isinstance(model, _RowsModel):
+        return _rows_call(model.rows_mode)
+    return nullcontext()
 
 
 _ROWS_MODELS: dict[tuple[type[nn.Module], bool], type[nn.Module]] = {}

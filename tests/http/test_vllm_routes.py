@@ -146,6 +146,16 @@ def test_embeddings_are_mean_pooled_final_norm_states(
     assert float(vector @ expected) > 0.999
 
 
+def test_embeddings_are_the_same_bits_in_any_chunking(make_client, api: TestClient):
+    """A long input pooled in chunks of 16 tokens and of 192: each query token's attention is
+    computed on its own, as in generation, so the vectors are the same bits."""
+    text = "zebras! " * 60
+    small = make_client(prefill_chunk=16)
+    np.testing.assert_array_equal(
+        vectors(embed(small, input=text)), vectors(embed(api, input=text))
+    )
+
+
 def test_embeddings_of_many_inputs_token_ids_and_base64(api: TestClient):
     texts = ["the cat sat", "a zebra", "the cat sat"]
     many = vectors(embed(api, input=texts))

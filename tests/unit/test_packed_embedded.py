@@ -13,6 +13,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from hotlora.models.cpu import extension, install_packed_kernels
+from hotlora.models.cpu.attention import parts_of
 from hotlora.models.loader import LoadedModel, load_model_dir
 
 from tests.support.fidelity import (
@@ -106,3 +107,22 @@ def test_greedy_text_is_mlx_lms_but_at_a_near_tie(served, capsys):
     with capsys.disabled():
         for question, at, gap in parted:
             print(f"\n{question!r}: parts from mlx-lm at token {at}, a near-tie (gap {gap:.2e})")
+
+
+def test_the_body_within_parts_of_runs_as_the_whole_model(served):
+    """The model's body (as embeddings run it, without the head) called within `parts_of` takes
+    the attention the whole model's call takes: its states through the (tied) head are the
+    model's logits, to the bit; called bare it takes MLX's attention, which parts from them."""
+    loaded, _ = served
+    model = loaded.model
+    tokens = mx.array([chat(loaded, QUESTIONS[1])])
+
+    def through_head(hidden: mx.array) -> mx.array:
+        return model.model.embed_tokens.as_linear(hidden)
+
+    whole = model(tokens, cache=make_prompt_cache(model))
+    with parts_of(model):
+        within = through_head(model.model(tokens, cache=make_prompt_cache(model)))
+    bare = through_head(model.model(tokens, cache=make_prompt_cache(model)))
+    assert mx.array_equal(within, whole).item()
+    assert not mx.array_equal(bare, whole).item()
