@@ -265,20 +265,13 @@ class InferenceService:
                 # Its schema is still checked, as it would be on its own.
                 await self._output_grammar(spec)
             assert tool_calls is not None  # there are tools when one must be called
-            if isinstance(tool_calls, GenericToolCalls):
-                answer = tool_calls.answer_schema()
-                return await self.off_loop(lambda: grammars.tool_answer(answer, text=False))
-            form, calls = tool_calls.format, tool_calls
-            if form.json_body and form.end is not None:  # JSON in tags
-                call = form.call_schema(tool_calls.tools, None if use == "required" else use)
-                start, end = form.start, form.end
-                return await self.off_loop(lambda: grammars.tool_call(start, end, call))
+            calls = tool_calls  # narrowed for the closure
 
-            def family() -> Grammar | None:  # the family's own format
-                lark = family_grammar(calls, use, grammars.literal, grammars.json_rule)
+            def required() -> Grammar | None:
+                lark = self._calls_lark(calls, use)
                 return None if lark is None else grammars.tool_lark(lark)
 
-            grammar = await self.off_loop(family)
+            grammar = await self.off_loop(required)
             if grammar is None:
                 raise InvalidRequest(
                     f"tool_choice '{use}' cannot be enforced for this model's tool-call format; "
@@ -289,9 +282,36 @@ class InferenceService:
         if isinstance(tool_calls, GenericToolCalls) and spec is None:
             answer = tool_calls.answer_schema()  # `auto`: calls or text
             return await self.off_loop(lambda: grammars.tool_answer(answer, text=True))
+        if tool_calls is not None and spec is not None and spec.param == "response_format":
+            # `auto` beside OpenAI's format (an agent's tools and its structured answer): the
+            # calls, or the format's JSON. The format alone would never let a tool be called.
+            calls = tool_calls  # narrowed for the closure
+            value, param, closed = spec.value, spec.param, spec.closed
+
+            def calls_or_answer() -> Grammar | None:
+                lark = self._calls_lark(calls, "required")
+                if lark is None:
+                    return None
+                return grammars.calls_or_json(lark, value, param=param, closed=closed)
+
+            grammar = await self.off_loop(calls_or_answer)
+            if grammar is not None:
+                return grammar
         if spec is None:
             return await self.off_loop(grammars.plain_text) if text_only else None
         return await self._output_grammar(spec)
+
+    def _calls_lark(self, tool_calls: ToolCalls, use: str) -> str | None:
+        """The Lark grammar of an answer that is calls in the model's format, to any tool (`use`
+        'required') or the named one; None where the format has none here."""
+        grammars = self.engine.grammars
+        if isinstance(tool_calls, GenericToolCalls):
+            return f"start: {grammars.json_rule(tool_calls.answer_schema())}\n"
+        form = tool_calls.format
+        if form.json_body and form.end is not None:  # JSON in tags
+            call = form.call_schema(tool_calls.tools, None if use == "required" else use)
+            return grammars.tagged_call_lark(form.start, form.end, call)
+        return family_grammar(tool_calls, use, grammars.literal, grammars.json_rule)
 
     async def _output_grammar(self, spec: OutputSpec) -> Grammar:
         """The grammar of the request's output constraint, compiled off the event loop."""

@@ -67,6 +67,8 @@ _MAX_CLOSING_DEPTH = 64
 _TEXT = "text: TEXT?\nTEXT: /[^{\\s](.|\\n)*/\n"
 _CALLS_OR_TEXT = "start: calls | text\n" + _TEXT
 _ONLY_TEXT = "start: text\n" + _TEXT
+# A Lark grammar's `start` rule, renamed where the grammar becomes one branch of another.
+_START_RULE = re.compile(r"^start:", re.MULTILINE)
 # How llguidance begins a Lark error: the line and column in the grammar ("at 4(8): ").
 _GRAMMAR_PLACE = re.compile(r"^at \d+\(\d+\): ")
 _QUOTED_LINE = re.compile(r"^\s+\d+ \| ")  # "   4 | calls: %json {...": a line of the grammar
@@ -242,14 +244,13 @@ class Grammars:
     def tool_call(self, start: str, end: str, schema: dict[str, Any]) -> Grammar:
         """The grammar of one tool call as `start` JSON `end`, the JSON valid under `schema`
         (the call's name and arguments): how `tool_choice` required or named is enforced."""
-        closed = close_objects(schema)
-        body = _schema_text({**closed, "x-guidance": _JSON_OPTIONS}, _TOOL_PARAMETERS)
-        lark = (
+        return self.tool_lark(self.tagged_call_lark(start, end, schema))
+
+    def tagged_call_lark(self, start: str, end: str, schema: dict[str, Any]) -> str:
+        """`tool_call`'s grammar as Lark text."""
+        return (
             f'start: {self.literal(start)} "\\n"? call "\\n"? {self.literal(end)}\n'
-            f"call: %json {body}\n"
-        )
-        return self._cached(
-            lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
+            f"call: {self.json_rule(schema)}\n"
         )
 
     def tool_lark(self, lark: str) -> Grammar:
@@ -285,6 +286,21 @@ class Grammars:
         return self._cached(
             lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
         )
+
+    def calls_or_json(
+        self, calls: str, schema: dict[str, Any], *, param: str, closed: bool = True
+    ) -> Grammar:
+        """The grammar of an answer that is either the tool calls of `calls` (Lark text whose
+        `start` rule is the calls, as `tool_lark` takes) or JSON valid under `schema` (the
+        `param` field's): how `tool_choice` auto is held to beside a `response_format`, which
+        holds an answer that calls nothing. The schema is compiled alone first, so that its
+        refusal names `param`."""
+        self.json_schema(schema, param=param, closed=closed)
+        shown = close_objects(schema) if closed else schema
+        body = _schema_text({**shown, "x-guidance": _JSON_OPTIONS}, (f"The {param} schema", param))
+        tool_calls = _START_RULE.sub("tool_calls:", calls, count=1)
+        lark = f"start: tool_calls | format_answer\n{tool_calls}format_answer: %json {body}\n"
+        return self.tool_lark(lark)
 
     def plain_text(self) -> Grammar:
         """The grammar of an answer that may call no tool in a conversation that shows calls in

@@ -331,6 +331,49 @@ def test_a_required_call_with_a_response_format_is_the_call(client):
     assert [c.function.name for c in answer.message.tool_calls] == ["get_weather", "get_time"]
 
 
+ANSWER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "forecast",
+        "schema": {
+            "type": "object",
+            "properties": {"sky": {"type": "string", "enum": ["sunny", "rainy"]}},
+            "required": ["sky"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_beside_a_schema_format_calls_tools_or_answers_in_the_format(client, stream):
+    """An agent's tools beside its structured answer (the OpenAI Agents SDK sends both): the
+    answer may call the tools or be the format's JSON, and nothing else."""
+    steer(client, PARALLEL)
+    if stream:
+        text, calls, finish = gather(create(client, response_format=ANSWER_FORMAT, stream=True))
+        assert (text, finish) == ("", "tool_calls")
+        assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    else:
+        [answer] = create(client, response_format=ANSWER_FORMAT).choices
+        assert answer.finish_reason == "tool_calls"
+        check_calls(answer.message.tool_calls, {"get_weather", "get_time"})
+    steer(client, '{"sky": "rainy"}')
+    [answer] = create(client, response_format=ANSWER_FORMAT).choices
+    assert (answer.message.content, answer.message.tool_calls) == ('{"sky": "rainy"}', None)
+    assert answer.finish_reason == "stop"
+    # Text that is neither is never written: the steered words are masked off, and what the
+    # model writes instead is a call or the format's JSON.
+    steer(client, "It is sunny.")
+    [answer] = create(client, response_format=ANSWER_FORMAT, max_tokens=60).choices
+    if answer.message.tool_calls:
+        check_calls(answer.message.tool_calls, {"get_weather", "get_time"})
+    elif answer.finish_reason == "stop":
+        schema = ANSWER_FORMAT["json_schema"]["schema"]
+        jsonschema.validate(json.loads(answer.message.content), schema)
+    else:
+        assert answer.message.content.startswith("{"), answer
+
+
 def test_parameters_that_cannot_be_held_to_are_400s(client):
     bad = {
         "type": "function",

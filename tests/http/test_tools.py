@@ -288,6 +288,42 @@ def test_a_required_call_with_a_response_format_is_the_call(tool_client, choice)
     assert auto.status_code == 200
 
 
+def test_auto_beside_a_schema_format_calls_the_tool_or_answers_in_the_format(tool_client):
+    """An agent's tools beside its structured answer: the model's own call markup, or the
+    format's JSON; the format alone would have masked the call's first token."""
+    schema = {
+        "type": "object",
+        "properties": {"sky": {"type": "string", "enum": ["sunny", "rainy"]}},
+        "required": ["sky"],
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema}}
+    body = {
+        "model": "tiny",
+        "messages": ASK,
+        "tools": [WEATHER],
+        "response_format": response_format,
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    steer(tool_client, CALL_TEXT.removeprefix("Let me check."))
+    response = tool_client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    [answer] = response.json()["choices"]
+    assert answer["finish_reason"] == "tool_calls", answer
+    [call] = answer["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    steer(tool_client, '{"sky": "sunny"}')
+    [answer] = tool_client.post("/v1/chat/completions", json=body).json()["choices"]
+    assert answer["finish_reason"] == "stop"
+    assert answer["message"]["content"] == '{"sky": "sunny"}'
+    assert not answer["message"].get("tool_calls")
+    # A format whose schema cannot be enforced is refused by its own field, as it is alone.
+    broken = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}
+    refused = tool_client.post("/v1/chat/completions", json={**body, "response_format": broken})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+
+
 @pytest.mark.parametrize(
     "parameters",
     [
