@@ -3,7 +3,8 @@
 Keys are `--api-key`, `--admin-api-key` and the keys file's (`keys_file`); a server with none
 serves every request as the tenant `default`. The check runs before the body is read: without
 a valid key, a request learns nothing about what the server would make of its body (a bad body
-without a key is a 401, not a 400). An admitted request carries its `Tenant` as
+without a key is a 401, not a 400); a valid key where its tenant may not go (an inference key on
+the admin API) is a 403. An admitted request carries its `Tenant` as
 `request.state.tenant`, is held to its key's adapter scope (`adapters.scope`), and on the
 inference routes is counted against its tenant's limits (a limit reached: 429).
 """
@@ -17,7 +18,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 from hotlora.adapters import use_scope
-from hotlora.server.http.request_errors import Unauthorized
+from hotlora.server.http.request_errors import Forbidden, Unauthorized
 from hotlora.server.http.tenancy import Tenancy
 from hotlora.server.http.tenant_limits import RateLimited
 from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
@@ -37,7 +38,8 @@ def _bearer(request: Request) -> str | None:
 
 
 def _tenant(request: Request, *, admin: bool) -> Tenant:
-    """The tenant of the request's key; `Unauthorized` when the route needs a key it lacks."""
+    """The tenant of the request's key; `Unauthorized` when the route needs a key it lacks,
+    `Forbidden` when the key's tenant may not use the admin routes."""
     tenancy = _tenancy(request)
     given = _bearer(request)
     # Looked up by hash, in constant time: the time taken says nothing about the key.
@@ -48,7 +50,7 @@ def _tenant(request: Request, *, admin: bool) -> Tenant:
             raise Unauthorized(f"A valid {what} is required: send 'Authorization: Bearer <key>'.")
         tenant = DEFAULT_TENANT
     if admin and not tenant.may_administer:
-        raise Unauthorized("A valid admin API key is required: send 'Authorization: Bearer <key>'.")
+        raise Forbidden("This API key may not use the admin API: send an admin API key.")
     return tenant
 
 
@@ -85,8 +87,12 @@ def require_metrics_key(request: Request) -> None:
     (every tenant's name, usage and adapters) are for an admin key alone."""
     if _tenancy(request).keys.path is None:
         return
-    if not _tenant(request, admin=True).is_admin:
-        raise Unauthorized("An admin API key is required for /metrics while --keys is set.")
+    tenant = _tenant(request, admin=True)
+    if not tenant.is_admin:
+        raise Forbidden(
+            "This API key may not read /metrics: while a keys file is set, every tenant's "
+            "usage is for an admin API key."
+        )
 
 
 def _tenancy(request: Request) -> Tenancy:

@@ -32,6 +32,7 @@ from hotlora.server.engine import (
 )
 from hotlora.server.http.request_errors import (
     ClientDisconnected,
+    Forbidden,
     LoraPathNotFound,
     NotReady,
     RequestTimeout,
@@ -65,6 +66,7 @@ HTTP_ERRORS: Mapping[type[HotloraError], HttpError] = {
     LoraPathNotFound: HttpError(404, "not_found_error"),
     AdapterConflict: HttpError(409, "conflict_error"),
     Unauthorized: HttpError(401, "authentication_error", {"WWW-Authenticate": "Bearer"}),
+    Forbidden: HttpError(403, "permission_error"),
     ClientDisconnected: HttpError(CLIENT_CLOSED_REQUEST, "client_closed_request"),
     # OpenAI's types for its rate limits; `Retry-After` comes from the error.
     RateLimited: HttpError(429, "requests"),

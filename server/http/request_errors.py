@@ -39,3 +39,9 @@ class Unauthorized(HotloraError):
     """A missing or wrong bearer key."""
 
     code = "invalid_api_key"
+
+
+class Forbidden(HotloraError):
+    """A valid key used where its tenant may not go: an inference key on the admin API."""
+
+    code = "permission_denied"

@@ -1,6 +1,6 @@
 // The adapters tab: what is resident (GET /v1/adapters) and what was evicted to keep within the
 // budget (GET /v1/adapter_root), with the memory each holds; mount (POST) and unmount (DELETE);
-// a 401 asks for the admin key and then retries.
+// a 401 (no admin key) or 403 (an inference key) asks for the admin key and then retries.
 
 import {call} from "./api.js";
 import {$} from "./ui.js";
@@ -35,7 +35,7 @@ export function initAdmin(page) {
   }
 
   function failed(error, retry) {
-    if (error.status === 401) {
+    if (error.status === 401 || error.status === 403) {
       say("", "");
       page.askKey("admin", error.message, retry);
     } else {

@@ -238,7 +238,7 @@ def test_the_admin_panel_asks_for_its_key_then_mounts_and_unmounts(
 ):
     page = visit.page
     visit.open("/#admin")
-    # The API key the tab holds is not the admin key: the server says 401, the page asks.
+    # The API key the tab holds is not the admin key: the server says 403, the page asks.
     prompt = page.locator("#admin-key")
     expect(prompt).to_be_visible()
     expect(prompt.locator(".key-message")).to_contain_text("admin API key")
@@ -267,10 +267,10 @@ def test_the_admin_panel_asks_for_its_key_then_mounts_and_unmounts(
     expect(page.locator('#adapter-options option[value="answer"]')).to_have_count(0)
     visit.screenshot("admin-unmounted")
     # The one refusal that made the page ask for the key, and Chromium's report of it.
-    assert [p for p in visit.problems if p.startswith("401")] == [
-        f"401: GET {visit.origin}/v1/adapters"
+    assert [p for p in visit.problems if p.startswith("403")] == [
+        f"403: GET {visit.origin}/v1/adapters"
     ]
-    assert visit.unexpected(allowed="401") == []
+    assert visit.unexpected(allowed="403") == []
 
 
 MEMORY = re.compile(r"\d+(\.\d)? (B|KiB|MiB|GiB)")

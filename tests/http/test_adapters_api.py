@@ -275,9 +275,10 @@ def test_keys_guard_inference_and_admin_separately(make_client, root: Path):
     ok = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1}, headers=user)
     assert ok.status_code == 200
     body = {"id": "a", "path": "a"}
-    assert client.post("/v1/adapters", json=body, headers=user).status_code == 401
+    forbidden = client.post("/v1/adapters", json=body, headers=user)
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
     assert client.post("/v1/adapters", json=body, headers=admin).status_code == 201
-    assert client.get("/v1/adapters", headers=user).status_code == 401
+    assert client.get("/v1/adapters", headers=user).status_code == 403
 
 
 def test_startup_adapters_are_mounted(make_client, root: Path):

@@ -409,13 +409,19 @@ def _refusals(client: TestClient, op: str, reason: str) -> float:
 
 
 def test_admin_routes_refuse_user_keys(tenants: TestClient):
+    """A valid key where its tenant may not go: 403, not the 401 of a wrong key."""
     for who in ("acme", "globex"):
-        assert tenants.get("/v1/adapters", headers=auth(who)).status_code == 401
-        assert tenants.get("/v1/usage", headers=auth(who)).status_code == 401
+        assert tenants.get("/v1/adapters", headers=auth(who)).status_code == 403
+        assert tenants.get("/v1/usage", headers=auth(who)).status_code == 403
         refused = tenants.post(
             "/v1/adapters", json={"id": "acme-b", "path": "acme/b"}, headers=auth(who)
         )
-        assert refused.status_code == 401
+        assert refused.status_code == 403
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("permission_error", "permission_denied")
+        assert "may not use the admin API" in error["message"]
+    assert tenants.get("/v1/adapters", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert tenants.get("/v1/adapters").status_code == 401
 
 
 def test_adapter_root_shows_a_tenant_admin_its_own(tenants: TestClient):
@@ -469,7 +475,7 @@ def test_metrics_need_an_admin_key_while_keys_scope_tenants(tenants: TestClient,
     """Its series name every tenant and adapter: a user key, a tenant-admin's or none reads
     nothing of them."""
     answer = tenants.get("/metrics", headers=auth(who) if who else {})
-    assert answer.status_code == 401, answer.text
+    assert answer.status_code == (401 if who is None else 403), answer.text
     assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
     assert "globex" not in answer.text and "acme-" not in answer.text
 
@@ -676,7 +682,7 @@ def test_flag_keys_keep_working(make_client, tmp_path: Path):
         assert client.post("/v1/completions", json=body, headers=headers).status_code == 200
     user = {"Authorization": "Bearer user-secret"}
     admin = {"Authorization": "Bearer admin-secret"}
-    assert client.get("/v1/adapters", headers=user).status_code == 401
+    assert client.get("/v1/adapters", headers=user).status_code == 403
     assert client.get("/v1/adapters", headers=admin).status_code == 200
     tenants = {row["tenant"] for row in client.get("/v1/usage", headers=admin).json()["data"]}
     assert tenants == {"api-key", "admin", "acme"}
