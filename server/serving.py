@@ -30,6 +30,7 @@ from hotlora.server.api.generic_tools import GENERIC, GenericToolCalls
 from hotlora.server.api.output_formats import OutputSpec
 from hotlora.server.api.tool_calls import ToolCalls, ToolFormat, template_message
 from hotlora.server.api.tool_families import (
+    UnenforceableArguments,
     family_grammar,
     llama3_format,
     writes_control_tokens,
@@ -45,7 +46,7 @@ from hotlora.server.engine import (
     Ticket,
 )
 from hotlora.server.engine.generate import PromptLogprobs
-from hotlora.server.engine.grammar import Grammar
+from hotlora.server.engine.grammar import Grammar, UnsupportedSchema
 from hotlora.server.http.request_errors import ContextOverflow
 from hotlora.server.http.request_ids import client_request_id, current_request_id
 from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
@@ -289,10 +290,18 @@ class InferenceService:
             value, param, closed = spec.value, spec.param, spec.closed
 
             def calls_or_answer() -> Grammar | None:
-                lark = self._calls_lark(calls, "required")
-                if lark is None:
+                # The format's own refusal stands; tools the grammar cannot hold leave the
+                # answer to the format, as `auto` alone leaves them unheld.
+                try:
+                    lark = self._calls_lark(calls, "required")
+                    if lark is None:
+                        return None
+                    return grammars.calls_or_json(lark, value, param=param, closed=closed)
+                except (UnsupportedSchema, UnenforceableArguments) as exc:
+                    if exc.param == param:
+                        raise
+                    log.info("tools beside %s not held by the grammar: %s", param, exc.message)
                     return None
-                return grammars.calls_or_json(lark, value, param=param, closed=closed)
 
             grammar = await self.off_loop(calls_or_answer)
             if grammar is not None:

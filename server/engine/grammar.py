@@ -294,13 +294,26 @@ class Grammars:
         `start` rule is the calls, as `tool_lark` takes) or JSON valid under `schema` (the
         `param` field's): how `tool_choice` auto is held to beside a `response_format`, which
         holds an answer that calls nothing. The schema is compiled alone first, so that its
-        refusal names `param`."""
+        refusal names `param`; any other refusal names `tools`. Each part is held to the size
+        limit on its own."""
         self.json_schema(schema, param=param, closed=closed)
+        if (size := len(calls.encode())) > MAX_SCHEMA_BYTES:
+            raise UnsupportedSchema(
+                f"The tools' grammar is {size} bytes; this server compiles at most "
+                f"{MAX_SCHEMA_BYTES}.",
+                param="tools",
+                kind="too large",
+            )
         shown = close_objects(schema) if closed else schema
-        body = _schema_text({**shown, "x-guidance": _JSON_OPTIONS}, (f"The {param} schema", param))
+        if isinstance(shown, dict):  # the schema's own options, ours over them (`json_schema`)
+            options = shown.get("x-guidance")
+            shown = {**shown, "x-guidance": {**(options or {}), **_JSON_OPTIONS}}
+        body = _schema_text(shown, (f"The {param} schema", param))
         tool_calls = _START_RULE.sub("tool_calls:", calls, count=1)
         lark = f"start: tool_calls | format_answer\n{tool_calls}format_answer: %json {body}\n"
-        return self.tool_lark(lark)
+        return self._cached_compile(
+            lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
+        )
 
     def plain_text(self) -> Grammar:
         """The grammar of an answer that may call no tool in a conversation that shows calls in

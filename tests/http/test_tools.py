@@ -324,6 +324,43 @@ def test_auto_beside_a_schema_format_calls_the_tool_or_answers_in_the_format(too
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
 
 
+def test_auto_beside_a_format_takes_what_each_alone_takes(tool_client):
+    """Tools the grammar cannot hold (served under `auto` alone, unheld) leave the answer to the
+    format; a format near the size limit and one with llguidance options of its own are taken
+    beside tools as they are alone."""
+    unheld = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"not": {"type": "string"}}}},
+        },
+    }
+    near_limit = {"type": "string", "enum": [f"option-{i:05d}-abcdefgh" for i in range(2600)]}
+    coerced = {
+        "type": "object",
+        "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+        "x-guidance": {"coerce_one_of": True},
+    }
+    cases = [([unheld], {"type": "object"}), ([WEATHER], near_limit), ([WEATHER], coerced)]
+    for tools, schema in cases:
+        assert len(json.dumps(schema)) < 64 * 1024
+        body = {
+            "model": "tiny",
+            "messages": ASK,
+            "tools": tools,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": schema},
+            },
+            "max_tokens": 4,
+        }
+        for tool_choice in ("none", "auto"):
+            answer = tool_client.post(
+                "/v1/chat/completions", json={**body, "tool_choice": tool_choice}
+            )
+            assert answer.status_code == 200, (tool_choice, schema, answer.text)
+
+
 @pytest.mark.parametrize(
     "parameters",
     [
