@@ -87,7 +87,7 @@ def require_metrics_key(request: Request) -> None:
     (every tenant's name, usage and adapters) are for an admin key alone."""
     if _tenancy(request).keys.path is None:
         return
-    tenant = _tenant(request, admin=True)
+    tenant = _tenant(request, admin=False)
     if not tenant.is_admin:
         raise Forbidden(
             "This API key may not read /metrics: while a keys file is set, every tenant's "

@@ -39,7 +39,7 @@ class ErrorResponse(BaseModel):
 
 _REF = "#/components/schemas/{model}"
 
-_ADMIN_POST = (400, 401, 404, 408, 409, 413, 415, 503)
+_ADMIN_POST = (400, 401, 403, 404, 408, 409, 413, 415, 503)
 # The error statuses each operation can answer with; 405 and unknown routes are not operations.
 # Every inference route counts against its key's limits (429).
 ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
@@ -55,18 +55,19 @@ ERROR_STATUSES: Mapping[tuple[str, str], tuple[int, ...]] = {
     ("post", paths.DETOKENIZE): (400, 401, 404, 408, 413, 415, 429, 503),
     ("get", paths.VERSION): (),
     ("post", paths.ADAPTERS): _ADMIN_POST,
-    ("get", paths.ADAPTERS): (401, 503),
-    ("get", paths.ADAPTER_ROOT): (401, 503),
-    ("get", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
-    ("delete", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 404, 503),
+    ("get", paths.ADAPTERS): (401, 403, 503),
+    ("get", paths.ADAPTER_ROOT): (401, 403, 503),
+    ("get", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 403, 404, 503),
+    ("delete", f"{paths.ADAPTERS}/{{adapter_id}}"): (401, 403, 404, 503),
     ("post", paths.LOAD_LORA_ADAPTER): _ADMIN_POST,
-    ("post", paths.UNLOAD_LORA_ADAPTER): (400, 401, 404, 408, 413, 415, 503),
-    ("get", paths.USAGE): (401,),
+    ("post", paths.UNLOAD_LORA_ADAPTER): (400, 401, 403, 404, 408, 413, 415, 503),
+    ("get", paths.USAGE): (401, 403),
 }
 
 _DESCRIPTIONS = {
     400: "Invalid request: unparsable JSON, a field out of range, or an unsupported option.",
     401: "Missing or wrong bearer key.",
+    403: "A valid bearer key whose tenant may not use this route (an inference key here).",
     404: "Unknown model or adapter, or one outside the key's scope.",
     409: "Another adapter is mounted under this id; mount with `replace` to swap it.",
     413: "The request body is over the server's limit.",

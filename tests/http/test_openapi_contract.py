@@ -28,7 +28,7 @@ from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_a
 ERROR_KEYS = {"message", "type", "param", "code"}
 POST_ERRORS = {"400", "401", "404", "408", "413", "415", "503"}
 INFERENCE_ERRORS = POST_ERRORS | {"429"}  # a tenant's limits hold on every inference route
-ADMIN_POST = {"201", "200", "400", "401", "404", "408", "409", "413", "415", "503"}
+ADMIN_POST = {"201", "200", "400", "401", "403", "404", "408", "409", "413", "415", "503"}
 # Every operation and the statuses it can answer with.
 STATUSES = {
     ("get", "/health"): {"200"},
@@ -38,18 +38,18 @@ STATUSES = {
     ("post", "/v1/chat/completions"): {"200", "500"} | INFERENCE_ERRORS,
     ("post", "/v1/completions"): {"200", "500"} | INFERENCE_ERRORS,
     ("post", "/v1/responses"): {"200", "500"} | INFERENCE_ERRORS,
-    ("get", "/v1/adapters"): {"200", "401", "503"},
-    ("get", "/v1/adapter_root"): {"200", "401", "503"},
+    ("get", "/v1/adapters"): {"200", "401", "403", "503"},
+    ("get", "/v1/adapter_root"): {"200", "401", "403", "503"},
     ("post", "/v1/adapters"): ADMIN_POST,
-    ("get", "/v1/adapters/{adapter_id}"): {"200", "401", "404", "503"},
-    ("delete", "/v1/adapters/{adapter_id}"): {"200", "401", "404", "503"},
+    ("get", "/v1/adapters/{adapter_id}"): {"200", "401", "403", "404", "503"},
+    ("delete", "/v1/adapters/{adapter_id}"): {"200", "401", "403", "404", "503"},
     ("post", "/v1/load_lora_adapter"): ADMIN_POST - {"201"},
-    ("post", "/v1/unload_lora_adapter"): {"200"} | POST_ERRORS,
+    ("post", "/v1/unload_lora_adapter"): {"200", "403"} | POST_ERRORS,
     ("post", "/v1/embeddings"): {"200"} | INFERENCE_ERRORS,
     ("post", "/tokenize"): {"200"} | INFERENCE_ERRORS,
     ("post", "/detokenize"): {"200"} | INFERENCE_ERRORS,
     ("get", "/version"): {"200"},
-    ("get", "/v1/usage"): {"200", "401"},
+    ("get", "/v1/usage"): {"200", "401", "403"},
 }
 STREAMED = {"/v1/chat/completions": "ChatCompletionChunk", "/v1/completions": "CompletionResponse"}
 
@@ -184,6 +184,23 @@ def test_401s_match_the_document(make_client: Callable[..., TestClient]):
         )
         response = send(keyed, case)
         assert response.status_code == 401, (method, path, response.text)
+        case.validate_response(response, additional_checks=[openai_error_shape])
+
+
+def test_403s_match_the_document(make_client: Callable[..., TestClient]):
+    """An inference key on every operation the document says may answer 403: each does."""
+    keyed = make_client(api_key="user", admin_api_key="admin", raise_server_exceptions=False)
+    forbidden = [op for op, statuses in STATUSES.items() if "403" in statuses]
+    assert len(forbidden) == 8
+    for method, path in forbidden:
+        body = {"body": {}} if method == "post" else {}
+        case = schema[path][method].Case(
+            path_parameters={"model_id": "tiny", "adapter_id": "a"},
+            headers={"Authorization": "Bearer user"},
+            **body,
+        )
+        response = send(keyed, case)
+        assert response.status_code == 403, (method, path, response.text)
         case.validate_response(response, additional_checks=[openai_error_shape])
 
 
