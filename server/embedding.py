@@ -73,19 +73,19 @@ class EmbeddingService:
         if record is not None:
             record.model, record.adapters = lease.model, lease.adapters.ids
             record.prompt_tokens = 0
-        vectors = []
+        vectors, used = [], 0
         try:
             for tokens in token_lists:
                 vectors.append(await self._pool(tokens, lease.adapters))
+                used += len(tokens)
                 if record is not None:  # counted as it is pooled, whether the client stays or not
-                    record.prompt_tokens += len(tokens)
+                    record.prompt_tokens = used
         finally:
             lease.release()
         data = [
             Embedding(embedding=_encoded(vector, request.encoding_format), index=i)
             for i, vector in enumerate(vectors)
         ]
-        used = sum(len(tokens) for tokens in token_lists)
         self.inference.metrics.embedded(lease.adapters.ids, prompt_tokens=used)
         return EmbeddingResponse(
             data=data,
