@@ -315,7 +315,7 @@ class InferenceService:
         'required') or the named one; None where the format has none here."""
         grammars = self.engine.grammars
         if isinstance(tool_calls, GenericToolCalls):
-            return f"start: {grammars.json_rule(tool_calls.answer_schema())}\n"
+            return grammars.generic_calls_lark(tool_calls.answer_schema())
         form = tool_calls.format
         if form.json_body and form.end is not None:  # JSON in tags
             call = form.call_schema(tool_calls.tools, None if use == "required" else use)

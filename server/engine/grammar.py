@@ -279,13 +279,12 @@ class Grammars:
         """The grammar of an answer that is JSON valid under `schema` (the generic format's
         calls) or, when `text`, plain text that begins with neither `{` nor whitespace (or is
         empty): how tools are held to on a model whose template cannot show them."""
-        closed = close_objects(schema)
-        body = _schema_text({**closed, "x-guidance": _JSON_OPTIONS}, _TOOL_PARAMETERS)
+        return self.tool_lark(self.generic_calls_lark(schema, text=text))
+
+    def generic_calls_lark(self, schema: dict[str, Any], *, text: bool = False) -> str:
+        """`tool_answer`'s grammar as Lark text."""
         head = _CALLS_OR_TEXT if text else "start: calls\n"
-        lark = f"{head}calls: %json {body}\n"
-        return self._cached(
-            lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark), _TOOL_PARAMETERS
-        )
+        return f"{head}calls: {self.json_rule(schema)}\n"
 
     def calls_or_json(
         self, calls: str, schema: dict[str, Any], *, param: str, closed: bool = True
