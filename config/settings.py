@@ -152,15 +152,17 @@ class Settings(BaseSettings):
         "packed where the kernels serve the weights, else float32 when the copy fits "
         "cpu_float_budget_bytes.",
     )
-    cpu_precision: Literal["fast", "exact"] = Field(
+    cpu_precision: Literal["fast", "exact", "float32"] = Field(
         default="fast",
         description="On packed quantized weights served by the native kernels: fast quantizes "
         "each row's activations to int8 in blocks of 32 once per projection and takes integer "
         "dot products (no further from mlx-lm's float32 logits than its bfloat16 run); exact "
-        "multiplies the float32 activations by the dequantized weights (within 1e-4 of the "
-        "largest logit of mlx-lm's float32 run). Both give a row the same bits alone and in "
-        "any batch. A model whose recorded fidelity verdict (hotlora fidelity) says fast "
-        "breaks its rule there is served exact.",
+        "carries each activation in three int8 parts (about float32's precision) through the "
+        "same integer products (within 1e-4 of the largest logit of mlx-lm's float32 run); "
+        "float32 multiplies the float32 activations by the dequantized weights' float32 values "
+        "(as exact, slower). Each gives a row the same bits alone and in any batch. A model "
+        "whose recorded fidelity verdict (hotlora fidelity) says fast breaks its rule there is "
+        "served exact.",
     )
     cpu_float_budget_bytes: int | None = Field(
         default=None, gt=0, description="Largest float32 copy auto makes; half the RAM when unset."

@@ -123,7 +123,8 @@ def install_packed_kernels(
     tokens: a row's results are then the same bits alone, in any batch, in any chunking of its
     prompt. Changes the modules' classes in place and casts the float parameters that are not
     packed to float32 (`weights.to_packed`). `precision`: the packed layers' products
-    (`layers.set_cpu_precision`): int8 activations (fast) or float32 ones (exact)."""
+    (`layers.set_cpu_precision`): int8 activations (fast), in three int8 parts (exact) or float32
+    ones (float32)."""
     from hotlora.models.cpu import extension
     from hotlora.models.cpu.attention import install_rows_attention
     from hotlora.models.cpu.fused import install_fused
@@ -149,11 +150,11 @@ def install_packed_kernels(
     fused = install_fused(model)
     quantized = swapped[PackedLinear] + swapped[PackedEmbedding]
     set_cpu_precision(model, precision)
-    products = (
-        "int8 activations, integer dot products (--cpu-precision fast)"
-        if precision == "fast"
-        else "float32 activations (--cpu-precision exact)"
-    )
+    products = {
+        "fast": "int8 activations, integer dot products (--cpu-precision fast)",
+        "exact": "activations in three int8 parts, integer dot products (--cpu-precision exact)",
+        "float32": "float32 activations (--cpu-precision float32)",
+    }[precision]
     return RowsKernels(
         True,
         f"every step runs {quantized} quantized layers from their packed weights ({products}; "

@@ -107,7 +107,7 @@ def fused_products(
         [layer.bits for layer, _ in found],
         next(iter(plans.values()), None),
         [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
-        first.int8_activations,
+        first.int8_parts,
         **({} if rope is None else _rope_arguments(*rope)),
         **({} if norm is None else {"norm": norm["weight"], "norm_eps": norm.eps}),
         glu=glu,
@@ -122,8 +122,8 @@ def _one_call(layers: Sequence[PackedLinear], weights: Sequence[mx.array]) -> bo
     first = layers[0]
     halves = _reads_halves(first, weights[0])
     return all(
-        (layer.group_size, layer.int8_activations) == (first.group_size, first.int8_activations)
-        and (not first.int8_activations or _reads_halves(layer, weight) == halves)
+        (layer.group_size, layer.int8_parts) == (first.group_size, first.int8_parts)
+        and (not first.int8_parts or _reads_halves(layer, weight) == halves)
         for layer, weight in zip(layers, weights, strict=True)
     )
 
@@ -315,7 +315,7 @@ class _LayerArguments:
         self.rope = attention["rope"]
         self.layers = tuple(layers)
         self.codes = tuple(layer["weight"] for layer in layers)  # items: see `fused_products`
-        self.int8 = tuple(layer.int8_activations for layer in layers)
+        self.int8 = tuple(layer.int8_parts for layer in layers)
         self.norm_weights = tuple(norm["weight"] for norm in self.norms)
         self.width = width
         scales = [layer["scales"] for layer in layers]
@@ -332,7 +332,7 @@ class _LayerArguments:
             [layer["biases"] for layer in layers],
             [layer.bits for layer in layers],
             [layer.group_size for layer in calls],
-            [layer.int8_activations for layer in calls],
+            [layer.int8_parts for layer in calls],
             norm1["weight"],
             norm2["weight"],
             norm1.eps,
@@ -378,7 +378,7 @@ class _LayerArguments:
             and norm1["weight"] is self.norm_weights[0]
             and norm2["weight"] is self.norm_weights[1]
             and all(
-                layer is kept and layer["weight"] is codes and layer.int8_activations == int8
+                layer is kept and layer["weight"] is codes and layer.int8_parts == int8
                 for layer, kept, codes, int8 in zip(
                     layers, self.layers, self.codes, self.int8, strict=True
                 )

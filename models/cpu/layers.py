@@ -115,7 +115,7 @@ def lora_gather(x: mx.array, linear: nn.Module, plan: object, slot: int) -> mx.a
         linear.bits,
         plan,
         slot,
-        linear.int8_activations,
+        linear.int8_parts,
     )
     return y + linear.bias if "bias" in linear else y
 
@@ -177,7 +177,7 @@ def _quant_rows(x: mx.array, layer: PackedLinear | PackedEmbedding) -> mx.array:
         layer["biases"],
         layer.group_size,
         layer.bits,
-        layer.int8_activations,
+        layer.int8_parts,
     )
 
 
@@ -217,11 +217,12 @@ class Interleaving(nn.Module):
 
 
 class PackedLinear(nn.QuantizedLinear, Interleaving):
-    """`nn.QuantizedLinear` whose every float32 call goes through the quantized kernel: with
-    `int8_activations` (`--cpu-precision fast`), each row's activations quantized to int8 in
-    blocks of 32 and integer dot products; else float32 products with the dequantized weights."""
+    """`nn.QuantizedLinear` whose every float32 call goes through the quantized kernel: each
+    row's activations quantized to int8 in blocks of 32, `int8_parts` codes a value (1 at
+    `--cpu-precision fast`, 3 at `exact`), and integer dot products; with none, float32 products
+    with the dequantized weights."""
 
-    int8_activations = False  # set per layer by `set_cpu_precision`
+    int8_parts = 0  # set per layer by `set_cpu_precision`
 
     def takes(self, x: mx.array) -> bool:
         """Whether the kernels take x as this layer's input: any float32 input."""
@@ -248,7 +249,7 @@ class PackedEmbedding(nn.QuantizedEmbedding, Interleaving):
     float32) and whose use as the output layer goes through the quantized kernel (int8
     activations as `PackedLinear`'s)."""
 
-    int8_activations = False  # set per layer by `set_cpu_precision`
+    int8_parts = 0  # set per layer by `set_cpu_precision`
 
     def __call__(self, x: mx.array) -> mx.array:
         assert self.biases is not None  # the affine mode's
@@ -273,21 +274,26 @@ class PackedEmbedding(nn.QuantizedEmbedding, Interleaving):
         return _quant_rows(x, self)
 
 
-# `--cpu-precision`: int8 activations and integer dot products, or float32 products.
-CpuPrecision = Literal["fast", "exact"]
+# `--cpu-precision`: int8 activations and integer dot products, each value one int8 code (fast) or
+# three int8 parts (exact: about float32's precision, models/cpu/native/kernels/types.h); or
+# float32 activations times the dequantized weights' float32 values (float32).
+CpuPrecision = Literal["fast", "exact", "float32"]
+
+# Each precision's int8 parts a value of the activations (0: float32 products).
+INT8_PARTS: dict[CpuPrecision, int] = {"fast": 1, "exact": 3, "float32": 0}
 
 
 def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
     """Make every packed layer of the model take `precision`'s products; returns how many.
     One precision for the whole model, set before it serves: a row's bits then depend on its
-    own values alone, as on either path. On int8 activations the 4- and 8-bit layers whose rows
+    own values alone, as on each path. On int8 activations the 4- and 8-bit layers whose rows
     come in eights take the interleaved layout where the kernel reads it (`interleave_rows8`:
     the same bytes, about half the operations a weight); float32 ones take MLX's packing back."""
-    int8 = precision == "fast"
+    parts = INT8_PARTS[precision]
     layers = [m for _, m in model.named_modules() if isinstance(m, PackedLinear | PackedEmbedding)]
     for layer in layers:
-        layer.int8_activations = int8
-        layer.interleave(int8)
+        layer.int8_parts = parts
+        layer.interleave(parts > 0)
     return len(layers)
 
 

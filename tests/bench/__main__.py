@@ -508,8 +508,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--cpu-tokens must be at least 2, --cpu-prefill-tokens and --cpu-rounds 1")
     if args.cpu_adapter_pairs < 1:
         p.error("--cpu-adapter-pairs must be at least 1")
-    if not args.cpu_precisions or not set(args.cpu_precisions) <= {"fast", "exact"}:
-        p.error("--cpu-precisions takes a comma list of: fast, exact")
+    if not args.cpu_precisions or not set(args.cpu_precisions) <= {"fast", "exact", "float32"}:
+        p.error("--cpu-precisions takes a comma list of: fast, exact, float32")
     if args.cpu_adapters < 0:
         p.error("--cpu-adapters must be 0 or more")
     if args.max_tokens < 2:

@@ -41,7 +41,7 @@ def main() -> int:
     parser.add_argument("--adapters", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--precision", choices=("fast", "exact"), default="fast")
+    parser.add_argument("--precision", choices=("fast", "exact", "float32"), default="fast")
     parser.add_argument("--model-dir", type=Path, default=None)
     args = parser.parse_args()
 

@@ -22,8 +22,9 @@ first token and decode tokens/s per stream, and the aggregate (all tokens / wall
 `--cpu-prefill-tokens` (1,250) token prompt's prefill tokens/s (`/v1/completions`, one new
 token); the server's peak RSS (its VmHWM, or the polled RSS of it and its children when larger).
 hotlora runs once a precision of `--cpu-precisions` (fast: its default, int8 activations; exact:
-`--cpu-precision exact`, float32 ones), each in a table of its own against the same llama.cpp
-run; the first line names the vector instructions the kernels ran with.
+`--cpu-precision exact`, activations in three int8 parts; float32: float32 activations), each in
+a table of its own against the same llama.cpp run; the first line names the vector instructions
+the kernels ran with.
 Then on hotlora (the first precision) alone: two full-length runs of `--cpu-adapters` (16)
 base-only rows, whose peak RSS is the one the adapters' is held to (the same traffic, without
 them); then that many random rank-16 adapters on every projection are mounted (kept as

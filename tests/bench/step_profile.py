@@ -5,7 +5,7 @@ a GGUF file, imported into the home once as `serve` imports it) served packed (t
 quantized kernels) twice, once as served (`fused`: llama's attention and MLP on fused products,
 `hotlora.models.cpu.fused`) and once with those layers given mlx-lm's own classes back
 (`separate`: a product a projection), its packed products at `--precision` (fast, the
-default, or exact), and for each, for one row and for 16 rows after a short
+default, exact or float32), and for each, for one row and for 16 rows after a short
 context, measures in alternating rounds: the seconds to build a decode step's graph in Python
 (the model call) and to evaluate it; the graph's nodes by primitive (`mx.export_to_dot`); and
 the same step's kernel primitives evaluated on their own, each in a graph of its kind alone (the
@@ -31,6 +31,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from hotlora.models.cpu.layers import INT8_PARTS
 
 from tests.bench.step_times import CONTEXT, load, settings_home
 
@@ -92,7 +94,7 @@ def node_counts(model: nn.Module, rows: int) -> Counter[str]:
 
 
 def _kernel_graphs(
-    model: nn.Module, rows: int, int8: bool
+    model: nn.Module, rows: int, int8: int
 ) -> dict[str, Callable[[], list[mx.array]]]:
     """For each kind of kernel primitive, a function that builds the step's calls of it alone,
     on inputs of the step's shapes (already evaluated)."""
@@ -139,7 +141,7 @@ def _kernel_graphs(
 
 
 def kernel_times(
-    model: nn.Module, rows: int, steps: int, int8: bool
+    model: nn.Module, rows: int, steps: int, int8: int
 ) -> dict[str, tuple[float, float]]:
     """Median seconds of each kind of kernel primitive of one step, evaluated alone: wall-clock
     and CPU time."""
@@ -174,7 +176,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--precision", choices=("fast", "exact"), default="fast")
+    parser.add_argument("--precision", choices=tuple(INT8_PARTS), default="fast")
     parser.add_argument("--model", type=Path, default=None, help="a model directory or a GGUF")
     args = parser.parse_args()
     model_dir = args.model
@@ -201,7 +203,7 @@ def main() -> int:
                     samples[variant][rows][key].append(t)
         for rows in ROWS:  # the kernels alone do not depend on the variant
             for name, times in kernel_times(
-                models["fused"], rows, args.steps, args.precision == "fast"
+                models["fused"], rows, args.steps, INT8_PARTS[args.precision]
             ).items():
                 kernels[rows].setdefault(name, []).append(times)
     result: dict[str, Any] = {

@@ -281,12 +281,12 @@ InterleavedWeights interleaved(const QuantWeights& w, int N) {
   return out;
 }
 
-// x [M, K] quantized to int8 (kernels/quantize_rows.h) @ dequantize(w).T by the integer kernel
-// (the interleaved one for `q.rows8`), weight rows in two ranges as the primitives' threads split
-// them.
+// x [M, K] quantized to int8, `parts` codes a value (kernels/quantize_rows.h), @ dequantize(w).T
+// by the integer kernel (the interleaved one for `q.rows8`), weight rows in two ranges as the
+// primitives' threads split them.
 std::vector<float> int8_product(const Kernel& kernel, const Quantized& q, const float* x, int M,
-                                int N) {
-  Int8Rows rows(x, M, q.K, q.group, hotlora::halves_first(q));
+                                int N, int parts) {
+  Int8Rows rows(x, M, q.K, q.group, hotlora::halves_first(q), parts);
   rows.quantize(0, M);
   std::vector<float> out(static_cast<size_t>(M) * N);
   const int split = N / 2 - N / 2 % 8;
@@ -302,9 +302,9 @@ const Kernel& baseline() { return *hotlora::kernels().back(); }
 // Integer sums are exact and every ISA adds them into floats in one order: its integer products
 // are the baseline's bits, whatever instructions take the sums.
 void check_baseline_bits(const Kernel& kernel, const char* what, const std::vector<float>& out,
-                         const Quantized& q, const float* x, int M, int N) {
+                         const Quantized& q, const float* x, int M, int N, int parts) {
   if (&kernel == &baseline()) return;
-  const auto base = int8_product(baseline(), q, x, M, N);
+  const auto base = int8_product(baseline(), q, x, M, N, parts);
   for (size_t i = 0; i < out.size(); i++)
     if (std::memcmp(&out[i], &base[i], sizeof(float)) != 0)
       fail(kernel.isa, what, M, q.K, N, static_cast<int>(i) / N, static_cast<int>(i) % N, out[i],
@@ -313,13 +313,16 @@ void check_baseline_bits(const Kernel& kernel, const char* what, const std::vect
 
 // The integer product is the quantized rows' own product with the dequantized weights, within
 // float32's rounding: each row's values d * code (each within d / 2 of x, d its block's largest
-// magnitude / 127) against the weights' values; and a row's result is the same bits alone.
-void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, int dtype) {
+// magnitude / 127), or with three parts d * (c0 + (c1 + c2 / 254) / 254) (within d / 2 / 254^2
+// and float32's rounding of x / d), against the weights' values; and a row's result is the same
+// bits alone.
+void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, int dtype,
+                int parts) {
   const auto w = quantized(N, K, bits, group, dtype);
   auto x = normal(static_cast<size_t>(M) * K);
   for (int k = 0; k < K; k += 97) x[k] = 0.0f;                // zeros among the values
   std::fill_n(x.begin() + K / 2, std::min(32, K / 2), 0.0f);  // a block of zeros: d = 0
-  Int8Rows quantized_x(x.data(), M, K, group, bits == 4);
+  Int8Rows quantized_x(x.data(), M, K, group, bits == 4, parts);
   quantized_x.quantize(0, M);
   const QuantizedRows rows = quantized_x.rows();
   std::vector<double> values(x.size());  // the quantized rows, in value order
@@ -328,11 +331,20 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
       const size_t at = static_cast<size_t>(m) * K + k, block = at / 32;
       const int i = k % 32, stored = bits == 4 ? (i % 2) * 16 + i / 2 : i;
       const double d = rows.d[block];
-      values[at] = d * rows.q[block * 32 + stored];
-      if (std::abs(values[at] - x[at]) > d / 2 * (1 + 1e-6) || rows.q[block * 32 + stored] < -127)
+      double value = 0.0, unit = 1.0;
+      for (int p = 0; p < parts; p++, unit /= hotlora::kPartScale) {
+        const int8_t code = rows.q[(block * parts + p) * 32 + stored];
+        if (code < -127) fail(kernel.isa, "int8 quantization", M, K, N, m, k, code, x[at]);
+        value += unit * code;
+      }
+      values[at] = d * value;
+      const double last = unit * hotlora::kPartScale;  // the last part's unit
+      const double bound =
+          d / 2 * last * (1 + 1e-6) + (parts == 1 ? 0.0 : std::abs(x[at]) * 2.5e-7);
+      if (std::abs(values[at] - x[at]) > bound)
         fail(kernel.isa, "int8 quantization", M, K, N, m, k, values[at], x[at]);
     }
-  const auto out = int8_product(kernel, w.q, x.data(), M, N);
+  const auto out = int8_product(kernel, w.q, x.data(), M, N, parts);
   std::vector<double> want(out.size()), magnitude(out.size());
   for (int m = 0; m < M; m++)
     for (int n = 0; n < N; n++) {
@@ -345,24 +357,27 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
       want[static_cast<size_t>(m) * N + n] = sum, magnitude[static_cast<size_t>(m) * N + n] = size;
     }
   char what[96];
-  std::snprintf(what, sizeof what, "%d-bit product on int8 rows (group %d, dtype %d)", bits, group,
-                dtype);
+  std::snprintf(what, sizeof what, "%d-bit product on int8 rows of %d parts (group %d, dtype %d)",
+                bits, parts, group, dtype);
   check_close(kernel.isa, what, out, want, magnitude, M, K, N);
-  check_baseline_bits(kernel, what, out, w.q, x.data(), M, N);
+  check_baseline_bits(kernel, what, out, w.q, x.data(), M, N, parts);
   for (int m = 0; m < M; m++) {
-    const auto alone = int8_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K, 1, N);
+    const auto alone =
+        int8_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K, 1, N, parts);
     check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
   }
   if (N % 8 != 0 || kernel.int8_rows8 == nullptr) return;
   // The same product on the rows interleaved by eight: the same values, other float roundings.
   const auto rows8 = interleaved(w, N);
-  const auto out8 = int8_product(kernel, rows8.q, x.data(), M, N);
-  std::snprintf(what, sizeof what, "interleaved %d-bit product on int8 rows (group %d, dtype %d)",
-                bits, group, dtype);
+  const auto out8 = int8_product(kernel, rows8.q, x.data(), M, N, parts);
+  std::snprintf(what, sizeof what,
+                "interleaved %d-bit product on int8 rows of %d parts (group %d, dtype %d)", bits,
+                parts, group, dtype);
   check_close(kernel.isa, what, out8, want, magnitude, M, K, N);
-  check_baseline_bits(kernel, what, out8, rows8.q, x.data(), M, N);
+  check_baseline_bits(kernel, what, out8, rows8.q, x.data(), M, N, parts);
   for (int m = 0; m < M; m++) {
-    const auto alone = int8_product(kernel, rows8.q, x.data() + static_cast<size_t>(m) * K, 1, N);
+    const auto alone =
+        int8_product(kernel, rows8.q, x.data() + static_cast<size_t>(m) * K, 1, N, parts);
     check_row_bits(kernel.isa, what, out8, alone, M, K, N, m);
   }
 }
@@ -548,12 +563,15 @@ int main() {
           for (int dtype : {0, 1, 2})
             for (int R : {0, 6}) check_quant(kernel, M, 384, 37, bits, group, dtype, R), checks++;
     // The integer products: rows of x in the kernel's blocks and alone, K of several groups;
-    // weight rows in eights (the interleaved layout's too, where the kernel has it) or not.
+    // weight rows in eights (the interleaved layout's too, where the kernel has it) or not; a
+    // value one int8 code or three parts.
     for (int M : {1, 3, 9})
       for (int bits : {4, 8})
         for (int group : {32, 64, 128})
           for (int dtype : {0, 1, 2})
-            for (int N : {37, 40}) check_int8(kernel, M, 384, N, bits, group, dtype), checks++;
+            for (int N : {37, 40})
+              for (int parts : {1, 3})
+                check_int8(kernel, M, 384, N, bits, group, dtype, parts), checks++;
     // An adapter's ranks below, at and past each ISA's vector (4, 8 or 16 lanes).
     for (int K : {7, 100, 576})
       for (int r = 1; r <= 40; r++) check_low_rank(kernel, K, r), checks++;

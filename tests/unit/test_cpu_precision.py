@@ -104,32 +104,43 @@ def test_a_tiny_model_on_int8_activations_is_no_further_than_bfloat16(name: str)
     assert fast.within(bfloat16), (fast, bfloat16)
 
 
-def test_the_fast_path_interleaves_the_rows_and_the_exact_path_takes_mlxs_packing_back(
+def test_the_integer_paths_interleave_the_rows_and_the_float32_path_takes_mlxs_packing_back(
     embedded_model_dir: Path,
 ):
     """Every packed layer of the embedded model (4 and 8 bits, rows in eights) takes the
-    interleaved layout on int8 activations, the same bytes reordered; the exact path gets MLX's
-    packing back to the bit, and its logits with it."""
+    interleaved layout on int8 activations, fast and exact alike, the same bytes reordered; the
+    float32 path gets MLX's packing back to the bit, and its logits with it. The exact path's
+    three int8 parts a value are float32's products within its rounding; the fast path's one
+    code is not."""
     from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear, set_cpu_precision
 
     model = load_model_dir(embedded_model_dir).model
-    install_packed_kernels(model, threads=2, precision="exact")
+    install_packed_kernels(model, threads=2, precision="float32")
     layers = [m for _, m in model.named_modules() if isinstance(m, PackedLinear | PackedEmbedding)]
     original = [(m.weight, m.scales, m.biases) for m in layers]
     tokens = FAMILY_TOKENS[:1, :16]
-    exact = forward(model, tokens)
-    set_cpu_precision(model, "fast")
-    assert {m.bits for m in layers} == {4, 8}  # Q4_1's layers, Q8_0's embedding and tied head
-    assert all(m.interleaved for m in layers)
-    for m in layers:  # 4-bit codes unsigned; Q8_0's, of every value, signed
-        assert m.weight.dtype == (mx.uint8 if m.bits == 4 else mx.int8)
-    for m, (weight, _, _) in zip(layers, original, strict=True):
-        assert m.weight.nbytes == weight.nbytes  # reordered, not copied
-    fast = forward(model, tokens)
-    assert not mx.array_equal(fast, exact).item()
-    set_cpu_precision(model, "exact")
+    float32 = forward(model, tokens)
+    largest = mx.abs(float32).max(axis=-1)
+    runs = {}
+    for precision in ("fast", "exact"):
+        set_cpu_precision(model, precision)
+        assert {m.bits for m in layers} == {4, 8}  # Q4_1's layers, Q8_0's embedding and head
+        assert all(m.interleaved for m in layers)
+        for m in layers:  # 4-bit codes unsigned; Q8_0's, of every value, signed
+            assert m.weight.dtype == (mx.uint8 if m.bits == 4 else mx.int8)
+        for m, (weight, _, _) in zip(layers, original, strict=True):
+            assert m.weight.nbytes == weight.nbytes  # reordered, not copied
+        runs[precision] = forward(model, tokens)
+    exact_distance = (mx.abs(runs["exact"] - float32).max(axis=-1) / largest).max().item()
+    fast_distance = (mx.abs(runs["fast"] - float32).max(axis=-1) / largest).max().item()
+    print(
+        f"largest |logit - float32's| / largest logit: exact {exact_distance:.2e}, "
+        f"fast {fast_distance:.2e}"
+    )
+    assert exact_distance < 5e-5 and fast_distance > 1e-3
+    set_cpu_precision(model, "float32")
     for m, arrays in zip(layers, original, strict=True):
         assert not m.interleaved
         for got, want in zip((m.weight, m.scales, m.biases), arrays, strict=True):
             assert got.dtype == want.dtype and mx.array_equal(got, want).item()
-    assert mx.array_equal(forward(model, tokens), exact).item()
+    assert mx.array_equal(forward(model, tokens), float32).item()

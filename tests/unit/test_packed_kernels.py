@@ -249,13 +249,13 @@ def test_a_packed_lookup_refuses_what_it_does_not_read():
 def test_the_embeddings_lookup_is_one_primitive_and_mlxs_rows(
     embedded_model_dir: Path, tmp_path: Path
 ):
-    """The embedded model's embedding (Q8_0) looks its rows up in one primitive on both paths,
-    in MLX's packing (exact) and interleaved as signed 8-bit codes (fast): the same rows, those
-    of mx.dequantize."""
+    """The embedded model's embedding (Q8_0) looks its rows up in one primitive on every path,
+    in MLX's packing (float32) and interleaved as signed 8-bit codes (fast, exact): the same
+    rows, those of mx.dequantize."""
     from hotlora.models.loader import load_model_dir
 
     model = load_model_dir(embedded_model_dir).model
-    install_packed_kernels(model, threads=2, precision="exact")
+    install_packed_kernels(model, threads=2, precision="float32")
     embedding = model.model.embed_tokens
     assert isinstance(embedding, PackedEmbedding) and not embedding.interleaved
     ids = mx.array([[0, 1, 7, 8, 42, 12345, 49144, 49151]])
@@ -272,9 +272,9 @@ def test_the_embeddings_lookup_is_one_primitive_and_mlxs_rows(
         mx.export_to_dot(str(dot), rows)
         return re.findall(r'label ?="([A-Za-z]+)"', dot.read_text())
 
-    exact = embedding(ids)
-    assert operations(exact) == ["PackedLookup"]
-    assert mx.array_equal(exact, mlx).item()
+    float32 = embedding(ids)
+    assert operations(float32) == ["PackedLookup"]
+    assert mx.array_equal(float32, mlx).item()
     set_cpu_precision(model, "fast")
     assert embedding.interleaved and embedding.weight.dtype == mx.int8
     fast = embedding(ids)
@@ -876,7 +876,7 @@ def test_a_model_quantized_otherwise_is_served_by_mlx(tmp_path: Path, quantize, 
     assert not any(isinstance(m, PackedLinear) for _, m in model.named_modules())
 
 
-@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("precision", ["fast", "exact", "float32"])
 def test_a_named_isa_serves_the_model_with_its_kernels_to_the_widest_ones_rounding(
     tmp_path: Path, precision: str
 ):
@@ -1148,14 +1148,14 @@ def test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits(
 MIXED_BITS = {"q_proj": 4, "k_proj": 5, "v_proj": 8, "o_proj": 6, "gate_proj": 4, "up_proj": 5}
 
 
-@pytest.mark.parametrize("precision", ["fast", "exact"])
+@pytest.mark.parametrize("precision", ["fast", "exact", "float32"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_layer_of_mixed_widths_is_one_primitive_with_the_separate_calls_bits(
     tmp_path, monkeypatch, precision, rows
 ):
     """A model whose projections are quantized at different widths, as a GGUF's quant mix has
     them: a decode step's layer is still one primitive, and gives the separate calls' logits to
-    the bit, on both precisions."""
+    the bit, on every precision."""
     model = tiny_model()
     nn.quantize(
         model,
@@ -1184,7 +1184,7 @@ def test_a_precision_set_again_reaches_the_layer_primitive(packed, monkeypatch):
     model, manager = packed
     base = adapter_set(manager, "")
     steps = {}
-    for precision in ("exact", "fast", "exact"):
+    for precision in ("float32", "fast", "exact", "float32"):
         set_cpu_precision(model, precision)
         one, _ = decode_steps(model, 1, base, grow_by=16)
         with monkeypatch.context() as patched:
@@ -1193,7 +1193,8 @@ def test_a_precision_set_again_reaches_the_layer_primitive(packed, monkeypatch):
         for step, (got, want) in enumerate(zip(one, separate, strict=True)):
             assert mx.array_equal(got, want).item(), (precision, step)
         steps.setdefault(precision, one)
-    assert not mx.array_equal(steps["exact"][-1], steps["fast"][-1]).item()
+    for other in ("exact", "float32"):
+        assert not mx.array_equal(steps[other][-1], steps["fast"][-1]).item(), other
 
 
 def test_a_decode_step_writes_no_cache_array_another_holds(packed):
@@ -1228,7 +1229,7 @@ def layer_operands(layer: nn.Module, **changed: Any) -> dict[str, Any]:
         "biases": [p.biases for p in projections],
         "bits": [p.bits for p in projections],
         "groups": [p.group_size for p in projections[:4]],
-        "int8": [p.int8_activations for p in projections[:4]],
+        "int8": [p.int8_parts for p in projections[:4]],
         "norm1": layer.input_layernorm.weight,
         "norm2": layer.post_attention_layernorm.weight,
         "eps1": 1e-5,
@@ -1369,6 +1370,7 @@ def test_auto_serves_a_quantized_model_packed_on_the_threads_asked(tmp_path: Pat
             batch_kernels=True,
             home=tmp_path,
             threads=1,
+            precision="float32",
         )
     assert setup.packed and not setup.float32
     assert setup.batch_kernels is not None and f"({native.isa()}, 1 threads)" in setup.batch_kernels

@@ -38,7 +38,7 @@ NB_MODULE(_rows_matmul, m) {
   m.def("rows_matmul", &rows_matmul, "x"_a, "w"_a);
   m.def("rows_matmul_lora", &rows_matmul_lora, "x"_a, "w"_a, "a_t"_a, "b_t"_a, "mask"_a);
   m.def("quant_matmul", &quant_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, "int8"_a = false);
+        "bits"_a, "int8"_a = 0);
   nb::class_<AdapterPairs>(m, "AdapterPairs",
                            "One adapter's pairs at each LoRA slot, as the gathered kernels read "
                            "them");
@@ -47,11 +47,11 @@ NB_MODULE(_rows_matmul, m) {
   m.def("row_plan", &row_plan, "adapters"_a, "offsets"_a, "entries"_a, "scales"_a);
   m.def("quant_matmul_heads", &quant_matmul_heads, "x"_a, "ws"_a, "scales"_a, "biases"_a, "heads"_a,
         "group_size"_a, "bits"_a, "plan"_a.none() = nb::none(), "slots"_a = std::vector<int>{},
-        "int8"_a = false, "offset"_a.none() = nb::none(), "roped"_a = 0, "rope_dims"_a = 0,
+        "int8"_a = 0, "offset"_a.none() = nb::none(), "roped"_a = 0, "rope_dims"_a = 0,
         "rope_traditional"_a = false, "rope_base"_a = 10000.0f, "rope_scale"_a = 1.0f,
         "norm"_a.none() = nb::none(), "norm_eps"_a = 1e-5f, "glu"_a = false);
   m.def("quant_matmul_gather", &quant_matmul_gather, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "plan"_a, "slot"_a, "int8"_a = false);
+        "group_size"_a, "bits"_a, "plan"_a, "slot"_a, "int8"_a = 0);
   nb::class_<DecoderOperands>(m, "DecoderOperands",
                               "What a llama decoder layer's decode steps share, checked once");
   m.def("decoder_operands", &decoder_operands, "ws"_a, "scales"_a, "biases"_a, "bits"_a, "groups"_a,

@@ -12,7 +12,11 @@
 //   the groups in order, each bias * the group's sum of its quantized values, added in lanes too;
 //   the lanes summed.
 // That sequence depends on the row's own values alone: a row's result is the same bits alone, in
-// a batch of any size and in any chunking of its prompt. At 8 bits a code q is taken as q - 128
+// a batch of any size and in any chunking of its prompt. Where each value of x is three int8
+// parts (QuantizedRows::parts, `--cpu-precision exact`), a block's integer sums are three, one a
+// part, taken with the same codes and made one value (`parts_sum`) before the scales multiply
+// it: x then carries about float32's precision, and the products take integer instructions
+// still. At 8 bits a code q is taken as q - 128
 // (a signed byte, so that no product of two bytes saturates) and its group's bias as
 // bias + 128 * scale: the same product of the quantized row.
 
@@ -64,8 +68,30 @@ inline typename Int8::V int8_offsets(const float* biases, const float* sums, int
   return acc;
 }
 
+// A block's integer sums of x's Parts parts (`s(p)`: part p's, as floats) as one value in
+// units of its d: quantize_rows.h's `parts_value`, the same operations a lane.
+template <class I, int Parts, typename S>
+inline typename I::V parts_sum(S s) {
+  static_assert(Parts == 1 || Parts == 3, "one int8 code a value, or three parts");
+  if constexpr (Parts == 1) {
+    return s(0);
+  } else {
+    const typename I::V inverse = I::set1(1.0f / kPartScale);
+    return I::fma(I::fma(s(2), inverse, s(1)), inverse, s(0));
+  }
+}
+
+// f(std::integral_constant<int, Parts>{}) for x's parts a value.
+template <typename F>
+inline void with_parts(const QuantizedRows& x, F f) {
+  if (x.parts == 3)
+    f(std::integral_constant<int, 3>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+
 // out[m, r] for the P rows of x and the R weight rows from n; out's rows are `ldo` apart.
-template <int Bits, int P, int R>
+template <int Bits, int P, int R, int Parts>
 inline void int8_block(const Quantized& q, const QuantizedRows& x, int n, float* out, int ldo) {
   const int K = q.K, blocks = K / 32, groups = K / q.group, per_group = q.group / 32;
   const uint8_t* rows[R];
@@ -88,11 +114,15 @@ inline void int8_block(const Quantized& q, const QuantizedRows& x, int n, float*
       scale[r] = Int8::set1(scales[r][g]);
     }
     for (int m = 0; m < P; m++) {
-      const typename Int8::Codes xq = Int8::activations(x.q + static_cast<size_t>(m) * K + b * 32);
-      const typename Int8::V d = Int8::set1(x.d[static_cast<size_t>(m) * blocks + b]);
-      for (int r = 0; r < R; r++)  // (scale * d), rounded once, times the block's integer sums
-        acc[r][m] =
-            Int8::fma(Int8::template dot<Bits>(codes[r], xq), Int8::mul(scale[r], d), acc[r][m]);
+      const size_t at = static_cast<size_t>(m) * blocks + b;
+      const int8_t* xb = x.q + at * 32 * Parts;
+      const typename Int8::V d = Int8::set1(x.d[at]);
+      for (int r = 0; r < R; r++) {  // (scale * d), rounded once, times the block's integer sums
+        const typename Int8::V sums = parts_sum<Int8, Parts>([&](int p) {
+          return Int8::template dot<Bits>(codes[r], Int8::activations(xb + 32 * p));
+        });
+        acc[r][m] = Int8::fma(sums, Int8::mul(scale[r], d), acc[r][m]);
+      }
     }
   }
   for (int r = 0; r < R; r++)
@@ -104,12 +134,12 @@ inline void int8_block(const Quantized& q, const QuantizedRows& x, int n, float*
 }
 
 // out[:, n0:n1] for P rows of x, R weight rows at a time (Int8's register blocks).
-template <int Bits, int P>
+template <int Bits, int P, int Parts>
 void int8_rows(const Quantized& q, const QuantizedRows& x, float* out, int N, int n0, int n1) {
   constexpr int R = P == 1 ? Int8::kR1 : Int8::kR;
   int n = n0;
-  for (; n + R <= n1; n += R) int8_block<Bits, P, R>(q, x, n, out + n, N);
-  for (; n < n1; n++) int8_block<Bits, P, 1>(q, x, n, out + n, N);
+  for (; n + R <= n1; n += R) int8_block<Bits, P, R, Parts>(q, x, n, out + n, N);
+  for (; n < n1; n++) int8_block<Bits, P, 1, Parts>(q, x, n, out + n, N);
 }
 
 // out[:, n0:n1] of x @ dequantize(q).T from x's M rows quantized (kernels/quantize_rows.h);
@@ -118,12 +148,16 @@ void int8_rows(const Quantized& q, const QuantizedRows& x, float* out, int N, in
 void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, int M, int N, int n0,
                        int n1) {
   with_quant_bits(q.bits, [&](auto bits) {
-    constexpr int P = Int8::kP;
-    int m = 0;
-    for (; m + P <= M; m += P)
-      int8_rows<bits, P>(q, x.row(m, q.K, q.group), out + static_cast<size_t>(m) * N, N, n0, n1);
-    for (; m < M; m++)
-      int8_rows<bits, 1>(q, x.row(m, q.K, q.group), out + static_cast<size_t>(m) * N, N, n0, n1);
+    with_parts(x, [&](auto parts) {
+      constexpr int P = Int8::kP;
+      int m = 0;
+      for (; m + P <= M; m += P)
+        int8_rows<bits, P, parts>(q, x.row(m, q.K, q.group), out + static_cast<size_t>(m) * N, N,
+                                  n0, n1);
+      for (; m < M; m++)
+        int8_rows<bits, 1, parts>(q, x.row(m, q.K, q.group), out + static_cast<size_t>(m) * N, N,
+                                  n0, n1);
+    });
   });
 }
 
@@ -141,42 +175,21 @@ void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, i
 // That sequence depends on the row's own values alone, as the other layout's does.
 enum class Rows8 { kBits4, kSmall8, kSigned8 };
 
-// One block's integer sums of the eight rows for a row of x (`xq`, its block's 32 codes); where a
-// vector holds several groups of eight (`I::kGroups`), theirs too, each `stride` bytes on.
-template <class I, Rows8 Kind>
-inline typename I::Codes rows8_sums(const uint8_t* codes, size_t stride, const int8_t* xq) {
+// One block's integer sums of eight rows of signed 8-bit codes for a row of x (`xq`, its
+// block's 32 codes); where a vector holds several groups of eight (`I::kGroups`), theirs too,
+// each `stride` bytes on. A code's product takes its sign onto x's bytes (`signs_of`), so the
+// codes are read again for each row of x, not unpacked once (`Rows8Codes`).
+template <class I>
+inline typename I::Codes rows8_signed_sums(const uint8_t* codes, size_t stride, const int8_t* xq) {
   if constexpr (requires { I::kDotBytes; }) {  // four products into each lane at once
     // Two sums, so that each instruction waits on the one before the last, not the last.
     typename I::Codes sums[2] = {I::zero32(), I::zero32()};
-    for (int j = 0; j < (Kind == Rows8::kBits4 ? 4 : 8); j++) {
+    for (int j = 0; j < 8; j++) {
       const typename I::Codes v = I::load_bytes(codes + 32 * j, stride);
-      if constexpr (Kind == Rows8::kBits4) {
-        sums[0] = I::dot_bytes(sums[0], I::low4(v), I::broadcast4(xq + 8 * j));
-        sums[1] = I::dot_bytes(sums[1], I::high4(v), I::broadcast4(xq + 8 * j + 4));
-      } else if constexpr (Kind == Rows8::kSmall8) {
-        sums[j % 2] = I::dot_bytes(sums[j % 2], v, I::broadcast4(xq + 4 * j));
-      } else {
-        sums[j % 2] =
-            I::dot_bytes(sums[j % 2], I::magnitudes(v), I::signs_of(I::broadcast4(xq + 4 * j), v));
-      }
+      sums[j % 2] =
+          I::dot_bytes(sums[j % 2], I::magnitudes(v), I::signs_of(I::broadcast4(xq + 4 * j), v));
     }
     return I::add32(sums[0], sums[1]);
-  } else if constexpr (Kind == Rows8::kBits4) {
-    typename I::Codes sums = I::zero16();
-    for (int j = 0; j < 4; j++) {
-      const typename I::Codes v = I::load_bytes(codes + 32 * j, stride);
-      sums = I::add16(sums, I::add16(I::pairs4(I::low4(v), I::broadcast4(xq + 8 * j)),
-                                     I::pairs4(I::high4(v), I::broadcast4(xq + 8 * j + 4))));
-    }
-    return I::widen(sums);
-  } else if constexpr (Kind == Rows8::kSmall8) {
-    typename I::Codes sums = I::zero32();
-    for (int j = 0; j < 8; j += 2)
-      sums = I::add32(sums, I::widen(I::add16(I::pairs4(I::load_bytes(codes + 32 * j, stride),
-                                                        I::broadcast4(xq + 4 * j)),
-                                              I::pairs4(I::load_bytes(codes + 32 * j + 32, stride),
-                                                        I::broadcast4(xq + 4 * j + 4)))));
-    return sums;
   } else {
     typename I::Codes sums = I::zero32();
     for (int j = 0; j < 8; j++) {
@@ -188,6 +201,48 @@ inline typename I::Codes rows8_sums(const uint8_t* codes, size_t stride, const i
   }
 }
 
+// A block's codes of the eight rows (and where a vector holds several groups of eight, theirs),
+// loaded and unpacked once for every row of x and every part of its values: `v[i]` pairs with
+// x's four activations from 4 * i. Unsigned codes only (4 bits, or 8 under 64): a signed code's
+// product takes its own sign onto x's bytes, row by row (`rows8_signed_sums`).
+template <class I, Rows8 Kind>
+struct Rows8Codes {
+  static_assert(Kind != Rows8::kSigned8, "signed codes are read by rows8_signed_sums");
+  typename I::Codes v[8];
+  Rows8Codes(const uint8_t* codes, size_t stride) {
+    for (int j = 0; j < (Kind == Rows8::kBits4 ? 4 : 8); j++) {
+      const typename I::Codes c = I::load_bytes(codes + 32 * j, stride);
+      if constexpr (Kind == Rows8::kBits4)
+        v[2 * j] = I::low4(c), v[2 * j + 1] = I::high4(c);
+      else
+        v[j] = c;
+    }
+  }
+  // The block's integer sums of the rows for one row of x (`xq`, its block's 32 codes): at 4
+  // bits at most 2 * 15 * 127 a 16-bit half of `pairs4`, eight such sums within 16 bits; at 8
+  // bits under 64 two.
+  typename I::Codes sums(const int8_t* xq) const {
+    if constexpr (requires { I::kDotBytes; }) {
+      typename I::Codes acc[2] = {I::zero32(), I::zero32()};
+      for (int i = 0; i < 8; i++)
+        acc[i % 2] = I::dot_bytes(acc[i % 2], v[i], I::broadcast4(xq + 4 * i));
+      return I::add32(acc[0], acc[1]);
+    } else if constexpr (Kind == Rows8::kBits4) {
+      typename I::Codes acc = I::zero16();  // eight sums of two products: within 16 bits
+      for (int i = 0; i < 8; i += 2)
+        acc = I::add16(acc, I::add16(I::pairs4(v[i], I::broadcast4(xq + 4 * i)),
+                                     I::pairs4(v[i + 1], I::broadcast4(xq + 4 * i + 4))));
+      return I::widen(acc);
+    } else {
+      typename I::Codes acc = I::zero32();
+      for (int i = 0; i < 8; i += 2)
+        acc = I::add32(acc, I::widen(I::add16(I::pairs4(v[i], I::broadcast4(xq + 4 * i)),
+                                              I::pairs4(v[i + 1], I::broadcast4(xq + 4 * i + 4)))));
+      return acc;
+    }
+  }
+};
+
 // Groups of eight weight rows a vector of I holds: one, or where its vectors are wider, as many
 // as they hold side by side (I::kGroups), each lane's operations the same.
 template <class I>
@@ -198,7 +253,7 @@ constexpr int rows8_groups() {
     return 1;
 }
 
-template <class I, Rows8 Kind, int Dtype, int P>
+template <class I, Rows8 Kind, int Dtype, int P, int Parts>
 inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, float* out,
                              int ldo) {
   constexpr int kBlockBytes = Kind == Rows8::kBits4 ? 128 : 256;
@@ -216,10 +271,20 @@ inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, 
     const uint8_t* codes = w + static_cast<size_t>(b) * kBlockBytes;
     for (int i = 0; i < rows8_groups<I>(); i++)
       prefetch_ahead(codes + i * stride + kRows8PrefetchBytes, kBlockBytes);
-    for (int m = 0; m < P; m++) {
-      const size_t at = static_cast<size_t>(m) * blocks + b;
-      const typename I::V sums = I::to_float(rows8_sums<I, Kind>(codes, stride, x.q + at * 32));
-      acc[m] = I::fma(sums, I::mul(scale, I::set1(x.d[at])), acc[m]);
+    const auto block = [&](auto sums_of) {
+      for (int m = 0; m < P; m++) {
+        const size_t at = static_cast<size_t>(m) * blocks + b;
+        const int8_t* xb = x.q + at * 32 * Parts;
+        const typename I::V sums =
+            parts_sum<I, Parts>([&](int p) { return I::to_float(sums_of(xb + 32 * p)); });
+        acc[m] = I::fma(sums, I::mul(scale, I::set1(x.d[at])), acc[m]);
+      }
+    };
+    if constexpr (Kind == Rows8::kSigned8) {
+      block([&](const int8_t* xq) { return rows8_signed_sums<I>(codes, stride, xq); });
+    } else {
+      const Rows8Codes<I, Kind> unpacked(codes, stride);
+      block([&](const int8_t* xq) { return unpacked.sums(xq); });
     }
   }
   for (int g = 0; g < groups; g++) {
@@ -240,7 +305,7 @@ template <class I = Int8>
 void int8_rows8_range(const Quantized& q, const QuantizedRows& x, float* out, int M, int N, int n0,
                       int n1) {
   constexpr int P = I::kRows8P;
-  const auto run = [&](auto kind, auto dtype) {
+  const auto run = [&](auto kind, auto dtype, auto parts) {
     int m = 0;
     constexpr int kWide = rows8_groups<I>();
     // Groups of eight weight rows a tile: a prompt's rows of x pass a tile's codes while they stay
@@ -252,9 +317,9 @@ void int8_rows8_range(const Quantized& q, const QuantizedRows& x, float* out, in
       float* at = out + static_cast<size_t>(m) * N;
       int G = G0;
       for (; G + kWide <= G1; G += kWide)
-        int8_rows8_block<I, kind, dtype, p>(q, xm, G, at + 8 * G, N);
+        int8_rows8_block<I, kind, dtype, p, parts>(q, xm, G, at + 8 * G, N);
       for (; G < G1; G++)  // what a wide vector leaves: Int8's, the same lanes' operations
-        int8_rows8_block<Int8, kind, dtype, p>(q, xm, G, at + 8 * G, N);
+        int8_rows8_block<Int8, kind, dtype, p, parts>(q, xm, G, at + 8 * G, N);
     };
     for (int G0 = n0 / 8; G0 < n1 / 8; G0 += tile) {
       const int G1 = std::min(n1 / 8, G0 + tile);
@@ -263,12 +328,14 @@ void int8_rows8_range(const Quantized& q, const QuantizedRows& x, float* out, in
     }
   };
   const auto with_dtype = [&](auto kind) {
-    if (q.dtype == 0)
-      run(kind, std::integral_constant<int, 0>{});
-    else if (q.dtype == 1)
-      run(kind, std::integral_constant<int, 1>{});
-    else
-      run(kind, std::integral_constant<int, 2>{});
+    with_parts(x, [&](auto parts) {
+      if (q.dtype == 0)
+        run(kind, std::integral_constant<int, 0>{}, parts);
+      else if (q.dtype == 1)
+        run(kind, std::integral_constant<int, 1>{}, parts);
+      else
+        run(kind, std::integral_constant<int, 2>{}, parts);
+    });
   };
   if (q.bits == 4)
     with_dtype(std::integral_constant<Rows8, Rows8::kBits4>{});

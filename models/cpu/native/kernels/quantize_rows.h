@@ -23,14 +23,24 @@ inline float round_to_int(float v) {
   return (v + kShift) - kShift;          // not folded: no -ffast-math, so no reassociation
 }
 
-// One row x [K] into `out` (QuantizedRows' layout, its row 0): each block of 32 scaled by its
-// largest magnitude to [-127, 127] and rounded to the nearest (ties to even), as llama.cpp's q8
-// blocks are; each group's sum of its quantized values (d * the codes' integer sum, block by
-// block in order), in float32, so that the biases multiply the same values the codes do: the
-// product is then that of the quantized row, whose errors the weights' own spread around zero
-// keeps small (an exact sum of x beside them would leave the codes' errors uncompensated).
+// A block's integer sum of its codes' parts as one value in units of d: c0 alone, or
+// c0 + (c1 + c2 / kPartScale) / kPartScale, in that order (the kernels' `parts_sum` too).
+inline float parts_value(float c0, float c1, float c2, int parts) {
+  if (parts == 1) return c0;
+  constexpr float kInverse = 1.0f / kPartScale;
+  return std::fma(std::fma(c2, kInverse, c1), kInverse, c0);
+}
+
+// One row x [K] into `out` (QuantizedRows' layout, its row 0, `out.parts` codes a value): each
+// block of 32 scaled by its largest magnitude to [-127, 127] and rounded to the nearest (ties to
+// even), as llama.cpp's q8 blocks are; with three parts each remainder, times kPartScale, rounded
+// again. Each group's sum of its quantized values (d * the codes' integer sums, block by block in
+// order), in float32, so that the biases multiply the same values the codes do: the product is
+// then that of the quantized row, whose errors the weights' own spread around zero keeps small
+// (an exact sum of x beside them would leave the codes' errors uncompensated).
 // `halves`: a block's codes evens first, then odds (`halves_first`), else in plain order.
 inline void quantize_row(const float* x, int K, int group, bool halves, const QuantizedRows& out) {
+  const int parts = out.parts;
   int8_t* q = const_cast<int8_t*>(out.q);
   float* d = const_cast<float*>(out.d);
   for (int b = 0; b < K / 32; b++) {
@@ -39,18 +49,25 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
     for (int i = 0; i < 32; i++) largest = std::max(largest, std::fabs(xb[i]));
     const float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
     d[b] = scale;
-    int8_t* qb = q + static_cast<size_t>(b) * 32;
+    int8_t* qb = q + static_cast<size_t>(b) * 32 * parts;
     for (int i = 0; i < 32; i++) {
       const int at = halves ? (i % 2) * 16 + i / 2 : i;  // evens, then odds
-      qb[at] = static_cast<int8_t>(round_to_int(xb[i] * inverse));
+      float v = xb[i] * inverse;
+      for (int p = 0; p < parts; p++) {
+        const float code = round_to_int(v);
+        qb[p * 32 + at] = static_cast<int8_t>(code);
+        v = (v - code) * kPartScale;  // v - code exact: code is v's nearest integer
+      }
     }
   }
   for (int g = 0; g < K / group; g++) {
     float sum = 0.0f;
     for (int b = g * group / 32; b < (g + 1) * group / 32; b++) {
-      int codes = 0;
-      for (int i = 0; i < 32; i++) codes += q[static_cast<size_t>(b) * 32 + i];
-      sum += d[b] * static_cast<float>(codes);
+      int codes[3] = {0, 0, 0};
+      for (int p = 0; p < parts; p++)
+        for (int i = 0; i < 32; i++) codes[p] += q[(static_cast<size_t>(b) * parts + p) * 32 + i];
+      sum += d[b] * parts_value(static_cast<float>(codes[0]), static_cast<float>(codes[1]),
+                                static_cast<float>(codes[2]), parts);
     }
     const_cast<float*>(out.sums)[g] = sum;
   }
@@ -67,8 +84,8 @@ inline bool halves_first(const Quantized& q) { return q.bits == 4 && !q.rows8; }
 // (a LoRA's activations), else into a row of scratch.
 class Int8Rows {
  public:
-  Int8Rows(const float* x, int M, int K, int group, bool halves, const float* norm = nullptr,
-           float eps = 0.0f, float* normed = nullptr)
+  Int8Rows(const float* x, int M, int K, int group, bool halves, int parts,
+           const float* norm = nullptr, float eps = 0.0f, float* normed = nullptr)
       : x_(x),
         norm_(norm),
         normed_(normed),
@@ -76,7 +93,8 @@ class Int8Rows {
         K_(K),
         group_(group),
         halves_(halves),
-        q_(static_cast<size_t>(M) * K),
+        parts_(parts),
+        q_(static_cast<size_t>(M) * K * parts),
         d_(static_cast<size_t>(M) * (K / 32)),
         sums_(static_cast<size_t>(M) * (K / group)) {}
   Int8Rows(const Int8Rows&) = delete;
@@ -94,7 +112,7 @@ class Int8Rows {
       quantize_row(x, K_, group_, halves_, rows().row(m, K_, group_));
     }
   }
-  QuantizedRows rows() const { return {q_.data(), d_.data(), sums_.data()}; }
+  QuantizedRows rows() const { return {q_.data(), d_.data(), sums_.data(), parts_}; }
 
  private:
   const float* x_;
@@ -103,6 +121,7 @@ class Int8Rows {
   float eps_;
   int K_, group_;
   bool halves_;
+  int parts_;
   // Kept on the thread for its next rows (`Reused`).
   struct Codes;
   struct Scales;

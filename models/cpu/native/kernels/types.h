@@ -108,19 +108,26 @@ struct Quantized {
 
 // Rows of activations quantized to int8 for the integer products (kernels/int8_matmul.h; made by
 // kernels/quantize_rows.h): each row of K values in blocks of 32, the int8 codes of a block and
-// its scale d (a value ~ d * code), and for each group of the weights the sum over its blocks of
-// d * the block's codes' sum: the quantized values' sum, which the biases multiply. For MLX's
-// 4-bit packing a block's codes are stored evens first, then odds: the order in which a packed
-// byte's low and high halves give the weights' (kernels/quantize_rows.h's `halves_first`).
+// its scale d, and for each group of the weights the sum over its blocks of the block's quantized
+// values, which the biases multiply. A value is one code c (a value ~ d * c, `parts` 1), or three
+// (`parts` 3: d * (c0 + (c1 + c2 / 254) / 254), within 0.5 / 254^2 of d's units, about float32's
+// own rounding of the block's largest value), each part of a block its 32 codes in turn. For
+// MLX's 4-bit packing a block's codes are stored evens first, then odds: the order in which a
+// packed byte's low and high halves give the weights' (kernels/quantize_rows.h's `halves_first`).
 struct QuantizedRows {
-  const int8_t* q = nullptr;    // [M, K]
+  const int8_t* q = nullptr;    // [M, K / 32, parts, 32]
   const float* d = nullptr;     // [M, K / 32]
   const float* sums = nullptr;  // [M, K / group]
+  int parts = 1;
   QuantizedRows row(int m, int K, int group) const {
-    return {q + static_cast<size_t>(m) * K, d + static_cast<size_t>(m) * (K / 32),
-            sums + static_cast<size_t>(m) * (K / group)};
+    return {q + static_cast<size_t>(m) * K * parts, d + static_cast<size_t>(m) * (K / 32),
+            sums + static_cast<size_t>(m) * (K / group), parts};
   }
 };
+
+// A part's weight in the one before it (QuantizedRows, `parts` 3): 254, so that the remainder of
+// a rounding, at most half a unit, times it rounds into [-127, 127].
+constexpr float kPartScale = 254.0f;
 
 // out[:, n0:n1] of main.x @ main.w.T (+ extra.x @ extra.w.T); out is [M, N] (kernels/matmul.h).
 using Range = void (*)(const Seg& main, const Seg& extra, float* out, int M, int N, int n0, int n1);

@@ -169,7 +169,7 @@ void check_shape(bool fits, const char* what) {
 std::shared_ptr<DecoderOperands> decoder_operands(
     const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
     const std::vector<mx::array>& biases, const std::vector<int>& bits,
-    const std::vector<int>& groups, const std::vector<bool>& int8, const mx::array& norm1,
+    const std::vector<int>& groups, const std::vector<int>& int8, const mx::array& norm1,
     const mx::array& norm2, float eps1, float eps2, int heads, int kv_heads, float scale,
     int rope_dims, bool rope_traditional, float rope_base, float rope_scale) {
   check_shape(ws.size() == kProjections && scales.size() == kProjections &&
@@ -205,6 +205,8 @@ std::shared_ptr<DecoderOperands> decoder_operands(
     if (p > 0 && kCallOf[p - 1] == c && int8[c])
       check_shape(reads_halves(ws[p], bits[p]) == reads_halves(ws[p - 1], bits[p - 1]),
                   "one order of x's int8 codes a call: MLX's 4-bit packing for all or none");
+    check_shape(int8[c] == 0 || int8[c] == 1 || int8[c] == 3,
+                "int8 parts a value of 0 (float32 products), 1 or 3");
     check_shape(!int8[c] || inputs[p] <= 65536, "inputs up to 65536 wide on int8 activations");
     o->arrays.insert(o->arrays.end(), {ws[p], scales[p], biases[p]});
   }

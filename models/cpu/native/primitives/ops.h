@@ -23,16 +23,17 @@ mx::array rows_matmul_lora(const mx::array& x, const mx::array& w, const mx::arr
 // primitives/quant_matmul.cpp: x @ dequantize(w, scales, biases).T for MLX's affine-quantized
 // weights, any number of rows; with each row's own adapters at a LoRA slot (a plan's); several
 // weights of one input as one primitive (each of its own bits). `int8`: x's rows quantized to int8
-// in blocks of 32 and integer products (kernels/int8_matmul.h), else float32 products.
+// in blocks of 32, that many parts a value (1 or 3), and integer products
+// (kernels/int8_matmul.h); 0: float32 products.
 mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                       const mx::array& biases, int group_size, int bits, bool int8);
+                       const mx::array& biases, int group_size, int bits, int int8);
 mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits,
-                              std::shared_ptr<RowPlan> plan, int slot, bool int8);
+                              std::shared_ptr<RowPlan> plan, int slot, int int8);
 std::vector<mx::array> quant_matmul_heads(
     const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
     const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size,
-    const std::vector<int>& bits, std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
+    const std::vector<int>& bits, std::shared_ptr<RowPlan> plan, std::vector<int> slots, int int8,
     std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
     float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps, bool glu);
 
@@ -45,8 +46,8 @@ struct DecoderOperands : std::enable_shared_from_this<DecoderOperands> {
   static constexpr int kProjections = 7, kCalls = 4;
   std::vector<mx::array> arrays;  // w, scales and biases of each projection, then the two norms
   int bits[kProjections], group[kCalls];
-  bool int8[kCalls];
-  bool rows8;  // some weight's rows interleaved by eight: the kernel's int8_rows8 reads them
+  int int8[kCalls];  // each call's int8 parts a value of x (0: float32 products)
+  bool rows8;        // some weight's rows interleaved by eight: the kernel's int8_rows8 reads them
   int D, F, heads, kv_heads, Dk, Dv;             // Dk, Dv: a head's keys and values
   int rows[kProjections], inputs[kProjections];  // each projection's N and K
   float scale, eps1, eps2;
@@ -56,7 +57,7 @@ struct DecoderOperands : std::enable_shared_from_this<DecoderOperands> {
 std::shared_ptr<DecoderOperands> decoder_operands(
     const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
     const std::vector<mx::array>& biases, const std::vector<int>& bits,
-    const std::vector<int>& groups, const std::vector<bool>& int8, const mx::array& norm1,
+    const std::vector<int>& groups, const std::vector<int>& int8, const mx::array& norm1,
     const mx::array& norm2, float eps1, float eps2, int heads, int kv_heads, float scale,
     int rope_dims, bool rope_traditional, float rope_base, float rope_scale);
 

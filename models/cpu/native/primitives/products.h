@@ -45,20 +45,20 @@ inline Quantized packed_weight(const mx::array& w, const mx::array& scales, cons
 inline int tile_floats(int M) { return M <= 16 ? 8192 : 32768; }
 
 // The products of x's M rows by packed weights of one quantization (`group`, `bits`): the active
-// kernel's float product (`quant`, kernels/quant_matmul.h) on x as it is, or with `int8` its
+// kernel's float product (`quant`, kernels/quant_matmul.h) on x as it is (`int8` 0), or its
 // integer product (kernels/int8_matmul.h) on x's rows quantized once here, for every weight
-// that follows.
+// that follows, `int8` int8 parts a value (1: `--cpu-precision fast`; 3: `exact`).
 class PackedProducts {
  public:
   // `halves`: the weights' products read x's int8 codes evens first (`halves_first`). `norm`
   // (int8 only): x's rows RMS-normalized by it as they are quantized (Int8Rows), into `normed`
   // [M, K] where it is given.
-  PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, bool int8,
+  PackedProducts(const Kernel* kernel, const float* x, int M, int K, int group, int int8,
                  bool halves, const float* norm = nullptr, float eps = 0.0f,
                  float* normed = nullptr)
       : kernel_(kernel), x_(x), M_(M) {
     if (!int8) return;
-    rows_.emplace(x, M, K, group, halves, norm, eps, normed);
+    rows_.emplace(x, M, K, group, halves, int8, norm, eps, normed);
     parallel_rows(
         M, 8, [this](int m0, int m1) { rows_->quantize(m0, m1); }, 1);
   }
@@ -91,7 +91,7 @@ class PackedProducts {
 // the bits and groups; rows interleaved by eight (uint8 or int8 w) go to the integer products
 // (`int8`) only. In primitives/quant_matmul.cpp.
 void check_packed(int K, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                  int group, int bits, bool int8);
+                  int group, int bits, int int8);
 
 // Whether a packed weight's integer products read x's int8 codes evens first, then odds
 // (`halves_first`): MLX's 4-bit packing, not interleaved.
@@ -113,7 +113,7 @@ struct HeadsProducts {
   std::vector<int> offsets{0};  // each output's first column in the concatenated N
   std::vector<int> heads;       // each output's heads; 0: [B, L, N]
   int group = 32;
-  bool int8 = false;
+  int int8 = 0;  // x's int8 parts a value (PackedProducts), 0: float32 products
   std::shared_ptr<const RowPlan> plan;
   std::vector<int> slots;  // each output's LoRA slot (-1: none), or empty
   Rope rope;

@@ -36,7 +36,7 @@ namespace {
 // bit. With LoRA, QuantMatmulGather adds each row's own residuals after the same products.
 class QuantMatmul : public CpuPrimitive {
  public:
-  QuantMatmul(mx::Stream stream, int bits, int group, bool int8)
+  QuantMatmul(mx::Stream stream, int bits, int group, int int8)
       : CpuPrimitive(stream), bits_(bits), group_(group), int8_(int8) {}
 
   // inputs: x [..., K], w [N, K * bits / 32] uint32, scales and biases [N, K / group].
@@ -59,13 +59,13 @@ class QuantMatmul : public CpuPrimitive {
  private:
   int bits_;
   int group_;
-  bool int8_;
+  int int8_;
 };
 
 // Refuses what the kernels do not take: kernels/quant_types.h lists the bits and groups; rows
 // interleaved by eight (uint8 or int8 w) go to the integer products only.
 void check_quantized(const mx::array& x, const mx::array& w, const mx::array& scales,
-                     const mx::array& biases, int group, int bits, bool int8) {
+                     const mx::array& biases, int group, int bits, int int8) {
   if (active_kernel() == nullptr)
     throw std::invalid_argument("quant_matmul: the CPU lacks AVX2 and FMA");
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
@@ -76,7 +76,7 @@ void check_quantized(const mx::array& x, const mx::array& w, const mx::array& sc
 }  // namespace
 
 void check_packed(int K, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                  int group, int bits, bool int8) {
+                  int group, int bits, int int8) {
   if (active_kernel() == nullptr)
     throw std::invalid_argument("quant_matmul: the CPU lacks AVX2 and FMA");
   if (!quant_bits_served(bits))
@@ -110,12 +110,14 @@ void check_packed(int K, const mx::array& w, const mx::array& scales, const mx::
 namespace {
 
 // The integer products hold a weight row's scales and biases on the stack: K up to 65536.
-void check_int8(const mx::array& x, bool int8) {
+void check_int8(const mx::array& x, int int8) {
+  if (int8 != 0 && int8 != 1 && int8 != 3)
+    throw std::invalid_argument("quant_matmul: int8 takes 0 (float32 products), 1 or 3 parts");
   if (int8 && x.shape(-1) > 65536)
     throw std::invalid_argument("quant_matmul: int8 activations take K up to 65536");
 }
 
-mx::array quant_primitive(std::vector<mx::array> inputs, int N, int group, int bits, bool int8) {
+mx::array quant_primitive(std::vector<mx::array> inputs, int N, int group, int bits, int int8) {
   const auto s = mx::default_stream(mx::Device::cpu);
   mx::Shape shape = inputs[0].shape();
   shape.back() = N;
@@ -126,7 +128,7 @@ mx::array quant_primitive(std::vector<mx::array> inputs, int N, int group, int b
 class QuantMatmulGather : public CpuPrimitive {
  public:
   QuantMatmulGather(mx::Stream stream, int bits, int group, std::shared_ptr<const RowPlan> plan,
-                    int slot, bool int8)
+                    int slot, int int8)
       : CpuPrimitive(stream),
         bits_(bits),
         group_(group),
@@ -163,7 +165,7 @@ class QuantMatmulGather : public CpuPrimitive {
   int group_;
   std::shared_ptr<const RowPlan> plan_;
   int slot_;
-  bool int8_;
+  int int8_;
 };
 
 // x @ dequantize(w_j).T for several weights of one input at once (a layer's q, k and v, or its
@@ -185,8 +187,8 @@ class QuantMatmulHeads : public CpuPrimitive {
   // slots[j]: output j's LoRA slot, whose residuals `plan` adds (-1: none; slots is empty when
   // no output has one).
   QuantMatmulHeads(mx::Stream stream, std::vector<int> bits, int group, std::vector<int> heads,
-                   std::shared_ptr<const RowPlan> plan, std::vector<int> slots, bool int8,
-                   Rope rope, int roped, std::optional<float> norm_eps, bool glu)
+                   std::shared_ptr<const RowPlan> plan, std::vector<int> slots, int int8, Rope rope,
+                   int roped, std::optional<float> norm_eps, bool glu)
       : CpuPrimitive(stream),
         bits_(std::move(bits)),
         group_(group),
@@ -247,7 +249,7 @@ class QuantMatmulHeads : public CpuPrimitive {
   std::vector<int> heads_;
   std::shared_ptr<const RowPlan> plan_;
   std::vector<int> slots_;
-  bool int8_;
+  int int8_;
   Rope rope_;
   int roped_;
   std::optional<float> norm_eps_;
@@ -336,7 +338,7 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
 }
 
 mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                       const mx::array& biases, int group_size, int bits, bool int8) {
+                       const mx::array& biases, int group_size, int bits, int int8) {
   check_quantized(x, w, scales, biases, group_size, bits, int8);
   check_int8(x, int8);
   return quant_primitive({x, w, scales, biases}, w.shape(0), group_size, bits, int8);
@@ -345,7 +347,7 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w, const mx::array& 
 // `quant_matmul(x, w, ...)` plus each row's own adapters' residuals at `slot` (`plan`'s).
 mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits,
-                              std::shared_ptr<RowPlan> plan, int slot, bool int8) {
+                              std::shared_ptr<RowPlan> plan, int slot, int int8) {
   check_quantized(x, w, scales, biases, group_size, bits, int8);
   check_int8(x, int8);
   const int N = w.shape(0);
@@ -370,7 +372,7 @@ mx::array quant_matmul_gather(const mx::array& x, const mx::array& w, const mx::
 std::vector<mx::array> quant_matmul_heads(
     const mx::array& x, const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,
     const std::vector<mx::array>& biases, const std::vector<int>& heads, int group_size,
-    const std::vector<int>& bits, std::shared_ptr<RowPlan> plan, std::vector<int> slots, bool int8,
+    const std::vector<int>& bits, std::shared_ptr<RowPlan> plan, std::vector<int> slots, int int8,
     std::optional<mx::array> offset, int roped, int rope_dims, bool rope_traditional,
     float rope_base, float rope_scale, std::optional<mx::array> norm, float norm_eps, bool glu) {
   if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() ||
