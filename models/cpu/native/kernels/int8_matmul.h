@@ -201,19 +201,35 @@ inline typename I::Codes rows8_signed_sums(const uint8_t* codes, size_t stride, 
   }
 }
 
+// Whether I's integer products take a block of signed codes through `Rows8Codes`: where four
+// products of an unsigned byte and a signed one go into a lane at once (VNNI), the code c as the
+// byte c + 128, whose sums exceed c's by 128 * the sum of x's codes, an exact integer taken back
+// (`QuantizedRows::block_sums`). AVX2's pairs of such products would saturate 16 bits.
+template <class I, Rows8 Kind>
+constexpr bool rows8_unpacks() {
+  if constexpr (Kind == Rows8::kSigned8) return requires {
+      I::kDotBytes;
+    };
+  else
+    return true;
+}
+
 // A block's codes of the eight rows (and where a vector holds several groups of eight, theirs),
 // loaded and unpacked once for every row of x and every part of its values: `v[i]` pairs with
-// x's four activations from 4 * i. Unsigned codes only (4 bits, or 8 under 64): a signed code's
-// product takes its own sign onto x's bytes, row by row (`rows8_signed_sums`).
+// x's four activations from 4 * i. 4-bit codes, 8-bit ones under 64, and signed ones where
+// `rows8_unpacks` (as c + 128); else a signed code's product takes its own sign onto x's bytes,
+// row by row (`rows8_signed_sums`).
 template <class I, Rows8 Kind>
 struct Rows8Codes {
-  static_assert(Kind != Rows8::kSigned8, "signed codes are read by rows8_signed_sums");
+  static_assert(rows8_unpacks<I, Kind>(), "AVX2's signed codes are read by rows8_signed_sums");
   typename I::Codes v[8];
   Rows8Codes(const uint8_t* codes, size_t stride) {
     for (int j = 0; j < (Kind == Rows8::kBits4 ? 4 : 8); j++) {
       const typename I::Codes c = I::load_bytes(codes + 32 * j, stride);
       if constexpr (Kind == Rows8::kBits4)
         v[2 * j] = I::low4(c), v[2 * j + 1] = I::high4(c);
+      else if constexpr (Kind == Rows8::kSigned8)
+        v[j] = I::flip_signs(c);  // c + 128 as an unsigned byte
       else
         v[j] = c;
     }
@@ -271,20 +287,26 @@ inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, 
     const uint8_t* codes = w + static_cast<size_t>(b) * kBlockBytes;
     for (int i = 0; i < rows8_groups<I>(); i++)
       prefetch_ahead(codes + i * stride + kRows8PrefetchBytes, kBlockBytes);
+    // sums_of(part p's 32 codes, its index in x.block_sums): the block's integer sums.
     const auto block = [&](auto sums_of) {
       for (int m = 0; m < P; m++) {
         const size_t at = static_cast<size_t>(m) * blocks + b;
         const int8_t* xb = x.q + at * 32 * Parts;
-        const typename I::V sums =
-            parts_sum<I, Parts>([&](int p) { return I::to_float(sums_of(xb + 32 * p)); });
+        const typename I::V sums = parts_sum<I, Parts>(
+            [&](int p) { return I::to_float(sums_of(xb + 32 * p, at * Parts + p)); });
         acc[m] = I::fma(sums, I::mul(scale, I::set1(x.d[at])), acc[m]);
       }
     };
-    if constexpr (Kind == Rows8::kSigned8) {
-      block([&](const int8_t* xq) { return rows8_signed_sums<I>(codes, stride, xq); });
+    if constexpr (!rows8_unpacks<I, Kind>()) {
+      block([&](const int8_t* xq, size_t) { return rows8_signed_sums<I>(codes, stride, xq); });
+    } else if constexpr (Kind == Rows8::kSigned8) {
+      const Rows8Codes<I, Kind> unpacked(codes, stride);
+      block([&](const int8_t* xq, size_t at) {
+        return I::sub32(unpacked.sums(xq), I::set32(128 * x.block_sums[at]));
+      });
     } else {
       const Rows8Codes<I, Kind> unpacked(codes, stride);
-      block([&](const int8_t* xq) { return unpacked.sums(xq); });
+      block([&](const int8_t* xq, size_t) { return unpacked.sums(xq); });
     }
   }
   for (int g = 0; g < groups; g++) {

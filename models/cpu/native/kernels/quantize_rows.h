@@ -34,15 +34,17 @@ inline float parts_value(float c0, float c1, float c2, int parts) {
 // One row x [K] into `out` (QuantizedRows' layout, its row 0, `out.parts` codes a value): each
 // block of 32 scaled by its largest magnitude to [-127, 127] and rounded to the nearest (ties to
 // even), as llama.cpp's q8 blocks are; with three parts each remainder, times kPartScale, rounded
-// again. Each group's sum of its quantized values (d * the codes' integer sums, block by block in
-// order), in float32, so that the biases multiply the same values the codes do: the product is
-// then that of the quantized row, whose errors the weights' own spread around zero keeps small
-// (an exact sum of x beside them would leave the codes' errors uncompensated).
-// `halves`: a block's codes evens first, then odds (`halves_first`), else in plain order.
+// again. Each block's integer sum of each part's codes (`block_sums`); each group's sum of its
+// quantized values (d * the codes' integer sums, block by block in order), in float32, so that the
+// biases multiply the same values the codes do: the product is then that of the quantized row,
+// whose errors the weights' own spread around zero keeps small (an exact sum of x beside them would
+// leave the codes' errors uncompensated). `halves`: a block's codes evens first, then odds
+// (`halves_first`), else in plain order.
 inline void quantize_row(const float* x, int K, int group, bool halves, const QuantizedRows& out) {
   const int parts = out.parts;
   int8_t* q = const_cast<int8_t*>(out.q);
   float* d = const_cast<float*>(out.d);
+  int32_t* block_sums = const_cast<int32_t*>(out.block_sums);
   for (int b = 0; b < K / 32; b++) {
     const float* xb = x + static_cast<size_t>(b) * 32;
     float largest = 0.0f;  // std::max: fmax's value here (a NaN left out), without a libm call
@@ -50,12 +52,15 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
     const float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
     d[b] = scale;
     int8_t* qb = q + static_cast<size_t>(b) * 32 * parts;
+    int32_t* sums = block_sums + static_cast<size_t>(b) * parts;
+    std::fill_n(sums, parts, 0);
     for (int i = 0; i < 32; i++) {
       const int at = halves ? (i % 2) * 16 + i / 2 : i;  // evens, then odds
       float v = xb[i] * inverse;
       for (int p = 0; p < parts; p++) {
         const float code = round_to_int(v);
         qb[p * 32 + at] = static_cast<int8_t>(code);
+        sums[p] += static_cast<int32_t>(code);
         v = (v - code) * kPartScale;  // v - code exact: code is v's nearest integer
       }
     }
@@ -63,11 +68,10 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
   for (int g = 0; g < K / group; g++) {
     float sum = 0.0f;
     for (int b = g * group / 32; b < (g + 1) * group / 32; b++) {
-      int codes[3] = {0, 0, 0};
-      for (int p = 0; p < parts; p++)
-        for (int i = 0; i < 32; i++) codes[p] += q[(static_cast<size_t>(b) * parts + p) * 32 + i];
-      sum += d[b] * parts_value(static_cast<float>(codes[0]), static_cast<float>(codes[1]),
-                                static_cast<float>(codes[2]), parts);
+      const int32_t* codes = block_sums + static_cast<size_t>(b) * parts;
+      sum += d[b] * parts_value(static_cast<float>(codes[0]),
+                                static_cast<float>(parts > 1 ? codes[1] : 0),
+                                static_cast<float>(parts > 1 ? codes[2] : 0), parts);
     }
     const_cast<float*>(out.sums)[g] = sum;
   }
@@ -96,7 +100,8 @@ class Int8Rows {
         parts_(parts),
         q_(static_cast<size_t>(M) * K * parts),
         d_(static_cast<size_t>(M) * (K / 32)),
-        sums_(static_cast<size_t>(M) * (K / group)) {}
+        sums_(static_cast<size_t>(M) * (K / group)),
+        block_sums_(static_cast<size_t>(M) * (K / 32) * parts) {}
   Int8Rows(const Int8Rows&) = delete;
   Int8Rows& operator=(const Int8Rows&) = delete;
   void quantize(int m0, int m1) {
@@ -112,7 +117,9 @@ class Int8Rows {
       quantize_row(x, K_, group_, halves_, rows().row(m, K_, group_));
     }
   }
-  QuantizedRows rows() const { return {q_.data(), d_.data(), sums_.data(), parts_}; }
+  QuantizedRows rows() const {
+    return {q_.data(), d_.data(), sums_.data(), block_sums_.data(), parts_};
+  }
 
  private:
   const float* x_;
@@ -126,9 +133,11 @@ class Int8Rows {
   struct Codes;
   struct Scales;
   struct Sums;
+  struct BlockSums;
   Reused<int8_t, Codes> q_;
   Reused<float, Scales> d_;
   Reused<float, Sums> sums_;
+  Reused<int32_t, BlockSums> block_sums_;
 };
 
 }  // namespace hotlora

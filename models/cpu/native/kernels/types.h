@@ -109,19 +109,22 @@ struct Quantized {
 // Rows of activations quantized to int8 for the integer products (kernels/int8_matmul.h; made by
 // kernels/quantize_rows.h): each row of K values in blocks of 32, the int8 codes of a block and
 // its scale d, and for each group of the weights the sum over its blocks of the block's quantized
-// values, which the biases multiply. A value is one code c (a value ~ d * c, `parts` 1), or three
-// (`parts` 3: d * (c0 + (c1 + c2 / 254) / 254), within 0.5 / 254^2 of d's units, about float32's
-// own rounding of the block's largest value), each part of a block its 32 codes in turn. For
+// values, which the biases multiply, and each block's integer sum of each part's codes. A value
+// is one code c (a value ~ d * c, `parts` 1), or three (`parts` 3: d * (c0 + (c1 + c2 / 254) /
+// 254), within 0.5 / 254^2 of d's units, about float32's own rounding of the block's largest
+// value), each part of a block its 32 codes in turn. For
 // MLX's 4-bit packing a block's codes are stored evens first, then odds: the order in which a
 // packed byte's low and high halves give the weights' (kernels/quantize_rows.h's `halves_first`).
 struct QuantizedRows {
-  const int8_t* q = nullptr;    // [M, K / 32, parts, 32]
-  const float* d = nullptr;     // [M, K / 32]
-  const float* sums = nullptr;  // [M, K / group]
+  const int8_t* q = nullptr;            // [M, K / 32, parts, 32]
+  const float* d = nullptr;             // [M, K / 32]
+  const float* sums = nullptr;          // [M, K / group]
+  const int32_t* block_sums = nullptr;  // [M, K / 32, parts]: each part's sum of its codes
   int parts = 1;
   QuantizedRows row(int m, int K, int group) const {
-    return {q + static_cast<size_t>(m) * K * parts, d + static_cast<size_t>(m) * (K / 32),
-            sums + static_cast<size_t>(m) * (K / group), parts};
+    const size_t blocks = static_cast<size_t>(m) * (K / 32);
+    return {q + blocks * 32 * parts, d + blocks, sums + static_cast<size_t>(m) * (K / group),
+            block_sums + blocks * parts, parts};
   }
 };
 

@@ -71,6 +71,12 @@ struct Int8Wide {
   }
   static Codes dot_bytes(Codes acc, Codes u, Codes s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static Codes add32(Codes a, Codes b) { return _mm512_add_epi32(a, b); }
+  static Codes sub32(Codes a, Codes b) { return _mm512_sub_epi32(a, b); }
+  static Codes set32(int32_t a) { return _mm512_set1_epi32(a); }
+  // Each signed byte c as the unsigned byte c + 128.
+  static Codes flip_signs(Codes c) {
+    return _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
   static Codes zero32() { return _mm512_setzero_si512(); }
   static Codes magnitudes(Codes codes) { return _mm512_abs_epi8(codes); }
   // x's bytes with the codes' signs: negated where a code is negative, zero where it is zero.

@@ -86,6 +86,12 @@ struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight r
   // Each lane's two 16-bit halves added into one 32-bit sum.
   static Codes widen(Codes halves) { return _mm256_madd_epi16(halves, _mm256_set1_epi16(1)); }
   static Codes add32(Codes a, Codes b) { return _mm256_add_epi32(a, b); }
+  static Codes sub32(Codes a, Codes b) { return _mm256_sub_epi32(a, b); }
+  static Codes set32(int32_t a) { return _mm256_set1_epi32(a); }
+  // Each signed byte c as the unsigned byte c + 128.
+  static Codes flip_signs(Codes c) {
+    return _mm256_xor_si256(c, _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
   static Codes zero32() { return _mm256_setzero_si256(); }
   static V to_float(Codes sums) { return _mm256_cvtepi32_ps(sums); }  // exact: |sums| < 2^24
   // Signed codes' products with x: a code's magnitude times x with the code's sign (vpsignb),
