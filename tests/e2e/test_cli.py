@@ -195,4 +195,4 @@ def test_fidelity_records_a_verdict_and_serve_keeps_to_it(tmp_path: Path):
         )
     assert answer.status_code == 200, answer.text
     assert "fidelity: serving --cpu-precision exact" in log
-    assert "float32 activations (--cpu-precision exact)" in log
+    assert "activations in three int8 parts, integer dot products (--cpu-precision exact)" in log
