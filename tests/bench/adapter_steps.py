@@ -13,7 +13,7 @@ distinct rows is what reading 16 adapters costs. Each block's medians, then thei
 one JSON object; ratios are the base step's time over each kind's.
 
     python -m tests.bench.adapter_steps [--adapters 16] [--blocks 3] [--steps 100]
-        [--precision fast|exact] [--model-dir DIR]
+        [--precision fast|exact|float32] [--model-dir DIR]
 """
 
 from __future__ import annotations

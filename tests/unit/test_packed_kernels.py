@@ -166,27 +166,32 @@ def interleaved(n: int, k: int, group: int, dtype: mx.Dtype, seed: int, width: s
 @pytest.mark.parametrize("width", list(WIDTHS))
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+@pytest.mark.parametrize("int8", [1, 3])
 def test_interleaved_rows_give_the_integer_product_of_mlxs_packing(
-    isa: str, width: str, group: int, dtype: mx.Dtype
+    isa: str, width: str, group: int, dtype: mx.Dtype, int8: int
 ):
     """The same integer sums, scaled and added in another order: MLX's layout's result within
-    float32 rounding, every row count, and a row's bits the same alone and in any batch."""
+    float32 rounding, every row count, and a row's bits the same alone and in any batch. With
+    three int8 parts a value (`--cpu-precision exact`) both are the float32 products' within
+    float32 rounding; with one, not."""
     bits = WIDTHS[width][0]
     plain, rows8 = interleaved(72, 384, group, dtype, seed=group, width=width)
     assert rows8[0].dtype == LAYOUTS[width] and rows8[0].shape == (72, 384 * bits // 8)
     x = mx.random.normal((200, 384), key=mx.random.key(group))
-    whole = native.quant_matmul(x, *rows8, group, bits, True)
-    reference = native.quant_matmul(x, *plain, group, bits, True)
+    whole = native.quant_matmul(x, *rows8, group, bits, int8)
+    reference = native.quant_matmul(x, *plain, group, bits, int8)
     scale = mx.abs(reference).max().item()
     assert mx.abs(whole - reference).max().item() < 1e-5 * scale
     assert not mx.array_equal(whole, reference).item()  # another order of float sums
+    float32 = native.quant_matmul(x, *plain, group, bits, 0)
+    assert (mx.abs(whole - float32).max().item() < 1e-5 * scale) == (int8 == 3)
     for size in (1, 2, 3, 4, 5, 7, 16, 33):
         parts = [
-            native.quant_matmul(x[i : i + size], *rows8, group, bits, True)
+            native.quant_matmul(x[i : i + size], *rows8, group, bits, int8)
             for i in range(0, 200, size)
         ]
         assert mx.array_equal(mx.concatenate(parts), whole).item(), size
-    prompt = native.quant_matmul(x.reshape(4, 50, 384), *rows8, group, bits, True)
+    prompt = native.quant_matmul(x.reshape(4, 50, 384), *rows8, group, bits, int8)
     assert mx.array_equal(prompt.reshape(200, 72), whole).item()
 
 
@@ -328,14 +333,15 @@ def test_interleaved_products_of_other_widths_together_are_each_products_bits(
 ):
     """A GGUF's quant mix in one call: q 4-bit (Q4_K), k 8-bit codes under 64 (Q5_0 widened),
     v signed 8-bit (Q8_0 or Q6_K), each with scales of its own dtype, and a fourth of MLX's
-    8-bit packing: x quantized once, each output its own product's bits. The same mix on float32
-    activations, MLX's packing, likewise."""
+    8-bit packing: x quantized once (one int8 code a value, or three parts), each output its own
+    product's bits. The same mix on float32 activations, MLX's packing, likewise."""
     x = mx.random.normal((rows, length, 128), key=mx.random.key(rows + length))
     mix = [(64, "4", mx.float32), (32, "8-small", mx.float16), (32, "8", mx.bfloat16)]
     layers = [interleaved(n, 128, 32, dtype, seed=n, width=w) for n, w, dtype in mix]
     bits = [WIDTHS[w][0] for _, w, _ in mix] + [8]
     eight = quantized(96, 128, 8, 32, mx.float16, seed=9)[:3]
-    for int8, chosen in ((True, [rows8 for _, rows8 in layers]), (False, [p for p, _ in layers])):
+    interleaved_rows, plain = [rows8 for _, rows8 in layers], [p for p, _ in layers]
+    for int8, chosen in ((1, interleaved_rows), (3, interleaved_rows), (0, plain)):
         chosen = [*chosen, eight]
         weights = [[layer[i] for layer in chosen] for i in range(3)]
         outputs = native.quant_matmul_heads(x, *weights, HEADS, 32, bits, None, [], int8)

@@ -176,29 +176,17 @@ void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, i
 enum class Rows8 { kBits4, kSmall8, kSigned8 };
 
 // One block's integer sums of eight rows of signed 8-bit codes for a row of x (`xq`, its
-// block's 32 codes); where a vector holds several groups of eight (`I::kGroups`), theirs too,
-// each `stride` bytes on. A code's product takes its sign onto x's bytes (`signs_of`), so the
-// codes are read again for each row of x, not unpacked once (`Rows8Codes`).
+// block's 32 codes), where I has no four-byte products (`rows8_unpacks`): a code's product takes
+// its sign onto x's bytes (`signs_of`), so the codes are read again for each row of x and part.
 template <class I>
 inline typename I::Codes rows8_signed_sums(const uint8_t* codes, size_t stride, const int8_t* xq) {
-  if constexpr (requires { I::kDotBytes; }) {  // four products into each lane at once
-    // Two sums, so that each instruction waits on the one before the last, not the last.
-    typename I::Codes sums[2] = {I::zero32(), I::zero32()};
-    for (int j = 0; j < 8; j++) {
-      const typename I::Codes v = I::load_bytes(codes + 32 * j, stride);
-      sums[j % 2] =
-          I::dot_bytes(sums[j % 2], I::magnitudes(v), I::signs_of(I::broadcast4(xq + 4 * j), v));
-    }
-    return I::add32(sums[0], sums[1]);
-  } else {
-    typename I::Codes sums = I::zero32();
-    for (int j = 0; j < 8; j++) {
-      const typename I::Codes c = I::load_bytes(codes + 32 * j, stride);
-      sums = I::add32(
-          sums, I::widen(I::pairs4(I::magnitudes(c), I::signs_of(I::broadcast4(xq + 4 * j), c))));
-    }
-    return sums;
+  typename I::Codes sums = I::zero32();
+  for (int j = 0; j < 8; j++) {
+    const typename I::Codes c = I::load_bytes(codes + 32 * j, stride);
+    sums = I::add32(
+        sums, I::widen(I::pairs4(I::magnitudes(c), I::signs_of(I::broadcast4(xq + 4 * j), c))));
   }
+  return sums;
 }
 
 // Whether I's integer products take a block of signed codes through `Rows8Codes`: where four

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kernels/types.h"
@@ -49,7 +50,10 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
     const float* xb = x + static_cast<size_t>(b) * 32;
     float largest = 0.0f;  // std::max: fmax's value here (a NaN left out), without a libm call
     for (int i = 0; i < 32; i++) largest = std::max(largest, std::fabs(xb[i]));
-    const float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    // A scale under float32's smallest normal (a block of zeros, or of values near 1e-37) takes
+    // every value to code 0: its inverse would overflow.
+    const float scale = largest / 127.0f;
+    const float inverse = scale >= std::numeric_limits<float>::min() ? 1.0f / scale : 0.0f;
     d[b] = scale;
     int8_t* qb = q + static_cast<size_t>(b) * 32 * parts;
     int32_t* sums = block_sums + static_cast<size_t>(b) * parts;
@@ -60,7 +64,7 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
       for (int p = 0; p < parts; p++) {
         const float code = round_to_int(v);
         qb[p * 32 + at] = static_cast<int8_t>(code);
-        sums[p] += static_cast<int32_t>(code);
+        sums[p] += qb[p * 32 + at];   // the stored code's, as the kernels read it
         v = (v - code) * kPartScale;  // v - code exact: code is v's nearest integer
       }
     }

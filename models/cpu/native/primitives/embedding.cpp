@@ -1,13 +1,13 @@
 // A packed embedding's lookup as one primitive (PackedLookup), in either layout of its codes.
 //
-// MLX composes an embedding's lookup on the CPU from many small operations: the exact path's
+// MLX composes an embedding's lookup on the CPU from many small operations: the float32 path's
 // (the rows of MLX's packing gathered, then `mx.dequantize`, which the CPU runs as shifts, masks,
 // broadcasts, a product and a sum) was 38 of the 73 nodes of a one-row decode step's graph on the
 // embedded model; the fast path's, whose codes are laid out for the interleaved integer kernel
 // (`weights.interleave_rows8`: its use as the output layer takes that kernel without a second
 // copy of its weights), picked each id's bytes out of its eight rows' and packed them back as
 // MLX packs them first: 61 of 96. As one primitive, a one-row step took 4.8-5.2 ms where it
-// took 5.1-6.0 on the fast path, 7.6-8.8 where it took 7.8-9.2 on the exact path (AVX2 and VNNI,
+// took 5.1-6.0 on the fast path, 7.6-8.8 where it took 7.8-9.2 on the float32 path (AVX2 and VNNI,
 // alternated in one process, the same logits). The
 // arithmetic is mx.dequantize's: each value scale * code + bias in float32, a product then a sum
 // (built without FMA, as MLX is), the scales and biases converted to float32 exactly first, so

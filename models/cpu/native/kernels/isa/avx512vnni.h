@@ -78,13 +78,6 @@ struct Int8Wide {
     return _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80)));
   }
   static Codes zero32() { return _mm512_setzero_si512(); }
-  static Codes magnitudes(Codes codes) { return _mm512_abs_epi8(codes); }
-  // x's bytes with the codes' signs: negated where a code is negative, zero where it is zero.
-  static Codes signs_of(Codes x, Codes codes) {
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512i negated = _mm512_mask_sub_epi8(x, _mm512_cmplt_epi8_mask(codes, zero), zero, x);
-    return _mm512_maskz_mov_epi8(_mm512_cmpneq_epi8_mask(codes, zero), negated);
-  }
 };
 
 }  // namespace hotlora::avx512vnni
