@@ -5,9 +5,8 @@ native quantized kernels, `--cpu-weights packed`, at `--cpu-precision exact`: th
 value, logits within float32's rounding as the copy's are) and once as a float32 copy
 (`--cpu-weights float32`), and times, in alternating rounds so that a noisy machine weighs on
 both alike: one decode step at 1, 2, 4, 8 and 16 rows (median of each round's steps), and a
-~1,250-token prompt
-prefilled in the scheduler's 192-token chunks. Each path's peak RSS is measured in a process of
-its own (`--rss PATH`). Prints one JSON object.
+~1,250-token prompt prefilled in the scheduler's 192-token chunks. Each path's peak RSS is
+measured in a process of its own (`--rss PATH`). Prints one JSON object.
 """
 
 from __future__ import annotations
