@@ -226,7 +226,8 @@ struct Rows8Codes {
   // bits at most 2 * 15 * 127 a 16-bit half of `pairs4`, eight such sums within 16 bits; at 8
   // bits under 64 two.
   typename I::Codes sums(const int8_t* xq) const {
-    if constexpr (requires { I::kDotBytes; }) {
+    if constexpr (requires { I::kDotBytes; }) {  // four products into each lane at once
+      // Two sums, so that each instruction waits on the one before the last, not the last.
       typename I::Codes acc[2] = {I::zero32(), I::zero32()};
       for (int i = 0; i < 8; i++)
         acc[i % 2] = I::dot_bytes(acc[i % 2], v[i], I::broadcast4(xq + 4 * i));
@@ -287,14 +288,14 @@ inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, 
     };
     if constexpr (!rows8_unpacks<I, Kind>()) {
       block([&](const int8_t* xq, size_t) { return rows8_signed_sums<I>(codes, stride, xq); });
-    } else if constexpr (Kind == Rows8::kSigned8) {
-      const Rows8Codes<I, Kind> unpacked(codes, stride);
-      block([&](const int8_t* xq, size_t at) {
-        return I::sub32(unpacked.sums(xq), I::set32(128 * x.block_sums[at]));
-      });
     } else {
       const Rows8Codes<I, Kind> unpacked(codes, stride);
-      block([&](const int8_t* xq, size_t) { return unpacked.sums(xq); });
+      block([&](const int8_t* xq, size_t at) {
+        if constexpr (Kind == Rows8::kSigned8)  // the codes were taken as c + 128
+          return I::sub32(unpacked.sums(xq), I::set32(128 * x.block_sums[at]));
+        else
+          return unpacked.sums(xq);
+      });
     }
   }
   for (int g = 0; g < groups; g++) {

@@ -24,12 +24,15 @@ inline float round_to_int(float v) {
   return (v + kShift) - kShift;          // not folded: no -ffast-math, so no reassociation
 }
 
-// A block's integer sum of its codes' parts as one value in units of d: c0 alone, or
-// c0 + (c1 + c2 / kPartScale) / kPartScale, in that order (the kernels' `parts_sum` too).
-inline float parts_value(float c0, float c1, float c2, int parts) {
+// A block's integer sums of its codes' parts (`sums`, `parts` of them) as one value in units of
+// d: c0 alone, or c0 + (c1 + c2 / kPartScale) / kPartScale, in that order (the kernels'
+// `parts_sum` too).
+inline float parts_value(const int32_t* sums, int parts) {
+  const float c0 = static_cast<float>(sums[0]);
   if (parts == 1) return c0;
   constexpr float kInverse = 1.0f / kPartScale;
-  return std::fma(std::fma(c2, kInverse, c1), kInverse, c0);
+  return std::fma(std::fma(static_cast<float>(sums[2]), kInverse, static_cast<float>(sums[1])),
+                  kInverse, c0);
 }
 
 // One row x [K] into `out` (QuantizedRows' layout, its row 0, `out.parts` codes a value): each
@@ -71,12 +74,8 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
   }
   for (int g = 0; g < K / group; g++) {
     float sum = 0.0f;
-    for (int b = g * group / 32; b < (g + 1) * group / 32; b++) {
-      const int32_t* codes = block_sums + static_cast<size_t>(b) * parts;
-      sum += d[b] * parts_value(static_cast<float>(codes[0]),
-                                static_cast<float>(parts > 1 ? codes[1] : 0),
-                                static_cast<float>(parts > 1 ? codes[2] : 0), parts);
-    }
+    for (int b = g * group / 32; b < (g + 1) * group / 32; b++)
+      sum += d[b] * parts_value(block_sums + static_cast<size_t>(b) * parts, parts);
     const_cast<float*>(out.sums)[g] = sum;
   }
 }
