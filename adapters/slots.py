@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Literal, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,7 +23,8 @@ import mlx.nn as nn
 from hotlora.adapters.adapter_set import AdapterSet
 from hotlora.adapters.backends import Gather, ResidualBackend, RowAdapters, select_backend
 from hotlora.adapters.projections import find_targets, replace_module
-from hotlora.models.cpu.fused import FusedPart
+from hotlora.models.cpu.changes import Watched
+from hotlora.models.cpu.layers import PackedLinear
 from hotlora.models.cpu.weights import has_gpu
 
 log = logging.getLogger("hotlora.adapters")
@@ -71,7 +72,7 @@ class _PerRow:
 _ACTIVE: ContextVar[_Active | None] = ContextVar("hotlora_active_adapters", default=None)
 
 
-class LoRASlot(nn.Module):
+class LoRASlot(Watched):
     """Wraps one base projection; adds the residuals of whatever adapter set is active.
 
     `y = base(x) + sum_i (scale_i * ((x @ A_i) @ B_i)).astype(x.dtype)`, mlx-lm `LoRALinear`'s
@@ -105,21 +106,21 @@ class LoRASlot(nn.Module):
             return self["base"](x)
         return active.project(self, x)
 
-    def fused_part(self, x: mx.array) -> FusedPart | None:
-        """This call's part of a fused product (`models.cpu.fused.FusedProjection`): the
-        packed base and the gathered kernel's operands of the active adapters' residuals (None:
-        none apply here); None when the slot's backend takes no fused kernel, or not this call.
-        """
-        if not self.backend.fuses:
-            return None
-        part: FusedPart | None = self["base"].fused_part(x)
+    def fused_layer(self) -> PackedLinear | None:
+        """The packed base of a fused product (`models.cpu.fused.FusedProjection`); None when
+        the slot's backend takes no fused kernel."""
+        return self["base"].fused_layer() if self.backend.fuses else None
+
+    def fused_residuals(self, x: mx.array) -> Gather | Literal[False] | None:
+        """The gathered kernel's operands of the active adapters' residuals on this call (None:
+        none apply here; False: the fused kernel does not add them, the slot is called)."""
         active = _ACTIVE.get()
-        if part is None or active is None:
-            return part
+        if active is None:
+            return None
         operands = active.gather(self, x)
         if operands is None:
-            return None
-        return part[0], operands if operands[1] >= 0 else None
+            return False
+        return operands if operands[1] >= 0 else None
 
 
 @contextmanager

@@ -32,24 +32,25 @@ other families keep their own attention and MLP on the packed layers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from hotlora.models.cpu import extension
+from hotlora.models.cpu import changes, extension
 from hotlora.models.cpu.attention import call_shared, merged_rows_attention, step_mask
+from hotlora.models.cpu.changes import Watched
 from hotlora.models.cpu.layers import NativeRMSNorm, NativeRoPE, PackedLinear
 
 # The gathered kernel's operands of the residuals a projection adds: the batch's plan (its
 # adapters' pairs and each row's entries) and the projection's slot number in those pairs.
 Gather = tuple[object, int]
 
-# A projection's part of a fused call: its packed layer, and the operands of the residuals its
-# adapters add, None where none apply.
-FusedPart = tuple[PackedLinear, Gather | None]
+# A projection's residuals on one call of a fused product: the gathered kernel's operands; None
+# where no adapter applies to it; False where the fused kernel does not add them.
+Residuals = Gather | Literal[False] | None
 
 
 @runtime_checkable
@@ -57,9 +58,14 @@ class FusedProjection(Protocol):
     """What a fused layer asks of each projection it computes together with its neighbours:
     a packed layer (`PackedLinear`), or whatever wraps one to add residuals to its product."""
 
-    def fused_part(self, x: mx.array) -> FusedPart | None:
-        """This call's packed layer and the residuals' operands; None when the fused kernel
-        cannot compute this call of the projection (a bias, residuals it does not add)."""
+    def fused_layer(self) -> PackedLinear | None:
+        """The packed layer whose product the fused kernel computes for this projection; None
+        where it cannot (a bias, residuals it never adds). What it depends on is the layers'
+        structure alone: a decoder layer's steps keep it while `changes.count()` stays."""
+        ...
+
+    def fused_residuals(self, x: mx.array) -> Residuals:
+        """The residuals to add to this call's product (see `Residuals`)."""
         ...
 
 
@@ -83,35 +89,57 @@ def fused_products(
     native = extension.native
     if native is None or x.ndim != 3 or x.dtype != mx.float32 or x.size == 0:
         return None
-    parts = [cast(FusedProjection, p).fused_part(x) for p in projections]
-    if any(part is None for part in parts):
+    found = [cast(FusedProjection, p).fused_layer() for p in projections]
+    if any(layer is None for layer in found):
         return None
-    found = [part for part in parts if part is not None]
-    first = found[0][0]
+    layers = cast(list[PackedLinear], found)
+    first = layers[0]
     # Arrays read as the module's items: an attribute (`layer.weight`) first fails the
     # object's own lookup, ~2 us a read, and a step makes hundreds.
-    weights = [layer["weight"] for layer, _ in found]
-    scales = [layer["scales"] for layer, _ in found]
-    if not _one_call([layer for layer, _ in found], weights):
+    weights = [layer["weight"] for layer in layers]
+    if not _one_call(layers, weights):
         return None
-    plans = {id(operands[0]): operands[0] for _, operands in found if operands is not None}
-    if len(plans) > 1:  # one active batch plans every projection of a call
+    residuals = _call_residuals(projections, x)
+    if residuals is None:
         return None
+    plan, slots = residuals
     return native.quant_matmul_heads(
         x,
         weights,
-        scales,
-        [layer["biases"] for layer, _ in found],
+        [layer["scales"] for layer in layers],
+        [layer["biases"] for layer in layers],
         heads,
         first.group_size,
-        [layer.bits for layer, _ in found],
-        next(iter(plans.values()), None),
-        [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
+        [layer.bits for layer in layers],
+        plan,
+        slots,
         first.int8_parts,
         **({} if rope is None else _rope_arguments(*rope)),
         **({} if norm is None else {"norm": norm["weight"], "norm_eps": norm.eps}),
         glu=glu,
     )
+
+
+def _call_residuals(
+    projections: Sequence[nn.Module], x: mx.array
+) -> tuple[object | None, list[int]] | None:
+    """The residuals of one fused call of `projections` on x: the batch's plan and each
+    projection's slot number in it (-1: none apply), or (None, []) where no adapter applies to
+    any; None where the fused kernel does not add them (a projection refuses, or two plans)."""
+    plan: object | None = None
+    slots: list[int] = []
+    for j, projection in enumerate(projections):
+        operands = cast(FusedProjection, projection).fused_residuals(x)
+        if operands is None:
+            continue
+        if operands is False:
+            return None
+        if not slots:
+            plan, slots = operands[0], [-1] * len(projections)
+        elif operands[0] is not plan:  # one active batch plans every projection of a call
+            return None
+        slots[j] = operands[1]
+    return plan, slots
 
 
 def _one_call(layers: Sequence[PackedLinear], weights: Sequence[mx.array]) -> bool:
@@ -159,7 +187,7 @@ def _takes_norm(norm: nn.Module, width: int) -> bool:
     return weight.dtype == mx.float32 and weight.shape == (width,)
 
 
-class FusedAttention(llama.Attention):
+class FusedAttention(llama.Attention, Watched):
     """mlx-lm's llama attention with q, k and v as one product, in the attention's layout, and
     the attention's output in the output projection's; otherwise mlx-lm's own call."""
 
@@ -200,7 +228,7 @@ class FusedAttention(llama.Attention):
         return self["o_proj"](output)
 
 
-class FusedMLP(llama.MLP):
+class FusedMLP(llama.MLP, Watched):
     """mlx-lm's llama MLP with gate and up as one product; otherwise mlx-lm's own call."""
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -217,7 +245,7 @@ class FusedMLP(llama.MLP):
         return self["down_proj"](activated[0])
 
 
-class FusedBlock(llama.TransformerBlock):
+class FusedBlock(llama.TransformerBlock, Watched):
     """mlx-lm's llama decoder layer, its sublayers read as the module's items (see
     `fused_products`), each norm inside the products it feeds where they take it; the same
     operations in the same order. A decode step's call is one primitive where `layer_step`
@@ -267,33 +295,16 @@ def layer_step(block: FusedBlock, x: mx.array, mask: Any, cache: Any) -> mx.arra
         return None
     if values.dtype != mx.float32:
         return None
-    parts = [cast(FusedProjection, block[m][p]).fused_part(x) for m, p in _LAYER_PROJECTIONS]
-    if any(part is None for part in parts):
-        return None
-    found = cast(list[FusedPart], parts)
-    plans = {id(operands[0]): operands[0] for _, operands in found if operands is not None}
-    if len(plans) > 1:  # one active batch plans every projection of a step
-        return None
-    layers = [layer for layer, _ in found]
-    arguments = _LayerArguments.of(block, layers, x.shape[-1])
+    arguments = _LayerArguments.of(block, x.shape[-1])
     if arguments is None:
         return None
-    batch = x.shape[0]
-    positions = _step_positions(offset, batch)
-    kernel_mask = step_mask(mask, batch, at + 1)
-    if positions is None or kernel_mask is None:
+    residuals = _call_residuals(arguments.projections, x)
+    if residuals is None:
         return None
-    out = native.decoder_layer(
-        x,
-        arguments.operands,
-        keys,
-        values,
-        at,
-        kernel_mask,
-        positions,
-        next(iter(plans.values()), None),
-        [operands[1] if operands is not None else -1 for _, operands in found] if plans else [],
-    )
+    inputs = _step_inputs(mask, offset, at, x.shape[0])
+    if inputs is None:
+        return None
+    out = native.decoder_layer(x, arguments.operands, keys, values, at, *inputs, *residuals)
     # The call made cache.keys and cache.values the updated arrays; the cache's count follows.
     if kind is KVCache:
         cache.offset += 1
@@ -304,31 +315,40 @@ def layer_step(block: FusedBlock, x: mx.array, mask: Any, cache: Any) -> mx.arra
 
 
 class _LayerArguments:
-    """What `decoder_layer` takes of a block that stays from step to step: its packed layers'
-    weights and quantization, its norms, its attention's shape and RoPE. Gathered and checked
-    once, kept on the block while its layers, their weights and precision, and its norms and
-    RoPE are the same objects (a precision set again, or weights loaded, gather them anew)."""
+    """What `decoder_layer` takes of a block that stays from step to step: its projections,
+    their packed layers' weights and quantization, its norms, its attention's shape and RoPE.
+    Gathered and checked once, kept on the block while the watched layers count no change
+    (`changes`: a precision set again, weights loaded, a projection replaced gather them anew)
+    and its inputs are as wide."""
 
-    def __init__(self, block: FusedBlock, layers: list[PackedLinear], width: int):
-        attention = block["self_attn"]
-        self.norms = (block["input_layernorm"], block["post_attention_layernorm"])
-        self.rope = attention["rope"]
-        self.layers = tuple(layers)
-        self.codes = tuple(layer["weight"] for layer in layers)  # items: see `fused_products`
-        self.int8 = tuple(layer.int8_parts for layer in layers)
-        self.norm_weights = tuple(norm["weight"] for norm in self.norms)
+    def __init__(self, block: FusedBlock, width: int):
+        self.changes = changes.count()  # before anything is read: a change meanwhile counts
         self.width = width
-        scales = [layer["scales"] for layer in layers]
-        self.takes = self._takes(layers, attention.head_dim)
+        attention = block["self_attn"]  # items: see `fused_products`
+        self.projections = tuple(block[m][p] for m, p in _LAYER_PROJECTIONS)
+        found = [cast(FusedProjection, p).fused_layer() for p in self.projections]
+        norm1, norm2 = block["input_layernorm"], block["post_attention_layernorm"]
+        rope = attention["rope"]
+        self.takes = (
+            all(layer is not None for layer in found)
+            and _takes_norm(norm1, width)
+            and _takes_norm(norm2, width)
+            and type(rope) is NativeRoPE
+            and rope.dims % 2 == 0
+            and 0 < rope.dims <= attention.head_dim
+        )
+        if not self.takes:
+            return
+        layers = cast(list[PackedLinear], found)
+        codes = [layer["weight"] for layer in layers]
+        self.takes = all(_one_call(layers[a:b], codes[a:b]) for a, b in _LAYER_CALLS)
         if not self.takes:
             return
         calls = [layers[first] for first, _ in _LAYER_CALLS]
-        norm1, norm2 = self.norms
-        rope = self.rope
         # The native operands of every step, checked once (`decoder_operands`).
         self.operands = extension.native.decoder_operands(
-            list(self.codes),
-            scales,
+            codes,
+            [layer["scales"] for layer in layers],
             [layer["biases"] for layer in layers],
             [layer.bits for layer in layers],
             [layer.group_size for layer in calls],
@@ -346,44 +366,15 @@ class _LayerArguments:
             rope.scale,
         )
 
-    def _takes(self, layers: list[PackedLinear], head_dim: int) -> bool:
-        rope = self.rope
-        if not all(_takes_norm(norm, self.width) for norm in self.norms):
-            return False
-        if type(rope) is not NativeRoPE or rope.dims % 2 or not 0 < rope.dims <= head_dim:
-            return False
-        codes = list(self.codes)
-        return all(_one_call(layers[a:b], codes[a:b]) for a, b in _LAYER_CALLS)
-
     @classmethod
-    def of(
-        cls, block: FusedBlock, layers: list[PackedLinear], width: int
-    ) -> _LayerArguments | None:
-        """The block's arguments for `layers` (this call's packed layers) and inputs `width`
-        wide, gathered anew where what they were gathered from changed; None where the layer
-        does not take the primitive."""
+    def of(cls, block: FusedBlock, width: int) -> _LayerArguments | None:
+        """The block's arguments for inputs `width` wide, gathered anew where a watched layer
+        changed since they were; None where the layer does not take the primitive."""
         kept: _LayerArguments | None = block.__dict__.get("_layer_arguments")
-        if kept is None or not kept.holds(block, layers, width):
-            kept = cls(block, layers, width)
+        if kept is None or kept.changes != changes.count() or kept.width != width:
+            kept = cls(block, width)
             block.__dict__["_layer_arguments"] = kept
         return kept if kept.takes else None
-
-    def holds(self, block: FusedBlock, layers: list[PackedLinear], width: int) -> bool:
-        norm1, norm2 = self.norms
-        return (
-            width == self.width
-            and block["input_layernorm"] is norm1
-            and block["post_attention_layernorm"] is norm2
-            and block["self_attn"]["rope"] is self.rope
-            and norm1["weight"] is self.norm_weights[0]
-            and norm2["weight"] is self.norm_weights[1]
-            and all(
-                layer is kept and layer["weight"] is codes and layer.int8_parts == int8
-                for layer, kept, codes, int8 in zip(
-                    layers, self.layers, self.codes, self.int8, strict=True
-                )
-            )
-        )
 
 
 def _once_a_call(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
@@ -396,13 +387,31 @@ def _once_a_call(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
     return shared[key]
 
 
-def _step_positions(offset: int | mx.array, batch: int) -> mx.array | None:
-    """`NativeRoPE.positions` for a decode step, made once a call: every layer's cache of one
-    call is at the same offset (see `_next_offsets`). An array offset is known by its id, and
-    kept beside its positions while the call holds them."""
-    key = ("positions", offset if isinstance(offset, int) else id(offset), batch)
-    kept = _once_a_call(key, lambda: (offset, NativeRoPE.positions(offset, batch)))
-    return cast(mx.array | None, kept[1])
+def _step_inputs(
+    mask: Any, offset: int | mx.array, at: int, batch: int
+) -> tuple[mx.array, mx.array] | None:
+    """The attention kernel's mask (`step_mask`) and the positions (`NativeRoPE.positions`) of
+    a decode step of `batch` rows writing position `at`, or None where the kernels do not take
+    them; made once a call: every layer's cache of one call is at the same offset (see
+    `_next_offsets`) and takes the call's mask. An array offset or mask is known by its id, and
+    kept beside what was made of it while the call holds them."""
+    shared = call_shared()
+    if shared is None:
+        return None
+    key = (
+        "step",
+        mask if mask is None or isinstance(mask, str) else id(mask),
+        offset if isinstance(offset, int) else id(offset),
+        at,
+        batch,
+    )
+    made = shared.get(key)
+    if made is None:
+        kernel_mask = step_mask(mask, batch, at + 1)
+        positions = NativeRoPE.positions(offset, batch)
+        taken = None if kernel_mask is None or positions is None else (kernel_mask, positions)
+        made = shared[key] = (mask, offset, taken)
+    return cast(tuple[mx.array, mx.array] | None, made[2])
 
 
 def _next_offsets(offsets: mx.array) -> mx.array:
@@ -428,6 +437,7 @@ def install_fused(model: nn.Module) -> int:
     """Give the model's llama attention and MLP layers their fused class, in place, where each
     projection they compute together is a `FusedProjection` (packed, or a LoRA slot on packed
     weights); returns how many layers changed. Their projections and weights are untouched."""
+    changes.changed()  # the classes swapped below are not watched yet
     changed = 0
     for _, module in model.named_modules():
         fused = _FUSED_CLASSES.get(type(module))

@@ -36,6 +36,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma, gemma2, gemma3_text
 
 from hotlora.models.cpu import extension
+from hotlora.models.cpu.changes import Watched, changed
 from hotlora.models.cpu.weights import (
     KERNEL_BITS,
     deinterleave_rows8,
@@ -216,7 +217,7 @@ class Interleaving(nn.Module):
         mx.clear_cache()  # the buffers it was made in, back to the system before the next layer
 
 
-class PackedLinear(nn.QuantizedLinear, Interleaving):
+class PackedLinear(nn.QuantizedLinear, Interleaving, Watched):
     """`nn.QuantizedLinear` whose every float32 call goes through the quantized kernel: each
     row's activations quantized to int8 in blocks of 32, `int8_parts` codes a value (1 at
     `--cpu-precision fast`, 3 at `exact`), and integer dot products; with none, float32 products
@@ -228,10 +229,14 @@ class PackedLinear(nn.QuantizedLinear, Interleaving):
         """Whether the kernels take x as this layer's input: any float32 input."""
         return float32_input(x)
 
-    def fused_part(self, x: mx.array) -> tuple[PackedLinear, None] | None:
-        """This layer's part of a fused product (`fused.FusedProjection`): itself, with no
-        residuals to add; None with a bias, which the fused kernel does not add."""
-        return None if "bias" in self else (self, None)
+    def fused_layer(self) -> PackedLinear | None:
+        """The packed layer of a fused product (`fused.FusedProjection`): itself; None with a
+        bias, which the fused kernel does not add."""
+        return None if "bias" in self else self
+
+    def fused_residuals(self, x: mx.array) -> None:
+        """No residuals to add (`fused.FusedProjection`)."""
+        return None
 
     def __call__(self, x: mx.array) -> mx.array:
         if not float32_input(x):
@@ -297,7 +302,7 @@ def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
     return len(layers)
 
 
-class NativeRMSNorm(nn.RMSNorm):
+class NativeRMSNorm(nn.RMSNorm, Watched):
     """`nn.RMSNorm` as one primitive, not MLX's ten, on float32: MLX's results to the bit, so
     every call takes it (a request alone and prefill too)."""
 
@@ -324,7 +329,7 @@ class NativeOffsetRMSNorm(nn.Module):
         return mx.fast.rms_norm(x, weight, self.eps)
 
 
-class NativeRoPE(nn.RoPE):
+class NativeRoPE(nn.RoPE, Watched):
     """`nn.RoPE` as one primitive, not MLX's thirty, on float32 [B, heads, L, D] with one
     position for all rows or one per row: MLX's results to the bit, so every call takes it."""
 
@@ -417,4 +422,5 @@ def swap_layers(model: nn.Module, all_rows: bool = False) -> Counter[type[nn.Mod
     """Give the model's layers their native class, in place; returns how many of each. The
     layers take the kernels once `extension.load` has succeeded. `all_rows`: the classes of a
     model whose quantized weights the kernels serve, every call of every layer."""
+    changed()  # the classes swapped are not watched yet: a kept decoder layer's arguments go
     return swap_classes(model, _ALL_ROWS_CLASSES if all_rows else _ROWS_CLASSES)

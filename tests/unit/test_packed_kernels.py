@@ -1203,6 +1203,39 @@ def test_a_precision_set_again_reaches_the_layer_primitive(packed, monkeypatch):
         assert not mx.array_equal(steps[other][-1], steps["fast"][-1]).item(), other
 
 
+def test_a_layers_arguments_are_kept_from_step_to_step_until_its_layers_change(packed, monkeypatch):
+    """A block's layer primitive arguments are gathered at its first step and kept, under
+    adapters and rows of their own too; new weights loaded into a projection (MLX's `update`,
+    as `load_weights` does) or another module put in a projection's place are taken at the next
+    step: its logits are the separate calls' on what the model now holds, to the bit."""
+    model, manager = packed
+    rows = RowAdapterCache().for_rows([adapter_set(manager, s) for s in ("a", "a+b", "")])
+    before, _ = decode_steps(model, 3, rows, grow_by=16)
+    kept = [layer.__dict__["_layer_arguments"] for layer in model.layers]
+    decode_steps(model, 1, adapter_set(manager, "b"), grow_by=16)
+    assert [layer.__dict__["_layer_arguments"] for layer in model.layers] == kept
+
+    def stepped_as_separate_calls() -> list[mx.array]:
+        one, _ = decode_steps(model, 3, rows, grow_by=16)
+        with monkeypatch.context() as patched:
+            patched.setattr(fused, "layer_step", lambda *_: None)
+            separate, _ = decode_steps(model, 3, rows, grow_by=16)
+        for step, (got, want) in enumerate(zip(one, separate, strict=True)):
+            assert mx.array_equal(got, want).item(), step
+        return one
+
+    down = model.layers[0].mlp.down_proj["base"]
+    down.update({"scales": down["scales"] * 2})  # new weights, the module unchanged
+    loaded = stepped_as_separate_calls()
+    assert not mx.array_equal(loaded[-1], before[-1]).item()
+    assert model.layers[0].__dict__["_layer_arguments"] is not kept[0]
+
+    attention = model.layers[1].self_attn  # a module of its own in a projection's place
+    replace_module(model, "model.layers.1.self_attn.v_proj", attention.k_proj["base"])
+    replaced = stepped_as_separate_calls()
+    assert not mx.array_equal(replaced[-1], loaded[-1]).item()
+
+
 def test_a_decode_step_writes_no_cache_array_another_holds(packed):
     """The layer primitive writes the step's keys and values into the cache's buffer only where
     nothing else holds it (as MLX's own update does): an array that still reads the cache as it
