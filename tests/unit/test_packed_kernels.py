@@ -53,6 +53,7 @@ from tests.support.fidelity import (
     prompt_logits,
     relative_difference,
 )
+from tests.support.tiny import tiny_args
 
 if (_why := extension.unavailable()) is not None:
     pytest.skip(f"packed kernels: {_why}", allow_module_level=True)
@@ -1036,26 +1037,40 @@ def step_products(model: nn.Module, tmp_path: Path, rows: int) -> dict[str, int]
     return {
         name: text.count(f'label ="{name}"') + text.count(f'label="{name}"')
         for name in (
-            "DecoderLayer", "QuantMatmul", "QuantMatmulHeads", "QuantMatmulGather", "Transpose",
+            "DecoderLayers", "QuantMatmul", "QuantMatmulHeads", "QuantMatmulGather", "Transpose",
             "SliceUpdate",
         )
     }  # fmt: skip
 
 
+def separate_calls(patched: pytest.MonkeyPatch) -> None:
+    """Decode steps whose decoder layers take their separate calls: no layer primitive."""
+    patched.setattr(fused, "layers_step", lambda *_: None)
+    patched.setattr(fused, "layer_step", lambda *_: None)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_decode_steps_layer_is_one_primitive(packed, tmp_path, rows):
-    """A decode step's decoder layer is one primitive (its products, norms, RoPE, cache write,
-    attention and residuals): the step's graph has one a layer, the output layer's product,
-    and none of the separate calls."""
+@pytest.mark.parametrize("layers_a_call", [1, 5])
+def test_a_decode_steps_layers_are_one_primitive(
+    packed, tmp_path, monkeypatch, rows, layers_a_call
+):
+    """A decode step's decoder layers are one primitive for each `LAYERS_A_CALL` of them (their
+    products, norms, RoPE, cache writes, attention and residuals), the output layer's product
+    the only other one, none of the separate calls; taken one at a time (`layer_step`, where a
+    model's layers are not taken together), each layer is one."""
     model, _ = packed
+    monkeypatch.setattr(fused, "LAYERS_A_CALL", layers_a_call)
+    calls = -(-len(model.layers) // layers_a_call)
     assert step_products(model, tmp_path, rows) == {
-        "DecoderLayer": len(model.layers),
+        "DecoderLayers": calls,
         "QuantMatmul": 1,  # the tied output layer
         "QuantMatmulHeads": 0,
         "QuantMatmulGather": 0,
         "Transpose": 0,
         "SliceUpdate": 0,
     }
+    monkeypatch.setattr(fused, "layers_step", lambda *_: None)
+    assert step_products(model, tmp_path, rows)["DecoderLayers"] == len(model.layers)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -1066,7 +1081,7 @@ def test_under_adapters_a_decode_steps_layer_stays_one_primitive(packed, tmp_pat
     sets = [adapter_set(manager, spec) for spec in ("a", "b", "a+b")[:rows]]
     with activate(RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]):
         counted = step_products(model, tmp_path, rows)
-    assert counted["DecoderLayer"] == len(model.layers)
+    assert counted["DecoderLayers"] == 1
     assert counted["QuantMatmul"] == 1  # the tied output layer
     assert counted["QuantMatmulHeads"] == counted["QuantMatmulGather"] == 0
 
@@ -1079,10 +1094,10 @@ def test_without_the_layer_primitive_a_layer_takes_two_fused_products_and_two_al
     q, k and v are one product, gate and up another, o and down alone, and no transposes
     around the attention; under adapters o and down take the gathered kernel alone."""
     model, manager = packed
-    monkeypatch.setattr(fused, "layer_step", lambda *_: None)
+    separate_calls(monkeypatch)
     layers = len(model.layers)
     assert step_products(model, tmp_path, rows) == {
-        "DecoderLayer": 0,
+        "DecoderLayers": 0,
         "QuantMatmul": 2 * layers + 1,  # o_proj and down_proj, then the tied output layer
         "QuantMatmulHeads": 2 * layers,
         "QuantMatmulGather": 0,
@@ -1123,18 +1138,25 @@ def decode_steps(
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("specs", [("",), ("a+b", "b", "")])
+@pytest.mark.parametrize("taken", ["layers", "each layer", "a layer a call"])
 def test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits(
-    packed, monkeypatch, rows, specs
+    packed, monkeypatch, rows, specs, taken
 ):
     """Decode steps alone (mlx-lm's KVCache) and batched (its left-padded BatchKVCache), on the
-    base and with each row's own adapters, the cache growing as they go: a layer as one
-    primitive gives the logits of its separate calls, to the bit, and the same cache."""
+    base and with each row's own adapters, the cache growing as they go: the layers as one
+    primitive, a layer a primitive (`layer_step`) or one a call of the model's primitives give
+    the logits of their separate calls, to the bit, and the same cache."""
     model, manager = packed
     sets = [adapter_set(manager, specs[row % len(specs)]) for row in range(rows)]
     batch = RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]
-    one, one_cache = decode_steps(model, rows, batch, grow_by=5)
     with monkeypatch.context() as patched:
-        patched.setattr(fused, "layer_step", lambda *_: None)
+        if taken == "each layer":
+            patched.setattr(fused, "layers_step", lambda *_: None)
+        elif taken == "a layer a call":
+            patched.setattr(fused, "LAYERS_A_CALL", 1)
+        one, one_cache = decode_steps(model, rows, batch, grow_by=5)
+    with monkeypatch.context() as patched:
+        separate_calls(patched)
         separate, separate_cache = decode_steps(model, rows, batch, grow_by=5)
     for step, (got, want) in enumerate(zip(one, separate, strict=True)):
         assert mx.array_equal(got, want).item(), step
@@ -1174,11 +1196,33 @@ def test_a_layer_of_mixed_widths_is_one_primitive_with_the_separate_calls_bits(
     assert install_packed_kernels(model, threads=2).enabled
     set_cpu_precision(model, precision)
     counted = step_products(model, tmp_path, rows)
-    assert counted["DecoderLayer"] == len(model.layers)
+    assert counted["DecoderLayers"] == 1
     assert counted["QuantMatmulHeads"] == 0
     one, _ = decode_steps(model, rows, BASE_ONLY, grow_by=5)
-    monkeypatch.setattr(fused, "layer_step", lambda *_: None)
+    separate_calls(monkeypatch)
     separate, _ = decode_steps(model, rows, BASE_ONLY, grow_by=5)
+    for step, (got, want) in enumerate(zip(one, separate, strict=True)):
+        assert mx.array_equal(got, want).item(), step
+
+
+def test_a_model_of_sliding_window_layers_steps_each_layer_on_its_own(tmp_path, monkeypatch):
+    """A llama whose layers mix sliding-window and full attention (a rotating cache for the
+    sliding ones, masks of their own) is not stepped as one run of layers: its full-attention
+    layer is a primitive of its own, the sliding one takes its separate calls, and the logits
+    are the separate calls' to the bit."""
+    args = tiny_args()
+    args.layer_types, args.sliding_window = ["sliding_attention", "full_attention"], 6
+    mx.random.seed(0)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    assert install_packed_kernels(model, threads=2).enabled
+    assert type(model.model) is fused.FusedModel
+    counted = step_products(model, tmp_path, 1)
+    assert (counted["DecoderLayers"], counted["QuantMatmulHeads"]) == (1, 2)
+    one, _ = decode_steps(model, 1, BASE_ONLY, grow_by=5)
+    separate_calls(monkeypatch)
+    separate, _ = decode_steps(model, 1, BASE_ONLY, grow_by=5)
     for step, (got, want) in enumerate(zip(one, separate, strict=True)):
         assert mx.array_equal(got, want).item(), step
 
@@ -1194,7 +1238,7 @@ def test_a_precision_set_again_reaches_the_layer_primitive(packed, monkeypatch):
         set_cpu_precision(model, precision)
         one, _ = decode_steps(model, 1, base, grow_by=16)
         with monkeypatch.context() as patched:
-            patched.setattr(fused, "layer_step", lambda *_: None)
+            separate_calls(patched)
             separate, _ = decode_steps(model, 1, base, grow_by=16)
         for step, (got, want) in enumerate(zip(one, separate, strict=True)):
             assert mx.array_equal(got, want).item(), (precision, step)
@@ -1218,7 +1262,7 @@ def test_a_layers_arguments_are_kept_from_step_to_step_until_its_layers_change(p
     def stepped_as_separate_calls() -> list[mx.array]:
         one, _ = decode_steps(model, 3, rows, grow_by=16)
         with monkeypatch.context() as patched:
-            patched.setattr(fused, "layer_step", lambda *_: None)
+            separate_calls(patched)
             separate, _ = decode_steps(model, 3, rows, grow_by=16)
         for step, (got, want) in enumerate(zip(one, separate, strict=True)):
             assert mx.array_equal(got, want).item(), step
@@ -1284,39 +1328,62 @@ def layer_operands(layer: nn.Module, **changed: Any) -> dict[str, Any]:
     return {**operands, **changed}
 
 
-def test_a_layer_step_that_does_not_fit_is_refused(packed):
-    """decoder_layer refuses a mask or a position that does not fit the cache, or a cache of
-    other heads than the layer's, and leaves the cache's arrays as they were."""
+def test_a_layers_step_that_does_not_fit_is_refused(packed):
+    """decoder_layers refuses a mask or a position that does not fit the caches, a cache of
+    other heads than its layer's, lists of layers, caches and slots that do not match, and
+    leaves every cache's arrays as they were."""
     model, _ = packed
     cache = make_prompt_cache(model)
     model(mx.array([[4, 5, 6, 7]]), cache=cache)
-    layer, layer_cache = model.layers[0], cache[0]
-    keys, values = layer_cache.keys, layer_cache.values
-    x = mx.zeros((1, 1, layer.input_layernorm.weight.shape[0]))
-    operands = native.decoder_operands(**layer_operands(layer))
+    layers = model.layers
+    keys = [c.keys for c in cache]
+    values = [c.values for c in cache]
+    kept = [(k, mx.array(np.array(k))) for k in keys]  # each layer's array and its values
+    x = mx.zeros((1, 1, layers[0].input_layernorm.weight.shape[0]))
+    operands = [native.decoder_operands(**layer_operands(layer)) for layer in layers]
 
-    def call(at: int, span: int, cached: tuple[mx.array, mx.array] = (keys, values)) -> mx.array:
-        return native.decoder_layer(
-            x,
-            operands,
-            *cached,
-            at,
-            mx.ones((1, 1, 1, span), dtype=mx.bool_),
-            mx.array([at], dtype=mx.int32),
-            None,
-            [],
-        )
+    def call(at: int, span: int, **changed: Any) -> mx.array:
+        arguments = {
+            "x": x,
+            "layers": operands,
+            "keys": keys,
+            "values": values,
+            "at": at,
+            "mask": mx.ones((1, 1, 1, span), dtype=mx.bool_),
+            "positions": mx.array([at], dtype=mx.int32),
+            "plan": None,
+            "slots": [],
+            **changed,
+        }
+        return native.decoder_layers(**arguments)
 
-    kept = keys
     with pytest.raises(ValueError, match="mask"):
         call(4, 4)  # the mask must reach the written position
     with pytest.raises(ValueError, match="room"):
-        call(keys.shape[2], keys.shape[2] + 1)  # past the buffer
-    narrow = (keys[..., :-2], values[..., :-2])  # a head's keys and values 2 narrower
+        call(keys[0].shape[2], keys[0].shape[2] + 1)  # past the buffers
+    narrow = [keys[0], keys[1][..., :-2]]  # the second layer's keys 2 narrower
     with pytest.raises(ValueError, match="layer's heads"):
-        call(4, 5, narrow)
-    assert layer_cache.keys is kept and mx.array_equal(layer_cache.keys, keys).item()
+        call(4, 5, keys=narrow, values=[values[0], values[1][..., :-2]])
+    with pytest.raises(ValueError, match="for each layer"):
+        call(4, 5, keys=keys[:1])
+    with pytest.raises(ValueError, match="one layer or more"):
+        call(4, 5, layers=[], keys=[], values=[])
+    for (array, before), layer_cache in zip(kept, cache, strict=True):
+        assert layer_cache.keys is array and mx.array_equal(layer_cache.keys, before).item()
     assert call(4, 5).shape == x.shape  # the same arguments that fit are taken
+    assert not mx.array_equal(cache[1].keys, kept[1][1]).item()  # its keys written in place
+
+
+def test_a_layers_operands_are_of_evaluated_arrays(packed):
+    """decoder_operands holds a layer's weights for its steps to read, not as their inputs: it
+    refuses an array not yet evaluated."""
+    model, _ = packed
+    operands = layer_operands(model.layers[0])
+    lazy = operands["norm2"] * 1  # not evaluated
+    with pytest.raises(ValueError, match="evaluated"):
+        native.decoder_operands(**{**operands, "norm2": lazy})
+    mx.eval(lazy)
+    native.decoder_operands(**{**operands, "norm2": lazy})
 
 
 def test_a_layers_operands_that_do_not_fit_are_refused(packed):

@@ -57,9 +57,10 @@ NB_MODULE(_rows_matmul, m) {
   m.def("decoder_operands", &decoder_operands, "ws"_a, "scales"_a, "biases"_a, "bits"_a, "groups"_a,
         "int8"_a, "norm1"_a, "norm2"_a, "eps1"_a, "eps2"_a, "heads"_a, "kv_heads"_a, "scale"_a,
         "rope_dims"_a, "rope_traditional"_a, "rope_base"_a, "rope_scale"_a);
-  m.def("decoder_layer", &decoder_layer, "x"_a, "operands"_a, "keys"_a, "values"_a, "at"_a,
+  m.def("decoder_layers", &decoder_layers, "x"_a, "layers"_a, "keys"_a, "values"_a, "at"_a,
         "mask"_a, "positions"_a, "plan"_a.none(), "slots"_a,
-        "A llama decoder layer's decode step; keys and values become the cache after its write.");
+        "Llama decoder layers' decode step, one after another; each layer's keys and values "
+        "become its cache after its write.");
   m.def("all_finite", &all_finite, "arrays"_a);
   m.def("to_half", &to_half, "arrays"_a);
   m.def("packed_lookup", &packed_lookup, "ids"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,

@@ -1,5 +1,5 @@
 // Each query token's attention over its own keys, as RowsAttention (primitives/attention.cpp)
-// queues it and DecoderLayer (primitives/decoder_layer.cpp) runs it on a layer's KV cache.
+// queues it and DecoderLayers (primitives/decoder_layer.cpp) runs it on each layer's KV cache.
 #pragma once
 
 #include <cstdint>

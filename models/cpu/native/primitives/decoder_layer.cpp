@@ -1,6 +1,7 @@
-// A llama decoder layer's decode step as one primitive (DecoderLayer): the calls a step of the
-// fused layer (models/cpu/fused.py) makes, one task where it takes eleven primitives; what its
-// steps share (DecoderOperands) checked once, where the layer is first stepped.
+// A llama model's decoder layers' decode step as one primitive (DecoderLayers): the calls a
+// step of each fused layer (models/cpu/fused.py) makes, one task where each layer took eleven
+// primitives; what a layer's steps share (DecoderOperands) checked once, where it is first
+// stepped.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -72,52 +73,103 @@ struct CacheWrite {
 //   out = h + swiglu(norm2(h) @ [Wg, Wu]) @ Wd
 // each part computed by the same code as the primitive that computes it alone (HeadsProducts,
 // attend_rows), in the same order, so the bits are those of the eleven primitives; a row's
-// adapters' residuals added where the plan's slots say, as there. The cache's keys and values
-// come out as outputs: the inputs' buffers taken over where MLX would let an update take them
-// (row-contiguous, nothing else holding them), else copies.
-class DecoderLayer : public CpuPrimitive {
+// adapters' residuals added where the plan's slots say, as there. Made in the primitive's
+// eval_cpu (the cache's outputs given their buffers there), run in its task.
+struct LayerStep {
+  std::array<HeadsProducts, kCalls> calls;
+  CacheWrite key_cache, value_cache;
+  CacheView keys, values;
+  RowMajor norm1, norm2;
+  int D, F, Dk, Dv, H, Hkv;
+  float scale;
+
+  // The layer's weights and norms from its operands (evaluated arrays they hold), its keys and
+  // values `keys_in` and `values_in`, which come out in `keys_out` and `values_out`.
+  LayerStep(const DecoderOperands& o, const mx::array& keys_in, const mx::array& values_in,
+            const std::vector<int>& slots, const std::shared_ptr<const RowPlan>& plan,
+            const mx::array& positions, mx::array& keys_out, mx::array& values_out)
+      : key_cache(keys_in, keys_out),
+        value_cache(values_in, values_out),
+        keys(keys_out),
+        values(values_out),
+        norm1(o.arrays[3 * kProjections]),
+        norm2(o.arrays[3 * kProjections + 1]),
+        D(o.D),
+        F(o.F),
+        Dk(o.Dk),
+        Dv(o.Dv),
+        H(o.heads),
+        Hkv(o.kv_heads),
+        scale(o.scale) {
+    for (int c = 0, p = 0; c < kCalls; c++) {
+      for (int j = 0; j < kWeights[c]; j++, p++) {
+        const mx::array* w = &o.arrays[3 * p];
+        const int heads = c == 0 ? (p == 0 ? o.heads : o.kv_heads) : 0;
+        calls[c].add(
+            packed_weight(w[0], w[1], w[2], o.inputs[p], o.bits[p], o.group[c], "decoder_layers"),
+            o.rows[p], heads);
+        if (!slots.empty()) calls[c].slots.push_back(slots[p]);
+      }
+      calls[c].group = o.group[c], calls[c].int8 = o.int8[c], calls[c].plan = plan;
+    }
+    calls[0].rope = o.rope, calls[0].roped = 2, calls[0].inv_freqs = o.inv_freqs;
+    calls[0].positions = RopeOffsets(positions);
+    calls[0].norm_eps = o.eps1;
+    calls[2].norm_eps = o.eps2, calls[2].glu = true;
+  }
+
+  // In the task: x [B, 1, D] -> op [B, 1, D] (op is not x), the step's keys and values written.
+  void run(const Kernel* kernel, const float* xp, float* op, int B, int at, const KeyMask& mask) {
+    std::vector<float> q(static_cast<size_t>(B) * H * Dk), k(static_cast<size_t>(B) * Hkv * Dk),
+        v(static_cast<size_t>(B) * Hkv * Dv);
+    calls[0].run(kernel, xp, norm1.get(), B, 1, D, {q.data(), k.data(), v.data()});
+    key_cache.write(k.data(), at);
+    value_cache.write(v.data(), at);
+    std::vector<float> attended(static_cast<size_t>(B) * H * Dv);
+    keys.prepare(), values.prepare();
+    attend_rows(kernel->attend, q.data(), B, H, 1, Dk, keys, values, Hkv, at + 1, Dv, mask, scale,
+                /*merged=*/true, attended.data());
+    const size_t n = static_cast<size_t>(B) * D;
+    std::vector<float> h(n), activated(static_cast<size_t>(B) * F);
+    calls[1].run(kernel, attended.data(), nullptr, B, 1, H * Dv, {h.data()});
+    for (size_t i = 0; i < n; i++) h[i] = xp[i] + h[i];  // the residual stream: MLX's Add
+    calls[2].run(kernel, h.data(), norm2.get(), B, 1, D, {activated.data()});
+    calls[3].run(kernel, activated.data(), nullptr, B, 1, F, {op});
+    for (size_t i = 0; i < n; i++) op[i] = h[i] + op[i];
+  }
+};
+
+// A decode step of a run of decoder layers (a model's, or one) as one primitive: each layer's
+// LayerStep in turn, in one task, each taking the one before's output; the cache's keys and
+// values of each come out as outputs: the inputs' buffers taken over where MLX would let an
+// update take them (row-contiguous, nothing else holding them), else copies.
+class DecoderLayers : public CpuPrimitive {
  public:
   struct Settings {
-    std::shared_ptr<const DecoderOperands> operands;
+    std::vector<std::shared_ptr<const DecoderOperands>> layers;
     int at;
     std::shared_ptr<const RowPlan> plan;
-    std::vector<int> slots;  // each projection's LoRA slot (-1: none), or empty
+    std::vector<std::vector<int>> slots;  // each layer's projections' LoRA slots (-1: none), or
+                                          // empty for a layer where none apply
 
     bool operator==(const Settings& o) const {
-      return operands == o.operands && at == o.at && plan == o.plan && slots == o.slots;
+      return layers == o.layers && at == o.at && plan == o.plan && slots == o.slots;
     }
   };
 
-  DecoderLayer(mx::Stream stream, Settings settings)
+  DecoderLayers(mx::Stream stream, Settings settings)
       : CpuPrimitive(stream), settings_(std::move(settings)) {}
 
-  // inputs: x [B, 1, D]; w, scales, biases of q, k, v, o, gate, up, down; the norms' weights;
-  // keys [B, Hkv, S, Dk], values [B, Hkv, S, Dv]; mask [B, 1, 1, at + 1] bool; positions int32.
+  // inputs: x [B, 1, D]; each layer's keys [B, Hkv, S, Dk] and values [B, Hkv, S, Dv]; mask
+  // [B, 1, 1, at + 1] bool; positions int32. outputs: the last layer's [B, 1, D], then each
+  // layer's keys and values. The layers' weights and norms are not inputs: their operands hold
+  // them, evaluated (`decoder_operands`), and the task holds the operands while it runs. MLX
+  // gives each output a copy of the inputs' list, and a model's weights would be ~700 inputs.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Settings& s = settings_;
-    const DecoderOperands& o = *s.operands;
     const auto& x = inputs[0];
-    const int B = x.shape(0), D = o.D, F = o.F, Dk = o.Dk, Dv = o.Dv;
-    const int first = 1 + 3 * kProjections;
-    const auto& keys = inputs[first + 2];
-    const auto& values = inputs[first + 3];
-    std::array<HeadsProducts, kCalls> calls;
-    for (int c = 0, p = 0; c < kCalls; c++) {
-      for (int j = 0; j < kWeights[c]; j++, p++) {
-        const int at = 1 + 3 * p;
-        const int heads = c == 0 ? (p == 0 ? o.heads : o.kv_heads) : 0;
-        calls[c].add(packed_weight(inputs[at], inputs[at + 1], inputs[at + 2], o.inputs[p],
-                                   o.bits[p], o.group[c], "decoder_layer"),
-                     o.rows[p], heads);
-        if (!s.slots.empty()) calls[c].slots.push_back(s.slots[p]);
-      }
-      calls[c].group = o.group[c], calls[c].int8 = o.int8[c], calls[c].plan = s.plan;
-    }
-    calls[0].rope = o.rope, calls[0].roped = 2, calls[0].inv_freqs = o.inv_freqs;
-    calls[0].positions = RopeOffsets(inputs[first + 5]);
-    calls[0].norm_eps = o.eps1;
-    calls[2].norm_eps = o.eps2, calls[2].glu = true;
-
+    const int B = x.shape(0), D = x.shape(2);
+    const auto& positions = inputs.back();
     // Each output holds a list of the inputs of its own (MLX's make_arrays), and the cache's arrays
     // can be taken over only when held once: the other outputs' lists, which MLX drops unread
     // once this returns, go now.
@@ -125,35 +177,32 @@ class DecoderLayer : public CpuPrimitive {
       if (&output.inputs() != &inputs) output.inputs().clear();
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    CacheWrite key_cache(keys, outputs[1]), value_cache(values, outputs[2]);
-    queue_task(stream(), [source = RowMajor(x), norm1 = RowMajor(inputs[first]),
-                          norm2 = RowMajor(inputs[first + 1]), calls = std::move(calls), key_cache,
-                          value_cache, keys = CacheView(outputs[1]), values = CacheView(outputs[2]),
-                          mask = KeyMask(inputs[first + 4]), op = out.data<float>(), B, D, Dk, Dv,
-                          F, H = o.heads, Hkv = o.kv_heads, at = s.at, scale = o.scale,
-                          kernel = active_kernel()]() mutable {
+    std::vector<LayerStep> steps;
+    steps.reserve(s.layers.size());
+    for (size_t l = 0; l < s.layers.size(); l++)
+      steps.emplace_back(*s.layers[l], inputs[1 + 2 * l], inputs[2 + 2 * l],
+                         s.slots.empty() ? std::vector<int>{} : s.slots[l], s.plan, positions,
+                         outputs[1 + 2 * l], outputs[2 + 2 * l]);
+    // `held`: the operands, whose arrays the steps read, for as long as the task runs.
+    queue_task(stream(), [held = s.layers, source = RowMajor(x), steps = std::move(steps),
+                          mask = KeyMask(inputs[inputs.size() - 2]), op = out.data<float>(), B, D,
+                          at = s.at, kernel = active_kernel()]() mutable {
       const float* xp = source.get();
-      std::vector<float> q(static_cast<size_t>(B) * H * Dk), k(static_cast<size_t>(B) * Hkv * Dk),
-          v(static_cast<size_t>(B) * Hkv * Dv);
-      calls[0].run(kernel, xp, norm1.get(), B, 1, D, {q.data(), k.data(), v.data()});
-      key_cache.write(k.data(), at);
-      value_cache.write(v.data(), at);
-      std::vector<float> attended(static_cast<size_t>(B) * H * Dv);
-      keys.prepare(), values.prepare();
-      attend_rows(kernel->attend, q.data(), B, H, 1, Dk, keys, values, Hkv, at + 1, Dv, mask, scale,
-                  /*merged=*/true, attended.data());
-      const size_t n = static_cast<size_t>(B) * D;
-      std::vector<float> h(n), activated(static_cast<size_t>(B) * F);
-      calls[1].run(kernel, attended.data(), nullptr, B, 1, H * Dv, {h.data()});
-      for (size_t i = 0; i < n; i++) h[i] = xp[i] + h[i];  // the residual stream: MLX's Add
-      calls[2].run(kernel, h.data(), norm2.get(), B, 1, D, {activated.data()});
-      calls[3].run(kernel, activated.data(), nullptr, B, 1, F, {op});
-      for (size_t i = 0; i < n; i++) op[i] = h[i] + op[i];
+      std::vector<float> between[2];  // the layers' outputs before the last, in turn
+      for (size_t l = 0; l < steps.size(); l++) {
+        float* to = op;
+        if (l + 1 < steps.size()) {
+          between[l % 2].resize(static_cast<size_t>(B) * D);
+          to = between[l % 2].data();
+        }
+        steps[l].run(kernel, xp, to, B, at, mask);
+        xp = to;
+      }
     });
   }
-  const char* name() const override { return "DecoderLayer"; }
+  const char* name() const override { return "DecoderLayers"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return settings_ == static_cast<const DecoderLayer&>(other).settings_;
+    return settings_ == static_cast<const DecoderLayers&>(other).settings_;
   }
 
  private:
@@ -211,6 +260,10 @@ std::shared_ptr<DecoderOperands> decoder_operands(
     o->arrays.insert(o->arrays.end(), {ws[p], scales[p], biases[p]});
   }
   o->arrays.insert(o->arrays.end(), {norm1, norm2});
+  // A step reads them where the operands hold them, not as its inputs: they must be there.
+  check_shape(std::all_of(o->arrays.begin(), o->arrays.end(),
+                          [](const mx::array& a) { return a.is_available(); }),
+              "evaluated weights, scales, biases and norms");
   o->rows8 = std::any_of(ws.begin(), ws.end(), [](const mx::array& w) {
     return w.dtype() == mx::uint8 || w.dtype() == mx::int8;
   });
@@ -222,54 +275,73 @@ std::shared_ptr<DecoderOperands> decoder_operands(
   return o;
 }
 
-mx::array decoder_layer(const mx::array& x, std::shared_ptr<DecoderOperands> operands,
-                        mx::array& keys, mx::array& values, int at, const mx::array& mask,
-                        const mx::array& positions, std::shared_ptr<RowPlan> plan,
-                        std::vector<int> slots) {
-  check_shape(operands != nullptr, "a layer's operands");
-  const DecoderOperands& o = *operands;
+mx::array decoder_layers(const mx::array& x,
+                         const std::vector<std::shared_ptr<DecoderOperands>>& layers,
+                         const std::vector<mx::array*>& keys, const std::vector<mx::array*>& values,
+                         int at, const mx::array& mask, const mx::array& positions,
+                         std::shared_ptr<RowPlan> plan, std::vector<std::vector<int>> slots) {
+  const size_t L = layers.size();
+  check_shape(L > 0 && keys.size() == L && values.size() == L,
+              "a layer's operands, keys and values for each layer, one layer or more");
   // The kernel is the active one when the step runs, which may not be the one the operands were
   // checked under (`use_isa` between steps).
   const Kernel* kernel = active_kernel();
-  if (kernel == nullptr || (o.rows8 && kernel->int8_rows8 == nullptr))
-    throw std::invalid_argument(
-        "decoder_layer: the active kernel does not read the layer's weights (rows interleaved "
-        "by eight are read by the integer products of a kernel that has them)");
-  check_shape(slots.empty() || slots.size() == kProjections,
-              "a LoRA slot for each of q, k, v, o, gate, up and down, or none");
-  check_shape(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(1) == 1 && x.shape(2) == o.D,
-              "x float32 [B, 1, D]");
+  check_shape(kernel != nullptr, "an active kernel");
+  check_shape(slots.empty() || slots.size() == L, "each layer's LoRA slots, or none");
+  check_shape(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(1) == 1, "x float32 [B, 1, D]");
   const int B = x.shape(0);
-  check_shape(keys.ndim() == 4 && values.ndim() == 4 && keys.dtype() == mx::float32 &&
-                  values.dtype() == mx::float32 && keys.shape(0) == B && values.shape(0) == B &&
-                  keys.shape(1) == o.kv_heads && values.shape(1) == o.kv_heads &&
-                  keys.shape(2) == values.shape(2) && 0 <= at && at < keys.shape(2),
-              "float32 keys [B, Hkv, S, Dk] and values [B, Hkv, S, Dv] with room at `at`");
-  check_shape(keys.shape(3) == o.Dk && values.shape(3) == o.Dv,
-              "a cache of the layer's heads: keys Dk and values Dv wide, as q's and v's rows say");
   check_shape(mask.dtype() == mx::bool_ && mask.shape() == mx::Shape{B, 1, 1, at + 1},
               "a bool mask [B, 1, 1, at + 1]");
   check_shape(positions.dtype() == mx::int32 && positions.ndim() == 1 &&
                   (positions.size() == 1 || static_cast<int>(positions.size()) == B),
               "int32 positions, one or one per row");
   if (!plan) slots.clear();
-  for (int p = 0; p < kProjections && !slots.empty(); p++)
-    if (slots[p] >= 0) check_plan("decoder_layer", B, o.inputs[p], o.rows[p], *plan, slots[p]);
   std::vector<mx::array> inputs;
-  inputs.reserve(1 + o.arrays.size() + 4);
+  std::vector<mx::Shape> shapes{x.shape()};
+  std::vector<std::shared_ptr<const DecoderOperands>> held;
   inputs.push_back(x);
-  inputs.insert(inputs.end(), o.arrays.begin(), o.arrays.end());
-  inputs.insert(inputs.end(), {keys, values, mask, positions});
+  for (size_t l = 0; l < L; l++) {
+    check_shape(layers[l] != nullptr && keys[l] != nullptr && values[l] != nullptr,
+                "a layer's operands, keys and values");
+    const DecoderOperands& o = *layers[l];
+    const mx::array &k = *keys[l], &v = *values[l];
+    if (o.rows8 && kernel->int8_rows8 == nullptr)
+      throw std::invalid_argument(
+          "decoder_layers: the active kernel does not read the layer's weights (rows "
+          "interleaved by eight are read by the integer products of a kernel that has them)");
+    check_shape(x.shape(2) == o.D, "x [B, 1, D] as wide as every layer's norms");
+    check_shape(k.ndim() == 4 && v.ndim() == 4 && k.dtype() == mx::float32 &&
+                    v.dtype() == mx::float32 && k.shape(0) == B && v.shape(0) == B &&
+                    k.shape(1) == o.kv_heads && v.shape(1) == o.kv_heads &&
+                    k.shape(2) == v.shape(2) && 0 <= at && at < k.shape(2),
+                "float32 keys [B, Hkv, S, Dk] and values [B, Hkv, S, Dv] with room at `at`");
+    check_shape(
+        k.shape(3) == o.Dk && v.shape(3) == o.Dv,
+        "a cache of the layer's heads: keys Dk and values Dv wide, as q's and v's rows say");
+    if (!slots.empty()) {
+      check_shape(slots[l].empty() || slots[l].size() == kProjections,
+                  "a LoRA slot for each of q, k, v, o, gate, up and down, or none, a layer");
+      for (size_t p = 0; p < slots[l].size(); p++)
+        if (slots[l][p] >= 0)
+          check_plan("decoder_layers", B, o.inputs[p], o.rows[p], *plan, slots[l][p]);
+    }
+    inputs.insert(inputs.end(), {k, v});
+    shapes.insert(shapes.end(), {k.shape(), v.shape()});
+    held.push_back(layers[l]);
+  }
+  inputs.insert(inputs.end(), {mask, positions});
   const auto s = mx::default_stream(mx::Device::cpu);
   auto outs = mx::array::make_arrays(
-      {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
-      std::make_shared<DecoderLayer>(
-          s, DecoderLayer::Settings{std::move(operands), at, std::move(plan), std::move(slots)}),
+      std::move(shapes), std::vector<mx::Dtype>(1 + 2 * L, mx::float32),
+      std::make_shared<DecoderLayers>(
+          s, DecoderLayers::Settings{std::move(held), at, std::move(plan), std::move(slots)}),
       std::move(inputs));
   // The cache's arrays become the updated ones in place, as `keys[...] = k` makes them; the
   // primitive holds the arrays they were.
-  keys.overwrite_descriptor(outs[1]);
-  values.overwrite_descriptor(outs[2]);
+  for (size_t l = 0; l < L; l++) {
+    keys[l]->overwrite_descriptor(outs[1 + 2 * l]);
+    values[l]->overwrite_descriptor(outs[2 + 2 * l]);
+  }
   return outs[0];
 }
 

@@ -61,15 +61,17 @@ std::shared_ptr<DecoderOperands> decoder_operands(
     const mx::array& norm2, float eps1, float eps2, int heads, int kv_heads, float scale,
     int rope_dims, bool rope_traditional, float rope_base, float rope_scale);
 
-// One decode step (x [B, 1, D]) of such a layer, with its KV cache (this step's keys and values
-// written at `at`), attention and residual stream, to the bits of the primitives that compute
-// each part alone, a row's adapters' residuals added where `plan` and `slots` say (as
-// quant_matmul_heads adds them); returns the layer's output, and makes `keys` and `values` the
-// cache's arrays after the write, in place, as `keys[...] = k` makes them.
-mx::array decoder_layer(const mx::array& x, std::shared_ptr<DecoderOperands> operands,
-                        mx::array& keys, mx::array& values, int at, const mx::array& mask,
-                        const mx::array& positions, std::shared_ptr<RowPlan> plan,
-                        std::vector<int> slots);
+// One decode step (x [B, 1, D]) of such layers, one after another, each with its KV cache (this
+// step's keys and values written at `at`), attention and residual stream, to the bits of the
+// primitives that compute each part alone, a row's adapters' residuals added where `plan` and
+// each layer's `slots` say (as quant_matmul_heads adds them); returns the last layer's output,
+// and makes each layer's `keys` and `values` its cache's arrays after the write, in place, as
+// `keys[...] = k` makes them.
+mx::array decoder_layers(const mx::array& x,
+                         const std::vector<std::shared_ptr<DecoderOperands>>& layers,
+                         const std::vector<mx::array*>& keys, const std::vector<mx::array*>& values,
+                         int at, const mx::array& mask, const mx::array& positions,
+                         std::shared_ptr<RowPlan> plan, std::vector<std::vector<int>> slots);
 
 // primitives/embedding.cpp: rows `ids` (any shape) of a packed 4- or 8-bit layer, in MLX's
 // packing or interleaved by eight (weights.interleave_rows8), dequantized as mx.dequantize

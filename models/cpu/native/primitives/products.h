@@ -2,7 +2,7 @@
 // multiplied by one quantization's weights (`PackedProducts`), and one call of several weights'
 // products of one input, with its norm, rotation, activation and LoRA residuals (`HeadsProducts`):
 // what QuantMatmul, QuantMatmulGather and QuantMatmulHeads (primitives/quant_matmul.cpp) queue,
-// and DecoderLayer (primitives/decoder_layer.cpp) runs four of a layer.
+// and DecoderLayers (primitives/decoder_layer.cpp) runs four of each layer.
 #pragma once
 
 #include <algorithm>
