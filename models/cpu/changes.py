@@ -1,6 +1,6 @@
 """A count of the changes made to the layers a decoder layer's step primitive reads.
 
-`fused.layer_step` gathers what a decoder layer's decode steps share (its projections' packed
+`fused.py` gathers what a decoder layer's decode steps share (its projections' packed
 weights and precision, its norms, its RoPE, the modules it reads them from) once, and keeps it
 from step to step. Checking at every step that each of those objects is still the one gathered
 cost more than the layer's native call; instead the classes they are read from count every
@@ -9,8 +9,11 @@ change made to their items and attributes (`Watched`): an item or attribute set 
 items), a class swapped, a projection replaced (a LoRA slot installed). A layer whose kept
 arguments were gathered at another count gathers them anew at its next step.
 
-What the count does not see is what the identity of the objects did not see either: an array
-changed in place (`weight[0] = ...`), or a module's dict changed through `dict` itself.
+A change is counted once made, so that arguments gathered meanwhile on another thread are
+gathered again. What the count does not see: an array changed in place (`weight[0] = ...`,
+which the objects' identities did not show either), and a module's dict changed through
+`dict`'s own methods (`pop`, `clear`, `setdefault`, `dict.__setitem__`), which MLX does not
+use on modules: call `changed()` after such a change.
 """
 
 from __future__ import annotations
@@ -38,17 +41,17 @@ class Watched(nn.Module):
     every item or attribute set or deleted on its modules counts as a change (`count`)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        changed()
         super().__setattr__(name, value)
+        changed()
 
     def __delattr__(self, name: str) -> None:
-        changed()
         super().__delattr__(name)
+        changed()
 
     def __setitem__(self, key: str, value: Any) -> None:
-        changed()
         super().__setitem__(key, value)
+        changed()
 
     def __delitem__(self, key: str) -> None:
-        changed()
         super().__delitem__(key)
+        changed()

@@ -17,7 +17,7 @@ layer is one primitive (`layer_step`, the native `decoder_layers`): those calls,
 write, the attention and the residual adds in one task, to their bits; and `FusedModel`, the
 llama model holding the layers, takes the step of four layers at a time as one primitive
 (`layers_step`), checking their arguments in one pass: the embedded model's step is eight of
-them where it was thirty, its graph built in ~0.7 ms where it took ~1.05.
+them where it was thirty, its graph built in ~0.7 ms where a primitive a layer took ~1.05.
 
 A layer takes the fused path when its projections are packed (`PackedLinear`), with no bias,
 and each call's projections share a group size and a precision (`_one_call`: their bits and
@@ -359,19 +359,16 @@ def _steps(
     inputs = _step_inputs(mask, offset, at, x.shape[0])
     if inputs is None:
         return None
-    out = x
-    for start in range(0, len(operands), LAYERS_A_CALL):
-        run = slice(start, start + LAYERS_A_CALL)
-        out = native.decoder_layers(
-            out, operands[run], keys[run], values[run], at, *inputs, plan,
-            slots[run] if plan is not None else [],
-        )  # fmt: skip
+    out = native.decoder_layers(
+        x, operands, keys, values, at, *inputs, plan, slots if plan is not None else [],
+        LAYERS_A_CALL,
+    )  # fmt: skip
     for cache in caches:
         _stepped(cache, kind, offset)
     return cast(mx.array, out)
 
 
-# The layers of one `decoder_layers` call in `layers_step`. MLX gives each of a primitive's
+# The layers of one primitive of `decoder_layers` in `layers_step`. MLX gives each of a primitive's
 # outputs (here a layer's keys and values, two a layer) its own copy of the inputs' list (two a
 # layer) and of its siblings', so a call's cost grows as the square of its layers. The embedded
 # model's one-row step (30 layers, LoRA slots installed) built its graph in 0.67-0.69 ms at two
@@ -533,7 +530,6 @@ def install_fused(model: nn.Module) -> int:
     """Give the model's llama attention and MLP layers their fused class, in place, where each
     projection they compute together is a `FusedProjection` (packed, or a LoRA slot on packed
     weights); returns how many layers changed. Their projections and weights are untouched."""
-    changes.changed()  # the classes swapped below are not watched yet
     changed = 0
     for _, module in model.named_modules():
         fused = _FUSED_CLASSES.get(type(module))
@@ -552,6 +548,7 @@ def install_fused(model: nn.Module) -> int:
             type(layer) is FusedBlock for layer in module["layers"]
         ):
             module.__class__ = FusedModel
+    changes.changed()  # the classes swapped were not watched
     return changed
 
 
@@ -561,6 +558,8 @@ def uninstall_fused(model: nn.Module) -> int:
     changed = 0
     for _, module in model.named_modules():
         if isinstance(module, FusedAttention | FusedMLP | FusedBlock | FusedModel):
+            module.__dict__.pop("_layer_arguments", None)  # the weights its operands hold
+            if not isinstance(module, FusedModel):  # a layer
+                changed += 1
             module.__class__ = type(module).__mro__[1]
-            changed += 1
     return changed

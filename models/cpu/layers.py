@@ -422,5 +422,6 @@ def swap_layers(model: nn.Module, all_rows: bool = False) -> Counter[type[nn.Mod
     """Give the model's layers their native class, in place; returns how many of each. The
     layers take the kernels once `extension.load` has succeeded. `all_rows`: the classes of a
     model whose quantized weights the kernels serve, every call of every layer."""
-    changed()  # the classes swapped are not watched yet: a kept decoder layer's arguments go
-    return swap_classes(model, _ALL_ROWS_CLASSES if all_rows else _ROWS_CLASSES)
+    swapped = swap_classes(model, _ALL_ROWS_CLASSES if all_rows else _ROWS_CLASSES)
+    changed()  # the classes swapped were not watched: a kept decoder layer's arguments go
+    return swapped

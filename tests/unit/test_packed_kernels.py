@@ -1075,7 +1075,7 @@ def test_a_decode_steps_layers_are_one_primitive(
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_under_adapters_a_decode_steps_layer_stays_one_primitive(packed, tmp_path, rows):
-    """A decode step whose rows each have their own adapters: each layer still one primitive,
+    """A decode step whose rows each have their own adapters: the layers still one primitive,
     which adds its rows' residuals to each projection's product."""
     model, manager = packed
     sets = [adapter_set(manager, spec) for spec in ("a", "b", "a+b")[:rows]]
@@ -1182,7 +1182,7 @@ def test_a_layer_of_mixed_widths_is_one_primitive_with_the_separate_calls_bits(
     tmp_path, monkeypatch, precision, rows
 ):
     """A model whose projections are quantized at different widths, as a GGUF's quant mix has
-    them: a decode step's layer is still one primitive, and gives the separate calls' logits to
+    them: a decode step's layers are still one primitive, and give the separate calls' logits to
     the bit, on every precision."""
     model = tiny_model()
     nn.quantize(
@@ -1203,6 +1203,49 @@ def test_a_layer_of_mixed_widths_is_one_primitive_with_the_separate_calls_bits(
     separate, _ = decode_steps(model, rows, BASE_ONLY, grow_by=5)
     for step, (got, want) in enumerate(zip(one, separate, strict=True)):
         assert mx.array_equal(got, want).item(), step
+
+
+def deep_llama(seed: int = 0) -> nn.Module:
+    """The tiny llama with five layers, quantized: more than one `decoder_layers` primitive."""
+    args = tiny_args()
+    args.num_hidden_layers, args.layer_types = 5, ["full_attention"] * 5
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_step_of_more_layers_than_a_primitive_takes_gives_the_separate_calls_bits(
+    tmp_path, monkeypatch, rows
+):
+    """Five layers at four a primitive: a decode step is two primitives, the second taking the
+    first's output; on the base and under each row's own adapters (`a` on the first three
+    layers, `b` on the second alone, none on the last two) its logits and caches are the
+    separate calls', to the bit."""
+    assert fused.LAYERS_A_CALL == 4
+    model = deep_llama()
+    assert install_packed_kernels(model, threads=2).enabled
+    manager = AdapterManager(model, base_id=BASE_ID, adapter_root=tmp_path, max_rank=64)
+    for seed, (adapter_id, layers) in enumerate((("a", {0, 1, 2}), ("b", {1})), start=1):
+        pairs = random_pairs(deep_llama(), seed=seed)
+        kept = {path: pair for path, pair in pairs.items() if int(path.split(".")[2]) in layers}
+        write_mlx_adapter(tmp_path / adapter_id, kept)
+        manager.mount(adapter_id, adapter_id)
+    assert step_products(model, tmp_path, rows)["DecoderLayers"] == 2
+    for specs in (("",), ("a+b", "b", "")):
+        sets = [adapter_set(manager, specs[row % len(specs)]) for row in range(rows)]
+        batch = RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]
+        one, one_cache = decode_steps(model, rows, batch, grow_by=5)
+        with monkeypatch.context() as patched:
+            separate_calls(patched)
+            separate, separate_cache = decode_steps(model, rows, batch, grow_by=5)
+        for step, (got, want) in enumerate(zip(one, separate, strict=True)):
+            assert mx.array_equal(got, want).item(), (specs, step)
+        for got_layer, want_layer in zip(one_cache, separate_cache, strict=True):
+            assert mx.array_equal(got_layer.state[0], want_layer.state[0]).item()  # keys
+            assert mx.array_equal(got_layer.state[1], want_layer.state[1]).item()  # values
 
 
 def test_a_model_of_sliding_window_layers_steps_each_layer_on_its_own(tmp_path, monkeypatch):
@@ -1330,7 +1373,8 @@ def layer_operands(layer: nn.Module, **changed: Any) -> dict[str, Any]:
 
 def test_a_layers_step_that_does_not_fit_is_refused(packed):
     """decoder_layers refuses a mask or a position that does not fit the caches, a cache of
-    other heads than its layer's, lists of layers, caches and slots that do not match, and
+    other heads than its layer's (the second layer's, its own primitive's: the first's is not
+    made either), lists of layers and caches that do not match, no layers a primitive, and
     leaves every cache's arrays as they were."""
     model, _ = packed
     cache = make_prompt_cache(model)
@@ -1353,6 +1397,7 @@ def test_a_layers_step_that_does_not_fit_is_refused(packed):
             "positions": mx.array([at], dtype=mx.int32),
             "plan": None,
             "slots": [],
+            "layers_a_call": 1,
             **changed,
         }
         return native.decoder_layers(**arguments)
@@ -1368,6 +1413,8 @@ def test_a_layers_step_that_does_not_fit_is_refused(packed):
         call(4, 5, keys=keys[:1])
     with pytest.raises(ValueError, match="one layer or more"):
         call(4, 5, layers=[], keys=[], values=[])
+    with pytest.raises(ValueError, match="a primitive"):
+        call(4, 5, layers_a_call=0)
     for (array, before), layer_cache in zip(kept, cache, strict=True):
         assert layer_cache.keys is array and mx.array_equal(layer_cache.keys, before).item()
     assert call(4, 5).shape == x.shape  # the same arguments that fit are taken

@@ -58,9 +58,10 @@ NB_MODULE(_rows_matmul, m) {
         "int8"_a, "norm1"_a, "norm2"_a, "eps1"_a, "eps2"_a, "heads"_a, "kv_heads"_a, "scale"_a,
         "rope_dims"_a, "rope_traditional"_a, "rope_base"_a, "rope_scale"_a);
   m.def("decoder_layers", &decoder_layers, "x"_a, "layers"_a, "keys"_a, "values"_a, "at"_a,
-        "mask"_a, "positions"_a, "plan"_a.none(), "slots"_a,
-        "Llama decoder layers' decode step, one after another; each layer's keys and values "
-        "become its cache after its write.");
+        "mask"_a, "positions"_a, "plan"_a.none(), "slots"_a, "layers_a_call"_a,
+        "Llama decoder layers' decode step, one after another, a primitive for each "
+        "`layers_a_call` of them; each layer's keys and values become its cache after its "
+        "write.");
   m.def("all_finite", &all_finite, "arrays"_a);
   m.def("to_half", &to_half, "arrays"_a);
   m.def("packed_lookup", &packed_lookup, "ids"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,

@@ -210,7 +210,7 @@ class DecoderLayers : public CpuPrimitive {
 };
 
 void check_shape(bool fits, const char* what) {
-  if (!fits) throw std::invalid_argument(std::string("decoder_layer: expected ") + what);
+  if (!fits) throw std::invalid_argument(std::string("decoder layers: expected ") + what);
 }
 
 }  // namespace
@@ -279,10 +279,12 @@ mx::array decoder_layers(const mx::array& x,
                          const std::vector<std::shared_ptr<DecoderOperands>>& layers,
                          const std::vector<mx::array*>& keys, const std::vector<mx::array*>& values,
                          int at, const mx::array& mask, const mx::array& positions,
-                         std::shared_ptr<RowPlan> plan, std::vector<std::vector<int>> slots) {
+                         std::shared_ptr<RowPlan> plan, std::vector<std::vector<int>> slots,
+                         int layers_a_call) {
   const size_t L = layers.size();
   check_shape(L > 0 && keys.size() == L && values.size() == L,
               "a layer's operands, keys and values for each layer, one layer or more");
+  check_shape(layers_a_call > 0, "one layer or more a primitive");
   // The kernel is the active one when the step runs, which may not be the one the operands were
   // checked under (`use_isa` between steps).
   const Kernel* kernel = active_kernel();
@@ -296,10 +298,7 @@ mx::array decoder_layers(const mx::array& x,
                   (positions.size() == 1 || static_cast<int>(positions.size()) == B),
               "int32 positions, one or one per row");
   if (!plan) slots.clear();
-  std::vector<mx::array> inputs;
-  std::vector<mx::Shape> shapes{x.shape()};
-  std::vector<std::shared_ptr<const DecoderOperands>> held;
-  inputs.push_back(x);
+  // Every layer checked before any primitive is made: a refused call changes no cache.
   for (size_t l = 0; l < L; l++) {
     check_shape(layers[l] != nullptr && keys[l] != nullptr && values[l] != nullptr,
                 "a layer's operands, keys and values");
@@ -325,24 +324,38 @@ mx::array decoder_layers(const mx::array& x,
         if (slots[l][p] >= 0)
           check_plan("decoder_layers", B, o.inputs[p], o.rows[p], *plan, slots[l][p]);
     }
-    inputs.insert(inputs.end(), {k, v});
-    shapes.insert(shapes.end(), {k.shape(), v.shape()});
-    held.push_back(layers[l]);
   }
-  inputs.insert(inputs.end(), {mask, positions});
   const auto s = mx::default_stream(mx::Device::cpu);
-  auto outs = mx::array::make_arrays(
-      std::move(shapes), std::vector<mx::Dtype>(1 + 2 * L, mx::float32),
-      std::make_shared<DecoderLayers>(
-          s, DecoderLayers::Settings{std::move(held), at, std::move(plan), std::move(slots)}),
-      std::move(inputs));
-  // The cache's arrays become the updated ones in place, as `keys[...] = k` makes them; the
-  // primitive holds the arrays they were.
-  for (size_t l = 0; l < L; l++) {
-    keys[l]->overwrite_descriptor(outs[1 + 2 * l]);
-    values[l]->overwrite_descriptor(outs[2 + 2 * l]);
+  mx::array out = x;
+  std::vector<mx::array> written;  // each layer's keys and values after the step
+  for (size_t first = 0; first < L; first += layers_a_call) {
+    const size_t last = std::min(L, first + layers_a_call);
+    std::vector<mx::array> inputs{out};
+    std::vector<mx::Shape> shapes{x.shape()};
+    std::vector<std::shared_ptr<const DecoderOperands>> held;
+    std::vector<std::vector<int>> held_slots;
+    for (size_t l = first; l < last; l++) {
+      inputs.insert(inputs.end(), {*keys[l], *values[l]});
+      shapes.insert(shapes.end(), {keys[l]->shape(), values[l]->shape()});
+      held.push_back(layers[l]);
+      if (!slots.empty()) held_slots.push_back(std::move(slots[l]));
+    }
+    inputs.insert(inputs.end(), {mask, positions});
+    auto outs = mx::array::make_arrays(
+        std::move(shapes), std::vector<mx::Dtype>(1 + 2 * (last - first), mx::float32),
+        std::make_shared<DecoderLayers>(
+            s, DecoderLayers::Settings{std::move(held), at, plan, std::move(held_slots)}),
+        std::move(inputs));
+    out = outs[0];
+    written.insert(written.end(), outs.begin() + 1, outs.end());
   }
-  return outs[0];
+  // The cache's arrays become the updated ones in place, as `keys[...] = k` makes them; the
+  // primitives hold the arrays they were.
+  for (size_t l = 0; l < L; l++) {
+    keys[l]->overwrite_descriptor(written[2 * l]);
+    values[l]->overwrite_descriptor(written[2 * l + 1]);
+  }
+  return out;
 }
 
 }  // namespace hotlora

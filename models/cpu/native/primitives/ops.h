@@ -64,14 +64,16 @@ std::shared_ptr<DecoderOperands> decoder_operands(
 // One decode step (x [B, 1, D]) of such layers, one after another, each with its KV cache (this
 // step's keys and values written at `at`), attention and residual stream, to the bits of the
 // primitives that compute each part alone, a row's adapters' residuals added where `plan` and
-// each layer's `slots` say (as quant_matmul_heads adds them); returns the last layer's output,
-// and makes each layer's `keys` and `values` its cache's arrays after the write, in place, as
-// `keys[...] = k` makes them.
+// each layer's `slots` say (as quant_matmul_heads adds them), a primitive (DecoderLayers) for
+// each `layers_a_call` of them; returns the last layer's output, and makes each layer's `keys`
+// and `values` its cache's arrays after the write, in place, as `keys[...] = k` makes them.
+// Every layer is checked before anything is made: a refused call changes nothing.
 mx::array decoder_layers(const mx::array& x,
                          const std::vector<std::shared_ptr<DecoderOperands>>& layers,
                          const std::vector<mx::array*>& keys, const std::vector<mx::array*>& values,
                          int at, const mx::array& mask, const mx::array& positions,
-                         std::shared_ptr<RowPlan> plan, std::vector<std::vector<int>> slots);
+                         std::shared_ptr<RowPlan> plan, std::vector<std::vector<int>> slots,
+                         int layers_a_call);
 
 // primitives/embedding.cpp: rows `ids` (any shape) of a packed 4- or 8-bit layer, in MLX's
 // packing or interleaved by eight (weights.interleave_rows8), dequantized as mx.dequantize
