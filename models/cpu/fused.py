@@ -461,9 +461,6 @@ def _step_inputs(
     them; made once a call: every layer's cache of one call is at the same offset (see
     `_next_offsets`) and takes the call's mask. An array offset or mask is known by its id, and
     kept beside what was made of it while the call holds them."""
-    shared = call_shared()
-    if shared is None:
-        return None
     key = (
         "step",
         mask if mask is None or isinstance(mask, str) else id(mask),
@@ -471,13 +468,14 @@ def _step_inputs(
         at,
         batch,
     )
-    made = shared.get(key)
-    if made is None:
+
+    def make() -> tuple[Any, Any, tuple[mx.array, mx.array] | None]:
         kernel_mask = step_mask(mask, batch, at + 1)
         positions = NativeRoPE.positions(offset, batch)
         taken = None if kernel_mask is None or positions is None else (kernel_mask, positions)
-        made = shared[key] = (mask, offset, taken)
-    return cast(tuple[mx.array, mx.array] | None, made[2])
+        return mask, offset, taken
+
+    return cast(tuple[mx.array, mx.array] | None, _once_a_call(key, make)[2])
 
 
 def _next_offsets(offsets: mx.array) -> mx.array:
@@ -507,10 +505,8 @@ class FusedModel(llama.LlamaModel, Watched):
         h = self["embed_tokens"](inputs) if input_embeddings is None else input_embeddings
         mask = create_attention_mask(h, cache[full])
         stepped = layers_step(self["layers"], h, mask, cache)
-        if stepped is None:  # each layer's own call, from the same input and mask
-            for layer, layer_cache in zip(self["layers"], cache, strict=True):
-                h = layer(h, mask, cache=layer_cache)
-            return cast(mx.array, self["norm"](h))
+        if stepped is None:  # refused before anything was made: mlx-lm's own call
+            return super().__call__(inputs, cache, input_embeddings)
         return cast(mx.array, self["norm"](stepped))
 
 
