@@ -1136,6 +1136,33 @@ def decode_steps(
     return out, cache
 
 
+def held_to_separate_calls(
+    model: nn.Module,
+    rows: int,
+    batch: AdapterSet | RowAdapters,
+    grow_by: int,
+    monkeypatch: pytest.MonkeyPatch,
+    label: object = None,
+) -> list[mx.array]:
+    """`decode_steps` as the model takes them, held to its layers' separate calls: each step's
+    logits the same bits, and at the end each layer's cache the same (keys, values, each row's
+    offset, its position); returns the steps' logits."""
+    one, one_cache = decode_steps(model, rows, batch, grow_by)
+    with monkeypatch.context() as patched:
+        separate_calls(patched)
+        separate, separate_cache = decode_steps(model, rows, batch, grow_by)
+    for step, (got, want) in enumerate(zip(one, separate, strict=True)):
+        assert mx.array_equal(got, want).item(), (label, step)
+    for got_layer, want_layer in zip(one_cache, separate_cache, strict=True):
+        for got_state, want_state in zip(got_layer.state, want_layer.state, strict=True):
+            assert mx.array_equal(got_state, want_state).item(), label
+        assert got_layer.offset is not None
+        if isinstance(got_layer.offset, int):
+            assert got_layer.offset == want_layer.offset, label
+        assert getattr(got_layer, "_idx", None) == getattr(want_layer, "_idx", None), label
+    return one
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("specs", [("",), ("a+b", "b", "")])
 @pytest.mark.parametrize("taken", ["layers", "each layer", "a layer a call"])
@@ -1149,25 +1176,11 @@ def test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits(
     model, manager = packed
     sets = [adapter_set(manager, specs[row % len(specs)]) for row in range(rows)]
     batch = RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]
-    with monkeypatch.context() as patched:
-        if taken == "each layer":
-            patched.setattr(fused, "layers_step", lambda *_: None)
-        elif taken == "a layer a call":
-            patched.setattr(fused, "LAYERS_A_CALL", 1)
-        one, one_cache = decode_steps(model, rows, batch, grow_by=5)
-    with monkeypatch.context() as patched:
-        separate_calls(patched)
-        separate, separate_cache = decode_steps(model, rows, batch, grow_by=5)
-    for step, (got, want) in enumerate(zip(one, separate, strict=True)):
-        assert mx.array_equal(got, want).item(), step
-    for got_layer, want_layer in zip(one_cache, separate_cache, strict=True):
-        got_state, want_state = got_layer.state, want_layer.state
-        assert mx.array_equal(got_state[0], want_state[0]).item()  # keys
-        assert mx.array_equal(got_state[1], want_state[1]).item()  # values
-        if rows > 1:
-            assert mx.array_equal(got_state[2], want_state[2]).item()  # each row's offset
-        assert got_layer.offset is not None
-    assert getattr(one_cache[0], "_idx", None) == getattr(separate_cache[0], "_idx", None)
+    if taken == "each layer":
+        monkeypatch.setattr(fused, "layers_step", lambda *_: None)
+    elif taken == "a layer a call":
+        monkeypatch.setattr(fused, "LAYERS_A_CALL", 1)
+    held_to_separate_calls(model, rows, batch, 5, monkeypatch)
 
 
 # Widths by projection as a GGUF's quant mix has them (q and gate Q4_K, k Q5_0, up Q5_K, v, down
@@ -1198,11 +1211,7 @@ def test_a_layer_of_mixed_widths_is_one_primitive_with_the_separate_calls_bits(
     counted = step_products(model, tmp_path, rows)
     assert counted["DecoderLayers"] == 1
     assert counted["QuantMatmulHeads"] == 0
-    one, _ = decode_steps(model, rows, BASE_ONLY, grow_by=5)
-    separate_calls(monkeypatch)
-    separate, _ = decode_steps(model, rows, BASE_ONLY, grow_by=5)
-    for step, (got, want) in enumerate(zip(one, separate, strict=True)):
-        assert mx.array_equal(got, want).item(), step
+    held_to_separate_calls(model, rows, BASE_ONLY, 5, monkeypatch)
 
 
 def deep_llama(seed: int = 0) -> nn.Module:
@@ -1237,15 +1246,7 @@ def test_a_step_of_more_layers_than_a_primitive_takes_gives_the_separate_calls_b
     for specs in (("",), ("a+b", "b", "")):
         sets = [adapter_set(manager, specs[row % len(specs)]) for row in range(rows)]
         batch = RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]
-        one, one_cache = decode_steps(model, rows, batch, grow_by=5)
-        with monkeypatch.context() as patched:
-            separate_calls(patched)
-            separate, separate_cache = decode_steps(model, rows, batch, grow_by=5)
-        for step, (got, want) in enumerate(zip(one, separate, strict=True)):
-            assert mx.array_equal(got, want).item(), (specs, step)
-        for got_layer, want_layer in zip(one_cache, separate_cache, strict=True):
-            assert mx.array_equal(got_layer.state[0], want_layer.state[0]).item()  # keys
-            assert mx.array_equal(got_layer.state[1], want_layer.state[1]).item()  # values
+        held_to_separate_calls(model, rows, batch, 5, monkeypatch, specs)
 
 
 def test_a_model_of_sliding_window_layers_steps_each_layer_on_its_own(tmp_path, monkeypatch):
@@ -1263,11 +1264,7 @@ def test_a_model_of_sliding_window_layers_steps_each_layer_on_its_own(tmp_path, 
     assert type(model.model) is fused.FusedModel
     counted = step_products(model, tmp_path, 1)
     assert (counted["DecoderLayers"], counted["QuantMatmulHeads"]) == (1, 2)
-    one, _ = decode_steps(model, 1, BASE_ONLY, grow_by=5)
-    separate_calls(monkeypatch)
-    separate, _ = decode_steps(model, 1, BASE_ONLY, grow_by=5)
-    for step, (got, want) in enumerate(zip(one, separate, strict=True)):
-        assert mx.array_equal(got, want).item(), step
+    held_to_separate_calls(model, 1, BASE_ONLY, 5, monkeypatch)
 
 
 def test_a_precision_set_again_reaches_the_layer_primitive(packed, monkeypatch):
@@ -1279,12 +1276,7 @@ def test_a_precision_set_again_reaches_the_layer_primitive(packed, monkeypatch):
     steps = {}
     for precision in ("float32", "fast", "exact", "float32"):
         set_cpu_precision(model, precision)
-        one, _ = decode_steps(model, 1, base, grow_by=16)
-        with monkeypatch.context() as patched:
-            separate_calls(patched)
-            separate, _ = decode_steps(model, 1, base, grow_by=16)
-        for step, (got, want) in enumerate(zip(one, separate, strict=True)):
-            assert mx.array_equal(got, want).item(), (precision, step)
+        one = held_to_separate_calls(model, 1, base, 16, monkeypatch, precision)
         steps.setdefault(precision, one)
     for other in ("exact", "float32"):
         assert not mx.array_equal(steps[other][-1], steps["fast"][-1]).item(), other
@@ -1302,24 +1294,15 @@ def test_a_layers_arguments_are_kept_from_step_to_step_until_its_layers_change(p
     decode_steps(model, 1, adapter_set(manager, "b"), grow_by=16)
     assert [layer.__dict__["_layer_arguments"] for layer in model.layers] == kept
 
-    def stepped_as_separate_calls() -> list[mx.array]:
-        one, _ = decode_steps(model, 3, rows, grow_by=16)
-        with monkeypatch.context() as patched:
-            separate_calls(patched)
-            separate, _ = decode_steps(model, 3, rows, grow_by=16)
-        for step, (got, want) in enumerate(zip(one, separate, strict=True)):
-            assert mx.array_equal(got, want).item(), step
-        return one
-
     down = model.layers[0].mlp.down_proj["base"]
     down.update({"scales": down["scales"] * 2})  # new weights, the module unchanged
-    loaded = stepped_as_separate_calls()
+    loaded = held_to_separate_calls(model, 3, rows, 16, monkeypatch)
     assert not mx.array_equal(loaded[-1], before[-1]).item()
     assert model.layers[0].__dict__["_layer_arguments"] is not kept[0]
 
     attention = model.layers[1].self_attn  # a module of its own in a projection's place
     replace_module(model, "model.layers.1.self_attn.v_proj", attention.k_proj["base"])
-    replaced = stepped_as_separate_calls()
+    replaced = held_to_separate_calls(model, 3, rows, 16, monkeypatch)
     assert not mx.array_equal(replaced[-1], loaded[-1]).item()
 
 
