@@ -7,10 +7,14 @@ mounts `--adapters` (16) random rank-16 adapters on every projection twice,
 through two adapter managers: kept in float32 (`--adapter-dtype float32`) and in float16 (the
 default there). Then, in blocks of `--steps` (100) decode steps of 16 rows after a 64-token
 context, it times step by step, each kind in turn: the base alone; every row with an adapter of
-its own, in float32 and in float16; and one adapter on every row (float32), which runs the same
-kernels over the same rows but reads one adapter's arrays, so that the gap between it and the
-distinct rows is what reading 16 adapters costs. Each block's medians, then their medians, as
-one JSON object; ratios are the base step's time over each kind's.
+its own, in float32 and in float16; and one adapter on every row (float32 and float16), which
+runs the same kernels over the same rows but reads one adapter's arrays, so that the gap between
+it and the distinct rows is what reading 16 adapters costs. Each block's medians, then their
+medians, as one JSON object; ratios are the base step's time over each kind's. With them, the
+time a step spent in the residuals' own passes (`lora_ms`, the native kernels' clock) and the
+rate at which those passes read the adapters' arrays (`lora_gb_s`: each adapter's arrays once a
+step, over `lora_ms`): a one-adapter kind's passes are the residuals' arithmetic with the
+arrays in cache, a distinct kind's excess over them what reading the 16 from memory adds.
 
     python -m tests.bench.adapter_steps [--adapters 16] [--blocks 3] [--steps 100]
         [--precision fast|exact|float32] [--model-dir DIR]
@@ -33,7 +37,13 @@ from mlx_lm.models.cache import BatchKVCache
 from tests.bench.adapter_decode import write_random_adapters
 from tests.bench.step_times import CONTEXT, load
 
-KINDS = ("base", "distinct float32", "distinct float16", "one adapter float32")
+KINDS = (
+    "base",
+    "distinct float32",
+    "distinct float16",
+    "one adapter float32",
+    "one adapter float16",
+)
 
 
 def main() -> int:
@@ -47,6 +57,7 @@ def main() -> int:
 
     from hotlora.adapters import AdapterManager, RowAdapterCache, activate, parse_adapter_spec
     from hotlora.config.settings import Settings
+    from hotlora.models.cpu import extension
     from hotlora.models.embedded import ensure_embedded_model
 
     rows = args.adapters
@@ -70,11 +81,25 @@ def main() -> int:
         for name in names:
             manager.mount(name, name)
         sets[dtype] = [manager.resolve(parse_adapter_spec(name)) for name in names]
+    native = extension.native
+    assert native is not None, "the native kernels are not built"
+    mb = {
+        dtype: [manager.get(name).ram_bytes / 1e6 for name in names]
+        for dtype, manager in managers.items()
+    }
+    read_mb = {
+        "base": 0.0,
+        "distinct float32": sum(mb[mx.float32]),
+        "distinct float16": sum(mb[mx.float16]),
+        "one adapter float32": mb[mx.float32][0],
+        "one adapter float16": mb[mx.float16][0],
+    }
     batches: dict[str, Any] = {
         "base": None,
         "distinct float32": RowAdapterCache().for_rows(sets[mx.float32]),
         "distinct float16": RowAdapterCache().for_rows(sets[mx.float16]),
         "one adapter float32": sets[mx.float32][0],
+        "one adapter float16": sets[mx.float16][0],
     }
 
     def call(tokens: mx.array, cache: list[Any], batch: Any) -> mx.array:
@@ -86,18 +111,23 @@ def main() -> int:
     context = mx.arange(CONTEXT * rows).reshape(rows, CONTEXT) % 1000 + 100
     step = mx.full((rows, 1), 42)
     blocks: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    lora_blocks: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for block in range(args.blocks):
         caches = {kind: [BatchKVCache([0] * rows) for _ in model.layers] for kind in KINDS}
         for kind in KINDS:
             mx.eval(call(context, caches[kind], batches[kind]))
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        lora: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for _ in range(args.steps):
             for kind in KINDS:
+                native.lora_seconds()
                 began = time.perf_counter()
                 mx.eval(call(step, caches[kind], batches[kind]))
                 times[kind].append(time.perf_counter() - began)
+                lora[kind].append(native.lora_seconds())
         for kind in KINDS:
             blocks[kind].append(1000 * statistics.median(times[kind]))
+            lora_blocks[kind].append(1000 * statistics.median(lora[kind]))
         print(
             f"block {block + 1}: "
             + ", ".join(f"{kind} {blocks[kind][-1]:.1f} ms" for kind in KINDS),
@@ -110,9 +140,19 @@ def main() -> int:
         for kind, ms in blocks.items()
         if kind != "base"
     }
+    lora_ms = {kind: round(statistics.median(ms), 2) for kind, ms in lora_blocks.items()}
+    rates = {kind: round(read_mb[kind] / ms, 1) for kind, ms in lora_ms.items() if ms > 0}
     print(
         json.dumps(
-            {"rows": rows, "precision": args.precision, "step_ms": step_ms, "base_over": ratios},
+            {
+                "rows": rows,
+                "precision": args.precision,
+                "step_ms": step_ms,
+                "base_over": ratios,
+                "lora_ms": lora_ms,
+                "adapters_mb": {kind: round(value) for kind, value in read_mb.items()},
+                "lora_gb_s": rates,
+            },
             indent=2,
         )
     )

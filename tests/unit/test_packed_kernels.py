@@ -412,6 +412,23 @@ def test_the_gather_kernel_adds_each_rows_own_adapters(isa: str, rows: int):
             assert mx.array_equal(got[m], base[m]).item()
 
 
+def test_the_residuals_passes_are_timed_and_the_clock_reset_when_read(isa: str):
+    packed, scales, biases, _ = quantized(200, 256, 4, 32, mx.float16, seed=5)
+    pairs = gather_operands(256, 200, RANKS, seed=3)
+    x = mx.random.normal((4, 1, 256), key=mx.random.key(3))
+    native.lora_seconds()  # whatever earlier calls left
+    mx.eval(native.quant_matmul(x, packed, scales, biases, 32, 4))
+    assert native.lora_seconds() == 0.0  # no residuals, no pass
+    no_adapter = row_plan(pairs, [[]] * 4)
+    mx.eval(native.quant_matmul_gather(x, packed, scales, biases, 32, 4, no_adapter, 0))
+    assert native.lora_seconds() == 0.0
+    planned = row_plan(pairs, row_entries(4))
+    mx.eval(native.quant_matmul_gather(x, packed, scales, biases, 32, 4, planned, 0))
+    took = native.lora_seconds()
+    assert 0.0 < took < 10.0
+    assert native.lora_seconds() == 0.0  # read once, then reset
+
+
 def test_a_gathered_rows_result_is_the_same_bits_alone_as_in_any_batch(isa: str):
     """Each row alone, given only its own adapters (in another order among the pairs), gets the
     bits it gets among 16 rows of other adapters, and its prompt's tokens the same again."""

@@ -71,6 +71,8 @@ NB_MODULE(_rows_matmul, m) {
   m.def("attention_rows", &attention_rows, "q"_a, "k"_a, "v"_a, "mask"_a, "scale"_a);
   m.def("attention_rows_merged", &attention_rows_merged, "q"_a, "k"_a, "v"_a, "mask"_a, "scale"_a);
   m.def("masked_softmax", &masked_softmax, "scores"_a, "mask"_a);
+  m.def("lora_seconds", &lora_seconds,
+        "Seconds the gathered LoRA residuals' passes have taken since the last call.");
   m.def("set_threads", &set_threads, "threads"_a, "The threads of every later product.");
   m.def("isa", &active_isa, "The vector instructions the kernel uses.");
   m.def(

@@ -2,6 +2,8 @@
 #include "lora_plans.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
@@ -66,8 +68,22 @@ void RowResiduals::ask_heads(int m) const {
     }
 }
 
+namespace {
+std::atomic<int64_t> g_lora_nanoseconds{0};
+}  // namespace
+
+double lora_seconds() { return 1e-9 * static_cast<double>(g_lora_nanoseconds.exchange(0)); }
+
 void RowResiduals::apply(const float* x) {
   if (units_.empty()) return;
+  const auto began = std::chrono::steady_clock::now();
+  run(x);
+  g_lora_nanoseconds +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - began)
+          .count();
+}
+
+void RowResiduals::run(const float* x) {
   h_.resize(floats_);
   columns_.resize(widest_);
   for (int r = 0; r < widest_; r++) columns_[r] = r;

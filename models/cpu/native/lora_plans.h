@@ -94,6 +94,8 @@ class RowResiduals {
  private:
   static constexpr int kRowsAThread = 4;
 
+  void run(const float* x);  // `apply`'s passes
+
   struct Product {
     int N;
     float* out;
@@ -132,6 +134,11 @@ class RowResiduals {
   std::vector<float> h_;
   std::vector<int> columns_;  // 0 .. widest_ - 1: every column of an adapter, in order
 };
+
+// The seconds that RowResiduals' `apply` calls have taken since the last call of this (their
+// wall time on the threads that made them), then none: what a step's LoRA residuals cost, as a
+// benchmark reads it (tests/bench/adapter_steps.py).
+double lora_seconds();
 
 // Checks that a plan serves x's M rows (its rows divide them evenly) and that each of its
 // adapters' pairs at `slot` takes x's K inputs to N outputs.
