@@ -83,24 +83,17 @@ def main() -> int:
         sets[dtype] = [manager.resolve(parse_adapter_spec(name)) for name in names]
     native = extension.native
     assert native is not None, "the native kernels are not built"
-    mb = {
-        dtype: [manager.get(name).ram_bytes / 1e6 for name in names]
-        for dtype, manager in managers.items()
-    }
-    read_mb = {
-        "base": 0.0,
-        "distinct float32": sum(mb[mx.float32]),
-        "distinct float16": sum(mb[mx.float16]),
-        "one adapter float32": mb[mx.float32][0],
-        "one adapter float16": mb[mx.float16][0],
-    }
-    batches: dict[str, Any] = {
-        "base": None,
-        "distinct float32": RowAdapterCache().for_rows(sets[mx.float32]),
-        "distinct float16": RowAdapterCache().for_rows(sets[mx.float16]),
-        "one adapter float32": sets[mx.float32][0],
-        "one adapter float16": sets[mx.float16][0],
-    }
+    # Each kind's batch, and the megabytes of adapters' arrays its step reads (each once).
+    batches: dict[str, Any] = {"base": None}
+    read_mb = {"base": 0.0}
+    for dtype, manager in managers.items():
+        mb = [manager.get(name).ram_bytes / 1e6 for name in names]
+        label = "float32" if dtype == mx.float32 else "float16"
+        batches[f"distinct {label}"] = RowAdapterCache().for_rows(sets[dtype])
+        read_mb[f"distinct {label}"] = sum(mb)
+        batches[f"one adapter {label}"] = sets[dtype][0]
+        read_mb[f"one adapter {label}"] = mb[0]
+    assert set(batches) == set(KINDS)
 
     def call(tokens: mx.array, cache: list[Any], batch: Any) -> mx.array:
         if batch is None:
@@ -150,7 +143,7 @@ def main() -> int:
                 "step_ms": step_ms,
                 "base_over": ratios,
                 "lora_ms": lora_ms,
-                "adapters_mb": {kind: round(value) for kind, value in read_mb.items()},
+                "adapters_mb": {kind: round(read_mb[kind]) for kind in KINDS},
                 "lora_gb_s": rates,
             },
             indent=2,
