@@ -241,13 +241,10 @@ class Grammars:
             f"grammar:{text}", lambda: llguidance.grammar_from("grammar", text), source
         )
 
-    def tool_call(self, start: str, end: str, schema: dict[str, Any]) -> Grammar:
-        """The grammar of one tool call as `start` JSON `end`, the JSON valid under `schema`
-        (the call's name and arguments): how `tool_choice` required or named is enforced."""
-        return self.tool_lark(self.tagged_call_lark(start, end, schema))
-
     def tagged_call_lark(self, start: str, end: str, schema: dict[str, Any]) -> str:
-        """`tool_call`'s grammar as Lark text."""
+        """Lark text for one tool call as `start` JSON `end`, the JSON valid under `schema` (the
+        call's name and arguments), for `tool_lark`: how `tool_choice` required or named is
+        enforced in a family whose calls are tagged."""
         return (
             f'start: {self.literal(start)} "\\n"? call "\\n"? {self.literal(end)}\n'
             f"call: {self.json_rule(schema)}\n"

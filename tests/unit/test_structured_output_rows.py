@@ -271,7 +271,7 @@ def test_a_huge_schema_is_refused_before_it_is_compiled(setup):
     assert "bytes" in refused.value.message and refused.value.param == "response_format"
     call = {"type": "object", "properties": {"name": {"const": "b" * 600_000}}}
     with pytest.raises(UnsupportedSchema) as refused:
-        engine.grammars.tool_call("<call>", "</call>", call)
+        engine.grammars.tool_lark(engine.grammars.tagged_call_lark("<call>", "</call>", call))
     assert refused.value.param == "tools"
 
 
