@@ -25,10 +25,10 @@ from hotlora.server.engine.kv_caches import decode_step_size, stepped
 from hotlora.server.engine.next_tokens import (
     choose,
     constrained,
-    finite_rows,
     held_off,
     log_probabilities,
     processed,
+    scanned,
 )
 from hotlora.server.engine.sequences import Row
 
@@ -88,11 +88,10 @@ def launch(
     except Exception as exc:  # noqa: BLE001 - the whole batch shared the failed call
         return DecodeStep(rows, error=exc)
     logits, failed = processed(rows, logits)
-    finite = finite_rows(logits)  # [B], before masks set tokens to -inf
-    logits = held_off(rows, logits, ahead)
-    logits = constrained(rows, logits, failed)
-    logprobs = log_probabilities(rows, logits)  # row index -> [1, vocab]
-    chosen = choose(rows, logits, logprobs, failed)  # [B]
+    greedy, finite = scanned(logits)  # [B] each, before masks set tokens to -inf
+    masked = constrained(rows, held_off(rows, logits, ahead), failed)
+    logprobs = log_probabilities(rows, masked)  # row index -> [1, vocab]
+    chosen = choose(rows, masked, logprobs, failed, greedy if masked is logits else None)  # [B]
     state = [[row.sampler.key for row in rows], [c.state for c in cache]]
     step = DecodeStep(rows, chosen, finite, logprobs, failed, state=state)
     mx.async_eval(step.pending)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from hotlora.models.cpu import extension
 from hotlora.server.engine.grammar import constrain
 from hotlora.server.engine.sequences import Row
 
@@ -45,6 +46,24 @@ def biased(rows: list[Row], logits: mx.array) -> mx.array:
         return logits
     row_ids, tokens, values = zip(*at, strict=True)
     return logits.at[mx.array(row_ids), mx.array(tokens)].add(mx.array(values, dtype=mx.float32))
+
+
+def scanned(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """Each row's greedy token ([B] uint32, the first index of its largest logit: mx.argmax's)
+    and whether all its logits are finite ([B] bool). On the CPU's native kernels float32
+    logits take one pass of one primitive (`rows_argmax`; MLX's argmax and the finite sum took
+    ~2.4 ms of a 16-row step of a 49,152-token vocabulary, it takes ~0.3); else MLX's argmax
+    and `finite_rows`."""
+    native = extension.native
+    if (
+        native is not None
+        and logits.dtype == mx.float32
+        and logits.ndim == 2
+        and mx.default_device() == mx.cpu
+    ):
+        both = native.rows_argmax(logits)
+        return both[:, 0], both[:, 1].astype(mx.bool_)
+    return mx.argmax(logits, axis=-1), finite_rows(logits)
 
 
 def finite_rows(logits: mx.array) -> mx.array:
@@ -99,10 +118,12 @@ def choose(
     logits: mx.array,
     logprobs: dict[int, mx.array],
     failed: dict[int, Exception],
+    greedy: mx.array | None = None,
 ) -> mx.array:
-    """Every row's next token: one argmax over the logits for the greedy rows, each other row's
-    own sampler on its log-probabilities."""
-    greedy = mx.argmax(logits, axis=-1)  # [B]
+    """Every row's next token: one argmax over the logits for the greedy rows (`greedy`, where
+    `scanned` took it already), each other row's own sampler on its log-probabilities."""
+    if greedy is None:
+        greedy = scanned(logits)[0]  # [B]
     if all(row.sampler.greedy for row in rows):
         return greedy
     picks: list[mx.array] = []

@@ -86,6 +86,10 @@ mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps);
 mx::array rope_rows(const mx::array& x, const mx::array& offset, int dims, bool traditional,
                     float base, float scale);
 
+// primitives/logits.cpp: each row of logits [B, V] (float32): [B, 2] uint32, the first index of
+// its largest value (mx.argmax's) and 1 where every value is finite, else 0.
+mx::array rows_argmax(const mx::array& logits);
+
 // primitives/attention.cpp: each query token's attention over its own keys, [B, H, L, Dv] or
 // merged [B, L, H * Dv]; a prefill chunk's masked softmax.
 mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v,
