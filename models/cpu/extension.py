@@ -184,7 +184,9 @@ def load(threads: int, isa: str = "auto") -> ModuleType | str:
     w = mx.random.normal((5, 40), key=mx.random.key(1))
     try:
         ok = mx.allclose(loaded.rows_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item()
-    except (TypeError, ValueError, RuntimeError) as exc:  # e.g. built against another MLX
+        ok = ok and mx.array_equal(loaded.rows_argmax(x)[:, 0], mx.argmax(x, axis=-1)).item()
+    except (TypeError, ValueError, RuntimeError, AttributeError) as exc:  # another MLX's build,
+        # or one older than these sources
         loaded.use_isa(active)
         return f"unusable ({exc}); {_BUILD_HINT} again"
     if not ok:
@@ -205,6 +207,20 @@ def one_token_rows(x: mx.array, ndim: int) -> bool:
         and MIN_ROWS <= shape[0] <= max_rows
         and x.dtype == mx.float32
     )
+
+
+def greedy_rows(logits: mx.array) -> tuple[mx.array, mx.array] | None:
+    """Each row's greedy token ([B] uint32, the first index of its largest logit: mx.argmax's
+    choice wherever the row holds no NaN) and whether every one of its logits is finite ([B]
+    bool), in one pass of the kernels (`rows_argmax`) where MLX's argmax and a sum read the
+    logits a value at a time; None where the kernels do not take them: not loaded, not float32
+    [B, V], or another device than the CPU."""
+    if native is None or logits.dtype != mx.float32 or logits.ndim != 2:
+        return None
+    if mx.default_device() != mx.cpu:
+        return None
+    both = native.rows_argmax(logits)
+    return both[:, 0], both[:, 1].astype(mx.bool_)
 
 
 if __name__ == "__main__":

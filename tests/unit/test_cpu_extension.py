@@ -18,6 +18,7 @@ from hotlora.models.cpu.attention import cpu_attention, install_cpu_attention
 from hotlora.models.cpu.extension import MAX_ROWS
 from hotlora.models.cpu.layers import NativeEmbedding, NativeLinear, NativeRMSNorm, NativeRoPE
 from hotlora.models.loader import load_model_dir
+from hotlora.server.engine import next_tokens
 
 from tests.support.tiny import write_tiny_llama
 from tests.unit.test_cpu_kernels import ATTENTION_CASES, attention_inputs
@@ -190,6 +191,61 @@ def test_the_norm_is_mlxs_rms_norm_to_the_bit(shape: tuple[int, ...]):
     assert mx.array_equal(native.rms_norm_rows(view, weight, 1e-6), expected).item()
     with pytest.raises(ValueError, match="weight \\[D\\]"):
         native.rms_norm_rows(x, weight[:50], 1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 49155])
+def test_rows_argmax_is_mx_argmax_and_flags_every_non_finite_row(vocab: int):
+    """A decode step's greedy tokens (`rows_argmax`): each row's first largest value, as
+    mx.argmax chooses: ties in one lane and across lanes (a later lane holding the earlier
+    index), the largest in the values past the last whole vector of lanes, tokens held off at
+    -inf and every token held off; a row flagged finite only where every value is, a NaN or an
+    infinity in the lanes or past them; a row's results the same alone and in the batch, and
+    from a strided view."""
+    x = normal((6, vocab), vocab)
+    at = mx.arange(vocab)
+    tied = (at == 2 % vocab) | (at == 17) | (at == 18) | (at == vocab // 2) | (at == vocab - 1)
+    ties = mx.where(tied, 50.0, x[0])  # 2 (lane 2) before 17 (lane 1) and 18 (lane 2 again)
+    last = mx.where(at == vocab - 1, 50.0, x[1])  # past the lanes where 16 does not divide V
+    held = mx.where(at % 3 == 1, -mx.inf, x[2])  # none held where the vocabulary is one token
+    nan, inf = float("nan"), float("inf")
+    spoiled = [x[3].at[i].add(v) for i, v in ((vocab // 3, nan), (vocab - 1, nan), (0, inf))]
+    rows = mx.stack([x[4], ties, last, held, mx.full((vocab,), -mx.inf), x[5], *spoiled, -x[3]])
+    rows = rows.at[9, vocab // 2].add(-inf)  # -inf in a row otherwise finite
+    got = native.rows_argmax(rows)
+    assert got.dtype == mx.uint32 and got.shape == (10, 2)
+    assert got[:, 1].tolist() == [1, 1, 1, int(vocab == 1), 0, 1, 0, 0, 0, 0]
+    finite = mx.array([0, 1, 2, 3, 4, 5, 9])  # and those held off, whole or in part
+    assert got[finite, 0].tolist() == mx.argmax(rows[finite], axis=-1).tolist()
+    assert got[1, 0].item() == (0 if vocab == 1 else 2) and got[2, 0].item() == vocab - 1
+    assert got[4, 0].item() == 0  # every token held off: the first, as mx.argmax
+    for i in range(10):
+        assert mx.array_equal(native.rows_argmax(rows[i : i + 1])[0], got[i])
+    assert mx.array_equal(native.rows_argmax(mx.contiguous(rows.T).T), got)
+    with pytest.raises(ValueError, match="float32 logits"):
+        native.rows_argmax(rows.astype(mx.float16))
+
+
+def test_a_steps_greedy_tokens_and_finite_flags_are_the_same_natively_and_in_mlx(monkeypatch):
+    """`scanned` takes the kernels' pass where they are loaded (float32 logits) and MLX's
+    argmax and finite sum elsewhere (float16 logits, or no kernels): the same flags, and the
+    same tokens for the rows that hold no NaN."""
+    logits = normal((16, 4099), 9) * 8
+    logits = logits.at[3, 17].add(float("nan")).at[5, 4098].add(float("-inf"))
+    monkeypatch.setattr(extension, "native", native)
+    calls, rows_argmax = [], native.rows_argmax
+    monkeypatch.setattr(native, "rows_argmax", lambda x: calls.append(x) or rows_argmax(x))
+    natively = next_tokens.scanned(logits)
+    in_halves = next_tokens.scanned(logits.astype(mx.float16))
+    monkeypatch.setattr(extension, "native", None)
+    in_mlx = next_tokens.scanned(logits)
+    assert len(calls) == 1  # float32 only
+    without_nan = mx.array([i for i in range(16) if i != 3])
+    for got in (natively, in_halves):
+        assert got[0].dtype == mx.uint32 and got[1].dtype == mx.bool_
+        assert got[1].tolist() == in_mlx[1].tolist() == [i not in (3, 5) for i in range(16)]
+    assert natively[0][without_nan].tolist() == in_mlx[0][without_nan].tolist()
+    halves = logits.astype(mx.float16)
+    assert in_halves[0].tolist() == mx.argmax(halves, axis=-1).tolist()
 
 
 # [B, heads, L, D]: decode steps of one row and of several, and prefills.

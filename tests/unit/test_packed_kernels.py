@@ -39,7 +39,6 @@ from hotlora.models.cpu.weights import (
     interleave_rows8,
     pack_codes,
 )
-from hotlora.server.engine import next_tokens
 
 from tests.support.adapter_builders import (
     BASE_ID,
@@ -536,52 +535,6 @@ def test_to_half_rounds_as_mlx_astype_does():
     assert flags == [False, True, True]
     with pytest.raises(ValueError, match="float32 arrays only"):
         native.to_half([square.astype(mx.float16)])
-
-
-@pytest.mark.parametrize("vocab", [1, 7, 16, 49155])
-def test_rows_argmax_is_mx_argmax_and_flags_every_non_finite_row(vocab: int):
-    """A decode step's greedy tokens (`rows_argmax`): each row's first largest value, as
-    mx.argmax chooses, through ties across lanes and the tail, tokens held off at -inf and a
-    row held off whole; a row flagged finite only where every value is; a row's results the
-    same alone and in the batch, and from a strided view."""
-    x = mx.random.normal((6, vocab), key=mx.random.key(vocab))
-    at = mx.arange(vocab)
-    ties = mx.where((at == 1 % vocab) | (at == vocab // 2) | (at == vocab - 1), 50.0, x[0])
-    late = mx.where(at >= vocab - 2, 50.0, x[1])  # the last two, in the tail past the lanes
-    held = mx.where(at % 3 == 1, -mx.inf, x[2])  # none held where the vocabulary is one token
-    spoiled = [x[3].at[vocab // 3].add(v) for v in (float("nan"), float("inf"), float("-inf"))]
-    rows = mx.stack([x[4], x[5], ties, late, held, mx.full((vocab,), -mx.inf), *spoiled])
-    got = native.rows_argmax(rows)
-    assert got.dtype == mx.uint32 and got.shape == (9, 2)
-    assert got[:, 1].tolist() == [1, 1, 1, 1, int(vocab == 1), 0, 0, 0, 0]
-    assert got[:6, 0].tolist() == mx.argmax(rows[:6], axis=-1).tolist()
-    assert got[2, 0].item() == min(1, vocab // 2) and got[3, 0].item() == max(vocab - 2, 0)
-    assert got[5, 0].item() == 0  # every token held off: the first, as mx.argmax
-    for i in range(9):
-        assert mx.array_equal(native.rows_argmax(rows[i : i + 1])[0], got[i])
-    assert mx.array_equal(native.rows_argmax(mx.contiguous(rows.T).T), got)
-    with pytest.raises(ValueError, match="float32 logits"):
-        native.rows_argmax(rows.astype(mx.float16))
-
-
-def test_a_steps_greedy_tokens_and_finite_flags_are_the_same_natively_and_in_mlx(monkeypatch):
-    """`scanned` takes the native pass where the kernels are loaded (float32 logits) and MLX's
-    argmax and finite sum elsewhere (float16 logits, or no kernels): the same tokens and flags."""
-    logits = mx.random.normal((16, 4099), key=mx.random.key(9)) * 8
-    logits = logits.at[3, 17].add(float("nan")).at[5, 4000].add(float("-inf"))
-    monkeypatch.setattr(extension, "native", native)
-    calls, rows_argmax = [], native.rows_argmax
-    monkeypatch.setattr(native, "rows_argmax", lambda x: calls.append(x) or rows_argmax(x))
-    natively = next_tokens.scanned(logits)
-    in_halves = next_tokens.scanned(logits.astype(mx.float16))
-    monkeypatch.setattr(extension, "native", None)
-    in_mlx = next_tokens.scanned(logits)
-    assert len(calls) == 1  # float32 only
-    for got in (natively, in_halves):
-        assert got[0].dtype == mx.uint32 and got[1].dtype == mx.bool_
-        assert got[1].tolist() == in_mlx[1].tolist() == [i not in (3, 5) for i in range(16)]
-    finite = [i for i in range(16) if i not in (3, 5)]
-    assert natively[0][mx.array(finite)].tolist() == in_mlx[0][mx.array(finite)].tolist()
 
 
 def test_a_pair_of_two_dtypes_or_a_view_is_refused():

@@ -87,7 +87,8 @@ mx::array rope_rows(const mx::array& x, const mx::array& offset, int dims, bool 
                     float base, float scale);
 
 // primitives/logits.cpp: each row of logits [B, V] (float32): [B, 2] uint32, the first index of
-// its largest value (mx.argmax's) and 1 where every value is finite, else 0.
+// its largest value (mx.argmax's where the row holds no NaN) and 1 where every value is finite,
+// else 0.
 mx::array rows_argmax(const mx::array& logits);
 
 // primitives/attention.cpp: each query token's attention over its own keys, [B, H, L, Dv] or
