@@ -68,8 +68,9 @@ void queue_task(const mx::Stream& stream, Task&& task) {
 }
 
 // Shared by the primitives: the output's allocation, and body(operands, out) queued on
-// the stream with the first `floats` inputs as RowMajor operands.
-template <typename Body>
+// the stream with the first `floats` inputs as RowMajor operands; out is the output's data as
+// `Out` (float32 unless told).
+template <typename Out = float, typename Body>
 void dispatch_rows(const mx::Stream& stream, const std::vector<mx::array>& inputs, size_t floats,
                    mx::array& out, Body body) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -77,7 +78,7 @@ void dispatch_rows(const mx::Stream& stream, const std::vector<mx::array>& input
   for (const auto& input : inputs) encoder.set_input_array(input);
   encoder.set_output_array(out);
   std::vector<RowMajor> operands(inputs.begin(), inputs.begin() + floats);
-  queue_task(stream, [operands = std::move(operands), op = out.data<float>(), body]() mutable {
+  queue_task(stream, [operands = std::move(operands), op = out.data<Out>(), body]() mutable {
     body(operands, op);
   });
 }

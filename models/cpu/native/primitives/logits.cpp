@@ -74,20 +74,13 @@ class RowsArgmax : public CpuPrimitive {
   using CpuPrimitive::CpuPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
     const int B = inputs[0].shape(0), V = inputs[0].shape(1);
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_output_array(out);
-    queue_task(stream(), [logits = RowMajor(inputs[0]), op = out.data<uint32_t>(), B, V]() mutable {
-      const float* x = logits.get();
-      parallel_rows(
-          B, 1,
-          [&](int b0, int b1) {
+    dispatch_rows<uint32_t>(stream(), inputs, 1, outputs[0], [B, V](auto& operands, uint32_t* op) {
+      const float* x = operands[0].get();
+      const auto rows = [&](int b0, int b1) {
         for (int b = b0; b < b1; b++) scan_row(x + static_cast<size_t>(b) * V, V, op + 2 * b);
-          },
-          1);
+      };
+      parallel_rows(B, 1, rows, 1);
     });
   }
   const char* name() const override { return "RowsArgmax"; }
