@@ -122,6 +122,12 @@ class LoRASlot(Watched):
             return False
         return operands if operands[1] >= 0 else None
 
+    @staticmethod
+    def residuals_active() -> bool:
+        """Whether an adapter set is active in this context (`activate`): where none is, no
+        slot has residuals to add (`models.cpu.fused.FusedProjection`)."""
+        return _ACTIVE.get() is not None
+
 
 @contextmanager
 def activate(adapters: AdapterSet | RowAdapters) -> Iterator[None]:

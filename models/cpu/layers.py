@@ -238,6 +238,11 @@ class PackedLinear(nn.QuantizedLinear, Interleaving, Watched):
         """No residuals to add (`fused.FusedProjection`)."""
         return None
 
+    @staticmethod
+    def residuals_active() -> bool:
+        """None ever (`fused.FusedProjection`)."""
+        return False
+
     def __call__(self, x: mx.array) -> mx.array:
         if not float32_input(x):
             if not self.interleaved:

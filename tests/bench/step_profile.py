@@ -7,11 +7,12 @@ quantized kernels) twice, once as served (`fused`: llama's attention and MLP on 
 (`separate`: a product a projection), its packed products at `--precision` (fast, the
 default, exact or float32), and for each, for one row and for 16 rows after a short
 context, measures in alternating rounds: the seconds to build a decode step's graph in Python
-(the model call) and to evaluate it; the graph's nodes by primitive (`mx.export_to_dot`); and
-the same step's kernel primitives evaluated on their own, each in a graph of its kind alone (the
-quantized products, the attention, the norms, the RoPEs), so that the rest of the evaluation
-(MLX scheduling the other nodes, the reshapes, the cache's updates) is what is left. Prints one
-JSON object.
+(the model call), to dispatch it (`mx.async_eval`, each primitive queuing its task) and to
+evaluate it (`host_ms`: building and dispatching, the calling thread's part); the graph's nodes
+by primitive (`mx.export_to_dot`); and the same step's kernel primitives evaluated on their own,
+each in a graph of its kind alone (the quantized products, the attention, the norms, the RoPEs),
+so that the rest of the evaluation (MLX scheduling the other nodes, the reshapes, the cache's
+updates) is what is left. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -56,24 +57,29 @@ def _clocks() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def step_split(model: nn.Module, rows: int, steps: int) -> tuple[float, float, float, float]:
-    """Median seconds to build one decode step's graph and to evaluate it: wall-clock, then
-    the CPU time of the process's threads (less sensitive to other processes' load)."""
+def step_split(model: nn.Module, rows: int, steps: int) -> tuple[float, ...]:
+    """Median seconds to build one decode step's graph, to dispatch it (`mx.async_eval`: each
+    primitive's eval_cpu queuing its task, on the calling thread) and to evaluate it (the
+    dispatch and the wait for the tasks): wall-clock, then the CPU time of the process's threads
+    to build and evaluate (less sensitive to other processes' load)."""
     cache = _prefilled(model, rows)
     step = mx.full((rows, 1), 42)
-    build, run, build_cpu, run_cpu = [], [], [], []
+    build, dispatch, run, build_cpu, run_cpu = [], [], [], [], []
     for _ in range(steps):
         began = _clocks()
         out = model(step, cache=cache)
         built = _clocks()
+        mx.async_eval(out)
+        dispatched = time.perf_counter()
         mx.eval(out)
         done = _clocks()
         build.append(built[0] - began[0])
+        dispatch.append(dispatched - built[0])
         run.append(done[0] - built[0])
         build_cpu.append(built[1] - began[1])
         run_cpu.append(done[1] - built[1])
     median = statistics.median
-    return median(build), median(run), median(build_cpu), median(run_cpu)
+    return tuple(median(t) for t in (build, dispatch, run, build_cpu, run_cpu))
 
 
 def node_counts(model: nn.Module, rows: int) -> Counter[str]:
@@ -190,7 +196,7 @@ def main() -> int:
         "fused": load("packed", args.threads, args.precision, model_dir),
         "separate": separate(load("packed", args.threads, args.precision, model_dir)),
     }
-    keys = ("build_ms", "eval_ms", "build_cpu_ms", "eval_cpu_ms")
+    keys = ("build_ms", "dispatch_ms", "eval_ms", "build_cpu_ms", "eval_cpu_ms")
     samples: dict[str, dict[int, dict[str, list[float]]]] = {
         v: {r: {k: [] for k in keys} for r in ROWS} for v in models
     }
@@ -223,6 +229,7 @@ def main() -> int:
             counts = node_counts(model, rows)
             result[f"{variant}_{rows}_rows"] = {
                 "step_ms": round(ms["build_ms"] + ms["eval_ms"], 2),
+                "host_ms": round(ms["build_ms"] + ms["dispatch_ms"], 2),  # the calling thread's
                 **ms,
                 "eval_cpu_less_quant_kernels_ms": round(
                     ms["eval_cpu_ms"] - alone["QuantMatmul"]["cpu_ms"], 2

@@ -24,6 +24,7 @@ from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters
 from hotlora.adapters.backends import gathered
 from hotlora.adapters.manager import AdapterManager
 from hotlora.adapters.projections import find_targets, replace_module
+from hotlora.adapters.slots import LoRASlot
 from hotlora.config.settings import KernelsIsa
 from hotlora.models.cpu import extension, fused, install_packed_kernels, prepare_cpu
 from hotlora.models.cpu.fused import (
@@ -1323,6 +1324,45 @@ def test_a_layers_arguments_are_kept_from_step_to_step_until_its_layers_change(p
     assert not mx.array_equal(replaced[-1], loaded[-1]).item()
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_step_asks_its_slots_for_residuals_only_under_an_active_set(packed, monkeypatch, rows):
+    """Where no adapter set is active, a decode step's layer primitive asks none of its LoRA
+    slots for residuals (`residuals_active`); under a set, every slot of every layer once a
+    step. The steps' arguments are kept on the first layer from step to step. (Both give the
+    separate calls' bits: `test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits`.)"""
+    model, manager = packed
+    asked: list[str] = []
+    fused_residuals = LoRASlot.fused_residuals
+
+    def counted(slot: LoRASlot, x: mx.array) -> Any:
+        asked.append(slot.path)
+        return fused_residuals(slot, x)
+
+    monkeypatch.setattr(LoRASlot, "fused_residuals", counted)
+    kept = []
+
+    def two_steps(batch: AdapterSet | RowAdapters) -> list[str]:
+        cache = (
+            make_prompt_cache(model)
+            if rows == 1
+            else [BatchKVCache([0] * rows) for _ in model.layers]
+        )
+        with activate(batch):
+            mx.eval(model(mx.full((rows, 4), 5), cache=cache))  # a prompt: the fused products
+            asked.clear()
+            for _ in range(2):
+                mx.eval(model(mx.full((rows, 1), 7), cache=cache))
+                kept.append(model.layers[0].__dict__["_step_arguments"])
+        return list(asked)
+
+    assert two_steps(adapter_set(manager, "")) == []
+    sets = [adapter_set(manager, spec) for spec in ("a", "a+b", "")[:rows]]
+    under = two_steps(RowAdapterCache().for_rows(sets) if rows > 1 else sets[0])
+    assert len(under) == 2 * 7 * len(model.layers)  # two steps, each asking each slot once
+    assert len(set(under)) == 7 * len(model.layers)
+    assert all(arguments is kept[0] for arguments in kept)
+
+
 def test_a_decode_step_writes_no_cache_array_another_holds(packed):
     """The layer primitive writes the step's keys and values into the cache's buffer only where
     nothing else holds it (as MLX's own update does): an array that still reads the cache as it
@@ -1441,8 +1481,11 @@ def test_a_layers_operands_that_do_not_fit_are_refused(packed):
     operands = layer_operands(layer)
     native.decoder_operands(**operands)  # as the model has them: taken
     heads, width = operands["heads"], operands["norm1"].shape[0]
+    strided = mx.ones((2 * width,))[::2]  # a view of every other value
+    mx.eval(strided)
     refused = {
         "norm weights": {"norm2": mx.ones((width + 1,))},
+        "row-contiguous norm": {"norm1": strided},  # the steps read it in place
         "multiple of the KV heads": {"kv_heads": heads + 1},
         "RoPE": {"rope_dims": 3},
         "rows": {  # q's weights where k's belong: more rows than the KV heads take

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -28,6 +29,7 @@ constexpr int kCalls = DecoderOperands::kCalls;
 constexpr int kWeights[kCalls] = {3, 1, 2, 1};  // q k v; o; gate up; down
 constexpr int kProjections = DecoderOperands::kProjections;
 constexpr int kCallOf[kProjections] = {0, 0, 0, 1, 2, 2, 3};
+constexpr int kFirst[kCalls] = {0, 3, 4, 6};  // each call's first projection
 
 // A KV cache's keys or values with this step's rows written in: the input's buffer where MLX
 // would let an update take it over (as SliceUpdate does), else a row-major copy made in the task.
@@ -73,68 +75,50 @@ struct CacheWrite {
 //   out = h + swiglu(norm2(h) @ [Wg, Wu]) @ Wd
 // each part computed by the same code as the primitive that computes it alone (HeadsProducts,
 // attend_rows), in the same order, so the bits are those of the eleven primitives; a row's
-// adapters' residuals added where the plan's slots say, as there. Made in the primitive's
-// eval_cpu (the cache's outputs given their buffers there), run in its task.
+// adapters' residuals added where the plan's slots say, as there. The calls are the operands'
+// (made once, `decoder_operands`); what is the step's alone (the cache's outputs given their
+// buffers) is made in the primitive's eval_cpu, and run in its task.
 struct LayerStep {
-  std::array<HeadsProducts, kCalls> calls;
+  const DecoderOperands* o;  // held by the task
   CacheWrite key_cache, value_cache;
   CacheView keys, values;
-  RowMajor norm1, norm2;
-  int D, F, Dk, Dv, H, Hkv;
-  float scale;
 
-  // The layer's weights and norms from its operands (evaluated arrays they hold), its keys and
-  // values `keys_in` and `values_in`, which come out in `keys_out` and `values_out`.
-  LayerStep(const DecoderOperands& o, const mx::array& keys_in, const mx::array& values_in,
-            const std::vector<int>& slots, const std::shared_ptr<const RowPlan>& plan,
-            const mx::array& positions, mx::array& keys_out, mx::array& values_out)
-      : key_cache(keys_in, keys_out),
+  // The layer's keys and values `keys_in` and `values_in`, which come out in `keys_out` and
+  // `values_out`.
+  LayerStep(const DecoderOperands& operands, const mx::array& keys_in, const mx::array& values_in,
+            mx::array& keys_out, mx::array& values_out)
+      : o(&operands),
+        key_cache(keys_in, keys_out),
         value_cache(values_in, values_out),
         keys(keys_out),
-        values(values_out),
-        norm1(o.arrays[3 * kProjections]),
-        norm2(o.arrays[3 * kProjections + 1]),
-        D(o.D),
-        F(o.F),
-        Dk(o.Dk),
-        Dv(o.Dv),
-        H(o.heads),
-        Hkv(o.kv_heads),
-        scale(o.scale) {
-    for (int c = 0, p = 0; c < kCalls; c++) {
-      for (int j = 0; j < kWeights[c]; j++, p++) {
-        const mx::array* w = &o.arrays[3 * p];
-        const int heads = c == 0 ? (p == 0 ? o.heads : o.kv_heads) : 0;
-        calls[c].add(
-            packed_weight(w[0], w[1], w[2], o.inputs[p], o.bits[p], o.group[c], "decoder_layers"),
-            o.rows[p], heads);
-        if (!slots.empty()) calls[c].slots.push_back(slots[p]);
-      }
-      calls[c].group = o.group[c], calls[c].int8 = o.int8[c], calls[c].plan = plan;
-    }
-    calls[0].rope = o.rope, calls[0].roped = 2, calls[0].inv_freqs = o.inv_freqs;
-    calls[0].positions = RopeOffsets(positions);
-    calls[0].norm_eps = o.eps1;
-    calls[2].norm_eps = o.eps2, calls[2].glu = true;
-  }
+        values(values_out) {}
 
-  // In the task: x [B, 1, D] -> op [B, 1, D] (op is not x), the step's keys and values written.
-  void run(const Kernel* kernel, const float* xp, float* op, int B, int at, const KeyMask& mask) {
+  // In the task: x [B, 1, D] -> op [B, 1, D] (op is not x), the step's keys and values written;
+  // `slots`: the layer's projections' LoRA slots in `plan` (empty: none apply).
+  void run(const Kernel* kernel, const float* xp, float* op, int B, int at, const KeyMask& mask,
+           const RowPlan* plan, std::span<const int> slots, RopeOffsets positions) {
+    const int D = o->D, F = o->F, Dk = o->Dk, Dv = o->Dv, H = o->heads, Hkv = o->kv_heads;
+    const auto rows = [&](int c) {
+      return HeadsProducts::CallRows{
+          plan, slots.empty() ? slots : slots.subspan(kFirst[c], kWeights[c]), positions};
+    };
+    const float* norm1 = o->arrays[3 * kProjections].data<float>();
+    const float* norm2 = o->arrays[3 * kProjections + 1].data<float>();
     std::vector<float> q(static_cast<size_t>(B) * H * Dk), k(static_cast<size_t>(B) * Hkv * Dk),
         v(static_cast<size_t>(B) * Hkv * Dv);
-    calls[0].run(kernel, xp, norm1.get(), B, 1, D, {q.data(), k.data(), v.data()});
+    o->calls[0].run(kernel, xp, norm1, B, 1, D, rows(0), {q.data(), k.data(), v.data()});
     key_cache.write(k.data(), at);
     value_cache.write(v.data(), at);
     std::vector<float> attended(static_cast<size_t>(B) * H * Dv);
     keys.prepare(), values.prepare();
-    attend_rows(kernel->attend, q.data(), B, H, 1, Dk, keys, values, Hkv, at + 1, Dv, mask, scale,
-                /*merged=*/true, attended.data());
+    attend_rows(kernel->attend, q.data(), B, H, 1, Dk, keys, values, Hkv, at + 1, Dv, mask,
+                o->scale, /*merged=*/true, attended.data());
     const size_t n = static_cast<size_t>(B) * D;
     std::vector<float> h(n), activated(static_cast<size_t>(B) * F);
-    calls[1].run(kernel, attended.data(), nullptr, B, 1, H * Dv, {h.data()});
+    o->calls[1].run(kernel, attended.data(), nullptr, B, 1, H * Dv, rows(1), {h.data()});
     for (size_t i = 0; i < n; i++) h[i] = xp[i] + h[i];  // the residual stream: MLX's Add
-    calls[2].run(kernel, h.data(), norm2.get(), B, 1, D, {activated.data()});
-    calls[3].run(kernel, activated.data(), nullptr, B, 1, F, {op});
+    o->calls[2].run(kernel, h.data(), norm2, B, 1, D, rows(2), {activated.data()});
+    o->calls[3].run(kernel, activated.data(), nullptr, B, 1, F, rows(3), {op});
     for (size_t i = 0; i < n; i++) op[i] = h[i] + op[i];
   }
 };
@@ -180,12 +164,12 @@ class DecoderLayers : public CpuPrimitive {
     std::vector<LayerStep> steps;
     steps.reserve(s.layers.size());
     for (size_t l = 0; l < s.layers.size(); l++)
-      steps.emplace_back(*s.layers[l], inputs[1 + 2 * l], inputs[2 + 2 * l],
-                         s.slots.empty() ? std::vector<int>{} : s.slots[l], s.plan, positions,
-                         outputs[1 + 2 * l], outputs[2 + 2 * l]);
-    // `held`: the operands, whose arrays the steps read, for as long as the task runs.
-    queue_task(stream(), [held = s.layers, source = RowMajor(x), steps = std::move(steps),
-                          mask = KeyMask(inputs[inputs.size() - 2]), op = out.data<float>(), B, D,
+      steps.emplace_back(*s.layers[l], inputs[1 + 2 * l], inputs[2 + 2 * l], outputs[1 + 2 * l],
+                         outputs[2 + 2 * l]);
+    // `held`: the operands, whose arrays and calls the steps read, for as long as the task runs.
+    queue_task(stream(), [held = s.layers, plan = s.plan, slots = s.slots, source = RowMajor(x),
+                          steps = std::move(steps), mask = KeyMask(inputs[inputs.size() - 2]),
+                          positions = RopeOffsets(positions), op = out.data<float>(), B, D,
                           at = s.at, kernel = active_kernel()]() mutable {
       const float* xp = source.get();
       std::vector<float> between[2];  // the layers' outputs before the last, in turn
@@ -195,7 +179,9 @@ class DecoderLayers : public CpuPrimitive {
           between[l % 2].resize(static_cast<size_t>(B) * D);
           to = between[l % 2].data();
         }
-        steps[l].run(kernel, xp, to, B, at, mask);
+        steps[l].run(kernel, xp, to, B, at, mask, plan.get(),
+                     slots.empty() ? std::span<const int>() : std::span<const int>(slots[l]),
+                     positions);
         xp = to;
       }
     });
@@ -260,18 +246,33 @@ std::shared_ptr<DecoderOperands> decoder_operands(
     o->arrays.insert(o->arrays.end(), {ws[p], scales[p], biases[p]});
   }
   o->arrays.insert(o->arrays.end(), {norm1, norm2});
-  // A step reads them where the operands hold them, not as its inputs: they must be there.
+  // A step reads them where the operands hold them, not as its inputs: they must be there, as
+  // the steps read them.
   check_shape(std::all_of(o->arrays.begin(), o->arrays.end(),
                           [](const mx::array& a) { return a.is_available(); }),
               "evaluated weights, scales, biases and norms");
+  check_shape(norm1.flags().row_contiguous && norm2.flags().row_contiguous,
+              "row-contiguous norm weights");
   o->rows8 = std::any_of(ws.begin(), ws.end(), [](const mx::array& w) {
     return w.dtype() == mx::uint8 || w.dtype() == mx::int8;
   });
   std::copy_n(bits.begin(), kProjections, o->bits);
   for (int c = 0; c < kCalls; c++) o->group[c] = groups[c], o->int8[c] = int8[c];
-  o->scale = scale, o->eps1 = eps1, o->eps2 = eps2;
-  o->rope = Rope{rope_dims, rope_traditional, rope_base, rope_scale};
-  o->inv_freqs = o->rope.frequencies();
+  o->scale = scale;
+  for (int c = 0, p = 0; c < kCalls; c++) {
+    HeadsProducts& call = o->calls[c];
+    for (int j = 0; j < kWeights[c]; j++, p++) {
+      const mx::array* w = &o->arrays[3 * p];
+      const int H = c == 0 ? (p == 0 ? heads : kv_heads) : 0;
+      call.add(packed_weight(w[0], w[1], w[2], inputs[p], bits[p], groups[c], "decoder_layers"),
+               rows[p], H);
+    }
+    call.group = groups[c], call.int8 = int8[c];
+  }
+  o->calls[0].rope = Rope{rope_dims, rope_traditional, rope_base, rope_scale};
+  o->calls[0].roped = 2, o->calls[0].inv_freqs = o->calls[0].rope.frequencies();
+  o->calls[0].norm_eps = eps1;
+  o->calls[2].norm_eps = eps2, o->calls[2].glu = true;
   return o;
 }
 

@@ -2,12 +2,14 @@
 // (bindings.cpp binds them by these names).
 #pragma once
 
+#include <array>
 #include <memory>
 #include <optional>
 #include <vector>
 
 #include "lora_plans.h"
 #include "mlx/array.h"
+#include "primitives/products.h"
 #include "primitives/rope.h"
 
 namespace hotlora {
@@ -50,9 +52,10 @@ struct DecoderOperands : std::enable_shared_from_this<DecoderOperands> {
   bool rows8;        // some weight's rows interleaved by eight: the kernel's int8_rows8 reads them
   int D, F, heads, kv_heads, Dk, Dv;             // Dk, Dv: a head's keys and values
   int rows[kProjections], inputs[kProjections];  // each projection's N and K
-  float scale, eps1, eps2;
-  Rope rope;
-  std::vector<float> inv_freqs;  // the RoPE's frequencies
+  float scale;
+  // The layer's four calls of products (q k v; o; gate up; down) with their weights' operands,
+  // norms and RoPE, as every step runs them: a step brings its rows' plan, slots and positions.
+  std::array<HeadsProducts, kCalls> calls;
 };
 std::shared_ptr<DecoderOperands> decoder_operands(
     const std::vector<mx::array>& ws, const std::vector<mx::array>& scales,

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -106,7 +107,9 @@ inline bool reads_halves(const mx::array& w, int bits) {
 // rows are first normalized where a norm is given, each output's residuals added where it has a
 // LoRA slot, then the outputs laid out as heads ([B, H, L, D]) and rotated, or, with `glu`, one
 // output SiLU(gate) * up. The weights' operands are resolved (`packed_weight`) where the call is
-// built; `run` reads x and the norm's weight where the task runs.
+// built, once for every step where a decoder layer's operands keep it (DecoderOperands); what
+// the call's rows bring (`CallRows`) and x and the norm's weight are `run`'s, where the task
+// runs.
 struct HeadsProducts {
   std::vector<Quantized> weights;
   std::vector<int> widths;      // each output's N
@@ -114,12 +117,9 @@ struct HeadsProducts {
   std::vector<int> heads;       // each output's heads; 0: [B, L, N]
   int group = 32;
   int int8 = 0;  // x's int8 parts a value (PackedProducts), 0: float32 products
-  std::shared_ptr<const RowPlan> plan;
-  std::vector<int> slots;  // each output's LoRA slot (-1: none), or empty
   Rope rope;
-  int roped = 0;  // the first `roped` outputs rotated at `positions`
+  int roped = 0;  // the first `roped` outputs rotated at the rows' positions (`CallRows`)
   std::vector<float> inv_freqs;
-  RopeOffsets positions;
   std::optional<float> norm_eps;  // x's rows RMS-normalized first, by `run`'s `norm` weight
   bool glu = false;
 
@@ -130,10 +130,18 @@ struct HeadsProducts {
     heads.push_back(H);
   }
 
+  // What the call's rows bring to it: their adapters' plan and each output's slot in it (-1:
+  // none; empty: no residuals), and their positions where outputs are rotated.
+  struct CallRows {
+    const RowPlan* plan = nullptr;
+    std::span<const int> slots;
+    RopeOffsets positions;
+  };
+
   // The outputs `outs` (one, with `glu`) of x's M rows, L tokens a row, K wide; `norm`: the
   // norm's weight [K] where `norm_eps` is set. On the stream's thread, the pool's threads under.
   void run(const Kernel* kernel, const float* x, const float* norm, int M, int L, int K,
-           const std::vector<float*>& outs) const;
+           const CallRows& rows, const std::vector<float*>& outs) const;
 };
 
 }  // namespace hotlora

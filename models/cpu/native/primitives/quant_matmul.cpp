@@ -215,10 +215,11 @@ class QuantMatmulHeads : public CpuPrimitive {
                              "quant_matmul_heads"),
                inputs[at].shape(0), heads_[j]);
     }
-    call.group = group_, call.int8 = int8_, call.plan = plan_, call.slots = slots_;
+    call.group = group_, call.int8 = int8_;
     call.rope = rope_, call.roped = roped_, call.norm_eps = norm_eps_, call.glu = glu_;
+    RopeOffsets positions;
     if (roped_ > 0) {
-      call.positions = RopeOffsets(inputs[1 + 3 * count]);
+      positions = RopeOffsets(inputs[1 + 3 * count]);
       call.inv_freqs = rope_.frequencies();
     }
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -231,8 +232,10 @@ class QuantMatmulHeads : public CpuPrimitive {
     }
     queue_task(stream(),
                [source = RowMajor(x), norm = norm_eps_ ? RowMajor(inputs.back()) : RowMajor(x),
-                call = std::move(call), outs, M, L, K, kernel = active_kernel()]() mutable {
-      call.run(kernel, source.get(), call.norm_eps ? norm.get() : nullptr, M, L, K, outs);
+                call = std::move(call), plan = plan_, slots = slots_, positions, outs, M, L, K,
+                kernel = active_kernel()]() mutable {
+      call.run(kernel, source.get(), call.norm_eps ? norm.get() : nullptr, M, L, K,
+               {plan.get(), slots, positions}, outs);
     });
   }
   const char* name() const override { return "QuantMatmulHeads"; }
@@ -259,7 +262,7 @@ class QuantMatmulHeads : public CpuPrimitive {
 }  // namespace
 
 void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm, int M, int L,
-                        int K, const std::vector<float*>& outs) const {
+                        int K, const CallRows& rows, const std::vector<float*>& outs) const {
   const int count = static_cast<int>(weights.size());
   // Where each product is written: its output, or scratch [M, N_j] to lay out after (all of
   // them in one buffer, kept on the thread). With `glu`, the gate goes to scratch and up to the
@@ -280,8 +283,8 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
       products[j] = outs[glu ? 0 : j];
     }
   RowResiduals residuals(kernel, M, K);
-  for (size_t j = 0; j < slots.size(); j++)
-    if (slots[j] >= 0) residuals.add(*plan, slots[j], widths[j], products[j]);
+  for (size_t j = 0; j < rows.slots.size(); j++)
+    if (rows.slots[j] >= 0) residuals.add(*rows.plan, rows.slots[j], widths[j], products[j]);
   // x's rows normalized, where a norm comes first: each row as it is quantized to int8, kept
   // where the LoRA's activations read them too; else (the float products) into scratch first,
   // split over the threads as the quantization is.
@@ -333,7 +336,7 @@ void HeadsProducts::run(const Kernel* kernel, const float* x, const float* norm,
   }
   for (int j = 0; j < roped; j++) {
     const int H = heads[j], D = widths[j] / H;
-    rope.apply(outs[j], outs[j], M / L, H, L, D, positions, inv_freqs);
+    rope.apply(outs[j], outs[j], M / L, H, L, D, rows.positions, inv_freqs);
   }
 }
 
