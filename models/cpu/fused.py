@@ -381,10 +381,12 @@ class _StepArguments:
     the watched layers count no change and the blocks and the inputs' width are the same. Kept
     on the first block."""
 
-    def __init__(self, blocks: tuple[nn.Module, ...], width: int):
+    def __init__(self, blocks: tuple[nn.Module, ...], ids: tuple[int, ...], width: int):
         self.changes = changes.count()
-        self.blocks = blocks  # held, so that their ids stay theirs
-        self.ids = tuple(map(id, blocks))
+        # The blocks after the first held, so that their ids stay theirs (the first holds this:
+        # it is alive while it is read, and holding it here would make a cycle).
+        self.others = blocks[1:]
+        self.ids = ids
         self.width = width
         found = [
             _LayerArguments.of(block, width) if type(block) is FusedBlock else None
@@ -406,13 +408,9 @@ class _StepArguments:
         changed since they were), or None where a block does not take the primitive."""
         holder = blocks[0].__dict__
         kept: _StepArguments | None = holder.get("_step_arguments")
-        if (
-            kept is None
-            or kept.changes != changes.count()
-            or kept.width != width
-            or kept.ids != tuple(map(id, blocks))  # modules compare by their items: ids here
-        ):
-            kept = cls(tuple(blocks), width)
+        ids = tuple(map(id, blocks))  # modules compare by their items: ids here
+        if kept is None or (kept.changes, kept.width, kept.ids) != (changes.count(), width, ids):
+            kept = cls(tuple(blocks), ids, width)
             holder["_step_arguments"] = kept
         return kept if kept.takes else None
 

@@ -1363,6 +1363,25 @@ def test_a_step_asks_its_slots_for_residuals_only_under_an_active_set(packed, mo
     assert all(arguments is kept[0] for arguments in kept)
 
 
+def test_a_stepped_models_layers_are_freed_when_let_go_without_the_cycle_collector():
+    """What a decode step keeps on a model's layers (`_layer_arguments`, `_step_arguments`)
+    makes no reference cycle: a stepped model's layers (and the weights their operands hold) go
+    as soon as the model does, not at some later collection."""
+    model = tiny_model(quantize=True)
+    assert install_packed_kernels(model, threads=2).enabled
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.full((1, 4), 5), cache=cache))
+    mx.eval(model(mx.full((1, 1), 7), cache=cache))
+    assert "_step_arguments" in model.layers[0].__dict__  # the step was the layer primitive's
+    layers = [weakref.ref(layer) for layer in model.layers]
+    gc.disable()
+    try:
+        del model, cache
+        assert all(layer() is None for layer in layers)
+    finally:
+        gc.enable()
+
+
 def test_a_decode_step_writes_no_cache_array_another_holds(packed):
     """The layer primitive writes the step's keys and values into the cache's buffer only where
     nothing else holds it (as MLX's own update does): an array that still reads the cache as it
