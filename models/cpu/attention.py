@@ -26,6 +26,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from hotlora.models.cpu import extension
 
@@ -253,6 +254,26 @@ def step_mask(mask: Any, batch: int, span: int) -> mx.array | None:
     if getattr(_running, "rows", False) != "all":
         return None
     return _call_mask(mask, (batch, 1, 1, span))
+
+
+def cache_step_mask(cache: Any, batch: int, span: int) -> mx.array | None:
+    """`step_mask` of the mask mlx-lm makes for a decode step of `batch` rows from `cache`
+    (`create_attention_mask`, the cache at its last position, `span` keys), made by the kernels
+    in one operation (`step_key_mask`) where mlx-lm's `create_causal_mask` takes up to nine: a
+    `KVCache`'s every key, a `BatchKVCache`'s each row's keys from its left padding on. None
+    where that model is not running or the cache is another kind (make mlx-lm's mask then)."""
+    native = extension.native
+    if native is None or getattr(_running, "rows", False) != "all":
+        return None
+    kind = type(cache)
+    if kind is KVCache:
+        return cast(mx.array, native.step_key_mask(batch, span))
+    if kind is not BatchKVCache:
+        return None
+    padding = cache.left_padding
+    if padding.dtype != mx.int32 or padding.shape != (batch,):
+        return None
+    return cast(mx.array, native.step_key_mask(batch, span, padding))
 
 
 def _fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> bool:

@@ -185,6 +185,8 @@ def load(threads: int, isa: str = "auto") -> ModuleType | str:
     try:
         ok = mx.allclose(loaded.rows_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item()
         ok = ok and mx.array_equal(loaded.rows_argmax(x)[:, 0], mx.argmax(x, axis=-1)).item()
+        padded = loaded.step_key_mask(2, 3, mx.array([1, 0], dtype=mx.int32)).reshape(2, 3)
+        ok = ok and padded.tolist() == [[False, True, True], [True, True, True]]
     except (TypeError, ValueError, RuntimeError, AttributeError) as exc:  # another MLX's build,
         # or one older than these sources
         loaded.use_isa(active)

@@ -44,7 +44,12 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from hotlora.models.cpu import changes, extension
-from hotlora.models.cpu.attention import call_shared, merged_rows_attention, step_mask
+from hotlora.models.cpu.attention import (
+    cache_step_mask,
+    call_shared,
+    merged_rows_attention,
+    step_mask,
+)
 from hotlora.models.cpu.changes import Watched
 from hotlora.models.cpu.layers import NativeRMSNorm, NativeRoPE, PackedLinear
 
@@ -500,14 +505,28 @@ def _once_a_call(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
     return shared[key]
 
 
+class CacheMask:
+    """A decode step's mask as mlx-lm makes it from `cache` for inputs `x`
+    (`create_attention_mask`), left for `_step_inputs` to make: where the decoder layers'
+    primitive takes the step, the kernels make it (`cache_step_mask`), else mlx-lm."""
+
+    def __init__(self, x: mx.array, cache: Any):
+        self.x, self.cache = x, cache
+
+    def made(self) -> Any:
+        """mlx-lm's mask."""
+        return create_attention_mask(self.x, self.cache)
+
+
 def _step_inputs(
     mask: Any, offset: int | mx.array, at: int, batch: int
 ) -> tuple[mx.array, mx.array] | None:
-    """The attention kernel's mask (`step_mask`) and the positions (`NativeRoPE.positions`) of
-    a decode step of `batch` rows writing position `at`, or None where the kernels do not take
-    them; made once a call: every layer's cache of one call is at the same offset (see
-    `_next_offsets`) and takes the call's mask. An array offset or mask is known by its id, and
-    kept beside what was made of it while the call holds them."""
+    """The attention kernel's mask (`step_mask`; of a `CacheMask`, the kernels' own where they
+    make it) and the positions (`NativeRoPE.positions`) of a decode step of `batch` rows
+    writing position `at`, or None where the kernels do not take them; made once a call: every
+    layer's cache of one call is at the same offset (see `_next_offsets`) and takes the call's
+    mask. An array offset or mask is known by its id, and kept beside what was made of it while
+    the call holds them."""
     key = (
         "step",
         mask if mask is None or isinstance(mask, str) else id(mask),
@@ -517,7 +536,13 @@ def _step_inputs(
     )
 
     def make() -> tuple[Any, Any, tuple[mx.array, mx.array] | None]:
-        kernel_mask = step_mask(mask, batch, at + 1)
+        kernel_mask = None
+        if isinstance(mask, CacheMask):
+            kernel_mask = cache_step_mask(mask.cache, batch, at + 1)
+        if kernel_mask is None:
+            kernel_mask = step_mask(
+                mask.made() if isinstance(mask, CacheMask) else mask, batch, at + 1
+            )
         positions = NativeRoPE.positions(offset, batch)
         taken = None if kernel_mask is None or positions is None else (kernel_mask, positions)
         return mask, offset, taken
@@ -550,8 +575,7 @@ class FusedModel(llama.LlamaModel, Watched):
         ):
             return super().__call__(inputs, cache, input_embeddings)
         h = self["embed_tokens"](inputs) if input_embeddings is None else input_embeddings
-        mask = create_attention_mask(h, cache[full])
-        stepped = layers_step(self["layers"], h, mask, cache)
+        stepped = layers_step(self["layers"], h, CacheMask(h, cache[full]), cache)
         if stepped is None:  # refused before anything was made: mlx-lm's own call
             return super().__call__(inputs, cache, input_embeddings)
         return cast(mx.array, self["norm"](stepped))

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import llama
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from hotlora.adapters import BASE_ONLY, AdapterSet, RowAdapterCache, RowAdapters, activate
 from hotlora.adapters.backends import gathered
@@ -27,6 +28,7 @@ from hotlora.adapters.projections import find_targets, replace_module
 from hotlora.adapters.slots import LoRASlot
 from hotlora.config.settings import KernelsIsa
 from hotlora.models.cpu import extension, fused, install_packed_kernels, prepare_cpu
+from hotlora.models.cpu.attention import _rows_call, cache_step_mask, step_mask
 from hotlora.models.cpu.fused import (
     FusedAttention,
     FusedBlock,
@@ -1380,6 +1382,33 @@ def test_a_stepped_models_layers_are_freed_when_let_go_without_the_cycle_collect
         assert all(layer() is None for layer in layers)
     finally:
         gc.enable()
+
+
+def test_a_steps_mask_made_by_the_kernels_is_mlx_lms():
+    """The kernels' mask of a decode step (`step_key_mask`, through `cache_step_mask` while a
+    model of quantized kernels runs) is what mlx-lm's `create_attention_mask` makes from the
+    cache, broadcast as the attention kernel reads it: each row's keys from its left padding on
+    in a BatchKVCache, every key in a KVCache; out of such a model's call, or for another
+    cache, none."""
+    assert not isinstance(extension.load(2), str)
+    x = mx.zeros((3, 1, 8))
+    batch = BatchKVCache([2, 0, 5])
+    batch.update_and_fetch(mx.zeros((3, 2, 6, 4)), mx.zeros((3, 2, 6, 4)))
+    single = KVCache()
+    single.update_and_fetch(mx.zeros((1, 2, 6, 4)), mx.zeros((1, 2, 6, 4)))
+    assert cache_step_mask(batch, 3, 7) is None  # no model of the kernels running
+    with _rows_call("all"):
+        for cache, rows in ((batch, 3), (single, 1)):
+            made = cache_step_mask(cache, rows, 7)
+            assert made is not None and made.dtype == mx.bool_ and made.shape == (rows, 1, 1, 7)
+            want = step_mask(create_attention_mask(x[:rows], cache), rows, 7)
+            assert want is not None and mx.array_equal(made, want).item(), type(cache)
+        padded = cache_step_mask(batch, 3, 7)
+        assert padded is not None
+        assert padded[:, 0, 0].tolist() == [[s >= pad for s in range(7)] for pad in (2, 0, 5)]
+        assert cache_step_mask(RotatingKVCache(max_size=8), 1, 7) is None
+    with pytest.raises(ValueError, match="left padding"):
+        native.step_key_mask(3, 7, mx.array([1, 2], dtype=mx.int32))
 
 
 def test_a_decode_step_writes_no_cache_array_another_holds(packed):

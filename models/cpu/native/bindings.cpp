@@ -69,6 +69,7 @@ NB_MODULE(_rows_matmul, m) {
   m.def("rms_norm_rows", &rms_norm_rows, "x"_a, "weight"_a, "eps"_a);
   m.def("rope_rows", &rope_rows, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a);
   m.def("rows_argmax", &rows_argmax, "logits"_a);
+  m.def("step_key_mask", &step_key_mask, "batch"_a, "span"_a, "left_padding"_a.none() = nb::none());
   m.def("attention_rows", &attention_rows, "q"_a, "k"_a, "v"_a, "mask"_a, "scale"_a);
   m.def("attention_rows_merged", &attention_rows_merged, "q"_a, "k"_a, "v"_a, "mask"_a, "scale"_a);
   m.def("masked_softmax", &masked_softmax, "scores"_a, "mask"_a);

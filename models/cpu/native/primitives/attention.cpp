@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -127,6 +128,34 @@ class MaskedSoftmax : public CpuPrimitive {
   static constexpr float kLowestScore = -std::numeric_limits<float>::max();  // MLX's finfo.min
 };
 
+// A decode step's attention mask [B, 1, 1, S]: row b sees the keys from its left padding on
+// (all of them without one), what mlx-lm's causal mask of one query token at the cache's last
+// position gives (create_causal_mask: nine operations).
+class StepKeyMask : public CpuPrimitive {
+ public:
+  explicit StepKeyMask(mx::Stream stream) : CpuPrimitive(stream) {}
+
+  // inputs: none, or the rows' left padding (int32 [B]).
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    const int B = out.shape(0), S = out.shape(3);
+    const int32_t* padding = inputs.empty() ? nullptr : inputs[0].data<int32_t>();
+    const int64_t stride = inputs.empty() ? 0 : inputs[0].strides()[0];
+    queue_task(stream(), [padding, stride, B, S, op = out.data<bool>()]() {
+      for (int b = 0; b < B; b++) {
+        const int64_t first = padding ? padding[b * stride] : 0;
+        for (int s = 0; s < S; s++) op[static_cast<size_t>(b) * S + s] = s >= first;
+      }
+    });
+  }
+  const char* name() const override { return "StepKeyMask"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 // The most scores a unit of `attend_rows` keeps (its tokens' G heads by S positions): a prompt
 // chunk's tokens are taken as many at once as fit (and as leave each thread of the pool a few
 // units), so that each block of keys and values in the core's cache serves them all
@@ -205,6 +234,19 @@ mx::array attention_rows_merged(const mx::array& q, const mx::array& k, const mx
   const auto s = mx::default_stream(mx::Device::cpu);
   return mx::array({B, L, H * v.shape(3)}, mx::float32,
                    std::make_shared<RowsAttention>(s, scale, /*merged=*/true), {q, k, v, mask});
+}
+
+mx::array step_key_mask(int batch, int span, const std::optional<mx::array>& left_padding) {
+  if (batch <= 0 || span <= 0)
+    throw std::invalid_argument("step_key_mask: expected one row or more and one key or more");
+  if (left_padding && (left_padding->dtype() != mx::int32 || left_padding->ndim() != 1 ||
+                       left_padding->shape(0) != batch))
+    throw std::invalid_argument("step_key_mask: expected the rows' left padding as int32 [B]");
+  const auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs;
+  if (left_padding) inputs.push_back(*left_padding);
+  return mx::array({batch, 1, 1, span}, mx::bool_, std::make_shared<StepKeyMask>(s),
+                   std::move(inputs));
 }
 
 mx::array masked_softmax(const mx::array& scores, const mx::array& mask) {

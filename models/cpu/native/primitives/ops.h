@@ -101,5 +101,9 @@ mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array
 mx::array attention_rows_merged(const mx::array& q, const mx::array& k, const mx::array& v,
                                 const mx::array& mask, float scale);
 mx::array masked_softmax(const mx::array& scores, const mx::array& mask);
+// A decode step's bool mask [B, 1, 1, span] for attention_rows: row b sees keys s >=
+// left_padding[b] (int32 [B]; every key without it), mlx-lm's causal mask of a step, one
+// primitive.
+mx::array step_key_mask(int batch, int span, const std::optional<mx::array>& left_padding);
 
 }  // namespace hotlora
