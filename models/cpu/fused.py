@@ -536,13 +536,12 @@ def _step_inputs(
     )
 
     def make() -> tuple[Any, Any, tuple[mx.array, mx.array] | None]:
-        kernel_mask = None
         if isinstance(mask, CacheMask):
             kernel_mask = cache_step_mask(mask.cache, batch, at + 1)
-        if kernel_mask is None:
-            kernel_mask = step_mask(
-                mask.made() if isinstance(mask, CacheMask) else mask, batch, at + 1
-            )
+            if kernel_mask is None:
+                kernel_mask = step_mask(mask.made(), batch, at + 1)
+        else:
+            kernel_mask = step_mask(mask, batch, at + 1)
         positions = NativeRoPE.positions(offset, batch)
         taken = None if kernel_mask is None or positions is None else (kernel_mask, positions)
         return mask, offset, taken

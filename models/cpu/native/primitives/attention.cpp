@@ -137,15 +137,10 @@ class StepKeyMask : public CpuPrimitive {
 
   // inputs: none, or the rows' left padding (int32 [B]).
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
-    const int B = out.shape(0), S = out.shape(3);
+    const int B = outputs[0].shape(0), S = outputs[0].shape(3);
     const int32_t* padding = inputs.empty() ? nullptr : inputs[0].data<int32_t>();
     const int64_t stride = inputs.empty() ? 0 : inputs[0].strides()[0];
-    queue_task(stream(), [padding, stride, B, S, op = out.data<bool>()]() {
+    dispatch_rows<bool>(stream(), inputs, 0, outputs[0], [padding, stride, B, S](auto&, bool* op) {
       for (int b = 0; b < B; b++) {
         const int64_t first = padding ? padding[b * stride] : 0;
         for (int s = 0; s < S; s++) op[static_cast<size_t>(b) * S + s] = s >= first;
