@@ -131,6 +131,7 @@ def install_packed_kernels(
     from hotlora.models.cpu.layers import (
         PackedEmbedding,
         PackedLinear,
+        narrowed,
         set_cpu_precision,
         swap_layers,
     )
@@ -158,7 +159,7 @@ def install_packed_kernels(
     return RowsKernels(
         True,
         f"every step runs {quantized} quantized layers from their packed weights ({products}; "
-        f"codes widened at load: {repacked.describe()}) and "
+        f"codes widened at load: {repacked.describe()}{narrowed(model)}) and "
         f"{' and '.join(attention) or 'no'} attention through the native kernels "
         f"({loaded.isa()}, {threads} threads), a row's results the same in any batch; "
         f"{fused} llama attention and MLP layers compute their projections together "

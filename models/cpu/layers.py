@@ -16,7 +16,8 @@ composition operation for operation, with MLX's own exp, sin and cos, so its res
 to the bit: every float32 call takes it, a request decoding alone and prefill included.
 
 Quantized weights (MLX's affine mode, 4 or 8 bits; other bits widened to those at load by
-`weights.repack`) stay packed: `PackedLinear` and
+`weights.repack`, and 5- and 6-bit codes laid out at 5 and 6 bits again where the integer
+products interleave them, `weights.interleave_rows8`) stay packed: `PackedLinear` and
 `PackedEmbedding` (the lookup and a tied output layer) send every call, whatever its row
 count, through the extension's `quant_matmul`, which dequantizes a tile of weight rows at a time
 in cache and gives each output one fixed-order sum. A row's result is then the same bits alone,
@@ -197,7 +198,8 @@ class Interleaving(nn.Module):
     def interleave(self, on: bool) -> None:
         """Lay the codes out for the interleaved integer kernel, or back as MLX packs them; a
         layer the kernel does not take in that layout (not 4 or 8 bits, rows not in eights, no
-        such kernel here) keeps MLX's."""
+        such kernel here) keeps MLX's. `bits` follows the layout: 8-bit codes all under 32 or
+        64 (a GGUF's 5- and 6-bit ones) are laid out at 5 or 6 bits, and back at 8."""
         native = extension.native
         if on == self.interleaved or (
             on
@@ -210,7 +212,7 @@ class Interleaving(nn.Module):
         ):
             return
         change = interleave_rows8 if on else deinterleave_rows8
-        packed = change(self["weight"], self["scales"], self["biases"], self.bits)
+        *packed, self.bits = change(self["weight"], self["scales"], self["biases"], self.bits)
         for key, value in zip(("weight", "scales", "biases"), packed, strict=True):
             self[key] = mx.contiguous(value)
         mx.eval(self["weight"], self["scales"], self["biases"])
@@ -264,7 +266,7 @@ class PackedEmbedding(nn.QuantizedEmbedding, Interleaving):
     def __call__(self, x: mx.array) -> mx.array:
         assert self.biases is not None  # the affine mode's
         native = extension.native
-        if native is not None and self.bits in (4, 8):  # one primitive, mx.dequantize's rows
+        if native is not None and (self.bits in (4, 8) or self.interleaved):  # mx.dequantize's rows
             ids = x if x.dtype in (mx.int32, mx.uint32, mx.int64) else x.astype(mx.int32)
             return native.packed_lookup(
                 ids, self.weight, self.scales, self.biases, self.group_size, self.bits
@@ -305,6 +307,23 @@ def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
         layer.int8_parts = parts
         layer.interleave(parts > 0)
     return len(layers)
+
+
+def narrowed(model: nn.Module) -> str:
+    """'; laid out again for the integer products: 166 at 5 bits, codes -29 MB': the widened
+    layers whose
+    interleaved codes take their own width again (`Interleaving.interleave`), or ''."""
+    layers = [
+        m
+        for _, m in model.named_modules()
+        if isinstance(m, Interleaving) and m.interleaved and m.bits in (5, 6)
+    ]
+    if not layers:
+        return ""
+    counts = Counter(m.bits for m in layers)
+    widths = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(counts.items()))
+    saved = sum(m["weight"].size * (8 - m.bits) // m.bits for m in layers)
+    return f"; laid out again for the integer products: {widths}, codes -{saved / 1e6:.0f} MB"
 
 
 class NativeRMSNorm(nn.RMSNorm, Watched):

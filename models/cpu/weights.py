@@ -135,8 +135,9 @@ def choose_cpu_weights(
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """What the model's parameters take served packed: quantized arrays as they are, the other
-    float parameters as float32."""
+    """What the model's parameters take served packed: quantized arrays as they are (codes
+    `repack` widens at their wider width, until interleaved), the other float parameters as
+    float32."""
     total = 0
     modules = cast(
         list[tuple[str, Any]], tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
@@ -146,7 +147,7 @@ def packed_bytes(model: nn.Module) -> int:
         for key, value in cast(list[tuple[str, mx.array]], tree_flatten(module.parameters())):
             kept = quantized and key in _PACKED_KEYS
             total += value.nbytes if kept else 4 * value.size
-            if kept and key == "weight":
+            if kept and key == "weight" and value.dtype == mx.uint32:  # not interleaved yet
                 total += value.nbytes * (served_bits(module.bits) - module.bits) // module.bits
     return total
 
@@ -267,34 +268,40 @@ def to_packed(model: nn.Module) -> Repacked:
 
 def interleave_rows8(
     weight: mx.array, scales: mx.array, biases: mx.array, bits: int
-) -> tuple[mx.array, mx.array, mx.array]:
+) -> tuple[mx.array, mx.array, mx.array, int]:
     """A 4- or 8-bit layer's packed weight (uint32 [N, K * bits / 32], N a multiple of 8), scales
     and biases laid out for the integer products' interleaved kernel (`int8_rows8_range`,
-    models/cpu/native/kernels/int8_matmul.h): eight rows' block of 32 codes `32 * bits` bytes
-    together, one 32-bit lane a row: at 4 bits byte 32j + 4i + k holds row i's code 8j + k in
-    its low half and its code 8j + 4 + k in its high half, at 8 bits row i's code 4j + k; the
-    scales and biases [N, K / group], each group's eight rows side by side. 8-bit codes stay
-    uint8 where all are under 64 (widened 5- and 6-bit ones), else they become int8 q - 128.
-    The same bytes, reordered: `deinterleave_rows8` undoes it. Made a few MB of rows at a time,
+    models/cpu/native/kernels/int8_matmul.h), and the bits of that layout: eight rows' block of 32
+    codes `32 * bits` bytes together, one 32-bit lane a row: at 4 bits byte 32j + 4i + k holds
+    row i's code 8j + k in its low half and its code 8j + 4 + k in its high half, at 8 bits row
+    i's code 4j + k; the scales and biases [N, K / group], each group's eight rows side by side.
+    8-bit codes all under 32 or 64 (a GGUF's 5- and 6-bit ones, widened by `repack`) take 5 or 6
+    bits: their low four bits as at 4 bits, then a plane of 32 bytes for each higher bit, byte
+    4i + k holding that bit of row i's code 4m + k in its bit m. Other 8-bit codes become int8
+    q - 128. The same codes: `deinterleave_rows8` undoes it. Made a few MB of rows at a time,
     each evaluated before the next, so that a large layer (an output head) takes little more
     memory than itself while it changes layout."""
     n, row_bytes = weight.shape[0], weight.shape[1] * 4
-    signed = bits == 8 and mx.any(weight.view(mx.uint8) >= 64).item()
+    layout = bits
+    if bits == 8:
+        top = cast(int, mx.max(weight.view(mx.uint8)).item())
+        layout = 5 if top < 32 else 6 if top < 64 else 8
     step = max(8, (_INTERLEAVE_BYTES // row_bytes) // 8 * 8)
     parts = []
     for at in range(0, n, step):
-        part = _interleaved_codes(weight[at : at + step], bits, bool(signed))
+        part = _interleaved_codes(weight[at : at + step], bits, layout)
         mx.eval(part)
         parts.append(part)
     packed = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    return packed, _eights(scales, n), _eights(biases, n)
+    return packed, _eights(scales, n), _eights(biases, n), layout
 
 
 _INTERLEAVE_BYTES = 8 << 20  # the rows of a layer changed at once
 
 
-def _interleaved_codes(weight: mx.array, bits: int, signed: bool) -> mx.array:
-    """`interleave_rows8`'s codes for rows of a layer (a multiple of 8 of them)."""
+def _interleaved_codes(weight: mx.array, bits: int, layout: int) -> mx.array:
+    """`interleave_rows8`'s codes for rows of a layer (a multiple of 8 of them) at `bits`, laid
+    out at `layout` bits."""
     n = weight.shape[0]
     k = weight.shape[1] * 32 // bits
     packed = weight.view(mx.uint8)  # 4 bits: codes 2p and 2p + 1 in byte p's halves
@@ -303,24 +310,46 @@ def _interleaved_codes(weight: mx.array, bits: int, signed: bool) -> mx.array:
         low = halves[..., 0, :].transpose(0, 2, 3, 1, 4)  # G, b, j, i, k
         high = halves[..., 1, :].transpose(0, 2, 3, 1, 4)
         return (low | (high << 4)).reshape(n, k // 2)
-    codes = packed.reshape(n // 8, 8, k // 32, 8, 4).transpose(0, 2, 3, 1, 4).reshape(n, k)
-    return (codes ^ 0x80).view(mx.int8) if signed else codes
+    codes = packed.reshape(n // 8, 8, k // 32, 8, 4).transpose(0, 2, 3, 1, 4)  # G, b, m, i, k
+    if layout == 8:  # some code of the layer 64 or more
+        return (codes.reshape(n, k) ^ 0x80).view(mx.int8)
+    nibbles = (codes[:, :, 0::2] & 15) | ((codes[:, :, 1::2] & 15) << 4)  # G, b, j, i, k
+    m = mx.arange(8, dtype=mx.uint8).reshape(8, 1, 1)
+    planes = [
+        (((codes >> (4 + p)) & 1) << m).sum(axis=2).astype(mx.uint8)  # G, b, i, k
+        for p in range(layout - 4)
+    ]
+    blocks = [nibbles.reshape(n // 8, k // 32, 128)]
+    blocks += [plane.reshape(n // 8, k // 32, 32) for plane in planes]
+    return mx.concatenate(blocks, axis=-1).reshape(n, k * layout // 8)
 
 
 def deinterleave_rows8(
     weight: mx.array, scales: mx.array, biases: mx.array, bits: int
-) -> tuple[mx.array, mx.array, mx.array]:
-    """`interleave_rows8` undone: MLX's packing of the same codes, scales and biases."""
+) -> tuple[mx.array, mx.array, mx.array, int]:
+    """`interleave_rows8` undone: MLX's packing of the same codes, scales and biases, and its
+    bits (8 for the 5- and 6-bit layouts)."""
     n = weight.shape[0]
     k = weight.shape[1] * 8 // bits
     if bits == 4:
         eights = weight.reshape(n // 8, k // 32, 4, 8, 4)  # G, b, j, i, k
         codes = mx.stack([eights & 15, eights >> 4], axis=-2)  # G, b, j, i, half, k
         codes = codes.transpose(0, 3, 1, 2, 4, 5).reshape(n, k)
-    else:
+        return pack_codes(codes, 4), _rows(scales, n), _rows(biases, n), 4
+    if bits == 8:
         unsigned = weight.view(mx.uint8) ^ 0x80 if weight.dtype == mx.int8 else weight
-        codes = unsigned.reshape(n // 8, k // 32, 8, 8, 4).transpose(0, 3, 1, 2, 4).reshape(n, k)
-    return pack_codes(codes, bits), _rows(scales, n), _rows(biases, n)
+        codes = unsigned.reshape(n // 8, k // 32, 8, 8, 4)  # G, b, m, i, k
+    else:
+        blocks = weight.reshape(n // 8, k // 32, 32 * bits)
+        nibbles = blocks[..., :128].reshape(n // 8, k // 32, 4, 1, 8, 4)  # G, b, j, h, i, k
+        codes = mx.concatenate([nibbles & 15, nibbles >> 4], axis=3)
+        codes = codes.reshape(n // 8, k // 32, 8, 8, 4)  # m = 2j + h
+        m = mx.arange(8, dtype=mx.uint8).reshape(8, 1, 1)
+        for p in range(bits - 4):
+            plane = blocks[..., 128 + 32 * p : 160 + 32 * p].reshape(n // 8, k // 32, 1, 8, 4)
+            codes = codes | (((plane >> m) & 1) << (4 + p))
+    codes = codes.transpose(0, 3, 1, 2, 4).reshape(n, k)
+    return pack_codes(codes, 8), _rows(scales, n), _rows(biases, n), 8
 
 
 def _eights(params: mx.array, n: int) -> mx.array:

@@ -134,14 +134,16 @@ struct QuantWeights {
   Quantized q;
 };
 
-QuantWeights quantized(int N, int K, int bits, int group, int dtype) {
+// `levels`: the codes drawn under it (0: every code of `bits`), as a GGUF's 5- and 6-bit codes
+// widened to 8 bits.
+QuantWeights quantized(int N, int K, int bits, int group, int dtype, int levels = 0) {
   QuantWeights out;
   const int groups = K / group, width = dtype == 0 ? 4 : 2;
   out.words.assign(static_cast<size_t>(N) * K * bits / 32, 0);
   out.scales.resize(static_cast<size_t>(N) * groups * width);
   out.biases.resize(out.scales.size());
   out.dequantized.resize(static_cast<size_t>(N) * K);
-  std::uniform_int_distribution<int> level(0, (1 << bits) - 1), mantissa(0, 127);
+  std::uniform_int_distribution<int> level(0, (levels ? levels : 1 << bits) - 1), mantissa(0, 127);
   for (int n = 0; n < N; n++)
     for (int g = 0; g < groups; g++) {
       const size_t at = static_cast<size_t>(n) * groups + g;
@@ -226,29 +228,32 @@ void check_quant(const Kernel& kernel, int M, int K, int N, int bits, int group,
 }
 
 // Weights [N, K] (N a multiple of 8) with their rows interleaved by eight, as the integer
-// kernel's `int8_rows8_range` reads them (kernels/int8_matmul.h): 8-bit codes as they are where
-// all are under 64, else as signed q - 128.
+// kernel's `int8_rows8_range` reads them (kernels/int8_matmul.h): 8-bit codes as signed q - 128;
+// or, `narrow` 5 or 6, 8-bit codes under 2^narrow as their low four bits (the 4-bit layout's)
+// and narrow - 4 planes of their higher bits.
 struct InterleavedWeights {
   std::vector<uint8_t> codes, scales, biases;
   Quantized q;
 };
 
-InterleavedWeights interleaved(const QuantWeights& w, int N) {
+InterleavedWeights interleaved(const QuantWeights& w, int N, int narrow = 0) {
   const Quantized& plain = w.q;
-  const int K = plain.K, bits = plain.bits, blocks = K / 32, groups = K / plain.group;
+  const int K = plain.K, bits = narrow ? narrow : plain.bits, blocks = K / 32;
+  const int groups = K / plain.group;
   const int width = plain.dtype == 0 ? 4 : 2, block_bytes = 32 * bits;
   InterleavedWeights out;
   out.codes.resize(static_cast<size_t>(N) * K * bits / 8);
   out.scales.resize(w.scales.size());
   out.biases.resize(w.biases.size());
   const auto code = [&](int n, int k) {
-    const size_t bit = (static_cast<size_t>(n) * K + k) * bits;
-    return static_cast<uint8_t>(w.words[bit / 32] >> (bit % 32) & ((1u << bits) - 1));
+    const size_t bit = (static_cast<size_t>(n) * K + k) * plain.bits;
+    return static_cast<uint8_t>(w.words[bit / 32] >> (bit % 32) & ((1u << plain.bits) - 1));
   };
-  bool small = true;
-  for (int n = 0; n < N; n++)
-    for (int k = 0; k < K; k++) small = small && code(n, k) < 64;
-  const bool signed_codes = bits == 8 && !small;
+  for (int n = 0; n < N && narrow; n++)
+    for (int k = 0; k < K; k++)
+      if (code(n, k) >= 1 << narrow)
+        fail("check", "codes under 2^narrow", N, K, narrow, n, k, 0, 0);
+  const bool signed_codes = bits == 8;
   for (int G = 0; G < N / 8; G++)
     for (int i = 0; i < 8; i++) {
       for (int b = 0; b < blocks; b++)
@@ -256,8 +261,14 @@ InterleavedWeights interleaved(const QuantWeights& w, int N) {
           for (int k = 0; k < 4; k++) {
             const size_t at =
                 (static_cast<size_t>(G) * blocks + b) * block_bytes + 32 * j + 4 * i + k;
-            if (bits == 4)
-              out.codes[at] = code(8 * G + i, 32 * b + 8 * j + k) |
+            if (bits <= 6 &&
+                j >= 4) {  // plane j - 4: bit 4 + j - 4 of codes 4m + k (m < 8) in bits m
+              uint8_t plane = 0;
+              for (int m = 0; m < 8; m++)
+                plane |= ((code(8 * G + i, 32 * b + 4 * m + k) >> j) & 1) << m;
+              out.codes[at] = plane;
+            } else if (bits <= 6)
+              out.codes[at] = (code(8 * G + i, 32 * b + 8 * j + k) & 15) |
                               static_cast<uint8_t>(code(8 * G + i, 32 * b + 8 * j + 4 + k) << 4);
             else
               out.codes[at] = code(8 * G + i, 32 * b + 4 * j + k) ^ (signed_codes ? 0x80 : 0);
@@ -313,12 +324,13 @@ void check_baseline_bits(const Kernel& kernel, const char* what, const std::vect
 
 // The integer product is the quantized rows' own product with the dequantized weights, within
 // float32's rounding: each row's values d * code (each within d / 2 of x, d its block's largest
-// magnitude / 127), or with three parts d * (c0 + (c1 + c2 / 254) / 254) (within d / 2 / 254^2
-// and float32's rounding of x / d), against the weights' values; and a row's result is the same
-// bits alone.
+// magnitude / 127, and float32's rounding of x / d), or with three parts d * (c0 + (c1 + c2 /
+// 254) / 254) (within d / 2 / 254^2 and the same rounding), against the weights' values; and a
+// row's result is the same bits alone. `levels` as `quantized`'s: 8-bit codes under 32 or 64
+// are also checked laid out at 5 and 6 bits.
 void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, int dtype,
-                int parts) {
-  const auto w = quantized(N, K, bits, group, dtype);
+                int parts, int levels = 0) {
+  const auto w = quantized(N, K, bits, group, dtype, levels);
   auto x = normal(static_cast<size_t>(M) * K);
   for (int k = 0; k < K; k += 97) x[k] = 0.0f;                // zeros among the values
   std::fill_n(x.begin() + K / 2, std::min(32, K / 2), 0.0f);  // a block of zeros: d = 0
@@ -339,8 +351,9 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
       }
       values[at] = d * value;
       const double last = unit * hotlora::kPartScale;  // the last part's unit
-      const double bound =
-          d / 2 * last * (1 + 1e-6) + (parts == 1 ? 0.0 : std::abs(x[at]) * 2.5e-7);
+      // With float32's rounding of x / d: a value just under a half-way point may round onto
+      // it, and then to the code past it.
+      const double bound = d / 2 * last * (1 + 1e-6) + std::abs(x[at]) * 2.5e-7;
       if (std::abs(values[at] - x[at]) > bound)
         fail(kernel.isa, "int8 quantization", M, K, N, m, k, values[at], x[at]);
     }
@@ -379,6 +392,29 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
     const auto alone =
         int8_product(kernel, rows8.q, x.data() + static_cast<size_t>(m) * K, 1, N, parts);
     check_row_bits(kernel.isa, what, out8, alone, M, K, N, m);
+  }
+  // The codes' low four bits and their planes; codes under 32 at 5 bits and at 6, the same
+  // integer sums in the same order: the same bits.
+  std::vector<float> fives;
+  for (int narrow : {5, 6}) {
+    if (bits != 8 || levels == 0 || levels > 1 << narrow) continue;
+    const auto planes = interleaved(w, N, narrow);
+    const auto out_planes = int8_product(kernel, planes.q, x.data(), M, N, parts);
+    std::snprintf(what, sizeof what,
+                  "%d-bit interleaved product on int8 rows of %d parts (group %d, dtype %d)",
+                  narrow, parts, group, dtype);
+    check_close(kernel.isa, what, out_planes, want, magnitude, M, K, N);
+    check_baseline_bits(kernel, what, out_planes, planes.q, x.data(), M, N, parts);
+    for (int m = 0; m < M; m++) {
+      const auto alone =
+          int8_product(kernel, planes.q, x.data() + static_cast<size_t>(m) * K, 1, N, parts);
+      check_row_bits(kernel.isa, what, out_planes, alone, M, K, N, m);
+    }
+    if (narrow == 5) fives = out_planes;
+    for (size_t i = 0; i < fives.size() && narrow == 6; i++)
+      if (std::memcmp(&out_planes[i], &fives[i], sizeof(float)) != 0)
+        fail(kernel.isa, what, M, K, N, static_cast<int>(i) / N, static_cast<int>(i) % N,
+             out_planes[i], fives[i]);
   }
 }
 
@@ -572,6 +608,15 @@ int main() {
             for (int N : {37, 40})
               for (int parts : {1, 3})
                 check_int8(kernel, M, 384, N, bits, group, dtype, parts), checks++;
+    // 8-bit codes under 32 and 64 (a GGUF's 5- and 6-bit ones) where the interleaved layout
+    // also takes them at 5 and 6 bits.
+    for (int M : {1, 3, 9})
+      for (int levels : {32, 64})
+        for (int group : {32, 64, 128})
+          for (int dtype : {0, 1, 2})
+            for (int parts : {1, 3})
+              if (kernel.int8_rows8 != nullptr)
+                check_int8(kernel, M, 384, 40, 8, group, dtype, parts, levels), checks++;
     // An adapter's ranks below, at and past each ISA's vector (4, 8 or 16 lanes).
     for (int K : {7, 100, 576})
       for (int r = 1; r <= 40; r++) check_low_rank(kernel, K, r), checks++;

@@ -105,9 +105,17 @@ def test_a_model_of_every_width_is_served_packed_with_every_value_kept(tmp_path:
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     layers = [m for _, m in model.named_modules() if isinstance(m, PackedLinear | PackedEmbedding)]
     assert len(layers) == 15  # 7 projections a layer, and the embedding (the tied head)
-    assert {m.bits for m in layers} == {4, 8}
-    # The reported size is what the widened layers take.
-    assert packed_bytes(model) == expected_bytes
+    # 4 and 8 bits; the widened 5- and 6-bit codes laid out at their own width again where the
+    # integer products interleave them.
+    assert {m.bits for m in layers} == {4, 5, 6, 8}
+    assert all(m.interleaved for m in layers)
+    # The reported size is what the widened layers take, less what their interleaving saves.
+    narrow = [m for m in layers if m.bits in (5, 6)]
+    saved = sum(m.weight.size * (8 - m.bits) // m.bits for m in narrow)
+    assert saved > 0 and packed_bytes(model) == expected_bytes - saved
+    fives, sixes = (sum(m.bits == b for m in narrow) for b in (5, 6))
+    laid_out = f"laid out again for the integer products: {fives} at 5 bits, {sixes} at 6 bits"
+    assert f"{laid_out}, codes -{saved / 1e6:.0f} MB" in setup.batch_kernels
     assert setup.batch_kernels is not None and "from 5 to 8 bits" in setup.batch_kernels
     assert "from 1 to 4 bits" in setup.batch_kernels
     logged = [r.getMessage() for r in caplog.records]

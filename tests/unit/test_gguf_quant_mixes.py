@@ -277,11 +277,12 @@ def test_it_is_served_packed_without_a_float32_copy(mix: Mix):
     assert not [r.getMessage() for r in mix.logs if r.levelno >= logging.WARNING]
     assert not any("float32" in r.getMessage() and "copy" in r.getMessage() for r in mix.logs)
     layers = [m for _, m in mix.exact.named_modules() if isinstance(m, nn.QuantizedLinear)]
-    assert layers and all(type(m) is PackedLinear and m.bits in (4, 8) for m in layers)
+    # 4 and 8 bits, and widened 5- and 6-bit codes laid out at their width again (interleaved).
+    assert layers and all(type(m) is PackedLinear and m.bits in (4, 5, 6, 8) for m in layers)
     # The embedding stays quantized at the file's bits (Q8_0), its lookup and the tied head one
     # packed copy; no float layer with weights of its own is left.
     embedding = mix.exact.model.embed_tokens
-    assert type(embedding) is PackedEmbedding and embedding.bits == 8
+    assert type(embedding) is PackedEmbedding and embedding.bits == 8 and embedding.interleaved
     assert "lm_head" not in mix.exact
     floats = [p for p, m in mix.exact.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
     assert not floats
@@ -291,6 +292,8 @@ def test_it_is_served_packed_without_a_float32_copy(mix: Mix):
     kinds = {Q(info.type) for info in read_header(mix.gguf).tensors.values()}
     if any(EXACT_BITS.get(kind) == 5 for kind in kinds):
         assert "from 5 to 8 bits" in setup.batch_kernels, setup.batch_kernels
+        assert "laid out again for the integer products" in setup.batch_kernels
+        assert 5 in {m.bits for m in layers} and all(m.interleaved for m in layers)
     else:
         assert "codes widened at load: none" in setup.batch_kernels, setup.batch_kernels
     if mix.source == "random-llama" and mix.kind != "Q4_0":  # its rows split into K-quant blocks

@@ -69,10 +69,12 @@ def syntax_errors(cxx: str, machine: str, *extra: str) -> list[str]:
 
 
 def passed(result: subprocess.CompletedProcess[str], isa: str) -> bool:
+    # The x86 ISAs also check their interleaved products on 5- and 6-bit layouts (108 more).
+    checks = 732 if isa == "neon" else 840
     return (
         result.returncode == 0
-        and f"{isa}: 732 products (integer ones included), low-rank activations and attentions "
-        "right, each row's product the same bits alone and in its batch"
+        and f"{isa}: {checks} products (integer ones included), low-rank activations and "
+        "attentions right, each row's product the same bits alone and in its batch"
         in result.stdout
     )
 

@@ -150,21 +150,24 @@ def test_a_rows_result_is_the_same_whatever_the_other_rows_and_their_shape(isa: 
 # The integer products on 4-bit rows interleaved by eight (`interleave_rows8`).
 
 
-# The widths of the interleaved layouts: 4 bits, 8 bits with every code under 64 (widened 5-
-# and 6-bit codes, kept unsigned), and 8 bits of any code (stored as signed q - 128).
-WIDTHS = {"4": (4, 16), "8-small": (8, 64), "8": (8, 256)}
-LAYOUTS = {"4": mx.uint8, "8-small": mx.uint8, "8": mx.int8}
+# The widths of the interleaved layouts, each (bits of MLX's packing, the codes' levels, bits of
+# the interleaved layout): 4 bits; 8-bit codes under 32 and 64 (a GGUF's 5- and 6-bit ones
+# widened at load), laid out at 5 and 6 bits; 8 bits of any code (stored as signed q - 128).
+WIDTHS = {"4": (4, 16, 4), "5": (8, 32, 5), "6": (8, 64, 6), "8": (8, 256, 8)}
+LAYOUTS = {"4": mx.uint8, "5": mx.uint8, "6": mx.uint8, "8": mx.int8}
 
 
 def interleaved(n: int, k: int, group: int, dtype: mx.Dtype, seed: int, width: str = "4"):
-    """Weights [n, k] of `width` in MLX's packing and interleaved: (packed, scales, biases) each.
-    8-small: codes below 64, as a 5- or 6-bit layer's widened to 8 bits."""
-    bits, levels = WIDTHS[width]
+    """Weights [n, k] of `width` in MLX's packing and interleaved: (packed, scales, biases) each,
+    the interleaved layout's bits those `WIDTHS` gives."""
+    bits, levels, layout = WIDTHS[width]
     packed, scales, biases, _ = quantized(n, k, bits, group, dtype, seed)
     if levels < 2**bits:
         codes = mx.random.randint(0, levels, (n, k), key=mx.random.key(seed)).astype(mx.uint8)
         packed = pack_codes(codes, bits)
-    return (packed, scales, biases), interleave_rows8(packed, scales, biases, bits)
+    *rows8, served = interleave_rows8(packed, scales, biases, bits)
+    assert served == layout
+    return (packed, scales, biases), tuple(rows8)
 
 
 @pytest.mark.parametrize("width", list(WIDTHS))
@@ -178,11 +181,11 @@ def test_interleaved_rows_give_the_integer_product_of_mlxs_packing(
     float32 rounding, every row count, and a row's bits the same alone and in any batch. With
     three int8 parts a value (`--cpu-precision exact`) both are the float32 products' within
     float32 rounding; with one, not."""
-    bits = WIDTHS[width][0]
+    bits, _, layout = WIDTHS[width]
     plain, rows8 = interleaved(72, 384, group, dtype, seed=group, width=width)
-    assert rows8[0].dtype == LAYOUTS[width] and rows8[0].shape == (72, 384 * bits // 8)
+    assert rows8[0].dtype == LAYOUTS[width] and rows8[0].shape == (72, 384 * layout // 8)
     x = mx.random.normal((200, 384), key=mx.random.key(group))
-    whole = native.quant_matmul(x, *rows8, group, bits, int8)
+    whole = native.quant_matmul(x, *rows8, group, layout, int8)
     reference = native.quant_matmul(x, *plain, group, bits, int8)
     scale = mx.abs(reference).max().item()
     assert mx.abs(whole - reference).max().item() < 1e-5 * scale
@@ -191,19 +194,21 @@ def test_interleaved_rows_give_the_integer_product_of_mlxs_packing(
     assert (mx.abs(whole - float32).max().item() < 1e-5 * scale) == (int8 == 3)
     for size in (1, 2, 3, 4, 5, 7, 16, 33):
         parts = [
-            native.quant_matmul(x[i : i + size], *rows8, group, bits, int8)
+            native.quant_matmul(x[i : i + size], *rows8, group, layout, int8)
             for i in range(0, 200, size)
         ]
         assert mx.array_equal(mx.concatenate(parts), whole).item(), size
-    prompt = native.quant_matmul(x.reshape(4, 50, 384), *rows8, group, bits, int8)
+    prompt = native.quant_matmul(x.reshape(4, 50, 384), *rows8, group, layout, int8)
     assert mx.array_equal(prompt.reshape(200, 72), whole).item()
 
 
 @pytest.mark.parametrize("width", list(WIDTHS))
 def test_interleaved_rows_undo_as_mlxs_packing(width: str):
-    bits = WIDTHS[width][0]
+    bits, _, layout = WIDTHS[width]
     plain, rows8 = interleaved(48, 256, 64, mx.float16, seed=5, width=width)
-    for got, want in zip(deinterleave_rows8(*rows8, bits), plain, strict=True):
+    *undone, undone_bits = deinterleave_rows8(*rows8, layout)
+    assert undone_bits == bits
+    for got, want in zip(undone, plain, strict=True):
         assert got.dtype == want.dtype and mx.array_equal(got, want).item()
 
 
@@ -215,7 +220,7 @@ def test_a_packed_lookup_is_mx_dequantizes_rows_to_the_bit(width: str, group: in
     id's row as mx.dequantize gives it from MLX's packing, ids of any shape, layout and integer
     dtype, the first and last rows of every eight; an id outside the rows a row of NaN, nothing
     read outside the layer."""
-    bits = WIDTHS[width][0]
+    bits, _, layout = WIDTHS[width]
     plain, rows8 = interleaved(48, 384, group, dtype, seed=group, width=width)
     ids = mx.array([[0, 7, 8, 47], [13, 13, 40, 1], [46, 9, 15, 16]])
     want = mx.dequantize(
@@ -225,16 +230,16 @@ def test_a_packed_lookup_is_mx_dequantizes_rows_to_the_bit(width: str, group: in
         group_size=group,
         bits=bits,
     )
-    for layer in (plain, rows8):
+    for layer, width in ((plain, bits), (rows8, layout)):
         for kind in (mx.int32, mx.uint32, mx.int64):
-            got = native.packed_lookup(ids.astype(kind), *layer, group, bits)
+            got = native.packed_lookup(ids.astype(kind), *layer, group, width)
             assert got.dtype == mx.float32 and got.shape == (3, 4, 384)
             assert mx.array_equal(got, want).item(), kind
-        one = native.packed_lookup(mx.array([[47]]), *layer, group, bits)
+        one = native.packed_lookup(mx.array([[47]]), *layer, group, width)
         assert mx.array_equal(one, want[0:1, 3:4]).item()
-        strided = native.packed_lookup(ids.T, *layer, group, bits)  # ids as a view
+        strided = native.packed_lookup(ids.T, *layer, group, width)  # ids as a view
         assert mx.array_equal(strided, want.transpose(1, 0, 2)).item()
-        outside = native.packed_lookup(mx.array([48, -1, 1, 1 << 20]), *layer, group, bits)
+        outside = native.packed_lookup(mx.array([48, -1, 1, 1 << 20]), *layer, group, width)
         assert mx.isnan(outside).all(axis=-1).tolist() == [True, True, False, True]
         assert mx.array_equal(outside[2], want[1, 3]).item()  # row 1, as at [1, 3]
 
@@ -324,36 +329,55 @@ def test_interleaved_rows_are_refused_where_their_kernel_does_not_read_them():
     with pytest.raises(ValueError, match="multiple of 8"):
         native.quant_matmul(x, *odd, 32, 4, True)
     signed = (mx.zeros((16, 64), dtype=mx.int8), rows8[1], rows8[2])
-    with pytest.raises(ValueError, match="signed 8-bit"):
+    with pytest.raises(ValueError, match="int8 for 8-bit codes"):
         native.quant_matmul(x, *signed, 32, 4, True)  # signed codes are 8-bit ones
+    unsigned = (mx.zeros((16, 128), dtype=mx.uint8), rows8[1], rows8[2])
+    with pytest.raises(ValueError, match="int8 for 8-bit codes"):
+        native.quant_matmul(x, *unsigned, 32, 8, True)  # and 8-bit ones signed
+    with pytest.raises(ValueError, match="4 or 8 bits only"):
+        native.quant_matmul(x, *plain, 32, 5, True)  # 5 bits interleaved only
     mixed = [[plain[i], rows8[i]] for i in range(3)]  # x's codes in two orders
     with pytest.raises(ValueError, match="in one order"):
         native.quant_matmul_heads(x[None], *mixed, [0, 0], 32, [4, 4], None, [], True)
+
+
+HEADS5 = [4, 2, 2, 2, 0]  # the mix's q, k, v and o, then a product without heads
 
 
 @pytest.mark.parametrize(("rows", "length"), [(1, 1), (3, 1), (16, 1), (2, 5)])
 def test_interleaved_products_of_other_widths_together_are_each_products_bits(
     isa: str, rows: int, length: int
 ):
-    """A GGUF's quant mix in one call: q 4-bit (Q4_K), k 8-bit codes under 64 (Q5_0 widened),
-    v signed 8-bit (Q8_0 or Q6_K), each with scales of its own dtype, and a fourth of MLX's
-    8-bit packing: x quantized once (one int8 code a value, or three parts), each output its own
-    product's bits. The same mix on float32 activations, MLX's packing, likewise."""
+    """A GGUF's quant mix in one call: q 4-bit (Q4_K), k 5-bit (Q5_0) and v 6-bit codes (Q6_K)
+    widened to 8 and laid out at 5 and 6, o signed 8-bit (Q8_0), each with scales of its own
+    dtype, and a fifth of MLX's 8-bit packing: x quantized once (one int8 code a value, or three
+    parts), each output its own product's bits. The same mix on float32 activations, MLX's
+    packing, likewise."""
     x = mx.random.normal((rows, length, 128), key=mx.random.key(rows + length))
-    mix = [(64, "4", mx.float32), (32, "8-small", mx.float16), (32, "8", mx.bfloat16)]
+    mix = [
+        (64, "4", mx.float32),
+        (32, "5", mx.float16),
+        (32, "6", mx.bfloat16),
+        (32, "8", mx.float16),
+    ]
     layers = [interleaved(n, 128, 32, dtype, seed=n, width=w) for n, w, dtype in mix]
-    bits = [WIDTHS[w][0] for _, w, _ in mix] + [8]
     eight = quantized(96, 128, 8, 32, mx.float16, seed=9)[:3]
     interleaved_rows, plain = [rows8 for _, rows8 in layers], [p for p, _ in layers]
-    for int8, chosen in ((1, interleaved_rows), (3, interleaved_rows), (0, plain)):
+    layouts = [WIDTHS[w][2] for _, w, _ in mix] + [8]
+    packings = [WIDTHS[w][0] for _, w, _ in mix] + [8]
+    for int8, chosen, bits in (
+        (1, interleaved_rows, layouts),
+        (3, interleaved_rows, layouts),
+        (0, plain, packings),
+    ):
         chosen = [*chosen, eight]
         weights = [[layer[i] for layer in chosen] for i in range(3)]
-        outputs = native.quant_matmul_heads(x, *weights, HEADS, 32, bits, None, [], int8)
-        for layer, b, h, got in zip(chosen, bits, HEADS, outputs, strict=True):
+        outputs = native.quant_matmul_heads(x, *weights, HEADS5, 32, bits, None, [], int8)
+        for layer, b, h, got in zip(chosen, bits, HEADS5, outputs, strict=True):
             alone = heads_layout(native.quant_matmul(x, *layer, 32, b, int8), h)
             assert mx.array_equal(got, alone).item(), (int8, b, h)
     with pytest.raises(ValueError, match="bits"):
-        native.quant_matmul_heads(x, *weights, HEADS, 32, bits[:3], None, [], True)
+        native.quant_matmul_heads(x, *weights, HEADS5, 32, bits[:4], None, [], True)
 
 
 def gather_operands(k: int, n: int, ranks: tuple[int, ...], seed: int) -> list[mx.array]:

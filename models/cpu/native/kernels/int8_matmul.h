@@ -167,13 +167,28 @@ void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, i
 // rows 8G..8G+7 (G a group of eight), block b of 32 codes, take 32 * bits bytes at
 // (G * K / 32 + b) * 32 * bits. At 4 bits byte 32j + 4i + k holds row 8G+i's code 8j+k in its low
 // half and its code 8j+4+k in its high half (j, k < 4, i < 8); at 8 bits byte 32j + 4i + k holds
-// row 8G+i's code 4j+k (j < 8), as it is (every code under 64) or, `signed_codes`, as q - 128
-// with the group's bias then taken as bias + 128 * scale. Their scales and biases, group g, are
+// row 8G+i's code 4j+k (j < 8) as q - 128 (`signed_codes`), the group's bias then taken as
+// bias + 128 * scale. At 5 and 6 bits (a GGUF's Q5 and Q6 layers, widened to 8 bits at load and
+// laid out at their width again) the block's first 128 bytes are its codes' low four bits as at
+// 4 bits, then bits - 4 planes of 32 bytes each, one a code bit from 4 up: byte 4i + k of plane p
+// holds in its bit j bit 4 + p of row 8G+i's code 4j+k. Their scales and biases, group g, are
 // the eight at (G * K / group + g) * 8. x's rows are quantized in plain order. Each output of a
 // row is then, in this order: the blocks in order, each (scale * d) * its integer sum added in
 // one float lane; the groups in order, each bias * the group's sum of x's quantized values.
 // That sequence depends on the row's own values alone, as the other layout's does.
-enum class Rows8 { kBits4, kSmall8, kSigned8 };
+enum class Rows8 { kBits4, kBits5, kBits6, kSigned8 };
+
+// The bit planes above the low four bits of a layout's codes (5 and 6 bits), and its bytes a
+// block of eight rows.
+template <Rows8 Kind>
+constexpr int rows8_planes() {
+  return Kind == Rows8::kBits5 ? 1 : Kind == Rows8::kBits6 ? 2 : 0;
+}
+
+template <Rows8 Kind>
+constexpr int rows8_block_bytes() {
+  return Kind == Rows8::kBits4 || rows8_planes<Kind>() ? 128 + 32 * rows8_planes<Kind>() : 256;
+}
 
 // One block's integer sums of eight rows of signed 8-bit codes for a row of x (`xq`, its
 // block's 32 codes), where I has no four-byte products (`rows8_unpacks`): a code's product takes
@@ -204,27 +219,37 @@ constexpr bool rows8_unpacks() {
 
 // A block's codes of the eight rows (and where a vector holds several groups of eight, theirs),
 // loaded and unpacked once for every row of x and every part of its values: `v[i]` pairs with
-// x's four activations from 4 * i. 4-bit codes, 8-bit ones under 64, and signed ones where
-// `rows8_unpacks` (as c + 128); else a signed code's product takes its own sign onto x's bytes,
-// row by row (`rows8_signed_sums`).
+// x's four activations from 4 * i. 4-bit codes, 5- and 6-bit ones (their low four bits, each
+// plane's bit set in place), and signed ones where `rows8_unpacks` (as c + 128); else a signed
+// code's product takes its own sign onto x's bytes, row by row (`rows8_signed_sums`).
 template <class I, Rows8 Kind>
 struct Rows8Codes {
   static_assert(rows8_unpacks<I, Kind>(), "AVX2's signed codes are read by rows8_signed_sums");
   typename I::Codes v[8];
   Rows8Codes(const uint8_t* codes, size_t stride) {
-    for (int j = 0; j < (Kind == Rows8::kBits4 ? 4 : 8); j++) {
+    constexpr bool kNibbles = Kind == Rows8::kBits4 || rows8_planes<Kind>() > 0;
+    for (int j = 0; j < (kNibbles ? 4 : 8); j++) {
       const typename I::Codes c = I::load_bytes(codes + 32 * j, stride);
-      if constexpr (Kind == Rows8::kBits4)
+      if constexpr (kNibbles)
         v[2 * j] = I::low4(c), v[2 * j + 1] = I::high4(c);
-      else if constexpr (Kind == Rows8::kSigned8)
-        v[j] = I::flip_signs(c);  // c + 128 as an unsigned byte
       else
-        v[j] = c;
+        v[j] = I::flip_signs(c);  // c + 128 as an unsigned byte
+    }
+    if constexpr (rows8_planes<Kind>() > 0) {
+      const auto plane = [&]<int P>(std::integral_constant<int, P>) {
+        const typename I::Codes bits = I::load_bytes(codes + 128 + 32 * P, stride);
+        [&]<int... J>(std::integer_sequence<int, J...>) {
+          ((v[J] = I::or_bits(v[J], I::template bit_as<J, 4 + P>(bits))), ...);
+        }
+        (std::make_integer_sequence<int, 8>{});
+      };
+      plane(std::integral_constant<int, 0>{});
+      if constexpr (rows8_planes<Kind>() > 1) plane(std::integral_constant<int, 1>{});
     }
   }
   // The block's integer sums of the rows for one row of x (`xq`, its block's 32 codes): at 4
-  // bits at most 2 * 15 * 127 a 16-bit half of `pairs4`, eight such sums within 16 bits; at 8
-  // bits under 64 two.
+  // bits at most 2 * 15 * 127 a 16-bit half of `pairs4`, eight such sums within 16 bits; at 5
+  // and 6 bits two.
   typename I::Codes sums(const int8_t* xq) const {
     if constexpr (requires { I::kDotBytes; }) {  // four products into each lane at once
       // Two sums, so that each instruction waits on the one before the last, not the last.
@@ -261,7 +286,7 @@ constexpr int rows8_groups() {
 template <class I, Rows8 Kind, int Dtype, int P, int Parts>
 inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, float* out,
                              int ldo) {
-  constexpr int kBlockBytes = Kind == Rows8::kBits4 ? 128 : 256;
+  constexpr int kBlockBytes = rows8_block_bytes<Kind>();
   const int K = q.K, blocks = K / 32, groups = K / q.group, per_group = q.group / 32;
   const size_t stride = static_cast<size_t>(blocks) * kBlockBytes;  // from group G to G + 1
   const size_t params_stride = static_cast<size_t>(groups) * 8;
@@ -350,10 +375,12 @@ void int8_rows8_range(const Quantized& q, const QuantizedRows& x, float* out, in
   };
   if (q.bits == 4)
     with_dtype(std::integral_constant<Rows8, Rows8::kBits4>{});
-  else if (q.signed_codes)
+  else if (q.bits == 5)
+    with_dtype(std::integral_constant<Rows8, Rows8::kBits5>{});
+  else if (q.bits == 6)
+    with_dtype(std::integral_constant<Rows8, Rows8::kBits6>{});
+  else  // 8 bits, signed (check_packed)
     with_dtype(std::integral_constant<Rows8, Rows8::kSigned8>{});
-  else
-    with_dtype(std::integral_constant<Rows8, Rows8::kSmall8>{});
 }
 
 // The table's entry for the interleaved products: null where the ISA's integer traits have none

@@ -101,7 +101,7 @@ struct Quantized {
   int dtype = 0;  // 0: float32, 1: float16, 2: bfloat16
   // Codes with rows interleaved by eight (kernels/int8_matmul.h's int8_rows8_range), read by
   // the integer products only; else MLX's packing, a row after another. At 8 bits the codes
-  // are under 64 as they are, or (`signed_codes`) stored as q - 128.
+  // are stored as q - 128 (`signed_codes`, int8); at 5 and 6 bits in bit planes above 4 bits.
   bool rows8 = false;
   bool signed_codes = false;
 };

@@ -59,8 +59,9 @@ struct Ids {
 
 // What a lookup reads: the layer's N rows of codes and their scales and biases as the products
 // read them (`packed_weight`: 4 or 8 bits; MLX's packing, uint32 words, code k of a row in bits
-// k * bits of its words, the scales row-major; or `rows8`, interleave_rows8's bytes, uint8, or
-// int8 whose codes are the bytes' values + 128 at 8 bits, the scales [N / 8, groups, 8]).
+// k * bits of its words, the scales row-major; or `rows8`, interleave_rows8's bytes: uint8 at 4,
+// 5 and 6 bits, a code's low four bits as at 4 and the others in bit planes, int8 at 8, whose
+// codes are the bytes' values + 128; the scales [N / 8, groups, 8]).
 struct PackedRows {
   Quantized q;
   int N;
@@ -90,16 +91,21 @@ struct PackedRows {
       const uint8_t byte = codes[static_cast<size_t>(row) * K * bits / 8 + k * bits / 8];
       return bits == 4 ? (k % 2 ? byte >> 4 : byte & 15) : byte;
     }
-    // Block k / 32 of the row's eight: lane j's four bytes at [row / 8, block, j, row % 8, 0..3].
-    const int lanes = bits == 4 ? 4 : 8, p = k % 32;
-    const uint8_t* block =
-        codes + ((static_cast<size_t>(row / 8) * (K / 32) + k / 32) * lanes * 8 + row % 8) * 4;
-    if (bits == 4) {  // p = 8 j + 4 h + t: byte t of lane j, its low (h 0) or high nibble
+    // Block k / 32 of the row's eight: lane j's four bytes at [row / 8, block, j, row % 8, 0..3],
+    // then at 5 and 6 bits each plane's at [.., 4 + plane, row % 8, 0..3].
+    const int block_bytes = bits == 8 ? 256 : 128 + 32 * (bits - 4), p = k % 32;
+    const uint8_t* block = codes +
+                           (static_cast<size_t>(row / 8) * (K / 32) + k / 32) * block_bytes +
+                           static_cast<size_t>(row % 8) * 4;
+    if (bits < 8) {  // p = 8 j + 4 h + t: byte t of lane j, its low (h 0) or high nibble
       const uint8_t byte = block[(p / 8) * 32 + p % 4];
-      return (p % 8) < 4 ? byte & 15 : byte >> 4;
+      int value = (p % 8) < 4 ? byte & 15 : byte >> 4;
+      for (int plane = 0; plane < bits - 4; plane++)  // p = 4 m + t: bit m of byte t
+        value |= ((block[128 + 32 * plane + p % 4] >> (p / 4)) & 1) << (4 + plane);
+      return value;
     }
     const uint8_t byte = block[(p / 4) * 32 + p % 4];  // p = 4 j + t
-    return q.signed_codes ? static_cast<uint8_t>(byte ^ 0x80) : byte;
+    return static_cast<uint8_t>(byte ^ 0x80);          // stored as q - 128
   }
 };
 
@@ -141,9 +147,10 @@ mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::arra
                         const mx::array& biases, int group_size, int bits) {
   const auto dtype = scales.dtype();
   const bool rows8 = w.dtype() == mx::uint8 || w.dtype() == mx::int8;
-  const bool codes_ok = (bits == 4 || bits == 8) && w.ndim() == 2 &&
+  const bool planes = bits == 5 || bits == 6;  // interleaved only
+  const bool codes_ok = (bits == 4 || bits == 8 || (planes && rows8)) && w.ndim() == 2 &&
                         (w.dtype() == mx::uint32 ||
-                         (rows8 && w.shape(0) % 8 == 0 && (bits == 8 || w.dtype() == mx::uint8)));
+                         (rows8 && w.shape(0) % 8 == 0 && (bits == 8) == (w.dtype() == mx::int8)));
   const int64_t K = codes_ok ? static_cast<int64_t>(w.shape(1)) * w.itemsize() * 8 / bits : 0;
   if (!codes_ok || K == 0 || (rows8 && K % 32 != 0) || group_size <= 0 || K % group_size != 0 ||
       (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16) ||
@@ -152,9 +159,9 @@ mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::arra
       biases.shape() != scales.shape())
     throw std::invalid_argument(
         "packed_lookup: expected codes at 4 or 8 bits, [N, K * bits / 32] uint32 (MLX's packing) "
-        "or [N, K * bits / 8] interleaved by eight (uint8, or int8 at 8 bits; N a multiple of 8, "
-        "K of 32), K a multiple of the group, and scales and biases [N, K / group] of one float "
-        "dtype");
+        "or [N, K * bits / 8] interleaved by eight (uint8 at 4, 5 or 6 bits, int8 at 8; N a "
+        "multiple of 8, K of 32), K a multiple of the group, and scales and biases [N, K / group] "
+        "of one float dtype");
   if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32 && ids.dtype() != mx::int64)
     throw std::invalid_argument("packed_lookup: expected int32, uint32 or int64 ids");
   mx::Shape shape = ids.shape();

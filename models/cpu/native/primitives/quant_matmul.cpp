@@ -79,24 +79,24 @@ void check_packed(int K, const mx::array& w, const mx::array& scales, const mx::
                   int group, int bits, int int8) {
   if (active_kernel() == nullptr)
     throw std::invalid_argument("quant_matmul: the CPU lacks AVX2 and FMA");
-  if (!quant_bits_served(bits))
+  const bool rows8 = w.dtype() == mx::uint8 || w.dtype() == mx::int8;
+  if (!quant_bits_served(bits) && !(rows8 && (bits == 5 || bits == 6)))
     throw std::invalid_argument("quant_matmul: " + served_words(quant_bits_array(QuantTypes{})) +
-                                " bits only");
+                                " bits only (5 and 6 interleaved by eight)");
   if (!quant_group_served(group))
     throw std::invalid_argument("quant_matmul: groups of " + served_words(kQuantGroups) + " only");
   const auto dtype = scales.dtype();
   if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16)
     throw std::invalid_argument("quant_matmul: float32, float16 or bfloat16 scales only");
-  if (w.dtype() == mx::uint8 || w.dtype() == mx::int8) {
-    if ((bits != 4 && bits != 8) || (w.dtype() == mx::int8 && bits != 8) || !int8 ||
-        active_kernel()->int8_rows8 == nullptr || w.ndim() != 2 || w.shape(0) % 8 != 0 ||
-        K % group != 0 || static_cast<int64_t>(w.shape(1)) * 8 / bits != K ||
-        biases.dtype() != dtype || scales.shape() != mx::Shape{w.shape(0), K / group} ||
-        biases.shape() != scales.shape())
+  if (rows8) {
+    if ((w.dtype() == mx::int8) != (bits == 8) || !int8 || active_kernel()->int8_rows8 == nullptr ||
+        w.ndim() != 2 || w.shape(0) % 8 != 0 || K % group != 0 ||
+        static_cast<int64_t>(w.shape(1)) * 8 / bits != K || biases.dtype() != dtype ||
+        scales.shape() != mx::Shape{w.shape(0), K / group} || biases.shape() != scales.shape())
       throw std::invalid_argument(
-          "quant_matmul: rows interleaved by eight (uint8 w [N, K * bits / 8], int8 for signed "
-          "8-bit codes, N a multiple of 8) are 4 or 8 bits, read by the integer products (int8) "
-          "of a kernel that has them, only");
+          "quant_matmul: rows interleaved by eight (w [N, K * bits / 8], uint8 at 4, 5 or 6 bits, "
+          "int8 for 8-bit codes as signed q - 128, N a multiple of 8) are read by the integer "
+          "products (int8) of a kernel that has them, only");
     return;
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || K % group != 0 ||

@@ -64,6 +64,15 @@ struct Int8Wide {
   static Codes high4(Codes v) {
     return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
   }
+  template <int M, int To>
+  static Codes bit_as(Codes h) {  // Int8's, two groups of eight rows at once
+    if constexpr (M < To)
+      h = _mm512_slli_epi32(h, To - M);
+    else if constexpr (M > To)
+      h = _mm512_srli_epi32(h, M - To);
+    return _mm512_and_si512(h, _mm512_set1_epi8(static_cast<char>(1 << To)));
+  }
+  static Codes or_bits(Codes a, Codes b) { return _mm512_or_si512(a, b); }
   static Codes broadcast4(const int8_t* p) {  // four int8 activations in every lane
     int32_t four;
     std::memcpy(&four, p, sizeof four);

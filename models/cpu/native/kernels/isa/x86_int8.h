@@ -71,6 +71,18 @@ struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight r
   static Codes high4(Codes v) {
     return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
   }
+  // Bit M of each byte of h as its bit To, the others 0: a code's bit To from its bit plane
+  // (kernels/int8_matmul.h's Rows8Codes). The lane shifts by To - M, so bit M of byte k lands
+  // on bit To of byte k and no other bit does.
+  template <int M, int To>
+  static Codes bit_as(Codes h) {
+    if constexpr (M < To)
+      h = _mm256_slli_epi32(h, To - M);
+    else if constexpr (M > To)
+      h = _mm256_srli_epi32(h, M - To);
+    return _mm256_and_si256(h, _mm256_set1_epi8(static_cast<char>(1 << To)));
+  }
+  static Codes or_bits(Codes a, Codes b) { return _mm256_or_si256(a, b); }
   // Four int8 activations in every lane.
   static Codes broadcast4(const int8_t* p) {
     int32_t four;
@@ -78,8 +90,8 @@ struct Int8 {  // 16 vector registers: 8 accumulators, the codes of two weight r
     return _mm256_set1_epi32(four);
   }
   // Each lane's four codes times its four activations, summed in two 16-bit halves: at most
-  // 2 * 15 * 127 each for 4-bit codes (eight such sums fit 16 bits), 2 * 63 * 127 for 8-bit
-  // codes under 64 (two fit), 2 * 128 * 127 for signed ones (one).
+  // 2 * 15 * 127 each for 4-bit codes (eight such sums fit 16 bits), 2 * 63 * 127 for 5- and
+  // 6-bit ones (two fit), 2 * 128 * 127 for signed ones (one).
   static Codes pairs4(Codes codes, Codes x) { return _mm256_maddubs_epi16(codes, x); }
   static Codes add16(Codes a, Codes b) { return _mm256_add_epi16(a, b); }
   static Codes zero16() { return _mm256_setzero_si256(); }
