@@ -4,7 +4,7 @@ For each model of `--cpu-models`, each server in turn, alone on the machine:
 - `embedded`: the embedded model; llama.cpp serves the GGUF it is imported from.
 - `q4km`: the embedded model requantized by llama.cpp's own `llama-quantize` to Q4_K_M (written
   once into `--cpu-cache`; its rows of 576 values fall back to Q5_0, so most layers are 5-bit,
-  widened to 8 bits at hotlora's load); hotlora imports that file, llama.cpp serves it. No
+  read at 5 bits by hotlora's integer products); hotlora imports that file, llama.cpp serves it. No
   adapter rows on it (its base rows are the comparison).
 - `bigvocab`: a random-weight llama of Gemma 3 270M's hidden width, layers, MLP and vocabulary
   (hidden 640, 18 layers, ffn 2048, vocabulary 262,144; llama's attention, heads 10/2 of 64):
@@ -445,7 +445,7 @@ def model_pair(name: str, home: Path, cache: Path) -> tuple[str, Path, Path]:
         gguf = cache / "gguf" / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
         quantize_gguf(quantizer, embedded_gguf_path(), gguf, "Q4_K_M")
         return (
-            "embedded model as llama.cpp's Q4_K_M (Q5_0 layers widened to 8 bits)",
+            "embedded model as llama.cpp's Q4_K_M (most layers Q5_0)",
             ensure_gguf_model(gguf, home, progress=print),
             gguf,
         )
