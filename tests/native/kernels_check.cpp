@@ -357,8 +357,7 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
       if (std::abs(values[at] - x[at]) > bound)
         fail(kernel.isa, "int8 quantization", M, K, N, m, k, values[at], x[at]);
     }
-  const auto out = int8_product(kernel, w.q, x.data(), M, N, parts);
-  std::vector<double> want(out.size()), magnitude(out.size());
+  std::vector<double> want(static_cast<size_t>(M) * N), magnitude(want.size());
   for (int m = 0; m < M; m++)
     for (int n = 0; n < N; n++) {
       double sum = 0, size = 0;
@@ -370,51 +369,42 @@ void check_int8(const Kernel& kernel, int M, int K, int N, int bits, int group, 
       want[static_cast<size_t>(m) * N + n] = sum, magnitude[static_cast<size_t>(m) * N + n] = size;
     }
   char what[96];
+  // The product of the weights as `q` lays them out, checked: against the values, the
+  // baseline's bits, and each row's bits alone.
+  const auto checked = [&](const Quantized& q) {
+    const auto out = int8_product(kernel, q, x.data(), M, N, parts);
+    check_close(kernel.isa, what, out, want, magnitude, M, K, N);
+    check_baseline_bits(kernel, what, out, q, x.data(), M, N, parts);
+    for (int m = 0; m < M; m++) {
+      const auto alone =
+          int8_product(kernel, q, x.data() + static_cast<size_t>(m) * K, 1, N, parts);
+      check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
+    }
+    return out;
+  };
   std::snprintf(what, sizeof what, "%d-bit product on int8 rows of %d parts (group %d, dtype %d)",
                 bits, parts, group, dtype);
-  check_close(kernel.isa, what, out, want, magnitude, M, K, N);
-  check_baseline_bits(kernel, what, out, w.q, x.data(), M, N, parts);
-  for (int m = 0; m < M; m++) {
-    const auto alone =
-        int8_product(kernel, w.q, x.data() + static_cast<size_t>(m) * K, 1, N, parts);
-    check_row_bits(kernel.isa, what, out, alone, M, K, N, m);
-  }
+  checked(w.q);
   if (N % 8 != 0 || kernel.int8_rows8 == nullptr) return;
   // The same product on the rows interleaved by eight: the same values, other float roundings.
-  const auto rows8 = interleaved(w, N);
-  const auto out8 = int8_product(kernel, rows8.q, x.data(), M, N, parts);
   std::snprintf(what, sizeof what,
                 "interleaved %d-bit product on int8 rows of %d parts (group %d, dtype %d)", bits,
                 parts, group, dtype);
-  check_close(kernel.isa, what, out8, want, magnitude, M, K, N);
-  check_baseline_bits(kernel, what, out8, rows8.q, x.data(), M, N, parts);
-  for (int m = 0; m < M; m++) {
-    const auto alone =
-        int8_product(kernel, rows8.q, x.data() + static_cast<size_t>(m) * K, 1, N, parts);
-    check_row_bits(kernel.isa, what, out8, alone, M, K, N, m);
-  }
+  checked(interleaved(w, N).q);
   // The codes' low four bits and their planes; codes under 32 at 5 bits and at 6, the same
   // integer sums in the same order: the same bits.
   std::vector<float> fives;
   for (int narrow : {5, 6}) {
     if (bits != 8 || levels == 0 || levels > 1 << narrow) continue;
-    const auto planes = interleaved(w, N, narrow);
-    const auto out_planes = int8_product(kernel, planes.q, x.data(), M, N, parts);
     std::snprintf(what, sizeof what,
                   "%d-bit interleaved product on int8 rows of %d parts (group %d, dtype %d)",
                   narrow, parts, group, dtype);
-    check_close(kernel.isa, what, out_planes, want, magnitude, M, K, N);
-    check_baseline_bits(kernel, what, out_planes, planes.q, x.data(), M, N, parts);
-    for (int m = 0; m < M; m++) {
-      const auto alone =
-          int8_product(kernel, planes.q, x.data() + static_cast<size_t>(m) * K, 1, N, parts);
-      check_row_bits(kernel.isa, what, out_planes, alone, M, K, N, m);
-    }
-    if (narrow == 5) fives = out_planes;
+    const auto out = checked(interleaved(w, N, narrow).q);
+    if (narrow == 5) fives = out;
     for (size_t i = 0; i < fives.size() && narrow == 6; i++)
-      if (std::memcmp(&out_planes[i], &fives[i], sizeof(float)) != 0)
-        fail(kernel.isa, what, M, K, N, static_cast<int>(i) / N, static_cast<int>(i) % N,
-             out_planes[i], fives[i]);
+      if (std::memcmp(&out[i], &fives[i], sizeof(float)) != 0)
+        fail(kernel.isa, what, M, K, N, static_cast<int>(i) / N, static_cast<int>(i) % N, out[i],
+             fives[i]);
   }
 }
 
