@@ -199,7 +199,8 @@ class Interleaving(nn.Module):
         """Lay the codes out for the interleaved integer kernel, or back as MLX packs them; a
         layer the kernel does not take in that layout (not 4 or 8 bits, rows not in eights, no
         such kernel here) keeps MLX's. `bits` follows the layout: 8-bit codes all under 32 or
-        64 (a GGUF's 5- and 6-bit ones) are laid out at 5 or 6 bits, and back at 8."""
+        64 (5- and 6-bit ones widened at load: a GGUF's Q5 layers, MLX's 5- and 6-bit models)
+        are laid out at 5 or 6 bits, and back at 8."""
         native = extension.native
         if on == self.interleaved or (
             on
@@ -310,9 +311,9 @@ def set_cpu_precision(model: nn.Module, precision: CpuPrecision) -> int:
 
 
 def narrowed(model: nn.Module) -> str:
-    """'; laid out again for the integer products: 166 at 5 bits, codes -29 MB': the widened
-    layers whose
-    interleaved codes take their own width again (`Interleaving.interleave`), or ''."""
+    """'; laid out again for the integer products: 166 at 5 bits, codes -29 MB': the layers
+    whose 8-bit codes, all under 32 or 64, take that width again interleaved
+    (`Interleaving.interleave`), or ''."""
     layers = [
         m
         for _, m in model.named_modules()

@@ -214,14 +214,20 @@ def half_float_layers(model: nn.Module) -> list[tuple[str, int]]:
     ]
 
 
-def widened(model: nn.Module) -> int:
-    """How many of the model's quantized layers `repack` widens."""
-    return sum(
+def _widens(module: nn.Module) -> bool:
+    """Whether `repack` widens this layer: affine codes of a width the kernels do not take, in
+    MLX's packing (an interleaved layer's 5 or 6 bits are a layout of the kernels' own)."""
+    return (
         isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
         and getattr(module, "mode", "affine") == "affine"
         and module.bits in REPACKED_BITS
-        for _, module in model.named_modules()
+        and module.weight.dtype == mx.uint32
     )
+
+
+def widened(model: nn.Module) -> int:
+    """How many of the model's quantized layers `repack` widens."""
+    return sum(_widens(module) for _, module in model.named_modules())
 
 
 def repack(model: nn.Module) -> Repacked:
@@ -232,11 +238,9 @@ def repack(model: nn.Module) -> Repacked:
     before = after = 0
     began = time.perf_counter()
     for path, module in model.named_modules():
-        if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        if not _widens(module):
             continue
         bits = module.bits
-        if getattr(module, "mode", "affine") != "affine" or bits not in REPACKED_BITS:
-            continue
         wider = REPACKED_BITS[bits]
         old = module.weight
         module.weight = pack_codes(unpack_codes(old, bits), wider)
@@ -275,12 +279,12 @@ def interleave_rows8(
     codes `32 * bits` bytes together, one 32-bit lane a row: at 4 bits byte 32j + 4i + k holds
     row i's code 8j + k in its low half and its code 8j + 4 + k in its high half, at 8 bits row
     i's code 4j + k; the scales and biases [N, K / group], each group's eight rows side by side.
-    8-bit codes all under 32 or 64 (a GGUF's 5- and 6-bit ones, widened by `repack`) take 5 or 6
-    bits: their low four bits as at 4 bits, then a plane of 32 bytes for each higher bit, byte
-    4i + k holding that bit of row i's code 4m + k in its bit m. Other 8-bit codes become int8
-    q - 128. The same codes: `deinterleave_rows8` undoes it. Made a few MB of rows at a time,
-    each evaluated before the next, so that a large layer (an output head) takes little more
-    memory than itself while it changes layout."""
+    8-bit codes all under 32 or 64 (5- and 6-bit ones widened by `repack`: a GGUF's Q5 layers,
+    MLX's 5- and 6-bit models) take 5 or 6 bits: their low four bits as at 4 bits, then a plane
+    of 32 bytes for each higher bit, byte 4i + k holding that bit of row i's code 4m + k in its
+    bit m. Other 8-bit codes become int8 q - 128. The same codes: `deinterleave_rows8` undoes
+    it. Made a few MB of rows at a time, each evaluated before the next, so that a large layer
+    (an output head) takes little more memory than itself while it changes layout."""
     n, row_bytes = weight.shape[0], weight.shape[1] * 4
     layout = bits
     if bits == 8:
@@ -328,17 +332,28 @@ def deinterleave_rows8(
     weight: mx.array, scales: mx.array, biases: mx.array, bits: int
 ) -> tuple[mx.array, mx.array, mx.array, int]:
     """`interleave_rows8` undone: MLX's packing of the same codes, scales and biases, and its
-    bits (8 for the 5- and 6-bit layouts)."""
+    bits (8 for the 5- and 6-bit layouts); a few MB of rows at a time, as it was made."""
+    n, row_bytes = weight.shape[0], weight.shape[1] * weight.itemsize
+    step = max(8, (_INTERLEAVE_BYTES // row_bytes) // 8 * 8)
+    parts = []
+    for at in range(0, n, step):
+        part = _deinterleaved_codes(weight[at : at + step], bits)
+        mx.eval(part)
+        parts.append(part)
+    packed = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    return packed, _rows(scales, n), _rows(biases, n), 4 if bits == 4 else 8
+
+
+def _deinterleaved_codes(weight: mx.array, bits: int) -> mx.array:
+    """`deinterleave_rows8`'s codes for rows of a layer (a multiple of 8 of them)."""
     n = weight.shape[0]
     k = weight.shape[1] * 8 // bits
     if bits == 4:
         eights = weight.reshape(n // 8, k // 32, 4, 8, 4)  # G, b, j, i, k
         codes = mx.stack([eights & 15, eights >> 4], axis=-2)  # G, b, j, i, half, k
-        codes = codes.transpose(0, 3, 1, 2, 4, 5).reshape(n, k)
-        return pack_codes(codes, 4), _rows(scales, n), _rows(biases, n), 4
+        return pack_codes(codes.transpose(0, 3, 1, 2, 4, 5).reshape(n, k), 4)
     if bits == 8:
-        unsigned = weight.view(mx.uint8) ^ 0x80 if weight.dtype == mx.int8 else weight
-        codes = unsigned.reshape(n // 8, k // 32, 8, 8, 4)  # G, b, m, i, k
+        codes = (weight.view(mx.uint8) ^ 0x80).reshape(n // 8, k // 32, 8, 8, 4)  # G, b, m, i, k
     else:
         blocks = weight.reshape(n // 8, k // 32, 32 * bits)
         nibbles = blocks[..., :128].reshape(n // 8, k // 32, 4, 1, 8, 4)  # G, b, j, h, i, k
@@ -348,8 +363,7 @@ def deinterleave_rows8(
         for p in range(bits - 4):
             plane = blocks[..., 128 + 32 * p : 160 + 32 * p].reshape(n // 8, k // 32, 1, 8, 4)
             codes = codes | (((plane >> m) & 1) << (4 + p))
-    codes = codes.transpose(0, 3, 1, 2, 4).reshape(n, k)
-    return pack_codes(codes, 8), _rows(scales, n), _rows(biases, n), 8
+    return pack_codes(codes.transpose(0, 3, 1, 2, 4).reshape(n, k), 8)
 
 
 def _eights(params: mx.array, n: int) -> mx.array:

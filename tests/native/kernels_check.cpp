@@ -134,8 +134,8 @@ struct QuantWeights {
   Quantized q;
 };
 
-// `levels`: the codes drawn under it (0: every code of `bits`), as a GGUF's 5- and 6-bit codes
-// widened to 8 bits.
+// `levels`: the codes drawn under it (0: every code of `bits`), as 5- and 6-bit codes widened to
+// 8 bits.
 QuantWeights quantized(int N, int K, int bits, int group, int dtype, int levels = 0) {
   QuantWeights out;
   const int groups = K / group, width = dtype == 0 ? 4 : 2;
@@ -598,8 +598,8 @@ int main() {
             for (int N : {37, 40})
               for (int parts : {1, 3})
                 check_int8(kernel, M, 384, N, bits, group, dtype, parts), checks++;
-    // 8-bit codes under 32 and 64 (a GGUF's 5- and 6-bit ones) where the interleaved layout
-    // also takes them at 5 and 6 bits.
+    // 8-bit codes under 32 and 64 (5- and 6-bit ones widened) where the interleaved layout also
+    // takes them at 5 and 6 bits.
     for (int M : {1, 3, 9})
       for (int levels : {32, 64})
         for (int group : {32, 64, 128})

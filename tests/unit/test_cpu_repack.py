@@ -16,7 +16,14 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from hotlora.models.cpu import extension, prepare_cpu
 from hotlora.models.cpu.layers import PackedEmbedding, PackedLinear
-from hotlora.models.cpu.weights import pack_codes, packed_bytes, served_bits, unpack_codes
+from hotlora.models.cpu.weights import (
+    pack_codes,
+    packed_bytes,
+    repack,
+    served_bits,
+    unpack_codes,
+    widened,
+)
 
 from tests.support.families import FAMILIES
 from tests.support.fidelity import LOGIT_TOLERANCE, dequantized_reference, relative_difference
@@ -116,6 +123,10 @@ def test_a_model_of_every_width_is_served_packed_with_every_value_kept(tmp_path:
     fives, sixes = (sum(m.bits == b for m in narrow) for b in (5, 6))
     laid_out = f"laid out again for the integer products: {fives} at 5 bits, {sixes} at 6 bits"
     assert f"{laid_out}, codes -{saved / 1e6:.0f} MB" in setup.batch_kernels
+    # Their 5 and 6 bits are the interleaved layout's: nothing there to widen again.
+    codes = [m.weight for m in narrow]
+    assert widened(model) == 0 and not repack(model).layers
+    assert all(m.weight is c for m, c in zip(narrow, codes, strict=True))
     assert setup.batch_kernels is not None and "from 5 to 8 bits" in setup.batch_kernels
     assert "from 1 to 4 bits" in setup.batch_kernels
     logged = [r.getMessage() for r in caplog.records]

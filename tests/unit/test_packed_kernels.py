@@ -28,6 +28,7 @@ from hotlora.adapters.projections import find_targets, replace_module
 from hotlora.adapters.slots import LoRASlot
 from hotlora.config.settings import KernelsIsa
 from hotlora.models.cpu import extension, fused, install_packed_kernels, prepare_cpu
+from hotlora.models.cpu import weights as cpu_weights
 from hotlora.models.cpu.attention import _rows_call, cache_step_mask, step_mask
 from hotlora.models.cpu.fused import (
     FusedAttention,
@@ -151,8 +152,8 @@ def test_a_rows_result_is_the_same_whatever_the_other_rows_and_their_shape(isa: 
 
 
 # The widths of the interleaved layouts, each (bits of MLX's packing, the codes' levels, bits of
-# the interleaved layout): 4 bits; 8-bit codes under 32 and 64 (a GGUF's 5- and 6-bit ones
-# widened at load), laid out at 5 and 6 bits; 8 bits of any code (stored as signed q - 128).
+# the interleaved layout): 4 bits; 8-bit codes under 32 and 64 (5- and 6-bit ones widened at
+# load), laid out at 5 and 6 bits; 8 bits of any code (stored as signed q - 128).
 WIDTHS = {"4": (4, 16, 4), "5": (8, 32, 5), "6": (8, 64, 6), "8": (8, 256, 8)}
 LAYOUTS = {"4": mx.uint8, "5": mx.uint8, "6": mx.uint8, "8": mx.int8}
 
@@ -202,8 +203,11 @@ def test_interleaved_rows_give_the_integer_product_of_mlxs_packing(
     assert mx.array_equal(prompt.reshape(200, 72), whole).item()
 
 
+@pytest.mark.parametrize("chunk_bytes", [8 << 20, 512])
 @pytest.mark.parametrize("width", list(WIDTHS))
-def test_interleaved_rows_undo_as_mlxs_packing(width: str):
+def test_interleaved_rows_undo_as_mlxs_packing(width: str, chunk_bytes: int, monkeypatch):
+    """Both ways a layer at once, and eight rows at a time (as a large layer's rows are)."""
+    monkeypatch.setattr(cpu_weights, "_INTERLEAVE_BYTES", chunk_bytes)
     bits, _, layout = WIDTHS[width]
     plain, rows8 = interleaved(48, 256, 64, mx.float16, seed=5, width=width)
     *undone, undone_bits = deinterleave_rows8(*rows8, layout)
@@ -348,8 +352,8 @@ HEADS5 = [4, 2, 2, 2, 0]  # the mix's q, k, v and o, then a product without head
 def test_interleaved_products_of_other_widths_together_are_each_products_bits(
     isa: str, rows: int, length: int
 ):
-    """A GGUF's quant mix in one call: q 4-bit (Q4_K), k 5-bit (Q5_0) and v 6-bit codes (Q6_K)
-    widened to 8 and laid out at 5 and 6, o signed 8-bit (Q8_0), each with scales of its own
+    """A quant mix in one call: q 4-bit (Q4_K), k 5-bit (Q5_0) and v 6-bit codes (an MLX 6-bit
+    layer) widened to 8 and laid out at 5 and 6, o signed 8-bit (Q8_0), each with scales of its own
     dtype, and a fifth of MLX's 8-bit packing: x quantized once (one int8 code a value, or three
     parts), each output its own product's bits. The same mix on float32 activations, MLX's
     packing, likewise."""

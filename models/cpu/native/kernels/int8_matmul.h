@@ -168,14 +168,14 @@ void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, i
 // (G * K / 32 + b) * 32 * bits. At 4 bits byte 32j + 4i + k holds row 8G+i's code 8j+k in its low
 // half and its code 8j+4+k in its high half (j, k < 4, i < 8); at 8 bits byte 32j + 4i + k holds
 // row 8G+i's code 4j+k (j < 8) as q - 128 (`signed_codes`), the group's bias then taken as
-// bias + 128 * scale. At 5 and 6 bits (a GGUF's Q5 and Q6 layers, widened to 8 bits at load and
-// laid out at their width again) the block's first 128 bytes are its codes' low four bits as at
-// 4 bits, then bits - 4 planes of 32 bytes each, one a code bit from 4 up: byte 4i + k of plane p
-// holds in its bit j bit 4 + p of row 8G+i's code 4j+k. Their scales and biases, group g, are
-// the eight at (G * K / group + g) * 8. x's rows are quantized in plain order. Each output of a
-// row is then, in this order: the blocks in order, each (scale * d) * its integer sum added in
-// one float lane; the groups in order, each bias * the group's sum of x's quantized values.
-// That sequence depends on the row's own values alone, as the other layout's does.
+// bias + 128 * scale. At 5 and 6 bits (a GGUF's Q5 layers, MLX's 5- and 6-bit ones, widened to 8
+// bits at load and laid out at their width again) the block's first 128 bytes are its codes' low
+// four bits as at 4 bits, then bits - 4 planes of 32 bytes each, one a code bit from 4 up: byte
+// 4i + k of plane p holds in its bit j bit 4 + p of row 8G+i's code 4j+k. Their scales and biases,
+// group g, are the eight at (G * K / group + g) * 8. x's rows are quantized in plain order. Each
+// output of a row is then, in this order: the blocks in order, each (scale * d) * its integer sum
+// added in one float lane; the groups in order, each bias * the group's sum of x's quantized
+// values. That sequence depends on the row's own values alone, as the other layout's does.
 enum class Rows8 { kBits4, kBits5, kBits6, kSigned8 };
 
 // The bit planes above the low four bits of a layout's codes (5 and 6 bits), and its bytes a
