@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -283,24 +284,31 @@ def interleave_rows8(
     MLX's 5- and 6-bit models) take 5 or 6 bits: their low four bits as at 4 bits, then a plane
     of 32 bytes for each higher bit, byte 4i + k holding that bit of row i's code 4m + k in its
     bit m. Other 8-bit codes become int8 q - 128. The same codes: `deinterleave_rows8` undoes
-    it. Made a few MB of rows at a time, each evaluated before the next, so that a large layer
-    (an output head) takes little more memory than itself while it changes layout."""
-    n, row_bytes = weight.shape[0], weight.shape[1] * 4
+    it. Made a few MB of rows at a time (`_by_rows`)."""
     layout = bits
     if bits == 8:
         top = cast(int, mx.max(weight.view(mx.uint8)).item())
         layout = 5 if top < 32 else 6 if top < 64 else 8
-    step = max(8, (_INTERLEAVE_BYTES // row_bytes) // 8 * 8)
-    parts = []
-    for at in range(0, n, step):
-        part = _interleaved_codes(weight[at : at + step], bits, layout)
-        mx.eval(part)
-        parts.append(part)
-    packed = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    packed = _by_rows(weight, lambda rows: _interleaved_codes(rows, bits, layout))
+    n = weight.shape[0]
     return packed, _eights(scales, n), _eights(biases, n), layout
 
 
 _INTERLEAVE_BYTES = 8 << 20  # the rows of a layer changed at once
+
+
+def _by_rows(weight: mx.array, change: Callable[[mx.array], mx.array]) -> mx.array:
+    """`change` of the weight's rows (N a multiple of 8) a few MB at a time, each part evaluated
+    before the next, so that a large layer (an output head) takes little more memory than
+    itself while it changes layout."""
+    n, row_bytes = weight.shape[0], weight.shape[1] * weight.itemsize
+    step = max(8, (_INTERLEAVE_BYTES // row_bytes) // 8 * 8)
+    parts = []
+    for at in range(0, n, step):
+        part = change(weight[at : at + step])
+        mx.eval(part)
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
 def _interleaved_codes(weight: mx.array, bits: int, layout: int) -> mx.array:
@@ -310,21 +318,16 @@ def _interleaved_codes(weight: mx.array, bits: int, layout: int) -> mx.array:
     k = weight.shape[1] * 32 // bits
     packed = weight.view(mx.uint8)  # 4 bits: codes 2p and 2p + 1 in byte p's halves
     if bits == 4:
-        halves = mx.stack([packed & 15, packed >> 4], axis=-1).reshape(n // 8, 8, k // 32, 4, 2, 4)
-        low = halves[..., 0, :].transpose(0, 2, 3, 1, 4)  # G, b, j, i, k
-        high = halves[..., 1, :].transpose(0, 2, 3, 1, 4)
-        return (low | (high << 4)).reshape(n, k // 2)
+        packed = mx.stack([packed & 15, packed >> 4], axis=-1)
     codes = packed.reshape(n // 8, 8, k // 32, 8, 4).transpose(0, 2, 3, 1, 4)  # G, b, m, i, k
     if layout == 8:  # some code of the layer 64 or more
         return (codes.reshape(n, k) ^ 0x80).view(mx.int8)
     nibbles = (codes[:, :, 0::2] & 15) | ((codes[:, :, 1::2] & 15) << 4)  # G, b, j, i, k
-    m = mx.arange(8, dtype=mx.uint8).reshape(8, 1, 1)
-    planes = [
-        (((codes >> (4 + p)) & 1) << m).sum(axis=2).astype(mx.uint8)  # G, b, i, k
-        for p in range(layout - 4)
-    ]
     blocks = [nibbles.reshape(n // 8, k // 32, 128)]
-    blocks += [plane.reshape(n // 8, k // 32, 32) for plane in planes]
+    m = mx.arange(8, dtype=mx.uint8).reshape(8, 1, 1)  # a plane byte's bit m: code 4m + k's
+    for p in range(layout - 4):  # each plane's bytes [G, b, i, k]
+        plane = (((codes >> (4 + p)) & 1) << m).sum(axis=2).astype(mx.uint8)
+        blocks.append(plane.reshape(n // 8, k // 32, 32))
     return mx.concatenate(blocks, axis=-1).reshape(n, k * layout // 8)
 
 
@@ -333,25 +336,16 @@ def deinterleave_rows8(
 ) -> tuple[mx.array, mx.array, mx.array, int]:
     """`interleave_rows8` undone: MLX's packing of the same codes, scales and biases, and its
     bits (8 for the 5- and 6-bit layouts); a few MB of rows at a time, as it was made."""
-    n, row_bytes = weight.shape[0], weight.shape[1] * weight.itemsize
-    step = max(8, (_INTERLEAVE_BYTES // row_bytes) // 8 * 8)
-    parts = []
-    for at in range(0, n, step):
-        part = _deinterleaved_codes(weight[at : at + step], bits)
-        mx.eval(part)
-        parts.append(part)
-    packed = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    packed = _by_rows(weight, lambda rows: _deinterleaved_codes(rows, bits))
+    n = weight.shape[0]
     return packed, _rows(scales, n), _rows(biases, n), 4 if bits == 4 else 8
 
 
 def _deinterleaved_codes(weight: mx.array, bits: int) -> mx.array:
-    """`deinterleave_rows8`'s codes for rows of a layer (a multiple of 8 of them)."""
+    """`deinterleave_rows8`'s codes for rows of a layer (a multiple of 8 of them), packed as MLX
+    packs them at 4 bits, or at 8 for the 5-, 6- and 8-bit layouts."""
     n = weight.shape[0]
     k = weight.shape[1] * 8 // bits
-    if bits == 4:
-        eights = weight.reshape(n // 8, k // 32, 4, 8, 4)  # G, b, j, i, k
-        codes = mx.stack([eights & 15, eights >> 4], axis=-2)  # G, b, j, i, half, k
-        return pack_codes(codes.transpose(0, 3, 1, 2, 4, 5).reshape(n, k), 4)
     if bits == 8:
         codes = (weight.view(mx.uint8) ^ 0x80).reshape(n // 8, k // 32, 8, 8, 4)  # G, b, m, i, k
     else:
@@ -363,7 +357,7 @@ def _deinterleaved_codes(weight: mx.array, bits: int) -> mx.array:
         for p in range(bits - 4):
             plane = blocks[..., 128 + 32 * p : 160 + 32 * p].reshape(n // 8, k // 32, 1, 8, 4)
             codes = codes | (((plane >> m) & 1) << (4 + p))
-    return pack_codes(codes.transpose(0, 3, 1, 2, 4).reshape(n, k), 8)
+    return pack_codes(codes.transpose(0, 3, 1, 2, 4).reshape(n, k), 4 if bits == 4 else 8)
 
 
 def _eights(params: mx.array, n: int) -> mx.array:

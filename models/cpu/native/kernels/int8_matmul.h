@@ -176,19 +176,8 @@ void int8_matmul_range(const Quantized& q, const QuantizedRows& x, float* out, i
 // output of a row is then, in this order: the blocks in order, each (scale * d) * its integer sum
 // added in one float lane; the groups in order, each bias * the group's sum of x's quantized
 // values. That sequence depends on the row's own values alone, as the other layout's does.
-enum class Rows8 { kBits4, kBits5, kBits6, kSigned8 };
-
-// The bit planes above the low four bits of a layout's codes (5 and 6 bits), and its bytes a
-// block of eight rows.
-template <Rows8 Kind>
-constexpr int rows8_planes() {
-  return Kind == Rows8::kBits5 ? 1 : Kind == Rows8::kBits6 ? 2 : 0;
-}
-
-template <Rows8 Kind>
-constexpr int rows8_block_bytes() {
-  return Kind == Rows8::kBits4 || rows8_planes<Kind>() ? 128 + 32 * rows8_planes<Kind>() : 256;
-}
+// Each layout by its codes' bits (kernels/types.h's rows8_planes).
+enum class Rows8 { kBits4 = 4, kBits5 = 5, kBits6 = 6, kSigned8 = 8 };
 
 // One block's integer sums of eight rows of signed 8-bit codes for a row of x (`xq`, its
 // block's 32 codes), where I has no four-byte products (`rows8_unpacks`): a code's product takes
@@ -227,7 +216,8 @@ struct Rows8Codes {
   static_assert(rows8_unpacks<I, Kind>(), "AVX2's signed codes are read by rows8_signed_sums");
   typename I::Codes v[8];
   Rows8Codes(const uint8_t* codes, size_t stride) {
-    constexpr bool kNibbles = Kind == Rows8::kBits4 || rows8_planes<Kind>() > 0;
+    constexpr int kPlanes = rows8_planes(static_cast<int>(Kind));
+    constexpr bool kNibbles = Kind != Rows8::kSigned8;
     for (int j = 0; j < (kNibbles ? 4 : 8); j++) {
       const typename I::Codes c = I::load_bytes(codes + 32 * j, stride);
       if constexpr (kNibbles)
@@ -235,7 +225,7 @@ struct Rows8Codes {
       else
         v[j] = I::flip_signs(c);  // c + 128 as an unsigned byte
     }
-    if constexpr (rows8_planes<Kind>() > 0) {
+    if constexpr (kPlanes > 0) {
       const auto plane = [&]<int P>(std::integral_constant<int, P>) {
         const typename I::Codes bits = I::load_bytes(codes + 128 + 32 * P, stride);
         [&]<int... J>(std::integer_sequence<int, J...>) {
@@ -244,7 +234,7 @@ struct Rows8Codes {
         (std::make_integer_sequence<int, 8>{});
       };
       plane(std::integral_constant<int, 0>{});
-      if constexpr (rows8_planes<Kind>() > 1) plane(std::integral_constant<int, 1>{});
+      if constexpr (kPlanes > 1) plane(std::integral_constant<int, 1>{});
     }
   }
   // The block's integer sums of the rows for one row of x (`xq`, its block's 32 codes): at 4
@@ -286,7 +276,7 @@ constexpr int rows8_groups() {
 template <class I, Rows8 Kind, int Dtype, int P, int Parts>
 inline void int8_rows8_block(const Quantized& q, const QuantizedRows& x, int G, float* out,
                              int ldo) {
-  constexpr int kBlockBytes = rows8_block_bytes<Kind>();
+  constexpr int kBlockBytes = 32 * static_cast<int>(Kind);
   const int K = q.K, blocks = K / 32, groups = K / q.group, per_group = q.group / 32;
   const size_t stride = static_cast<size_t>(blocks) * kBlockBytes;  // from group G to G + 1
   const size_t params_stride = static_cast<size_t>(groups) * 8;

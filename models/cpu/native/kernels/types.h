@@ -106,6 +106,11 @@ struct Quantized {
   bool signed_codes = false;
 };
 
+// The bit planes above the codes' low four bits in rows interleaved by eight (`Quantized::rows8`)
+// at `bits`: one at 5 bits, two at 6, none at 4 and 8 (a block of 32 codes of eight rows takes
+// 32 * bits bytes either way: the low four bits' 128 and 32 a plane, or the 8-bit codes' 256).
+constexpr int rows8_planes(int bits) { return bits < 8 ? bits - 4 : 0; }
+
 // Rows of activations quantized to int8 for the integer products (kernels/int8_matmul.h; made by
 // kernels/quantize_rows.h): each row of K values in blocks of 32, the int8 codes of a block and
 // its scale d, and for each group of the weights the sum over its blocks of the block's quantized

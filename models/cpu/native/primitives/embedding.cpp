@@ -93,14 +93,13 @@ struct PackedRows {
     }
     // Block k / 32 of the row's eight: lane j's four bytes at [row / 8, block, j, row % 8, 0..3],
     // then at 5 and 6 bits each plane's at [.., 4 + plane, row % 8, 0..3].
-    const int block_bytes = bits == 8 ? 256 : 128 + 32 * (bits - 4), p = k % 32;
-    const uint8_t* block = codes +
-                           (static_cast<size_t>(row / 8) * (K / 32) + k / 32) * block_bytes +
+    const int p = k % 32;
+    const uint8_t* block = codes + (static_cast<size_t>(row / 8) * (K / 32) + k / 32) * 32 * bits +
                            static_cast<size_t>(row % 8) * 4;
     if (bits < 8) {  // p = 8 j + 4 h + t: byte t of lane j, its low (h 0) or high nibble
       const uint8_t byte = block[(p / 8) * 32 + p % 4];
       int value = (p % 8) < 4 ? byte & 15 : byte >> 4;
-      for (int plane = 0; plane < bits - 4; plane++)  // p = 4 m + t: bit m of byte t
+      for (int plane = 0; plane < rows8_planes(bits); plane++)  // p = 4 m + t: bit m of byte t
         value |= ((block[128 + 32 * plane + p % 4] >> (p / 4)) & 1) << (4 + plane);
       return value;
     }
