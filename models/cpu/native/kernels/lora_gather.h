@@ -15,11 +15,12 @@ inline float to_float(float value) { return value; }
 inline float to_float(uint16_t half) { return Isa::half_to_float(half); }
 
 // How far ahead of what they read the LoRA's kernels ask for their adapters' values, a cache
-// line at a time: b's rows `kResidualsAhead` values ahead along N, a's rows `kLowRankAhead` rows
-// ahead. Each adapter's arrays are short streams read once a step (16 rows of 16 adapters on the
-// embedded model: 149 MB of float16 a step, from memory), which the hardware's prefetch does
-// not run ahead of: asked for ahead, the adapters took 11.0-11.2 ms on top of a 16-row step in
-// process instead of 13.3 (256 and 32, 512 and 64, 1,024 and 128 alike).
+// line at a time, where they ask (`lora_asks_ahead`, kernels/types.h): b's rows
+// `kResidualsAhead` values ahead along N, a's rows `kLowRankAhead` rows ahead. Each adapter's
+// arrays are short streams read once a step (16 rows of 16 adapters on the embedded model: 149 MB
+// of float16 a step, from memory), which an Intel Xeon's hardware prefetch does not run ahead
+// of: asked for ahead, the adapters took 11.0-11.2 ms on top of a 16-row step in process instead
+// of 13.3 (256 and 32, 512 and 64, 1,024 and 128 alike).
 constexpr int kResidualsAhead = 256;
 constexpr int kLowRankAhead = 32;
 constexpr int kLineBytes = 64;
@@ -35,13 +36,14 @@ template <typename T>
 void add_residuals(const float* h, const T* b, int N, const int* columns, int count, float* out,
                    int n0, int n1) {
   constexpr int kChains = 4;
+  const bool ask = lora_asks_ahead();
   int n = n0;
   for (; n + kChains * Isa::kLanes <= n1; n += kChains * Isa::kLanes) {
     typename Isa::V acc[kChains];
     for (int v = 0; v < kChains; v++) acc[v] = Isa::load(out + n + v * Isa::kLanes);
     for (int i = 0; i < count; i++) {
       const T* row = b + static_cast<size_t>(columns[i]) * N + n;
-      if (n + kChains * Isa::kLanes + kResidualsAhead <= n1)
+      if (ask && n + kChains * Isa::kLanes + kResidualsAhead <= n1)
         for (int at = 0; at < kChains * Isa::kLanes; at += kLineBytes / static_cast<int>(sizeof(T)))
           __builtin_prefetch(row + kResidualsAhead + at);
       const typename Isa::V hr = Isa::set1(h[columns[i]]);
@@ -92,12 +94,13 @@ inline typename Isa::V load_tail(const T* a, size_t offset, size_t size, int n) 
 template <typename T>
 void low_rank_row(const float* x, const T* a, int K, int r, float scale, float* h) {
   using V = typename Isa::V;
+  const bool ask = lora_asks_ahead();
   int j = 0;
   for (; j + Isa::kLanes <= r; j += Isa::kLanes) {
     V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
     int k = 0;
     for (; k + 4 <= K; k += 4) {
-      if (j == 0 && k + 4 + kLowRankAhead <= K)  // the rows' every column, on the first pass
+      if (ask && j == 0 && k + 4 + kLowRankAhead <= K)  // the rows' every column, the first pass
         for (int at = 0; at < 4 * r; at += kLineBytes / static_cast<int>(sizeof(T)))
           __builtin_prefetch(a + static_cast<size_t>(k + kLowRankAhead) * r + at);
       for (int u = 0; u < 4; u++)
