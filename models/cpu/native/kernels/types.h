@@ -41,11 +41,11 @@ inline void prefetch_ahead(const uint8_t* at, int bytes) {
 
 // Whether the LoRA's kernels ask for their adapters' values ahead (kernels/lora_gather.h's
 // kResidualsAhead, kLowRankAhead): everywhere but on AMD's family 17h (Zen to Zen 2), whose
-// hardware prefetch follows those streams by itself and loses to the asks. 16 rows of 16
-// distinct rank-16 float16 adapters on the embedded model, a Zen 2 EPYC (AVX2): the residuals'
-// passes 7.6-7.8 ms a step without the asks against 8.5-8.6 with them (float32 adapters 12.2-12.9
-// against 14.3-15.1, one adapter on every row 3.8-3.9 against 4.2-4.3); an Intel Xeon (AVX-512
-// VNNI) took 11.0-11.2 ms with them against 13.3 without.
+// hardware prefetch follows those streams by itself and does better without the asks. 16 rows
+// of 16 distinct rank-16 float16 adapters on the embedded model, a Zen 2 EPYC (AVX2), runs
+// minutes apart: the residuals' passes 7.6-7.8 ms a step without the asks against 8.5-8.6 with
+// them (float32 adapters 12.2-12.9 against 14.3-15.1, one adapter on every row 3.8-3.9 against
+// 4.2-4.3); an Intel Xeon (AVX-512 VNNI) took 11.0-11.2 ms with them against 13.3 without.
 inline bool lora_asks_ahead() {
 #if defined(__x86_64__)
   static const bool asks = !__builtin_cpu_is("amdfam17h");
