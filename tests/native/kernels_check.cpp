@@ -176,10 +176,12 @@ std::vector<float> quant_product(const Kernel& kernel, const Quantized& q, const
   for (const auto& [n0, n1] : {std::pair{0, split}, std::pair{split, N}}) {
     kernel.quant(q, x, out.data(), M, N, n0, n1, tile.data(), tile_floats);
     for (int m = 0; m < M && R > 0; m++)
-      if (counts[m] > 0)
-        kernel.residuals(h + static_cast<size_t>(m) * R, b, N,
-                         columns.data() + static_cast<size_t>(m) * R, counts[m],
-                         out.data() + static_cast<size_t>(m) * N, n0, n1);
+      if (counts[m] > 0) {
+        const float* row_h = h + static_cast<size_t>(m) * R;
+        float* row_out = out.data() + static_cast<size_t>(m) * N;
+        kernel.residuals(&row_h, b, N, columns.data() + static_cast<size_t>(m) * R, counts[m],
+                         &row_out, 1, n0, n1);
+      }
   }
   return out;
 }
@@ -521,50 +523,69 @@ float from_half(uint16_t half) {
   return value;
 }
 
-// One row's activations of one adapter, x [K] @ a [K, r] times a scale, against the scalar
-// sums in the kernel's order: four chains over k, (c0 + c1) + (c2 + c3), then the scale. The
-// same bits, for ranks that fill whole vectors, part of one, or both; from float16 adapters, the
-// same bits as from the float32 values they hold.
-void check_low_rank(const Kernel& kernel, int K, int r) {
-  const auto x = normal(K), values = normal(static_cast<size_t>(K) * r);
+// `rows` rows' activations of one adapter in one call, x [K] @ a [K, r] times each row's scale,
+// against the scalar sums in the kernel's order: four chains over k, (c0 + c1) + (c2 + c3), then
+// the scale. The same bits for each row, for ranks that fill whole vectors, part of one, or both;
+// from float16 adapters, the same bits as from the float32 values they hold.
+void check_low_rank(const Kernel& kernel, int K, int r, int rows) {
+  const auto values = normal(static_cast<size_t>(K) * r);
   std::vector<uint16_t> halves(values.size());
   std::vector<float> a(values.size());
   for (size_t i = 0; i < values.size(); i++)
     halves[i] = to_half(values[i]), a[i] = from_half(halves[i]);
-  const float scale = 0.75f;
-  std::vector<float> h(r), from_halves(r);
-  kernel.low_rank(x.data(), a.data(), K, r, scale, h.data());
-  kernel.low_rank_half(x.data(), halves.data(), K, r, scale, from_halves.data());
-  for (int j = 0; j < r; j++) {
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int k = 0; k < K; k++)
-      c[k % 4] = std::fma(x[k], a[static_cast<size_t>(k) * r + j], c[k % 4]);
-    const float want = ((c[0] + c[1]) + (c[2] + c[3])) * scale;
-    if (std::memcmp(&h[j], &want, sizeof(float)) != 0)
-      fail(kernel.isa, "low-rank activations", 1, K, r, 0, j, h[j], want);
-    if (std::memcmp(&from_halves[j], &want, sizeof(float)) != 0)
-      fail(kernel.isa, "low-rank activations of float16", 1, K, r, 0, j, from_halves[j], want);
+  std::vector<std::vector<float>> x(rows), h(rows), from_halves(rows);
+  const float* xs[hotlora::kLoraRows];
+  float scales[hotlora::kLoraRows];
+  float *hs[hotlora::kLoraRows], *hs_halves[hotlora::kLoraRows];
+  for (int g = 0; g < rows; g++) {
+    x[g] = normal(K), h[g].resize(r), from_halves[g].resize(r);
+    xs[g] = x[g].data(), scales[g] = 0.75f - 0.5f * g;
+    hs[g] = h[g].data(), hs_halves[g] = from_halves[g].data();
   }
-  // The residual h @ b [r, N] added to a row: from float16 b, the bits of its float values.
-  const int N = 37;
-  const auto b_values = normal(static_cast<size_t>(r) * N), start = normal(N);
+  kernel.low_rank(xs, a.data(), K, r, scales, hs, rows);
+  kernel.low_rank_half(xs, halves.data(), K, r, scales, hs_halves, rows);
+  for (int g = 0; g < rows; g++)
+    for (int j = 0; j < r; j++) {
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int k = 0; k < K; k++)
+        c[k % 4] = std::fma(x[g][k], a[static_cast<size_t>(k) * r + j], c[k % 4]);
+      const float want = ((c[0] + c[1]) + (c[2] + c[3])) * scales[g];
+      if (std::memcmp(&h[g][j], &want, sizeof(float)) != 0)
+        fail(kernel.isa, "low-rank activations", rows, K, r, g, j, h[g][j], want);
+      if (std::memcmp(&from_halves[g][j], &want, sizeof(float)) != 0)
+        fail(kernel.isa, "low-rank activations of float16", rows, K, r, g, j, from_halves[g][j],
+             want);
+    }
+  // The residual h @ b [r, N] added to each row, columns [n0, N): from float16 b, the bits of its
+  // float values; the columns before n0 untouched.
+  const int N = 77, n0 = 3;
+  const auto b_values = normal(static_cast<size_t>(r) * N);
   std::vector<uint16_t> b_halves(b_values.size());
   std::vector<float> b(b_values.size());
   for (size_t i = 0; i < b.size(); i++)
     b_halves[i] = to_half(b_values[i]), b[i] = from_half(b_halves[i]);
   std::vector<int> columns(r);
   for (int j = 0; j < r; j++) columns[j] = j;
-  auto out = start, out_halves = start;
-  kernel.residuals(h.data(), b.data(), N, columns.data(), r, out.data(), 0, N);
-  kernel.residuals_half(h.data(), b_halves.data(), N, columns.data(), r, out_halves.data(), 0, N);
-  for (int n = 0; n < N; n++) {
-    float want = start[n];
-    for (int j = 0; j < r; j++) want = std::fma(h[j], b[static_cast<size_t>(j) * N + n], want);
-    if (std::memcmp(&out[n], &want, sizeof(float)) != 0)
-      fail(kernel.isa, "residuals", 1, r, N, 0, n, out[n], want);
-    if (std::memcmp(&out_halves[n], &want, sizeof(float)) != 0)
-      fail(kernel.isa, "residuals of float16", 1, r, N, 0, n, out_halves[n], want);
+  std::vector<std::vector<float>> start(rows), out(rows), out_halves(rows);
+  const float* hs_read[hotlora::kLoraRows];
+  float *outs[hotlora::kLoraRows], *outs_halves[hotlora::kLoraRows];
+  for (int g = 0; g < rows; g++) {
+    start[g] = normal(N), out[g] = start[g], out_halves[g] = start[g];
+    hs_read[g] = h[g].data(), outs[g] = out[g].data(), outs_halves[g] = out_halves[g].data();
   }
+  kernel.residuals(hs_read, b.data(), N, columns.data(), r, outs, rows, n0, N);
+  kernel.residuals_half(hs_read, b_halves.data(), N, columns.data(), r, outs_halves, rows, n0, N);
+  for (int g = 0; g < rows; g++)
+    for (int n = 0; n < N; n++) {
+      float want = start[g][n];
+      if (n >= n0)
+        for (int j = 0; j < r; j++)
+          want = std::fma(h[g][j], b[static_cast<size_t>(j) * N + n], want);
+      if (std::memcmp(&out[g][n], &want, sizeof(float)) != 0)
+        fail(kernel.isa, "residuals", rows, r, N, g, n, out[g][n], want);
+      if (std::memcmp(&out_halves[g][n], &want, sizeof(float)) != 0)
+        fail(kernel.isa, "residuals of float16", rows, r, N, g, n, out_halves[g][n], want);
+    }
 }
 
 }  // namespace
@@ -607,9 +628,12 @@ int main() {
             for (int parts : {1, 3})
               if (kernel.int8_rows8 != nullptr)
                 check_int8(kernel, M, 384, 40, 8, group, dtype, parts, levels), checks++;
-    // An adapter's ranks below, at and past each ISA's vector (4, 8 or 16 lanes).
+    // An adapter's ranks below, at and past each ISA's vector (4, 8 or 16 lanes), for one row
+    // to kLoraRows rows of it in one call.
     for (int K : {7, 100, 576})
-      for (int r = 1; r <= 40; r++) check_low_rank(kernel, K, r), checks++;
+      for (int r = 1; r <= 40; r++)
+        for (int rows = 1; rows <= hotlora::kLoraRows; rows++)
+          check_low_rank(kernel, K, r, rows), checks++;
     // Query heads a KV head serves (up to 4 at once, then the rest), head sizes off the vectors.
     for (int G : {1, 3, 7})
       for (int D : {64, 7})

@@ -535,6 +535,42 @@ def test_float16_adapters_give_the_bits_of_the_float32_values_they_hold(isa: str
             assert mx.array_equal(among[m], want[m]).item(), m
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_rows_of_one_adapter_read_together_get_the_bits_each_gets_alone(isa: str, dtype: mx.Dtype):
+    """Rows that apply the same pairs share the kernels' calls (up to four rows a call, the
+    pairs read once for them): rows of one adapter at different scales, of a stack of it, and
+    of the base alone, scattered among rows of other adapters, each get the bits they get alone;
+    a prompt's tokens under one adapter, the bits of each token alone."""
+    packed, scales, biases, _ = quantized(300, 576, 4, 32, mx.float16, seed=14)
+    pairs = [p.astype(dtype) for p in gather_operands(576, 300, RANKS, seed=15)]
+    shared = [[(0, s)] for s in (2.0, -0.5, 1.0, 0.125, 3.0, -1.0, 0.75)]
+    stacks = [[(0, 1.0), (1, s)] for s in (0.5, -2.0, 1.5)]
+    others = [[(2, 1.0)], [(3, 0.5)], [], [(1, 1.0)], [], [(3, -1.0)]]
+    entries = [shared[0], others[0], shared[1], stacks[0], shared[2], others[1], shared[3]]
+    entries += [stacks[1], others[2], shared[4], shared[5], others[3], stacks[2], others[4]]
+    entries += [shared[6], others[5]]
+    assert len(entries) == 16
+    x = mx.random.normal((16, 1, 576), key=mx.random.key(16))
+    whole = native.quant_matmul_gather(
+        x, packed, scales, biases, 32, 4, row_plan(pairs, entries), 0
+    )
+    for m, own in enumerate(entries):
+        alone = native.quant_matmul_gather(
+            x[m], packed, scales, biases, 32, 4, row_plan(pairs, [own]), 0
+        )
+        assert mx.array_equal(alone, whole[m]).item(), m
+    # 9 tokens of one prompt under one stack: each token's bits those it gets alone.
+    prompt = x[:9].reshape(1, 9, 576)
+    chunk = native.quant_matmul_gather(
+        prompt, packed, scales, biases, 32, 4, row_plan(pairs, [stacks[1]]), 0
+    )
+    for t in range(9):
+        alone = native.quant_matmul_gather(
+            x[t], packed, scales, biases, 32, 4, row_plan(pairs, [stacks[1]]), 0
+        )
+        assert mx.array_equal(chunk[0, t], alone[0]).item(), t
+
+
 def half_precision_edges() -> mx.array:
     """float32 values where rounding to float16 is delicate: every midpoint between neighbouring
     float16 values (ties round to even), values just either side of them, subnormals, signed

@@ -35,26 +35,69 @@ std::pair<int, int> RowResiduals::units_of(int j, int m) const {
   return {first_[row], row + 1 < first_.size() ? first_[row + 1] : static_cast<int>(units_.size())};
 }
 
-void RowResiduals::activate(int u, const float* x) {
-  const Unit& unit = units_[u];
-  const float* row = x + static_cast<size_t>(unit.m) * K_;
-  const AdapterPairs::Pair& p = *unit.pair;
+void RowResiduals::activate(const int* us, int rows, const float* x) {
+  const float* xs[kLoraRows];
+  float scales[kLoraRows];
+  float* hs[kLoraRows];
+  for (int g = 0; g < rows; g++) {
+    const Unit& unit = units_[us[g]];
+    xs[g] = x + static_cast<size_t>(unit.m) * K_;
+    scales[g] = unit.scale;
+    hs[g] = h_.data() + unit.h;
+  }
+  const AdapterPairs::Pair& p = *units_[us[0]].pair;
   if (p.half)
-    kernel_->low_rank_half(row, static_cast<const uint16_t*>(p.a), K_, p.r, unit.scale,
-                           h_.data() + unit.h);
+    kernel_->low_rank_half(xs, static_cast<const uint16_t*>(p.a), K_, p.r, scales, hs, rows);
   else
-    kernel_->low_rank(row, static_cast<const float*>(p.a), K_, p.r, unit.scale, h_.data() + unit.h);
+    kernel_->low_rank(xs, static_cast<const float*>(p.a), K_, p.r, scales, hs, rows);
 }
 
-void RowResiduals::add_residual(int u, int N, float* out, int n0, int n1) const {
-  const Unit& unit = units_[u];
-  const AdapterPairs::Pair& p = *unit.pair;
+void RowResiduals::add_residual(const int* us, int rows, int n0, int n1) const {
+  const float* hs[kLoraRows];
+  float* outs[kLoraRows];
+  const Product& product = products_[units_[us[0]].j];
+  for (int g = 0; g < rows; g++) {
+    const Unit& unit = units_[us[g]];
+    hs[g] = h_.data() + unit.h;
+    outs[g] = product.out + static_cast<size_t>(unit.m) * product.N;
+  }
+  const AdapterPairs::Pair& p = *units_[us[0]].pair;
   if (p.half)
-    kernel_->residuals_half(h_.data() + unit.h, static_cast<const uint16_t*>(p.b), N,
-                            columns_.data(), p.r, out, n0, n1);
+    kernel_->residuals_half(hs, static_cast<const uint16_t*>(p.b), product.N, columns_.data(), p.r,
+                            outs, rows, n0, n1);
   else
-    kernel_->residuals(h_.data() + unit.h, static_cast<const float*>(p.b), N, columns_.data(), p.r,
-                       out, n0, n1);
+    kernel_->residuals(hs, static_cast<const float*>(p.b), product.N, columns_.data(), p.r, outs,
+                       rows, n0, n1);
+}
+
+bool RowResiduals::same_pairs(int m, int n) const {
+  for (int j = 0; j < static_cast<int>(products_.size()); j++) {
+    auto [u, end] = units_of(j, m);
+    auto [v, v_end] = units_of(j, n);
+    if (end - u != v_end - v) return false;
+    for (; u < end; u++, v++)
+      if (units_[u].pair != units_[v].pair) return false;
+  }
+  return true;
+}
+
+void RowResiduals::group_rows() {
+  std::vector<uint64_t> signatures(M_, 0);
+  for (const Unit& unit : units_)  // each row's pairs, in order, hashed (FNV-1a's step)
+    signatures[unit.m] =
+        (signatures[unit.m] ^ reinterpret_cast<uintptr_t>(unit.pair)) * 1099511628211ull;
+  std::vector<char> taken(M_, 0);
+  groups_.clear();
+  group_starts_.assign(1, 0);
+  for (int m = 0; m < M_; m++) {
+    if (taken[m]) continue;
+    groups_.push_back(m);
+    int size = 1;
+    for (int n = m + 1; n < M_ && size < kLoraRows; n++)
+      if (!taken[n] && signatures[n] == signatures[m] && same_pairs(m, n))
+        groups_.push_back(n), taken[n] = 1, size++;
+    group_starts_.push_back(static_cast<int>(groups_.size()));
+  }
 }
 
 void RowResiduals::ask_heads(int m) const {
@@ -89,37 +132,42 @@ void RowResiduals::run(const float* x) {
   for (int r = 0; r < widest_; r++) columns_[r] = r;
   const int count = static_cast<int>(products_.size());
   if (M_ >= kRowsAThread * pool_threads()) {
-    const auto rows = [&](int m0, int m1) {
-      for (int m = m0; m < m1; m++) {
+    group_rows();
+    const auto groups = [&](int g0, int g1) {
+      for (int g = g0; g < g1; g++) {
+        const int* group = groups_.data() + group_starts_[g];
+        const int size = group_starts_[g + 1] - group_starts_[g], m = group[0];
         ask_heads(m);
+        int us[kLoraRows];
+        // Product j's t-th unit of each row of the group, in us.
+        const auto units = [&](int j, int t) {
+          for (int i = 0; i < size; i++) us[i] = units_of(j, group[i]).first + t;
+        };
         for (int j = 0; j < count; j++)
-          for (auto [u, end] = units_of(j, m); u < end; u++) activate(u, x);
-        for (int j = 0; j < count; j++) {
-          const Product& p = products_[j];
-          for (auto [u, end] = units_of(j, m); u < end; u++)
-            add_residual(u, p.N, p.out + static_cast<size_t>(m) * p.N, 0, p.N);
-        }
+          for (int t = 0, n = units_of(j, m).second - units_of(j, m).first; t < n; t++)
+            units(j, t), activate(us, size, x);
+        for (int j = 0; j < count; j++)
+          for (int t = 0, n = units_of(j, m).second - units_of(j, m).first; t < n; t++)
+            units(j, t), add_residual(us, size, 0, products_[j].N);
       }
     };
-    parallel_rows(M_, 1, rows, /*align=*/1);
+    parallel_rows(static_cast<int>(group_starts_.size()) - 1, 1, groups, /*align=*/1);
     return;
   }
   parallel_rows(
       static_cast<int>(units_.size()), 4,
       [&](int u0, int u1) {
-    for (int u = u0; u < u1; u++) activate(u, x);
+    for (int u = u0; u < u1; u++) activate(&u, 1, x);
       },
       /*align=*/1);
   const auto spans = [&](int c0, int c1) {
     int j = 0;
     for (int c = c0; c < c1; c++) {
       while (c >= items_[j + 1]) j++;
-      const Product& p = products_[j];
-      const int per_row = spans_[j], m = (c - items_[j]) / per_row,
+      const int N = products_[j].N, per_row = spans_[j], m = (c - items_[j]) / per_row,
                 part = (c - items_[j]) % per_row;
-      float* out = p.out + static_cast<size_t>(m) * p.N;
       for (auto [u, end] = units_of(j, m); u < end; u++)
-        add_residual(u, p.N, out, bound(p.N, per_row, part), bound(p.N, per_row, part + 1));
+        add_residual(&u, 1, bound(N, per_row, part), bound(N, per_row, part + 1));
     }
   };
   parallel_rows(items_.back(), 1, spans, /*align=*/1);

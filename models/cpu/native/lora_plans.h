@@ -62,7 +62,7 @@ struct RowPlan : std::enable_shared_from_this<RowPlan> {
 
 // The gathered form of QuantMatmul's LoRA (Punica's BGMV): each adapter's pair is read where it
 // is mounted, and the plan says which adapters each row applies, in its set's order, at which
-// scale. A row computes only its own adapters' activations (low_rank_row), then, after its base
+// scale. A row computes only its own adapters' activations (low_rank_rows), then, after its base
 // product, adds (h * scale) @ b for each of them in order, column by column (add_residuals): the
 // operations on a row's outputs are fixed by its own set alone, so its bits are the same alone
 // and beside any other rows and adapters, and no pair is copied. RowResiduals does this for one
@@ -85,7 +85,9 @@ class RowResiduals {
   // activations of its adapters, h = scale * (x[m] @ a) (x [M, K] row-major), then h @ b on its
   // outputs. At kRowsAThread rows a thread of the pool or more, one pass of the threads, a row
   // at a time: its activations, then its residuals on each product's outputs (one wait on the
-  // pool a call, and a row's a and b read by the thread that has its h). Fewer rows, two: every
+  // pool a call, and a row's a and b read by the thread that has its h); rows that apply the
+  // same pairs (same_pairs) up to kLoraRows at a time (group_rows), each pair read once for them
+  // and each row's operations those it takes alone. Fewer rows, two: every
   // unit's activations, then each row's residuals in spans of at least 512 columns, so that a
   // few rows' residuals take every thread; b's rows are read in runs of 2 KiB or more, which the
   // memory streams, not in a tile's few cache lines each.
@@ -110,9 +112,16 @@ class RowResiduals {
   // A span's bounds: multiples of 16 (whole vectors), but the last.
   static int bound(int N, int spans, int part);
 
-  // Unit u's activations; its residuals on out's columns [n0, n1) (out: its row's outputs).
-  void activate(int u, const float* x);
-  void add_residual(int u, int N, float* out, int n0, int n1) const;
+  // Units us[0 .. rows) (rows <= kLoraRows, units of one product and one pair, each of its own
+  // row): their activations; their residuals on their rows' outputs [n0, n1).
+  void activate(const int* us, int rows, const float* x);
+  void add_residual(const int* us, int rows, int n0, int n1) const;
+  // Whether rows m and n apply the same pairs, in the same order, at every product (their
+  // scales may differ): the row-at-a-time pass then reads each pair once for both.
+  bool same_pairs(int m, int n) const;
+  // The rows in groups of up to kLoraRows of the same pairs (groups_, each group's rows from
+  // group_starts_[g]), each row in one, in the order of their first rows.
+  void group_rows();
   // Product j's row m's units, [first, end).
   std::pair<int, int> units_of(int j, int m) const;
   // Asks for the first kHeadBytes of each of row m's a and b, before the first is read: the row's
@@ -133,6 +142,7 @@ class RowResiduals {
   int widest_ = 0;
   std::vector<float> h_;
   std::vector<int> columns_;  // 0 .. widest_ - 1: every column of an adapter, in order
+  std::vector<int> groups_, group_starts_;
 };
 
 // The seconds that RowResiduals' `apply` calls have taken since the last call of this (their

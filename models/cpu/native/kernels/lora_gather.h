@@ -1,9 +1,10 @@
 // The gathered LoRA's kernels (Punica's BGMV, lora_plans.h's RowResiduals), written once for
 // every ISA: included inside an ISA's namespace, under its target, after its traits (`Isa`,
 // kernels/isa/*.h); each inclusion is another ISA, so no include guard. A row's activations of
-// one adapter (low_rank_row), then its residual added to the row's base product (add_residuals),
+// one adapter (low_rank_rows), then its residual added to the row's base product (add_residuals),
 // each in a fixed order of its own: a row's bits depend neither on the vector width nor on the
-// other rows and adapters of the call.
+// other rows and adapters of the call. Rows that apply the same adapter may share a call, which
+// reads its pair once for them all.
 
 // b's values as floats, `Isa::kLanes` of them from p: float32 as they are, float16 converted (an
 // exact conversion: the sums that follow are those of the float32 values).
@@ -25,46 +26,69 @@ constexpr int kResidualsAhead = 256;
 constexpr int kLowRankAhead = 32;
 constexpr int kLineBytes = 64;
 
-// out[n0:n1] of one row of x += one adapter's low-rank residual, b [R, N] (float32, or float16
-// as the packed kernels keep adapters by default): for the columns r listed (QuantMatmulGather
-// lists all of an adapter's, in order), h[r] * b[r, n] added one at a time (a fused multiply-add
-// each).
-// Each output is its own sequence of operations: its bits depend neither on the vector width nor
-// on columns not listed. Four vectors of outputs at a time, four independent chains of
-// multiply-adds in flight (one chain waits on each multiply-add's latency), then one at a time.
-template <typename T>
-void add_residuals(const float* h, const T* b, int N, const int* columns, int count, float* out,
-                   int n0, int n1) {
-  constexpr int kChains = 4;
+// out[g][n0:n1] += one adapter's low-rank residual for each of G rows of x that apply it (h[g]
+// their activations), b [R, N] (float32, or float16 as the packed kernels keep adapters by
+// default): for the columns r listed (QuantMatmulGather lists all of an adapter's, in order),
+// h[g][r] * b[r, n] added one at a time (a fused multiply-add each). Each of b's vectors is loaded
+// (and converted) once for the G rows. Each output is its own sequence of operations: its bits
+// depend neither on the vector width, nor on columns not listed, nor on the rows beside it.
+// Vectors of outputs a few at a time, chains of multiply-adds in flight (one chain waits on each
+// multiply-add's latency), then one at a time.
+template <int G, typename T>
+void add_residuals_of(const float* const* h, const T* b, int N, const int* columns, int count,
+                      float* const* out, int n0, int n1) {
+  using V = typename Isa::V;
+  constexpr int kChains = G <= 2 ? 4 : 2;
   const bool ask = lora_asks_ahead();
   int n = n0;
   for (; n + kChains * Isa::kLanes <= n1; n += kChains * Isa::kLanes) {
-    typename Isa::V acc[kChains];
-    for (int v = 0; v < kChains; v++) acc[v] = Isa::load(out + n + v * Isa::kLanes);
+    V acc[G][kChains];
+    for (int g = 0; g < G; g++)
+      for (int v = 0; v < kChains; v++) acc[g][v] = Isa::load(out[g] + n + v * Isa::kLanes);
     for (int i = 0; i < count; i++) {
       const T* row = b + static_cast<size_t>(columns[i]) * N + n;
       if (ask && n + kChains * Isa::kLanes + kResidualsAhead <= n1)
         for (int at = 0; at < kChains * Isa::kLanes; at += kLineBytes / static_cast<int>(sizeof(T)))
           __builtin_prefetch(row + kResidualsAhead + at);
-      const typename Isa::V hr = Isa::set1(h[columns[i]]);
-      for (int v = 0; v < kChains; v++)
-        acc[v] = Isa::fma(hr, load_floats(row + v * Isa::kLanes), acc[v]);
+      V hr[G];
+      for (int g = 0; g < G; g++) hr[g] = Isa::set1(h[g][columns[i]]);
+      for (int v = 0; v < kChains; v++) {
+        const V values = load_floats(row + v * Isa::kLanes);
+        for (int g = 0; g < G; g++) acc[g][v] = Isa::fma(hr[g], values, acc[g][v]);
+      }
     }
-    for (int v = 0; v < kChains; v++) Isa::store(out + n + v * Isa::kLanes, acc[v]);
+    for (int g = 0; g < G; g++)
+      for (int v = 0; v < kChains; v++) Isa::store(out[g] + n + v * Isa::kLanes, acc[g][v]);
   }
   for (; n + Isa::kLanes <= n1; n += Isa::kLanes) {
-    typename Isa::V acc = Isa::load(out + n);
+    V acc[G];
+    for (int g = 0; g < G; g++) acc[g] = Isa::load(out[g] + n);
     for (int i = 0; i < count; i++) {
       const int r = columns[i];
-      acc = Isa::fma(Isa::set1(h[r]), load_floats(b + static_cast<size_t>(r) * N + n), acc);
+      const V values = load_floats(b + static_cast<size_t>(r) * N + n);
+      for (int g = 0; g < G; g++) acc[g] = Isa::fma(Isa::set1(h[g][r]), values, acc[g]);
     }
-    Isa::store(out + n, acc);
+    for (int g = 0; g < G; g++) Isa::store(out[g] + n, acc[g]);
   }
-  for (; n < n1; n++) {
-    float acc = out[n];
-    for (int i = 0; i < count; i++)
-      acc = std::fma(h[columns[i]], to_float(b[static_cast<size_t>(columns[i]) * N + n]), acc);
-    out[n] = acc;
+  for (; n < n1; n++)
+    for (int g = 0; g < G; g++) {
+      float acc = out[g][n];
+      for (int i = 0; i < count; i++)
+        acc = std::fma(h[g][columns[i]], to_float(b[static_cast<size_t>(columns[i]) * N + n]), acc);
+      out[g][n] = acc;
+    }
+}
+
+// add_residuals_of for `rows` rows (1 to kLoraRows, kernels/types.h) of one adapter.
+template <typename T>
+void add_residuals(const float* const* h, const T* b, int N, const int* columns, int count,
+                   float* const* out, int rows, int n0, int n1) {
+  static_assert(kLoraRows == 4);
+  switch (rows) {
+    case 1: return add_residuals_of<1>(h, b, N, columns, count, out, n0, n1);
+    case 2: return add_residuals_of<2>(h, b, N, columns, count, out, n0, n1);
+    case 3: return add_residuals_of<3>(h, b, N, columns, count, out, n0, n1);
+    default: return add_residuals_of<4>(h, b, N, columns, count, out, n0, n1);
   }
 }
 
@@ -84,50 +108,71 @@ inline typename Isa::V load_tail(const T* a, size_t offset, size_t size, int n) 
   return offset + Isa::kLanes <= size ? load_floats(a + offset) : load_first_floats(a + offset, n);
 }
 
-// h[j] = scale * (x . a[:, j]) for j < r, one row x [K] against an adapter's A as mounted,
-// a [K, r] row-major (mlx-lm's lora_a), float32 or float16 (load_floats): the rank runs along
-// the vector lanes, so A is read once, row by row. Each sum is four chains of fused
-// multiply-adds over k = u, u + 4, ... (u < 4), added as (c0 + c1) + (c2 + c3), then scaled: a
-// fixed order over K. Every lane, those of the last, partly filled vector too, does the same
-// operations, so h depends neither on the vector width nor on the other rows or adapters of the
-// call.
-template <typename T>
-void low_rank_row(const float* x, const T* a, int K, int r, float scale, float* h) {
+// h[g][j] = scale[g] * (x[g] . a[:, j]) for j < r, G rows x[g] [K] against an adapter's A as
+// mounted, a [K, r] row-major (mlx-lm's lora_a), float32 or float16 (load_floats): the rank runs
+// along the vector lanes, so A is read once, row by row, each of its vectors loaded (and
+// converted) once for the G rows. Each sum is four chains of fused multiply-adds over k = u,
+// u + 4, ... (u < 4), added as (c0 + c1) + (c2 + c3), then scaled: a fixed order over K. Every
+// lane, those of the last, partly filled vector too, does the same operations, so h depends
+// neither on the vector width nor on the other rows or adapters of the call.
+template <int G, typename T>
+void low_rank_of(const float* const* x, const T* a, int K, int r, const float* scale,
+                 float* const* h) {
   using V = typename Isa::V;
   const bool ask = lora_asks_ahead();
   int j = 0;
   for (; j + Isa::kLanes <= r; j += Isa::kLanes) {
-    V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
+    V c[G][4];
+    for (int g = 0; g < G; g++)
+      for (int u = 0; u < 4; u++) c[g][u] = Isa::zero();
     int k = 0;
     for (; k + 4 <= K; k += 4) {
       if (ask && j == 0 && k + 4 + kLowRankAhead <= K)  // the rows' every column, the first pass
         for (int at = 0; at < 4 * r; at += kLineBytes / static_cast<int>(sizeof(T)))
           __builtin_prefetch(a + static_cast<size_t>(k + kLowRankAhead) * r + at);
-      for (int u = 0; u < 4; u++)
-        c[u] = Isa::fma(Isa::set1(x[k + u]), load_floats(a + static_cast<size_t>(k + u) * r + j),
-                        c[u]);
+      for (int u = 0; u < 4; u++) {
+        const V values = load_floats(a + static_cast<size_t>(k + u) * r + j);
+        for (int g = 0; g < G; g++) c[g][u] = Isa::fma(Isa::set1(x[g][k + u]), values, c[g][u]);
+      }
     }
-    for (; k < K; k++)
-      c[k % 4] =
-          Isa::fma(Isa::set1(x[k]), load_floats(a + static_cast<size_t>(k) * r + j), c[k % 4]);
-    const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
-    Isa::store(h + j, Isa::mul(sum, Isa::set1(scale)));
+    for (; k < K; k++) {
+      const V values = load_floats(a + static_cast<size_t>(k) * r + j);
+      for (int g = 0; g < G; g++) c[g][k % 4] = Isa::fma(Isa::set1(x[g][k]), values, c[g][k % 4]);
+    }
+    for (int g = 0; g < G; g++) {
+      const V sum = Isa::add(Isa::add(c[g][0], c[g][1]), Isa::add(c[g][2], c[g][3]));
+      Isa::store(h[g] + j, Isa::mul(sum, Isa::set1(scale[g])));
+    }
   }
   if (j < r) {  // the last r - j columns: the same operations, on the first lanes of a vector
     const int n = r - j;
     const size_t size = static_cast<size_t>(K) * r;
-    V c[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
-    int k = 0;
-    for (; k + 4 <= K; k += 4)
-      for (int u = 0; u < 4; u++)
-        c[u] = Isa::fma(Isa::set1(x[k + u]),
-                        load_tail(a, static_cast<size_t>(k + u) * r + j, size, n), c[u]);
-    for (; k < K; k++)
-      c[k % 4] = Isa::fma(Isa::set1(x[k]), load_tail(a, static_cast<size_t>(k) * r + j, size, n),
-                          c[k % 4]);
-    const V sum = Isa::add(Isa::add(c[0], c[1]), Isa::add(c[2], c[3]));
-    float lanes[Isa::kLanes];
-    Isa::store(lanes, Isa::mul(sum, Isa::set1(scale)));
-    std::memcpy(h + j, lanes, sizeof(float) * n);
+    V c[G][4];
+    for (int g = 0; g < G; g++)
+      for (int u = 0; u < 4; u++) c[g][u] = Isa::zero();
+    for (int k = 0; k < K; k++) {
+      const V values = load_tail(a, static_cast<size_t>(k) * r + j, size, n);
+      for (int g = 0; g < G; g++) c[g][k % 4] = Isa::fma(Isa::set1(x[g][k]), values, c[g][k % 4]);
+    }
+    for (int g = 0; g < G; g++) {
+      const V sum = Isa::add(Isa::add(c[g][0], c[g][1]), Isa::add(c[g][2], c[g][3]));
+      float lanes[Isa::kLanes];
+      Isa::store(lanes, Isa::mul(sum, Isa::set1(scale[g])));
+      std::memcpy(h[g] + j, lanes, sizeof(float) * n);
+    }
   }
+}
+
+// low_rank_of for `rows` rows (1 to kLoraRows) of one adapter, kLowRankRows at a time: each
+// row's four chains stay in registers (two rows' on AVX2's 16 vector registers, four on
+// AVX-512's 32).
+template <typename T>
+void low_rank_rows(const float* const* x, const T* a, int K, int r, const float* scale,
+                   float* const* h, int rows) {
+  constexpr int kLowRankRows = sizeof(typename Isa::V) >= 64 ? 4 : 2;
+  int g = 0;
+  for (; g + kLowRankRows <= rows; g += kLowRankRows)
+    low_rank_of<kLowRankRows>(x + g, a, K, r, scale + g, h + g);
+  for (; g + 2 <= rows; g += 2) low_rank_of<2>(x + g, a, K, r, scale + g, h + g);
+  for (; g < rows; g++) low_rank_of<1>(x + g, a, K, r, scale + g, h + g);
 }

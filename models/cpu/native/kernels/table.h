@@ -22,7 +22,7 @@ struct Kernel {
   Int8Range int8;        // the quantized product on int8 activations (kernels/int8_matmul.h)
   Int8Range int8_rows8;  // the same for rows interleaved by eight; null: none
   Residuals<float> residuals;
-  LowRank<float> low_rank;  // a row's activations of one adapter (kernels/lora_gather.h)
+  LowRank<float> low_rank;  // rows' activations of one adapter (kernels/lora_gather.h)
   Residuals<uint16_t> residuals_half;
   LowRank<uint16_t> low_rank_half;
 };
@@ -32,8 +32,8 @@ struct Kernel {
 #define HOTLORA_KERNEL(isa, supported)                                                        \
   Kernel {                                                                                    \
     isa, supported, rows_matmul_range, attend, softmax_rows, swiglu_rows, quant_matmul_range, \
-        int8_matmul_range, int8_rows8_entry(), add_residuals<float>, low_rank_row<float>,     \
-        add_residuals<uint16_t>, low_rank_row<uint16_t>                                       \
+        int8_matmul_range, int8_rows8_entry(), add_residuals<float>, low_rank_rows<float>,    \
+        add_residuals<uint16_t>, low_rank_rows<uint16_t>                                      \
   }
 
 // Each ISA's entry, in kernels/isa/<name>.cpp; on another architecture it is not defined.

@@ -174,10 +174,13 @@ using Int8Range = void (*)(const Quantized& q, const QuantizedRows& x, float* ou
                            int n0, int n1);
 // The gathered LoRA's kernels, for float32 adapters and for float16 ones (T: uint16_t)
 // (kernels/lora_gather.h).
+// Each call serves 1 to kLoraRows rows of one adapter, its pair read once for all of them.
+constexpr int kLoraRows = 4;
 template <typename T>
-using Residuals = void (*)(const float* h, const T* b, int N, const int* columns, int count,
-                           float* out, int n0, int n1);
+using Residuals = void (*)(const float* const* h, const T* b, int N, const int* columns, int count,
+                           float* const* out, int rows, int n0, int n1);
 template <typename T>
-using LowRank = void (*)(const float* x, const T* a, int K, int r, float scale, float* h);
+using LowRank = void (*)(const float* const* x, const T* a, int K, int r, const float* scale,
+                         float* const* h, int rows);
 
 }  // namespace hotlora
