@@ -8,13 +8,14 @@ through two adapter managers: kept in float32 (`--adapter-dtype float32`) and in
 default there). Then, in blocks of `--steps` (100) decode steps of 16 rows after a 64-token
 context, it times step by step, each kind in turn: the base alone; every row with an adapter of
 its own, in float32 and in float16; and one adapter on every row (float32 and float16), which
-runs the same kernels over the same rows but reads one adapter's arrays, so that the gap between
-it and the distinct rows is what reading 16 adapters costs. Each block's medians, then their
+reads one adapter's arrays, its rows sharing the kernels' calls four at a time (each value of
+the pairs loaded once for four rows), so that the gap between it and the distinct rows is what
+reading 16 adapters, one row at a time, costs. Each block's medians, then their
 medians, as one JSON object; ratios are the base step's time over each kind's. With them, the
 time a step spent in the residuals' own passes (`lora_ms`, the native kernels' clock) and the
 rate at which those passes read the adapters' arrays (`lora_gb_s`: each adapter's arrays once a
 step, over `lora_ms`): a one-adapter kind's passes are the residuals' arithmetic with the
-arrays in cache, a distinct kind's excess over them what reading the 16 from memory adds.
+arrays mostly in cache.
 
     python -m tests.bench.adapter_steps [--adapters 16] [--blocks 3] [--steps 100]
         [--precision fast|exact|float32] [--model-dir DIR]
