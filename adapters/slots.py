@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -123,10 +123,15 @@ class LoRASlot(Watched):
         return operands if operands[1] >= 0 else None
 
     @staticmethod
-    def residuals_active() -> bool:
-        """Whether an adapter set is active in this context (`activate`): where none is, no
-        slot has residuals to add (`models.cpu.fused.FusedProjection`)."""
-        return _ACTIVE.get() is not None
+    def active_residuals() -> AdapterSet | RowAdapters | None:
+        """What the slots add the residuals of in this context (`activate`'s set, or its rows'
+        sets; `models.cpu.fused.FusedProjection`), None where nothing is active: one object
+        from step to step while a batch's rows stay (`RowAdapterCache`), whose operands each
+        slot gives the same every call (its plan and the slot's number)."""
+        active = _ACTIVE.get()
+        if active is None:
+            return None
+        return active.rows if type(active) is _PerRow else cast(_OneSet, active).adapters
 
 
 @contextmanager

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, cast, runtime_checkable
+from weakref import WeakKeyDictionary
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -78,10 +79,13 @@ class FusedProjection(Protocol):
         ...
 
     @staticmethod
-    def residuals_active() -> bool:
-        """Whether a projection of this class may have residuals to add to the running call:
-        where no class of a step's projections has, the step asks none of them
-        (`fused_residuals`), ~0.1 ms of a one-row step's graph."""
+    def active_residuals() -> object | None:
+        """What a projection of this class adds the residuals of in the running call, None
+        where it has none to add: where no class of a step's projections has, the step asks
+        none of them (`fused_residuals`), ~0.1 ms of a one-row step's graph. An object that can
+        be weakly referenced, whose projections' `fused_residuals` stay the same while it lives
+        (and the layers count no change): a decode step asks them once for it and keeps their
+        answers while it lives (~0.6 ms of a 16-row step's graph under 16 adapters)."""
         ...
 
 
@@ -354,18 +358,27 @@ def _steps(
             return None
     plan: object | None = None
     slots: list[list[int]] = []
-    if any(active() for active in kept.residuals_active):
-        for arguments in kept.layers:
-            residuals = _call_residuals(arguments.projections, x)
-            if residuals is None:
-                return None
-            layer_plan, layer_slots = residuals
-            if layer_slots:
-                if plan is None:
-                    plan = layer_plan
-                elif layer_plan is not plan:  # one active batch plans every layer
+    active = {id(of): of for residuals in kept.active_residuals if (of := residuals()) is not None}
+    if active:
+        # One class's residuals (the LoRA slots'): their operands kept while their object lives.
+        of = next(iter(active.values())) if len(active) == 1 else None
+        found = None if of is None else kept.residuals.get(of)
+        if found is None:
+            for arguments in kept.layers:
+                residuals = _call_residuals(arguments.projections, x)
+                if residuals is None:
                     return None
-            slots.append(layer_slots)
+                layer_plan, layer_slots = residuals
+                if layer_slots:
+                    if plan is None:
+                        plan = layer_plan
+                    elif layer_plan is not plan:  # one active batch plans every layer
+                        return None
+                slots.append(layer_slots)
+            if of is not None:
+                kept.residuals[of] = (plan, slots)
+        else:
+            plan, slots = found
     inputs = _step_inputs(mask, offset, at, x.shape[0])
     if inputs is None:
         return None
@@ -382,9 +395,10 @@ def _steps(
 
 class _StepArguments:
     """What `_steps` takes of a run of blocks that stays from step to step: each block's
-    `_LayerArguments` and the classes of their projections (`residuals_active`), gathered while
-    the watched layers count no change and the blocks and the inputs' width are the same. Kept
-    on the first block."""
+    `_LayerArguments` and the classes of their projections (`active_residuals`), gathered while
+    the watched layers count no change and the blocks and the inputs' width are the same, and
+    the residuals' operands (the plan and each layer's slots) for each object of residuals a
+    step has found active, while it lives. Kept on the first block."""
 
     def __init__(self, blocks: tuple[nn.Module, ...], ids: tuple[int, ...], width: int):
         self.changes = changes.count()
@@ -403,8 +417,11 @@ class _StepArguments:
             return
         self.operands = [arguments.operands for arguments in self.layers]
         classes = {type(p) for arguments in self.layers for p in arguments.projections}
-        self.residuals_active = tuple(
-            cast(FusedProjection, cls).residuals_active for cls in classes
+        self.active_residuals = tuple(
+            cast(FusedProjection, cls).active_residuals for cls in classes
+        )
+        self.residuals: WeakKeyDictionary[object, tuple[object | None, list[list[int]]]] = (
+            WeakKeyDictionary()
         )
 
     @classmethod

@@ -242,9 +242,9 @@ class PackedLinear(nn.QuantizedLinear, Interleaving, Watched):
         return None
 
     @staticmethod
-    def residuals_active() -> bool:
+    def active_residuals() -> None:
         """None ever (`fused.FusedProjection`)."""
-        return False
+        return None
 
     def __call__(self, x: mx.array) -> mx.array:
         if not float32_input(x):

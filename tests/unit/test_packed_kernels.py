@@ -1391,11 +1391,14 @@ def test_a_layers_arguments_are_kept_from_step_to_step_until_its_layers_change(p
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_step_asks_its_slots_for_residuals_only_under_an_active_set(packed, monkeypatch, rows):
+def test_a_step_asks_its_slots_for_residuals_once_for_each_active_set(packed, monkeypatch, rows):
     """Where no adapter set is active, a decode step's layer primitive asks none of its LoRA
-    slots for residuals (`residuals_active`); under a set, every slot of every layer once a
-    step. The steps' arguments are kept on the first layer from step to step. (Both give the
-    separate calls' bits: `test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits`.)"""
+    slots for residuals (`active_residuals`); under a set (or a batch's sets), every slot of
+    every layer once, at its first step, the answers then kept for the later steps while that
+    object lives; another batch's object is asked again, and a batch let go takes its kept
+    answers with it. The steps' arguments are kept on the first layer from step to step. (All
+    give the separate calls' bits:
+    `test_a_decode_steps_layer_primitive_gives_the_separate_calls_bits`.)"""
     model, manager = packed
     asked: list[str] = []
     fused_residuals = LoRASlot.fused_residuals
@@ -1407,7 +1410,7 @@ def test_a_step_asks_its_slots_for_residuals_only_under_an_active_set(packed, mo
     monkeypatch.setattr(LoRASlot, "fused_residuals", counted)
     kept = []
 
-    def two_steps(batch: AdapterSet | RowAdapters) -> list[str]:
+    def steps(batch: AdapterSet | RowAdapters, count: int = 3) -> list[str]:
         cache = (
             make_prompt_cache(model)
             if rows == 1
@@ -1416,17 +1419,32 @@ def test_a_step_asks_its_slots_for_residuals_only_under_an_active_set(packed, mo
         with activate(batch):
             mx.eval(model(mx.full((rows, 4), 5), cache=cache))  # a prompt: the fused products
             asked.clear()
-            for _ in range(2):
+            for _ in range(count):
                 mx.eval(model(mx.full((rows, 1), 7), cache=cache))
                 kept.append(model.layers[0].__dict__["_step_arguments"])
         return list(asked)
 
-    assert two_steps(adapter_set(manager, "")) == []
-    sets = [adapter_set(manager, spec) for spec in ("a", "a+b", "")[:rows]]
-    under = two_steps(RowAdapterCache().for_rows(sets) if rows > 1 else sets[0])
-    assert len(under) == 2 * 7 * len(model.layers)  # two steps, each asking each slot once
+    assert steps(adapter_set(manager, "")) == []
+    specs = [("a", "a+b", "")[:rows], ("b", "a", "b")[:rows]]
+
+    def batch(which: int) -> AdapterSet | RowAdapters:
+        sets = [adapter_set(manager, spec) for spec in specs[which]]
+        return RowAdapterCache().for_rows(sets) if rows > 1 else sets[0]
+
+    first = batch(0)
+    under = steps(first)
+    assert len(under) == 7 * len(model.layers)  # the first step asks each slot once, no more
     assert len(set(under)) == 7 * len(model.layers)
-    assert all(arguments is kept[0] for arguments in kept)
+    assert steps(first) == []  # the same batch again: its answers kept
+    arguments = kept[0]
+    assert all(k is arguments for k in kept)
+    assert len(arguments.residuals) == 1
+    second = batch(1)
+    assert len(steps(second)) == 7 * len(model.layers)  # another batch: asked again
+    assert len(arguments.residuals) == 2
+    del first
+    gc.collect()
+    assert len(arguments.residuals) == 1  # let go: its answers with it
 
 
 def test_a_stepped_models_layers_are_freed_when_let_go_without_the_cycle_collector():
