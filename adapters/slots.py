@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Literal, Protocol, cast
+from typing import Literal, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -123,15 +123,18 @@ class LoRASlot(Watched):
         return operands if operands[1] >= 0 else None
 
     @staticmethod
-    def active_residuals() -> AdapterSet | RowAdapters | None:
+    def active_residuals() -> object | None:
         """What the slots add the residuals of in this context (`activate`'s set, or its rows'
         sets; `models.cpu.fused.FusedProjection`), None where nothing is active: one object
         from step to step while a batch's rows stay (`RowAdapterCache`), whose operands each
-        slot gives the same every call (its plan and the slot's number)."""
+        slot gives the same every call (its plan and the slot's number). Anything else active
+        (the dtypes' probe) is itself, whose slots the fused kernels do not take."""
         active = _ACTIVE.get()
-        if active is None:
-            return None
-        return active.rows if type(active) is _PerRow else cast(_OneSet, active).adapters
+        if type(active) is _PerRow:
+            return active.rows
+        if type(active) is _OneSet:
+            return active.adapters
+        return active
 
 
 @contextmanager

@@ -9,7 +9,8 @@ default there). Then, in blocks of `--steps` (100) decode steps of 16 rows after
 context, it times step by step, each kind in turn: the base alone; every row with an adapter of
 its own, in float32 and in float16; and one adapter on every row (float32 and float16), which
 reads one adapter's arrays, its rows sharing the kernels' calls four at a time (each value of
-the pairs loaded once for four rows), so that the gap between it and the distinct rows is what
+the pairs loaded once for four rows; at 16 rows, four pool threads or fewer:
+`RowResiduals::run`), so that the gap between it and the distinct rows is what
 reading 16 adapters, one row at a time, costs. Each block's medians, then their
 medians, as one JSON object; ratios are the base step's time over each kind's. With them, the
 time a step spent in the residuals' own passes (`lora_ms`, the native kernels' clock) and the

@@ -556,9 +556,10 @@ void check_low_rank(const Kernel& kernel, int K, int r, int rows) {
         fail(kernel.isa, "low-rank activations of float16", rows, K, r, g, j, from_halves[g][j],
              want);
     }
-  // The residual h @ b [r, N] added to each row, columns [n0, N): from float16 b, the bits of its
-  // float values; the columns before n0 untouched.
-  const int N = 77, n0 = 3;
+  // The residual h @ b [r, N] added to each row, columns [n0, N) (past one block of eight chains
+  // on every ISA, then vectors, then values): from float16 b, the bits of its float values; the
+  // columns before n0 untouched.
+  const int N = 205, n0 = 3;
   const auto b_values = normal(static_cast<size_t>(r) * N);
   std::vector<uint16_t> b_halves(b_values.size());
   std::vector<float> b(b_values.size());

@@ -540,7 +540,9 @@ def test_rows_of_one_adapter_read_together_get_the_bits_each_gets_alone(isa: str
     """Rows that apply the same pairs share the kernels' calls (up to four rows a call, the
     pairs read once for them): rows of one adapter at different scales, of a stack of it, and
     of the base alone, scattered among rows of other adapters, each get the bits they get alone;
-    a prompt's tokens under one adapter, the bits of each token alone."""
+    a prompt's tokens under one adapter, the bits of each token alone. On two threads, where 16
+    rows and 9 tokens take the row-at-a-time pass that groups them."""
+    assert native.set_threads(2) == 2
     packed, scales, biases, _ = quantized(300, 576, 4, 32, mx.float16, seed=14)
     pairs = [p.astype(dtype) for p in gather_operands(576, 300, RANKS, seed=15)]
     shared = [[(0, s)] for s in (2.0, -0.5, 1.0, 0.125, 3.0, -1.0, 0.75)]

@@ -36,8 +36,8 @@ constexpr int kLineBytes = 64;
 // multiply-add's latency; eight at one row), then one at a time. 16 rows of 16 distinct rank-16
 // float16 adapters on the embedded model, a Zen 2 EPYC (AVX2), runs alternating the builds: the
 // residuals' passes 8.0-8.4 ms a step at eight chains a row against 8.2-8.8 at four, and
-// 7.5-7.9 with low_rank_of's two vectors of columns a pass (b's rows each read through, the
-// outputs in L1: 8.0-8.3).
+// 7.5-7.9 with low_rank_of's two vectors of columns a pass (tried, not kept: b's rows each read
+// through with the outputs in L1, 8.0-8.3).
 template <int G, typename T>
 void add_residuals_of(const float* const* h, const T* b, int N, const int* columns, int count,
                       float* const* out, int n0, int n1) {
@@ -83,16 +83,21 @@ void add_residuals_of(const float* const* h, const T* b, int N, const int* colum
     }
 }
 
-// add_residuals_of for `rows` rows (1 to kLoraRows, kernels/types.h) of one adapter.
+// add_residuals_of for `rows` rows of one adapter (kLoraRows, kernels/types.h, a call), four at
+// a time.
 template <typename T>
 void add_residuals(const float* const* h, const T* b, int N, const int* columns, int count,
                    float* const* out, int rows, int n0, int n1) {
-  static_assert(kLoraRows == 4);
-  switch (rows) {
-    case 1: return add_residuals_of<1>(h, b, N, columns, count, out, n0, n1);
-    case 2: return add_residuals_of<2>(h, b, N, columns, count, out, n0, n1);
-    case 3: return add_residuals_of<3>(h, b, N, columns, count, out, n0, n1);
-    default: return add_residuals_of<4>(h, b, N, columns, count, out, n0, n1);
+  for (int g = 0; g < rows; g += 4) {
+    const int n = std::min(rows - g, 4);
+    if (n == 1)
+      add_residuals_of<1>(h + g, b, N, columns, count, out + g, n0, n1);
+    else if (n == 2)
+      add_residuals_of<2>(h + g, b, N, columns, count, out + g, n0, n1);
+    else if (n == 3)
+      add_residuals_of<3>(h + g, b, N, columns, count, out + g, n0, n1);
+    else
+      add_residuals_of<4>(h + g, b, N, columns, count, out + g, n0, n1);
   }
 }
 
