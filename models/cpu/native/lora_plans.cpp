@@ -139,16 +139,19 @@ void RowResiduals::run(const float* x) {
         const int size = group_starts_[g + 1] - group_starts_[g], m = group[0];
         ask_heads(m);
         int us[kLoraRows];
-        // Product j's t-th unit of each row of the group, in us.
-        const auto units = [&](int j, int t) {
-          for (int i = 0; i < size; i++) us[i] = units_of(j, group[i]).first + t;
+        // apply(j) for each unit of row m, in order, us holding the same unit of every row of
+        // the group (product j's t-th).
+        const auto each_unit = [&](const auto& apply) {
+          for (int j = 0; j < count; j++) {
+            const auto [first, end] = units_of(j, m);
+            for (int t = 0; t < end - first; t++) {
+              for (int i = 0; i < size; i++) us[i] = units_of(j, group[i]).first + t;
+              apply(j);
+            }
+          }
         };
-        for (int j = 0; j < count; j++)
-          for (int t = 0, n = units_of(j, m).second - units_of(j, m).first; t < n; t++)
-            units(j, t), activate(us, size, x);
-        for (int j = 0; j < count; j++)
-          for (int t = 0, n = units_of(j, m).second - units_of(j, m).first; t < n; t++)
-            units(j, t), add_residual(us, size, 0, products_[j].N);
+        each_unit([&](int) { activate(us, size, x); });
+        each_unit([&](int j) { add_residual(us, size, 0, products_[j].N); });
       }
     };
     parallel_rows(static_cast<int>(group_starts_.size()) - 1, 1, groups, /*align=*/1);
