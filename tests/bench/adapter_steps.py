@@ -2,21 +2,19 @@
 
 `python -m tests.bench.adapter_steps` loads the embedded model as a CPU server serves it (packed
 4-bit kernels at `--precision`, the server's default `fast` unless told), or the model in
-`--model-dir` (such as the random ~0.8B llama of the bench's section `cpu`), and
-mounts `--adapters` (16) random rank-16 adapters on every projection twice,
-through two adapter managers: kept in float32 (`--adapter-dtype float32`) and in float16 (the
-default there). Then, in blocks of `--steps` (100) decode steps of 16 rows after a 64-token
-context, it times step by step, each kind in turn: the base alone; every row with an adapter of
-its own, in float32 and in float16; and one adapter on every row (float32 and float16), which
-reads one adapter's arrays, its rows sharing the kernels' calls four at a time (each value of
-the pairs loaded once for four rows; at 16 rows, four pool threads or fewer:
-`RowResiduals::run`), so that the gap between it and the distinct rows is what
-reading 16 adapters, one row at a time, costs. Each block's medians, then their
-medians, as one JSON object; ratios are the base step's time over each kind's. With them, the
-time a step spent in the residuals' own passes (`lora_ms`, the native kernels' clock) and the
-rate at which those passes read the adapters' arrays (`lora_gb_s`: each adapter's arrays once a
-step, over `lora_ms`): a one-adapter kind's passes are the residuals' arithmetic with the
-arrays mostly in cache.
+`--model-dir` (such as the random ~0.8B llama of the bench's section `cpu`), and mounts `--adapters`
+(16) random rank-16 adapters on every projection twice, through two adapter managers: kept in
+float32 (`--adapter-dtype float32`) and in float16 (the default there). Then, in blocks of `--steps`
+(100) decode steps of 16 rows after a 64-token context, it times step by step, each kind in turn:
+the base alone; every row with an adapter of its own, in float32 and in float16; and one adapter on
+every row (float32 and float16), which reads one adapter's arrays, its rows sharing the kernels'
+calls four at a time (each value of the pairs loaded once for four rows: `RowResiduals::run`), so
+that the gap between it and the distinct rows is what reading 16 adapters, one row at a time, costs.
+Each block's medians, then their medians, as one JSON object; ratios are the base step's time over
+each kind's. With them, the time a step spent in the residuals' own passes (`lora_ms`, the native
+kernels' clock) and the rate at which those passes read the adapters' arrays (`lora_gb_s`: each
+adapter's arrays once a step, over `lora_ms`): a one-adapter kind's passes are the residuals'
+arithmetic with the arrays mostly in cache.
 
     python -m tests.bench.adapter_steps [--adapters 16] [--blocks 3] [--steps 100]
         [--precision fast|exact|float32] [--model-dir DIR]

@@ -573,6 +573,43 @@ def test_rows_of_one_adapter_read_together_get_the_bits_each_gets_alone(isa: str
         assert mx.array_equal(chunk[0, t], alone[0]).item(), t
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_a_few_rows_of_one_adapter_read_together_get_the_bits_each_gets_alone(
+    isa: str, dtype: mx.Dtype
+):
+    """Fewer rows than four a thread take items of a group's residuals on a span of columns,
+    each computing the group's activations (again for each span of a product 1,100 wide), where
+    rows that apply the same pairs share the kernels' calls too: rows of one adapter at
+    different scales, of a stack of it, of another adapter and of the base alone, each get the
+    bits they get alone, at every row count from 2 to 7; a prompt of 3 tokens under one stack,
+    the bits of each token alone."""
+    assert native.set_threads(2) == 2
+    packed, scales, biases, _ = quantized(1100, 576, 4, 32, mx.float16, seed=17)
+    pairs = [p.astype(dtype) for p in gather_operands(576, 1100, RANKS, seed=18)]
+    entries = [[(0, 2.0)], [(0, 1.0), (1, 0.5)], [(0, -0.5)], [(2, 1.0)], [(0, 0.75)]]
+    entries += [[(0, 1.0), (1, -2.0)], []]
+    x = mx.random.normal((7, 1, 576), key=mx.random.key(19))
+    alone = [
+        native.quant_matmul_gather(x[m], packed, scales, biases, 32, 4, row_plan(pairs, [own]), 0)
+        for m, own in enumerate(entries)
+    ]
+    for rows in range(2, 8):
+        together = native.quant_matmul_gather(
+            x[:rows], packed, scales, biases, 32, 4, row_plan(pairs, entries[:rows]), 0
+        )
+        for m in range(rows):
+            assert mx.array_equal(alone[m], together[m]).item(), (rows, m)
+    prompt = x[:3].reshape(1, 3, 576)
+    chunk = native.quant_matmul_gather(
+        prompt, packed, scales, biases, 32, 4, row_plan(pairs, [entries[1]]), 0
+    )
+    for t in range(3):
+        own = native.quant_matmul_gather(
+            x[t], packed, scales, biases, 32, 4, row_plan(pairs, [entries[1]]), 0
+        )
+        assert mx.array_equal(chunk[0, t], own[0]).item(), t
+
+
 def half_precision_edges() -> mx.array:
     """float32 values where rounding to float16 is delicate: every midpoint between neighbouring
     float16 values (ties round to even), values just either side of them, subnormals, signed

@@ -26,7 +26,6 @@ void RowResiduals::add(const RowPlan& plan, int slot, int N, float* out) {
     }
   }
   spans_.push_back(std::max(1, N / 512));
-  items_.push_back(items_.back() + M_ * spans_.back());
   products_.push_back({N, out});
 }
 
@@ -35,7 +34,7 @@ std::pair<int, int> RowResiduals::units_of(int j, int m) const {
   return {first_[row], row + 1 < first_.size() ? first_[row + 1] : static_cast<int>(units_.size())};
 }
 
-void RowResiduals::activate(const int* us, int rows, const float* x) {
+void RowResiduals::activate(const int* us, int rows, const float* x, float* h) const {
   const float* xs[kLoraRows];
   float scales[kLoraRows];
   float* hs[kLoraRows];
@@ -43,7 +42,7 @@ void RowResiduals::activate(const int* us, int rows, const float* x) {
     const Unit& unit = units_[us[g]];
     xs[g] = x + static_cast<size_t>(unit.m) * K_;
     scales[g] = unit.scale;
-    hs[g] = h_.data() + unit.h;
+    hs[g] = h + unit.h;
   }
   const AdapterPairs::Pair& p = *units_[us[0]].pair;
   if (p.half)
@@ -52,13 +51,13 @@ void RowResiduals::activate(const int* us, int rows, const float* x) {
     kernel_->low_rank(xs, static_cast<const float*>(p.a), K_, p.r, scales, hs, rows);
 }
 
-void RowResiduals::add_residual(const int* us, int rows, int n0, int n1) const {
+void RowResiduals::add_residual(const int* us, int rows, int n0, int n1, const float* h) const {
   const float* hs[kLoraRows];
   float* outs[kLoraRows];
   const Product& product = products_[units_[us[0]].j];
   for (int g = 0; g < rows; g++) {
     const Unit& unit = units_[us[g]];
-    hs[g] = h_.data() + unit.h;
+    hs[g] = h + unit.h;
     outs[g] = product.out + static_cast<size_t>(unit.m) * product.N;
   }
   const AdapterPairs::Pair& p = *units_[us[0]].pair;
@@ -126,54 +125,70 @@ void RowResiduals::apply(const float* x) {
           .count();
 }
 
+int RowResiduals::group_units(int g, int j, int t, int* us) const {
+  const int* group = groups_.data() + group_starts_[g];
+  const int size = group_starts_[g + 1] - group_starts_[g];
+  for (int i = 0; i < size; i++) us[i] = units_of(j, group[i]).first + t;
+  return size;
+}
+
 void RowResiduals::run(const float* x) {
-  h_.resize(floats_);
   columns_.resize(widest_);
   for (int r = 0; r < widest_; r++) columns_[r] = r;
   const int count = static_cast<int>(products_.size());
+  group_rows();
+  const int groups = static_cast<int>(group_starts_.size()) - 1;
+  // Each thread's activations, every unit's at its offset (`Unit::h`): computed and read by the
+  // thread that adds the unit's residuals.
+  const auto activations = [this] {
+    thread_local std::vector<float> h;
+    h.resize(floats_);
+    return h.data();
+  };
   if (M_ >= kRowsAThread * pool_threads()) {
-    group_rows();
-    const auto groups = [&](int g0, int g1) {
+    const auto rows = [&](int g0, int g1) {
+      float* h = activations();
+      int us[kLoraRows];
       for (int g = g0; g < g1; g++) {
-        const int* group = groups_.data() + group_starts_[g];
-        const int size = group_starts_[g + 1] - group_starts_[g], m = group[0];
+        const int m = groups_[group_starts_[g]];
         ask_heads(m);
-        int us[kLoraRows];
-        // apply(j) for each unit of row m, in order, us holding the same unit of every row of
-        // the group (product j's t-th).
+        // apply(j, size) for each unit of row m, in order, us holding the same unit of every
+        // row of the group (product j's t-th).
         const auto each_unit = [&](const auto& apply) {
           for (int j = 0; j < count; j++) {
             const auto [first, end] = units_of(j, m);
-            for (int t = 0; t < end - first; t++) {
-              for (int i = 0; i < size; i++) us[i] = units_of(j, group[i]).first + t;
-              apply(j);
-            }
+            for (int t = 0; t < end - first; t++) apply(j, group_units(g, j, t, us));
           }
         };
-        each_unit([&](int) { activate(us, size, x); });
-        each_unit([&](int j) { add_residual(us, size, 0, products_[j].N); });
+        each_unit([&](int, int size) { activate(us, size, x, h); });
+        each_unit([&](int j, int size) { add_residual(us, size, 0, products_[j].N, h); });
       }
     };
-    parallel_rows(static_cast<int>(group_starts_.size()) - 1, 1, groups, /*align=*/1);
+    parallel_rows(groups, 1, rows, /*align=*/1);
     return;
   }
-  parallel_rows(
-      static_cast<int>(units_.size()), 4,
-      [&](int u0, int u1) {
-    for (int u = u0; u < u1; u++) activate(&u, 1, x);
-      },
-      /*align=*/1);
+  // Fewer rows: items of a product, a group and a span of the product's columns (product j's
+  // from items[j]), each computing the group's activations of the product, then adding their
+  // residuals on the span.
+  std::vector<int> items(1, 0);
+  for (int j = 0; j < count; j++) items.push_back(items.back() + groups * spans_[j]);
   const auto spans = [&](int c0, int c1) {
+    float* h = activations();
+    int us[kLoraRows];
     int j = 0;
     for (int c = c0; c < c1; c++) {
-      while (c >= items_[j + 1]) j++;
-      const int N = products_[j].N, per_row = spans_[j], m = (c - items_[j]) / per_row,
-                part = (c - items_[j]) % per_row;
-      for (auto [u, end] = units_of(j, m); u < end; u++)
-        add_residual(&u, 1, bound(N, per_row, part), bound(N, per_row, part + 1));
+      while (c >= items[j + 1]) j++;
+      const int N = products_[j].N, per_group = spans_[j], g = (c - items[j]) / per_group,
+                part = (c - items[j]) % per_group;
+      const auto [first, end] = units_of(j, groups_[group_starts_[g]]);
+      for (int t = 0; t < end - first; t++) {
+        const int size = group_units(g, j, t, us);
+        activate(us, size, x, h);
+        add_residual(us, size, bound(N, per_group, part), bound(N, per_group, part + 1), h);
+      }
     }
   };
-  parallel_rows(items_.back(), 1, spans, /*align=*/1);
+  parallel_rows(items.back(), 1, spans, /*align=*/1);
 }
 
 int RowResiduals::bound(int N, int spans, int part) {

@@ -67,8 +67,7 @@ struct RowPlan : std::enable_shared_from_this<RowPlan> {
 // operations on a row's outputs are fixed by its own set alone, so its bits are the same alone
 // and beside any other rows and adapters, and no pair is copied. RowResiduals does this for one
 // product (QuantMatmulGather) or for several products of the same rows (QuantMatmulHeads' q, k
-// and v, or gate and up), after their base products: one pass of the pool's threads, a row at a
-// time (`apply`).
+// and v, or gate and up), after their base products: one pass of the pool's threads (`apply`).
 class RowResiduals {
  public:
   // Rows of M inputs K wide, those of every product added.
@@ -83,14 +82,18 @@ class RowResiduals {
 
   // Every unit's residual added to its product's base output, computed before this: each row's
   // activations of its adapters, h = scale * (x[m] @ a) (x [M, K] row-major), then h @ b on its
-  // outputs. At kRowsAThread rows a thread of the pool or more, one pass of the threads, a row
-  // at a time: its activations, then its residuals on each product's outputs (one wait on the
-  // pool a call, and a row's a and b read by the thread that has its h); rows that apply the
-  // same pairs (same_pairs) up to kLoraRows at a time (group_rows), each pair read once for them
-  // and each row's operations those it takes alone. Fewer rows, two: every
-  // unit's activations, then each row's residuals in spans of at least 512 columns, so that a
-  // few rows' residuals take every thread; b's rows are read in runs of 2 KiB or more, which the
-  // memory streams, not in a tile's few cache lines each.
+  // outputs. Rows that apply the same pairs (same_pairs) go up to kLoraRows at a time
+  // (group_rows), each pair read once for them and each row's operations those it takes alone.
+  // At kRowsAThread rows a thread of the pool or more, one pass of the threads, a group at a
+  // time: its activations, then its residuals on each product's outputs (one wait on the pool a
+  // call, and a row's a and b read by the thread that has its h). Fewer rows, one pass too, of
+  // items that each take a group's residuals on a span of at least 512 columns of a product, so
+  // that a few rows' residuals take every thread (b's rows read in runs of 1 KiB or more, which
+  // the memory streams, not in a tile's few cache lines each), each item computing the group's
+  // activations itself (a read again for a product of several spans). Two rows on the embedded
+  // model (AVX2, two threads), where each row's activations were a pass of their own before its
+  // spans: the residuals' passes 1.76 -> 1.57 ms a step on two float16 adapters, 1.43 -> 1.26 on
+  // one, 2.7 -> 2.3 on two float32 ones.
   void apply(const float* x);
 
  private:
@@ -114,14 +117,17 @@ class RowResiduals {
 
   // Units us[0 .. rows) (rows <= kLoraRows, units of one product and one pair, each of its own
   // row): their activations; their residuals on their rows' outputs [n0, n1).
-  void activate(const int* us, int rows, const float* x);
-  void add_residual(const int* us, int rows, int n0, int n1) const;
+  // h: the thread's activations (each unit's at its offset, `Unit::h`).
+  void activate(const int* us, int rows, const float* x, float* h) const;
+  void add_residual(const int* us, int rows, int n0, int n1, const float* h) const;
   // Whether rows m and n apply the same pairs, in the same order, at every product (their
   // scales may differ): the row-at-a-time pass then reads each pair once for both.
   bool same_pairs(int m, int n) const;
   // The rows in groups of up to kLoraRows of the same pairs (groups_, each group's rows from
   // group_starts_[g]), each row in one, in the order of their first rows.
   void group_rows();
+  // us[i]: product j's t-th unit of group g's i-th row; returns the group's rows.
+  int group_units(int g, int j, int t, int* us) const;
   // Product j's row m's units, [first, end).
   std::pair<int, int> units_of(int j, int m) const;
   // Asks for the first kHeadBytes of each of row m's a and b, before the first is read: the row's
@@ -135,12 +141,10 @@ class RowResiduals {
   int M_, K_;
   std::vector<Product> products_;
   std::vector<Unit> units_;
-  std::vector<int> first_;     // product j's row m's units start at first_[j * M + m]
-  std::vector<int> spans_;     // each product's spans a row (two passes)
-  std::vector<int> items_{0};  // product j's (row, span) items are [items_[j], items_[j + 1])
+  std::vector<int> first_;  // product j's row m's units start at first_[j * M + m]
+  std::vector<int> spans_;  // each product's spans a group of rows (fewer rows' pass)
   size_t floats_ = 0;
   int widest_ = 0;
-  std::vector<float> h_;
   std::vector<int> columns_;  // 0 .. widest_ - 1: every column of an adapter, in order
   std::vector<int> groups_, group_starts_;
 };
