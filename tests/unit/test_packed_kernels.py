@@ -490,8 +490,8 @@ def test_a_gathered_rows_result_is_the_same_bits_alone_as_in_any_batch(isa: str)
 @pytest.mark.parametrize("rows", [4, 8, 16])
 def test_the_gathered_residuals_bits_do_not_depend_on_the_pools_threads(isa: str, rows: int):
     """At 4 rows a thread of the pool or more the residuals take one pass a row at a time, else
-    two (the activations, then spans of each row's outputs): at 1 to 4 threads these rows fall on
-    either side, and each row's outputs are the same bits."""
+    items of spans of each row's outputs: at 1 to 4 threads these rows fall on either side, and
+    each row's outputs are the same bits."""
     packed, scales, biases, _ = quantized(300, 576, 4, 32, mx.float16, seed=11)
     pairs = gather_operands(576, 300, RANKS, seed=12)
     x = mx.random.normal((rows, 1, 576), key=mx.random.key(13))
@@ -574,40 +574,69 @@ def test_rows_of_one_adapter_read_together_get_the_bits_each_gets_alone(isa: str
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+@pytest.mark.parametrize("width", [300, 1100])
 def test_a_few_rows_of_one_adapter_read_together_get_the_bits_each_gets_alone(
-    isa: str, dtype: mx.Dtype
+    isa: str, dtype: mx.Dtype, width: int
 ):
-    """Fewer rows than four a thread take items of a group's residuals on a span of columns,
-    each computing the group's activations (again for each span of a product 1,100 wide), where
-    rows that apply the same pairs share the kernels' calls too: rows of one adapter at
-    different scales, of a stack of it, of another adapter and of the base alone, each get the
-    bits they get alone, at every row count from 2 to 7; a prompt of 3 tokens under one stack,
-    the bits of each token alone."""
+    """Fewer rows than four a thread take items of a group's residuals on a span of columns
+    (one span of a product 300 wide, each item computing its group's activations; two of one
+    1,100 wide, after a pass of every group's activations), where rows that apply the same
+    pairs share the kernels' calls too: rows of one adapter at different scales, of a stack of
+    it, of another adapter and of the base alone, each get the bits they get alone, at every
+    row count from 2 to 7, and those of one thread's row-at-a-time pass; a prompt of 7 tokens
+    under one stack (four and three tokens a call), the bits of each token alone."""
     assert native.set_threads(2) == 2
-    packed, scales, biases, _ = quantized(1100, 576, 4, 32, mx.float16, seed=17)
-    pairs = [p.astype(dtype) for p in gather_operands(576, 1100, RANKS, seed=18)]
+    packed, scales, biases, _ = quantized(width, 576, 4, 32, mx.float16, seed=17)
+    pairs = [p.astype(dtype) for p in gather_operands(576, width, RANKS, seed=18)]
     entries = [[(0, 2.0)], [(0, 1.0), (1, 0.5)], [(0, -0.5)], [(2, 1.0)], [(0, 0.75)]]
     entries += [[(0, 1.0), (1, -2.0)], []]
     x = mx.random.normal((7, 1, 576), key=mx.random.key(19))
-    alone = [
-        native.quant_matmul_gather(x[m], packed, scales, biases, 32, 4, row_plan(pairs, [own]), 0)
-        for m, own in enumerate(entries)
+
+    def gather(x: mx.array, rows: list[list[tuple[int, float]]]) -> mx.array:
+        got = native.quant_matmul_gather(x, packed, scales, biases, 32, 4, row_plan(pairs, rows), 0)
+        mx.eval(got)
+        return got
+
+    alone = [gather(x[m], [own]) for m, own in enumerate(entries)]
+    try:
+        for rows in range(2, 8):
+            together = gather(x[:rows], entries[:rows])
+            for m in range(rows):
+                assert mx.array_equal(alone[m], together[m]).item(), (rows, m)
+            if rows >= 4:  # one thread: the row-at-a-time pass
+                assert native.set_threads(1) == 1
+                assert mx.array_equal(gather(x[:rows], entries[:rows]), together).item(), rows
+                assert native.set_threads(2) == 2
+    finally:
+        native.set_threads(2)
+    chunk = gather(x.reshape(1, 7, 576), [entries[1]])
+    for t in range(7):
+        assert mx.array_equal(chunk[0, t], gather(x[t], [entries[1]])[0]).item(), t
+
+
+def test_a_few_rows_products_together_get_each_products_own_bits(isa: str):
+    """Products of one call (one 1,100 wide, in two spans a group, one 300 wide) under a few
+    rows' adapters, one adapter with weights at the first alone: each output the bits of its own
+    product's call."""
+    assert native.set_threads(2) == 2
+    layers = [quantized(n, 576, 4, 32, mx.float16, seed=n) for n in (1100, 300)]
+    wide = gather_operands(576, 1100, (16, 8), seed=20)
+    narrow = gather_operands(576, 300, (16,), seed=21)
+    adapters = [
+        native.adapter_pairs([(wide[0], wide[1]), (narrow[0], narrow[1])]),
+        native.adapter_pairs([(wide[2], wide[3])]),  # nothing at the second
     ]
-    for rows in range(2, 8):
-        together = native.quant_matmul_gather(
-            x[:rows], packed, scales, biases, 32, 4, row_plan(pairs, entries[:rows]), 0
-        )
-        for m in range(rows):
-            assert mx.array_equal(alone[m], together[m]).item(), (rows, m)
-    prompt = x[:3].reshape(1, 3, 576)
-    chunk = native.quant_matmul_gather(
-        prompt, packed, scales, biases, 32, 4, row_plan(pairs, [entries[1]]), 0
+    rows = [[(0, 1.0)], [(0, 0.5), (1, 2.0)], [(1, 1.0)], [(0, -1.0)], [(0, 1.0), (1, 2.0)]]
+    batch = native.row_plan(adapters, *plan(rows))
+    x = mx.random.normal((5, 1, 576), key=mx.random.key(22))
+    outputs = native.quant_matmul_heads(
+        x, *[[layer[i] for layer in layers] for i in range(3)], [0, 0], 32, [4, 4], batch, [0, 1]
     )
-    for t in range(3):
-        own = native.quant_matmul_gather(
-            x[t], packed, scales, biases, 32, 4, row_plan(pairs, [entries[1]]), 0
-        )
-        assert mx.array_equal(chunk[0, t], own[0]).item(), t
+    for slot, ((w, s, b, _), got) in enumerate(zip(layers, outputs, strict=True)):
+        alone = native.quant_matmul_gather(x, w, s, b, 32, 4, batch, slot)
+        assert mx.array_equal(got, alone).item(), slot
+        plain = native.quant_matmul(x, w, s, b, 32, 4)
+        assert not mx.array_equal(got, plain).item(), slot  # the residuals are there
 
 
 def half_precision_edges() -> mx.array:

@@ -2,6 +2,7 @@
 #include "lora_plans.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <stdexcept>
@@ -34,7 +35,7 @@ std::pair<int, int> RowResiduals::units_of(int j, int m) const {
   return {first_[row], row + 1 < first_.size() ? first_[row + 1] : static_cast<int>(units_.size())};
 }
 
-void RowResiduals::activate(const int* us, int rows, const float* x, float* h) const {
+void RowResiduals::activate(const int* us, int rows, const float* x) {
   const float* xs[kLoraRows];
   float scales[kLoraRows];
   float* hs[kLoraRows];
@@ -42,7 +43,7 @@ void RowResiduals::activate(const int* us, int rows, const float* x, float* h) c
     const Unit& unit = units_[us[g]];
     xs[g] = x + static_cast<size_t>(unit.m) * K_;
     scales[g] = unit.scale;
-    hs[g] = h + unit.h;
+    hs[g] = h_.data() + unit.h;
   }
   const AdapterPairs::Pair& p = *units_[us[0]].pair;
   if (p.half)
@@ -51,13 +52,13 @@ void RowResiduals::activate(const int* us, int rows, const float* x, float* h) c
     kernel_->low_rank(xs, static_cast<const float*>(p.a), K_, p.r, scales, hs, rows);
 }
 
-void RowResiduals::add_residual(const int* us, int rows, int n0, int n1, const float* h) const {
+void RowResiduals::add_residual(const int* us, int rows, int n0, int n1) const {
   const float* hs[kLoraRows];
   float* outs[kLoraRows];
   const Product& product = products_[units_[us[0]].j];
   for (int g = 0; g < rows; g++) {
     const Unit& unit = units_[us[g]];
-    hs[g] = h + unit.h;
+    hs[g] = h_.data() + unit.h;
     outs[g] = product.out + static_cast<size_t>(unit.m) * product.N;
   }
   const AdapterPairs::Pair& p = *units_[us[0]].pair;
@@ -133,21 +134,14 @@ int RowResiduals::group_units(int g, int j, int t, int* us) const {
 }
 
 void RowResiduals::run(const float* x) {
+  h_.resize(floats_);
   columns_.resize(widest_);
   for (int r = 0; r < widest_; r++) columns_[r] = r;
   const int count = static_cast<int>(products_.size());
   group_rows();
   const int groups = static_cast<int>(group_starts_.size()) - 1;
-  // Each thread's activations, every unit's at its offset (`Unit::h`): computed and read by the
-  // thread that adds the unit's residuals.
-  const auto activations = [this] {
-    thread_local std::vector<float> h;
-    h.resize(floats_);
-    return h.data();
-  };
   if (M_ >= kRowsAThread * pool_threads()) {
     const auto rows = [&](int g0, int g1) {
-      float* h = activations();
       int us[kLoraRows];
       for (int g = g0; g < g1; g++) {
         const int m = groups_[group_starts_[g]];
@@ -160,20 +154,39 @@ void RowResiduals::run(const float* x) {
             for (int t = 0; t < end - first; t++) apply(j, group_units(g, j, t, us));
           }
         };
-        each_unit([&](int, int size) { activate(us, size, x, h); });
-        each_unit([&](int j, int size) { add_residual(us, size, 0, products_[j].N, h); });
+        each_unit([&](int, int size) { activate(us, size, x); });
+        each_unit([&](int j, int size) { add_residual(us, size, 0, products_[j].N); });
       }
     };
     parallel_rows(groups, 1, rows, /*align=*/1);
     return;
   }
   // Fewer rows: items of a product, a group and a span of the product's columns (product j's
-  // from items[j]), each computing the group's activations of the product, then adding their
-  // residuals on the span.
+  // from items[j]), each adding the group's residuals on its span; where every product is one
+  // span, each item computes the group's activations of its product first, else a pass before
+  // computes every group's.
+  const bool one_pass = std::all_of(spans_.begin(), spans_.end(), [](int n) { return n == 1; });
   std::vector<int> items(1, 0);
   for (int j = 0; j < count; j++) items.push_back(items.back() + groups * spans_[j]);
+  if (!one_pass) {
+    std::vector<std::array<int, 3>> units;  // group, product, the unit's place in the row's
+    for (int g = 0; g < groups; g++)
+      for (int j = 0; j < count; j++) {
+        const auto [first, end] = units_of(j, groups_[group_starts_[g]]);
+        for (int t = 0; t < end - first; t++) units.push_back({g, j, t});
+      }
+    parallel_rows(
+        static_cast<int>(units.size()), 1,
+        [&](int u0, int u1) {
+      int us[kLoraRows];
+      for (int u = u0; u < u1; u++) {
+        const auto [g, j, t] = units[u];
+        activate(us, group_units(g, j, t, us), x);
+      }
+        },
+        /*align=*/1);
+  }
   const auto spans = [&](int c0, int c1) {
-    float* h = activations();
     int us[kLoraRows];
     int j = 0;
     for (int c = c0; c < c1; c++) {
@@ -183,8 +196,8 @@ void RowResiduals::run(const float* x) {
       const auto [first, end] = units_of(j, groups_[group_starts_[g]]);
       for (int t = 0; t < end - first; t++) {
         const int size = group_units(g, j, t, us);
-        activate(us, size, x, h);
-        add_residual(us, size, bound(N, per_group, part), bound(N, per_group, part + 1), h);
+        if (one_pass) activate(us, size, x);
+        add_residual(us, size, bound(N, per_group, part), bound(N, per_group, part + 1));
       }
     }
   };

@@ -86,14 +86,15 @@ class RowResiduals {
   // (group_rows), each pair read once for them and each row's operations those it takes alone.
   // At kRowsAThread rows a thread of the pool or more, one pass of the threads, a group at a
   // time: its activations, then its residuals on each product's outputs (one wait on the pool a
-  // call, and a row's a and b read by the thread that has its h). Fewer rows, one pass too, of
-  // items that each take a group's residuals on a span of at least 512 columns of a product, so
-  // that a few rows' residuals take every thread (b's rows read in runs of 1 KiB or more, which
-  // the memory streams, not in a tile's few cache lines each), each item computing the group's
-  // activations itself (a read again for a product of several spans). Two rows on the embedded
-  // model (AVX2, two threads), where each row's activations were a pass of their own before its
-  // spans: the residuals' passes 1.76 -> 1.57 ms a step on two float16 adapters, 1.43 -> 1.26 on
-  // one, 2.7 -> 2.3 on two float32 ones.
+  // call, and a row's a and b read by the thread that has its h). Fewer rows, a pass of items
+  // that each take a group's residuals on a span of about 512 columns or more of a product, so
+  // that a few rows' residuals take every thread (b's rows read in runs of about 1 KiB or more,
+  // which the memory streams, not in a tile's few cache lines each): where every product is
+  // one span, each item computes its group's activations first (one pass a call, q, k and v's
+  // or o's on the embedded model); else a pass of every group's activations comes before (gate
+  // and up's), so that no activations are computed twice. Two rows on the embedded model
+  // (AVX2, two threads), against two passes of rows alone: two float32 adapters' passes 2.5-2.8
+  // -> 2.15-2.4 ms a step, two float16 ones 1.53-1.88 -> 1.50-1.65.
   void apply(const float* x);
 
  private:
@@ -117,11 +118,10 @@ class RowResiduals {
 
   // Units us[0 .. rows) (rows <= kLoraRows, units of one product and one pair, each of its own
   // row): their activations; their residuals on their rows' outputs [n0, n1).
-  // h: the thread's activations (each unit's at its offset, `Unit::h`).
-  void activate(const int* us, int rows, const float* x, float* h) const;
-  void add_residual(const int* us, int rows, int n0, int n1, const float* h) const;
+  void activate(const int* us, int rows, const float* x);
+  void add_residual(const int* us, int rows, int n0, int n1) const;
   // Whether rows m and n apply the same pairs, in the same order, at every product (their
-  // scales may differ): the row-at-a-time pass then reads each pair once for both.
+  // scales may differ): the kernels' calls then read each pair once for both.
   bool same_pairs(int m, int n) const;
   // The rows in groups of up to kLoraRows of the same pairs (groups_, each group's rows from
   // group_starts_[g]), each row in one, in the order of their first rows.
@@ -145,6 +145,7 @@ class RowResiduals {
   std::vector<int> spans_;  // each product's spans a group of rows (fewer rows' pass)
   size_t floats_ = 0;
   int widest_ = 0;
+  std::vector<float> h_;      // every unit's activations, each written by one item
   std::vector<int> columns_;  // 0 .. widest_ - 1: every column of an adapter, in order
   std::vector<int> groups_, group_starts_;
 };
