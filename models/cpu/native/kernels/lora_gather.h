@@ -117,12 +117,20 @@ inline typename Isa::V load_tail(const T* a, size_t offset, size_t size, int n) 
   return offset + Isa::kLanes <= size ? load_floats(a + offset) : load_first_floats(a + offset, n);
 }
 
-// low_rank_of's columns [j, j + J * kLanes) of G rows, in one pass over a.
-template <int G, int J, typename T>
+// low_rank_of's columns [j, j + J * kLanes) of G rows, in one pass over a; with `Tail` (J 1),
+// the last n < kLanes columns [j, j + n): the same operations on the first lanes of a vector
+// (load_tail), only those stored.
+template <int G, int J, bool Tail = false, typename T>
 void low_rank_columns(const float* const* x, const T* a, int K, int r, const float* scale,
-                      float* const* h, int j) {
+                      float* const* h, int j, int n = Isa::kLanes) {
   using V = typename Isa::V;
   const bool ask = lora_asks_ahead() && j == 0;  // the rows' every column, on the first pass
+  const size_t size = static_cast<size_t>(K) * r;
+  const auto load = [&](int k, int v) {
+    const size_t at = static_cast<size_t>(k) * r + j + v * Isa::kLanes;
+    if constexpr (Tail) return load_tail(a, at, size, n);
+    return load_floats(a + at);
+  };
   V c[G][J][4];
   for (int g = 0; g < G; g++)
     for (int v = 0; v < J; v++)
@@ -134,21 +142,28 @@ void low_rank_columns(const float* const* x, const T* a, int K, int r, const flo
         __builtin_prefetch(a + static_cast<size_t>(k + kLowRankAhead) * r + at);
     for (int u = 0; u < 4; u++)
       for (int v = 0; v < J; v++) {
-        const V values = load_floats(a + static_cast<size_t>(k + u) * r + j + v * Isa::kLanes);
+        const V values = load(k + u, v);
         for (int g = 0; g < G; g++)
           c[g][v][u] = Isa::fma(Isa::set1(x[g][k + u]), values, c[g][v][u]);
       }
   }
   for (; k < K; k++)
     for (int v = 0; v < J; v++) {
-      const V values = load_floats(a + static_cast<size_t>(k) * r + j + v * Isa::kLanes);
+      const V values = load(k, v);
       for (int g = 0; g < G; g++)
         c[g][v][k % 4] = Isa::fma(Isa::set1(x[g][k]), values, c[g][v][k % 4]);
     }
   for (int g = 0; g < G; g++)
     for (int v = 0; v < J; v++) {
       const V sum = Isa::add(Isa::add(c[g][v][0], c[g][v][1]), Isa::add(c[g][v][2], c[g][v][3]));
-      Isa::store(h[g] + j + v * Isa::kLanes, Isa::mul(sum, Isa::set1(scale[g])));
+      const V scaled = Isa::mul(sum, Isa::set1(scale[g]));
+      if constexpr (!Tail) {
+        Isa::store(h[g] + j + v * Isa::kLanes, scaled);
+      } else {
+        float lanes[Isa::kLanes];
+        Isa::store(lanes, scaled);
+        std::memcpy(h[g] + j, lanes, sizeof(float) * n);
+      }
     }
 }
 
@@ -163,29 +178,12 @@ void low_rank_columns(const float* const* x, const T* a, int K, int r, const flo
 template <int G, typename T>
 void low_rank_of(const float* const* x, const T* a, int K, int r, const float* scale,
                  float* const* h) {
-  using V = typename Isa::V;
   int j = 0;
   if constexpr (G == 1)
     for (; j + 2 * Isa::kLanes <= r; j += 2 * Isa::kLanes)
       low_rank_columns<1, 2>(x, a, K, r, scale, h, j);
   for (; j + Isa::kLanes <= r; j += Isa::kLanes) low_rank_columns<G, 1>(x, a, K, r, scale, h, j);
-  if (j < r) {  // the last r - j columns: the same operations, on the first lanes of a vector
-    const int n = r - j;
-    const size_t size = static_cast<size_t>(K) * r;
-    V c[G][4];
-    for (int g = 0; g < G; g++)
-      for (int u = 0; u < 4; u++) c[g][u] = Isa::zero();
-    for (int k = 0; k < K; k++) {
-      const V values = load_tail(a, static_cast<size_t>(k) * r + j, size, n);
-      for (int g = 0; g < G; g++) c[g][k % 4] = Isa::fma(Isa::set1(x[g][k]), values, c[g][k % 4]);
-    }
-    for (int g = 0; g < G; g++) {
-      const V sum = Isa::add(Isa::add(c[g][0], c[g][1]), Isa::add(c[g][2], c[g][3]));
-      float lanes[Isa::kLanes];
-      Isa::store(lanes, Isa::mul(sum, Isa::set1(scale[g])));
-      std::memcpy(h[g] + j, lanes, sizeof(float) * n);
-    }
-  }
+  if (j < r) low_rank_columns<G, 1, true>(x, a, K, r, scale, h, j, r - j);  // the last r - j
 }
 
 // low_rank_of for `rows` rows (1 to kLoraRows) of one adapter, kLowRankRows at a time: each
