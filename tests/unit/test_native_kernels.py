@@ -29,6 +29,7 @@ from hotlora.models.cpu.extension import (
 )
 from hotlora.models.loader import load_model_dir
 
+from tests.bench import lora_reads
 from tests.support.tiny import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +93,17 @@ def test_the_kernels_of_this_machine_pass_the_check(tmp_path: Path):
     for isa in ("avx512", "avx512vbmi", "avx512vnni") if machine == "x86_64" else ():
         if f"{isa}: not run" not in result.stdout:
             assert passed(result, isa), result.stdout
+
+
+def test_the_lora_reads_benchmark_builds_and_times_the_kernels_of_this_machine(tmp_path: Path):
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"):
+        pytest.skip("the native kernels serve x86-64 and arm64 Linux")
+    program = lora_reads.build(tmp_path / "lora_reads")  # raises on an error or a warning
+    widest = "avx2" if platform.machine() == "x86_64" else "neon"
+    for half in (True, False):  # a pair of 96 x 16 and 16 x 40, a footprint of 64 KiB
+        isa, lora, read = lora_reads.measure(program, 96, 40, 16, half, 1 / 16, 1, 0.05)
+        assert isa == widest or isa.startswith("avx512")
+        assert lora > 0 and read > 0
 
 
 def test_the_neon_kernels_pass_the_check_under_qemu(tmp_path: Path):
