@@ -34,15 +34,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "tests" / "native" / "lora_reads.cpp"
 
 
-def build(out: Path) -> Path:
-    """The program, built as tests/unit/test_native_kernels.py builds the kernels' check; a
-    warning fails it as an error does."""
+def build(out: Path, objects: list[Path] | None = None) -> Path:
+    """The program, built as tests/unit/test_native_kernels.py builds the kernels' check, with
+    the kernels' sources (or their `objects`, compiled for this machine); a warning fails it as
+    an error does."""
     command = [
         "g++",
         *kernel_flags(),
         f"-I{NATIVE}",
         str(SOURCE),
-        *map(str, kernel_sources()),
+        *map(str, objects or kernel_sources()),
         "-pthread",
         "-o",
         str(out),

@@ -39,18 +39,41 @@ QEMU = "qemu-aarch64"
 ARM64_ROOT = Path("/usr/aarch64-linux-gnu")  # Debian's arm64 libraries, for qemu's loader
 
 
-def build(cxx: str, machine: str, out: Path) -> Path:
-    """The check compiled by `cxx` for `machine` with the kernels' sources, at `out`; the
-    kernels and the check build without a warning (the flags hold -Wall -Wextra)."""
-    command = [
-        *(cxx, *kernel_flags(machine), f"-I{NATIVE}", str(CHECK)),
-        *map(str, kernel_sources()),
-        *("-o", str(out)),
-    ]
+def compiled(command: list[str]) -> None:
+    """Runs a compiler's command; it succeeds without a warning (the flags hold -Wall -Wextra)."""
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "warning" not in result.stderr, result.stderr[-4000:]
+
+
+def build(cxx: str, machine: str, out: Path, objects: list[Path] | None = None) -> Path:
+    """The check compiled by `cxx` for `machine` with the kernels' sources (or their `objects`,
+    compiled for it), at `out`; the kernels and the check build without a warning."""
+    compiled(
+        [
+            *(cxx, *kernel_flags(machine), f"-I{NATIVE}", str(CHECK)),
+            *map(str, objects or kernel_sources()),
+            *("-o", str(out)),
+        ]
+    )
     return out
+
+
+@pytest.fixture(scope="module")
+def kernel_objects(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The kernels' sources compiled for this machine once, on both cores, for the programs
+    that link them (the check, tests/bench/lora_reads.py's)."""
+    if shutil.which("g++") is None:
+        pytest.fail("g++ is missing: `make setup` installs it")
+    folder = tmp_path_factory.mktemp("kernel-objects")
+
+    def compile_one(source: Path) -> Path:
+        out = folder / f"{source.parent.name}-{source.stem}.o"
+        compiled(["g++", *kernel_flags(), f"-I{NATIVE}", "-c", str(source), "-o", str(out)])
+        return out
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(compile_one, kernel_sources()))
 
 
 def syntax_errors(cxx: str, machine: str, *extra: str) -> list[str]:
@@ -80,13 +103,11 @@ def passed(result: subprocess.CompletedProcess[str], isa: str) -> bool:
     )
 
 
-def test_the_kernels_of_this_machine_pass_the_check(tmp_path: Path):
+def test_the_kernels_of_this_machine_pass_the_check(tmp_path: Path, kernel_objects: list[Path]):
     machine = platform.machine()
     if sys.platform != "linux" or machine not in ("x86_64", "aarch64"):
         pytest.skip("the native kernels serve x86-64 and arm64 Linux")
-    if shutil.which("g++") is None:
-        pytest.fail("g++ is missing: `make setup` installs it")
-    check = build("g++", machine, tmp_path / "kernels_check")
+    check = build("g++", machine, tmp_path / "kernels_check", kernel_objects)
     result = subprocess.run([check], capture_output=True, text=True, timeout=300)
     # AVX2 or NEON: every server these kernels serve runs one of them.
     assert passed(result, "avx2" if machine == "x86_64" else "neon"), result.stdout
@@ -95,10 +116,13 @@ def test_the_kernels_of_this_machine_pass_the_check(tmp_path: Path):
             assert passed(result, isa), result.stdout
 
 
-def test_the_lora_reads_benchmark_builds_and_times_the_kernels_of_this_machine(tmp_path: Path):
+def test_the_lora_reads_benchmark_builds_and_times_the_kernels_of_this_machine(
+    tmp_path: Path, kernel_objects: list[Path]
+):
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"):
         pytest.skip("the native kernels serve x86-64 and arm64 Linux")
-    program = lora_reads.build(tmp_path / "lora_reads")  # raises on an error or a warning
+    # Raises on an error or a warning.
+    program = lora_reads.build(tmp_path / "lora_reads", kernel_objects)
     widest = "avx2" if platform.machine() == "x86_64" else "neon"
     for half in (True, False):  # a pair of 96 x 16 and 16 x 40, a footprint of 64 KiB
         isa, lora, read = lora_reads.measure(program, 96, 40, 16, half, 1 / 16, 1, 0.05)
