@@ -73,16 +73,23 @@ def projections(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 def measure(
-    program: Path, K: int, N: int, rank: int, half: bool, mb: float, threads: int, seconds: float
-) -> tuple[str, float, float]:
-    """(ISA, the LoRA kernels' GB/s, a plain read's GB/s) on `threads` threads."""
+    program: Path,
+    K: int,
+    N: int,
+    rank: int,
+    half: bool,
+    mb: float,
+    threads: int,
+    seconds: float,
+    read: bool,
+) -> tuple[str, float, float | None]:
+    """(ISA, the LoRA kernels' GB/s, a plain read's GB/s where `read` asks for it) on `threads`
+    threads."""
+    arguments = (program, K, N, rank, int(half), int(mb * 2**20), threads, seconds, int(read))
     line = subprocess.run(
-        [str(v) for v in (program, K, N, rank, int(half), int(mb * 2**20), threads, seconds)],
-        check=True,
-        capture_output=True,
-        text=True,
+        [str(v) for v in arguments], check=True, capture_output=True, text=True
     ).stdout.split()
-    return line[0], float(line[1]), float(line[2])
+    return line[0], float(line[1]), float(line[2]) if read else None
 
 
 def main() -> int:
@@ -109,11 +116,12 @@ def main() -> int:
                 row["dtype"] = "float16" if half else "float32"
                 for place, mb in (("cache", args.cache_mb), ("memory", args.memory_mb)):
                     for threads in sorted({1, cores}):
+                        from_memory = place == "memory"
                         isa, lora, read = measure(
-                            program, K, N, args.rank, half, mb, threads, args.seconds
+                            program, K, N, args.rank, half, mb, threads, args.seconds, from_memory
                         )
                         row[f"{place} {threads}t"] = lora
-                        if place == "memory":
+                        if from_memory:
                             row[f"read {threads}t"] = read
                 rows.append(row)
     columns = [key for key in rows[0] if key not in ("projection", "K", "N", "dtype")]

@@ -6,9 +6,10 @@
 // bytes on the same threads (64-bit words summed): the memory's own rate for one long stream.
 // tests/bench/lora_reads.py builds it with the kernels' sources and the extension's flags.
 //
-//   lora_reads K N RANK HALF FOOTPRINT_BYTES THREADS SECONDS
+//   lora_reads K N RANK HALF FOOTPRINT_BYTES THREADS SECONDS READ
 //
-// prints one line: `lora_gb_s read_gb_s` (bytes of the pairs, or read, a second, all threads).
+// prints one line: `isa lora_gb_s read_gb_s` (the kernels' ISA; bytes of the pairs, or read, a
+// second, all threads), read_gb_s `-` where READ is 0 (no plain read).
 
 #include <algorithm>
 #include <atomic>
@@ -29,8 +30,8 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Runs body(thread, pass) on `threads` threads, passes until `seconds` have gone (each thread
-// as many as the first); returns the passes done by all and the seconds they took.
+// Runs body(thread, pass) on `threads` threads, each pass after pass until `seconds` have gone;
+// returns the passes done by all and the seconds they took.
 template <typename Body>
 std::pair<long, double> timed(int threads, double seconds, Body body) {
   std::atomic<bool> stop{false};
@@ -54,7 +55,7 @@ template <typename T>
 double lora_rate(const hotlora::Kernel& kernel, int K, int N, int r, size_t pairs, int threads,
                  double seconds) {
   const size_t a_size = static_cast<size_t>(K) * r, b_size = static_cast<size_t>(r) * N;
-  // Small values (float16 0.0625, float32 alike), so that the sums stay finite.
+  // Small values (float16 0.0625, float32 1), so that the sums stay finite.
   const T value = sizeof(T) == 2 ? T(0x2c00) : T(1);
   std::vector<T> a(pairs * a_size, value), b(pairs * b_size, value);
   std::vector<int> columns(r);
@@ -108,8 +109,8 @@ double read_rate(size_t bytes, int threads, double seconds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 8) {
-    std::fprintf(stderr, "usage: %s K N RANK HALF FOOTPRINT_BYTES THREADS SECONDS\n", argv[0]);
+  if (argc != 9) {
+    std::fprintf(stderr, "usage: %s K N RANK HALF FOOTPRINT_BYTES THREADS SECONDS READ\n", argv[0]);
     return 2;
   }
   const int K = std::atoi(argv[1]), N = std::atoi(argv[2]), r = std::atoi(argv[3]);
@@ -117,6 +118,7 @@ int main(int argc, char** argv) {
   const size_t footprint = std::strtoull(argv[5], nullptr, 10);
   const int threads = std::atoi(argv[6]);
   const double seconds = std::atof(argv[7]);
+  const bool read = std::atoi(argv[8]) != 0;
   const hotlora::Kernel* kernel = hotlora::find_kernel();
   if (kernel == nullptr) {
     std::fprintf(stderr, "no kernel this CPU runs\n");
@@ -127,6 +129,10 @@ int main(int argc, char** argv) {
   const size_t pairs = std::max<size_t>(threads, footprint / pair_bytes);
   const double lora = half ? lora_rate<uint16_t>(*kernel, K, N, r, pairs, threads, seconds)
                            : lora_rate<float>(*kernel, K, N, r, pairs, threads, seconds);
-  std::printf("%s %.2f %.2f\n", kernel->isa, lora, read_rate(pairs * pair_bytes, threads, seconds));
+  std::printf("%s %.2f ", kernel->isa, lora);
+  if (read)
+    std::printf("%.2f\n", read_rate(pairs * pair_bytes, threads, seconds));
+  else
+    std::printf("-\n");
   return 0;
 }
