@@ -22,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -104,6 +105,29 @@ def kernel_flags(machine: str | None = None) -> list[str]:
         # The baseline every arm64 server runs: NEON, nothing newer.
         *(["-march=armv8-a"] if machine == "aarch64" else []),
     ]
+
+
+def kernels_program(
+    source: Path,
+    out: Path,
+    *,
+    cxx: str = "g++",
+    machine: str | None = None,
+    objects: Sequence[Path] | None = None,
+) -> Path:
+    """A program of tests/native (`source`) built by `cxx` for `machine` with the kernels'
+    sources, or their `objects` compiled for it, and the kernels' flags, at `out`. Raises
+    RuntimeError with the compiler's complaints where it fails or warns (the flags hold -Wall
+    -Wextra): tests/native's programs build as cleanly as the extension."""
+    command = [
+        *(cxx, *kernel_flags(machine), f"-I{NATIVE}", str(source)),
+        *map(str, objects or kernel_sources()),
+        *("-pthread", "-o", str(out)),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0 or "warning" in result.stderr:
+        raise RuntimeError(f"building {source.name} failed:\n{result.stderr[-4000:]}")
+    return out
 
 
 def build() -> Path:

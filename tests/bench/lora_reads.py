@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hotlora.models.cpu.extension import NATIVE, kernel_flags, kernel_sources
+from hotlora.models.cpu.extension import kernels_program
 from hotlora.models.embedded import ensure_embedded_model
 
 from tests.bench.step_times import settings_home
@@ -38,20 +38,7 @@ def build(out: Path, objects: list[Path] | None = None) -> Path:
     """The program, built as tests/unit/test_native_kernels.py builds the kernels' check, with
     the kernels' sources (or their `objects`, compiled for this machine); a warning fails it as
     an error does."""
-    command = [
-        "g++",
-        *kernel_flags(),
-        f"-I{NATIVE}",
-        str(SOURCE),
-        *map(str, objects or kernel_sources()),
-        "-pthread",
-        "-o",
-        str(out),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0 or "warning" in result.stderr:
-        raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
-    return out
+    return kernels_program(SOURCE, out, objects=objects)
 
 
 def projections(config: dict[str, Any]) -> dict[str, tuple[int, int]]:

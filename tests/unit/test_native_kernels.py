@@ -25,6 +25,7 @@ from hotlora.models.cpu.extension import (
     include_flags,
     kernel_flags,
     kernel_sources,
+    kernels_program,
     sources,
 )
 from hotlora.models.loader import load_model_dir
@@ -49,14 +50,7 @@ def compiled(command: list[str]) -> None:
 def build(cxx: str, machine: str, out: Path, objects: list[Path] | None = None) -> Path:
     """The check compiled by `cxx` for `machine` with the kernels' sources (or their `objects`,
     compiled for it), at `out`; the kernels and the check build without a warning."""
-    compiled(
-        [
-            *(cxx, *kernel_flags(machine), f"-I{NATIVE}", str(CHECK)),
-            *map(str, objects or kernel_sources()),
-            *("-o", str(out)),
-        ]
-    )
-    return out
+    return kernels_program(CHECK, out, cxx=cxx, machine=machine, objects=objects)
 
 
 @pytest.fixture(scope="module")
