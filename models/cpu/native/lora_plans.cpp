@@ -144,7 +144,7 @@ void RowResiduals::run(const float* x) {
     const auto rows = [&](int g0, int g1) {
       int us[kLoraRows];
       for (int g = g0; g < g1; g++) {
-        const int m = groups_[group_starts_[g]];
+        const int m = first_row(g);
         ask_heads(m);
         // apply(j, size) for each unit of row m, in order, us holding the same unit of every
         // row of the group (product j's t-th).
@@ -172,7 +172,7 @@ void RowResiduals::run(const float* x) {
     std::vector<std::array<int, 3>> units;  // group, product, the unit's place in the row's
     for (int g = 0; g < groups; g++)
       for (int j = 0; j < count; j++) {
-        const auto [first, end] = units_of(j, groups_[group_starts_[g]]);
+        const auto [first, end] = units_of(j, first_row(g));
         for (int t = 0; t < end - first; t++) units.push_back({g, j, t});
       }
     parallel_rows(
@@ -193,7 +193,7 @@ void RowResiduals::run(const float* x) {
       while (c >= items[j + 1]) j++;
       const int N = products_[j].N, per_group = spans_[j], g = (c - items[j]) / per_group,
                 part = (c - items[j]) % per_group;
-      const auto [first, end] = units_of(j, groups_[group_starts_[g]]);
+      const auto [first, end] = units_of(j, first_row(g));
       for (int t = 0; t < end - first; t++) {
         const int size = group_units(g, j, t, us);
         if (one_pass) activate(us, size, x);

@@ -129,6 +129,8 @@ class RowResiduals {
   void group_rows();
   // us[i]: product j's t-th unit of group g's i-th row; returns the group's rows.
   int group_units(int g, int j, int t, int* us) const;
+  // Group g's first row.
+  int first_row(int g) const { return groups_[group_starts_[g]]; }
   // Product j's row m's units, [first, end).
   std::pair<int, int> units_of(int j, int m) const;
   // Asks for the first kHeadBytes of each of row m's a and b, before the first is read: the row's
