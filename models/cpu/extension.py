@@ -124,10 +124,16 @@ def kernels_program(
         *map(str, objects or kernel_sources()),
         *("-pthread", "-o", str(out)),
     ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0 or "warning" in result.stderr:
-        raise RuntimeError(f"building {source.name} failed:\n{result.stderr[-4000:]}")
+    compile_cleanly(command, source.name)
     return out
+
+
+def compile_cleanly(command: Sequence[str], what: str) -> None:
+    """Runs a compiler's `command` building `what`. Raises RuntimeError with the compiler's
+    complaints where it fails or warns (the kernels' flags hold -Wall -Wextra)."""
+    result = subprocess.run(list(command), capture_output=True, text=True)
+    if result.returncode != 0 or "warning" in result.stderr:
+        raise RuntimeError(f"building {what} failed:\n{result.stderr[-4000:]}")
 
 
 def build() -> Path:

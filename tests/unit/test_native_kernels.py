@@ -22,6 +22,7 @@ import pytest
 from hotlora.models.cpu import extension, prepare_cpu, weights
 from hotlora.models.cpu.extension import (
     NATIVE,
+    compile_cleanly,
     include_flags,
     kernel_flags,
     kernel_sources,
@@ -38,13 +39,6 @@ CHECK = ROOT / "tests" / "native" / "kernels_check.cpp"
 ARM64_CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 ARM64_ROOT = Path("/usr/aarch64-linux-gnu")  # Debian's arm64 libraries, for qemu's loader
-
-
-def compiled(command: list[str]) -> None:
-    """Runs a compiler's command; it succeeds without a warning (the flags hold -Wall -Wextra)."""
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "warning" not in result.stderr, result.stderr[-4000:]
 
 
 def build(cxx: str, machine: str, out: Path, objects: list[Path] | None = None) -> Path:
@@ -66,7 +60,8 @@ def kernel_objects(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
     def compile_one(source: Path) -> Path:
         out = folder / f"{source.parent.name}-{source.stem}.o"
-        compiled(["g++", *kernel_flags(), f"-I{NATIVE}", "-c", str(source), "-o", str(out)])
+        command = ["g++", *kernel_flags(), f"-I{NATIVE}", "-c", str(source), "-o", str(out)]
+        compile_cleanly(command, source.name)
         return out
 
     with ThreadPoolExecutor(max_workers=2) as pool:
