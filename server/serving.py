@@ -363,7 +363,7 @@ class InferenceService:
         """The conversation as the chat template renders it, encoded (on the tokenizer thread)."""
         try:
             text = self.tokenizer.apply_chat_template(
-                messages,
+                self._template.with_roles(messages),
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

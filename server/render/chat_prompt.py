@@ -56,6 +56,20 @@ class ChatTemplate:
         except TemplateError:
             return None
 
+    @cached_property
+    def takes_developer(self) -> bool:
+        """Whether the template names OpenAI's `developer` role itself (gpt-oss's does)."""
+        text = getattr(self._tokenizer, "chat_template", None)
+        return "developer" in (text if isinstance(text, str) else str(text or ""))
+
+    def with_roles(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as the template takes them: OpenAI's `developer` messages, its newer
+        name for system ones, become `system` messages for a template that does not name the
+        role (most: ChatML's would show a `developer` turn beside its default system prompt)."""
+        if self.takes_developer:
+            return messages
+        return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
     def variables(self, request: ChatCompletionRequest) -> dict[str, Any]:
         """The keyword arguments the template gets besides the messages and tools; a variable
         the template does not read is refused, since it would change nothing."""

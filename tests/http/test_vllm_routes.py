@@ -81,6 +81,21 @@ def test_tokenize_messages_as_chat_renders_them(api: TestClient):
     assert bare["count"] < rendered["count"]
 
 
+def test_a_developer_message_is_a_system_message(api: TestClient):
+    # The tiny model's ChatML template does not name OpenAI's developer role: its messages are
+    # rendered as system ones, on chat as on /tokenize, as /v1/responses renders them.
+    sent = [{"role": "developer", "content": "Be brief."}, *MESSAGES]
+    rendered = ok(api.post("/tokenize", json={"model": "tiny", "messages": sent}))
+    text = ok(api.post("/detokenize", json={"model": "tiny", "tokens": rendered["tokens"]}))
+    assert text["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user")
+    as_system = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    body = {"model": "tiny", "max_tokens": 3, "temperature": 0}
+    chat = ok(api.post("/v1/chat/completions", json={**body, "messages": sent}))
+    system = ok(api.post("/v1/chat/completions", json={**body, "messages": as_system}))
+    assert chat["usage"]["prompt_tokens"] == rendered["count"] == system["usage"]["prompt_tokens"]
+    assert chat["choices"][0]["message"] == system["choices"][0]["message"]
+
+
 def test_detokenize_round_trips(api: TestClient):
     tokens = ok(api.post("/tokenize", json={"prompt": "zebras, 42!"}))["tokens"]
     assert ok(api.post("/detokenize", json={"tokens": tokens})) == {"prompt": "zebras, 42!"}

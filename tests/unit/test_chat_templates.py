@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from hotlora.models.end_of_generation import CONFIG, EOS, NAME, TEMPLATE
 from hotlora.models.gguf import import_gguf, read_header
 from hotlora.models.loader import LoadedModel, load_model_dir
 from hotlora.server.cli import build_parser, main, serve_settings
+from hotlora.server.render.chat_prompt import ChatTemplate
 from hotlora.server.render.chat_templates import (
     BUILTINS,
     ChatTemplateError,
@@ -329,3 +331,14 @@ def test_a_good_template_passes_the_start(tmp_path, no_variables):
     for value in ("llama3", str(tmp_path / "mine.jinja")):
         args = build_parser().parse_args(["serve", "--chat-template", value])
         assert serve_settings(args).chat_template == value
+
+
+def test_developer_messages_reach_a_template_that_names_the_role_as_sent():
+    developer = {"role": "developer", "content": "Be brief."}
+    user = {"role": "user", "content": "hi"}
+    conversation = [developer, user]
+    names_it = SimpleNamespace(chat_template="{% if m.role == 'developer' %}{% endif %}")
+    assert ChatTemplate(names_it).with_roles(conversation) == conversation
+    chatml = ChatTemplate(SimpleNamespace(chat_template=read_chat_template("chatml")))
+    assert chatml.with_roles(conversation) == [{**developer, "role": "system"}, user]
+    assert developer["role"] == "developer"  # the request's own messages are left as sent
