@@ -245,6 +245,7 @@ async def chat_stream(
         return chunk(answers.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
 
     started: set[int] = set()
+    said: set[int] = set()  # the choices that have sent text
     tools: dict[int, ToolCallStream] = {}
     thinking: dict[int, ReasoningStream] = {}
     thoughts_shown = prepared.reasoning is None or prepared.reasoning.shown
@@ -257,12 +258,15 @@ async def chat_stream(
             if prepared.reasoning is not None:
                 thinking[index] = prepared.reasoning.stream()
             # The role chunk (and an echoed message) come before the choice's first token:
-            # their usage counts none. Its content is null where the answer is tool calls (a
-            # `tool_choice` that requires one), as OpenAI's.
-            calls_only = prepared.tool_calls is not None and not prepared.tool_calls.text_allowed
-            role = answers.ChatDelta(role="assistant", content=None if calls_only else "")
+            # their usage counts none. It holds no content where the answer may be tool calls
+            # alone, whose message has a null content, as OpenAI's: a client gathering the
+            # deltas keeps it null unless text comes.
+            role = answers.ChatDelta(
+                role="assistant", content=None if prepared.tool_calls is not None else ""
+            )
             yield chunk(answers.ChatChunkChoice(index=index, delta=role))
             if prepared.echo_chat:
+                said.add(index)
                 delta = answers.ChatDelta(content=prepared.echo_chat)
                 yield chunk(answers.ChatChunkChoice(index=index, delta=delta))
         running.saw(index, event)
@@ -279,7 +283,11 @@ async def chat_stream(
                 # The tokens' logprobs go with the answer's text when there is some.
                 yield reasoning_chunk(index, reasoning, None if text else logprobs)
             if text or (event.logprobs and not reasoning):
-                delta = answers.ChatDelta(content=text)
+                # Tokens with no text to show yet (a tool call's markup, a held stop) bring
+                # their logprobs alone, no empty content.
+                if text:
+                    said.add(index)
+                delta = answers.ChatDelta(content=text or None)
                 yield chunk(answers.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
             for line in call_chunks(index, calls, made):
                 yield line
@@ -296,6 +304,11 @@ async def chat_stream(
                 shown, calls = stream.feed(text)
                 tail, more = stream.flush()
                 text, calls = shown + tail, calls + more
+                if not (text or stream.count or index in said):
+                    # No call and no text: the message's content is "", not null.
+                    yield chunk(
+                        answers.ChatChunkChoice(index=index, delta=answers.ChatDelta(content=""))
+                    )
                 if text:
                     yield chunk(
                         answers.ChatChunkChoice(index=index, delta=answers.ChatDelta(content=text))

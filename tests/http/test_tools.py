@@ -238,6 +238,38 @@ SMALL_WEATHER = {
 
 
 @pytest.mark.parametrize(
+    "answer",
+    [
+        CALL_TEXT,
+        CALL_TEXT.removeprefix("Let me check."),  # calls alone: content null
+        "No need.",
+        "",  # no text, no call: content ""
+    ],
+)
+def test_a_streamed_answer_gathers_into_the_unstreamed_message(tool_client, answer: str):
+    """The SDK's stream helper gathers the deltas (logprobs too) into what the same request
+    answers unstreamed: a call's tokens bring their logprobs with no empty content."""
+    ask = {"model": "tiny", "messages": ASK, "tools": [WEATHER], "max_tokens": 200}
+    ask |= {"temperature": 0, "logprobs": True}
+    steer(tool_client, answer)
+    whole = sdk(tool_client).chat.completions.create(**ask).choices[0]
+    steer(tool_client, answer)
+    with sdk(tool_client).chat.completions.stream(**ask) as stream:
+        gathered = stream.get_final_completion().choices[0]
+    assert gathered.message.content == whole.message.content
+    assert whole.message.content == (None if answer.startswith("<") else answer.split("<")[0])
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+    assert [(c.function.name, c.function.arguments) for c in gathered.message.tool_calls or ()] == (
+        calls
+    )
+    assert gathered.finish_reason == whole.finish_reason
+    tokens = [
+        [lp.token for lp in (c.logprobs and c.logprobs.content) or ()] for c in (whole, gathered)
+    ]
+    assert tokens[0] == tokens[1] and (len(tokens[0]) > 0) == bool(answer)
+
+
+@pytest.mark.parametrize(
     ("choice", "names"),
     [
         ("required", {"get_weather", "get_time"}),
