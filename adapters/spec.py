@@ -57,6 +57,9 @@ ADAPTER_ID_SCHEMA: dict[str, Any] = {
     },
 }
 _SEPARATOR = re.compile(r"[+,]")
+# A weight as JSON writes a number (a leading '+' or '.' aside): ASCII digits only, where Python's
+# float() also reads "1_0" and other scripts' digits.
+_WEIGHT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -175,12 +178,10 @@ def _parse_item(text: str) -> AdapterRef:
     adapter_id, at, weight_text = item.partition("@")
     weight = 1.0
     if at:
-        try:
-            weight = float(weight_text)
-        except ValueError:
-            raise InvalidAdapterSpec(
-                f"adapter weight {weight_text!r} in {item!r} is not a number"
-            ) from None
+        if not _WEIGHT.fullmatch(weight_text.strip()):
+            shown = item if len(item) <= 40 else f"{item[:40]}..."
+            raise InvalidAdapterSpec(f"adapter weight in {shown!r} is not a number like 0.5")
+        weight = float(weight_text)
     return _ref(adapter_id.strip(), weight)
 
 

@@ -22,6 +22,7 @@ GOOD = [
     ("sft@0.5+dpo", (R("sft", 0.5), R("dpo"))),
     ("sft@-1", (R("sft", -1.0),)),
     ("sft@0", (R("sft", 0.0),)),
+    ("sft@.5+x@1e-1+y@ 3 ", (R("sft", 0.5), R("x", 0.1), R("y", 3.0))),
     ("v1.2_x-y", (R("v1.2_x-y"),)),
     ([{"id": "sft", "scale": 0.5}, {"id": "dpo"}], (R("sft", 0.5), R("dpo"))),
     (["sft@2", "dpo"], (R("sft", 2.0), R("dpo"))),
@@ -33,8 +34,12 @@ BAD = [
     ("sft+", "empty entry"),
     ("sft@", "not a number"),
     ("sft@half", "not a number"),
-    ("sft@nan", "finite"),
-    ("sft@inf", "finite"),
+    ("sft@nan", "not a number"),
+    ("sft@inf", "not a number"),
+    ("sft@1e309", "finite"),  # a number, past float's range
+    ("sft@1_0", "not a number"),  # Python's float() reads these two; JSON and vLLM's clients do not
+    ("sft@\u0660.\u0665", "not a number"),
+    ("sft@0x1", "not a number"),
     ("sft+none", "reserved"),
     ("s ft", "may only contain"),
     ("sft/../x", "may only contain"),
