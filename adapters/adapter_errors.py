@@ -48,9 +48,11 @@ class AdapterNotFound(AdapterError):
     code = "adapter_not_found"
     param = "adapter"
 
-    def __init__(self, adapter_id: str, mounted: Iterable[str]):
+    def __init__(self, adapter_id: str, mounted: Iterable[str], *, param: str = "adapter"):
         names = listed(sorted(visible(mounted)))
-        super().__init__(f"The adapter '{adapter_id}' is not mounted. Mounted adapters: {names}.")
+        super().__init__(
+            f"The adapter '{adapter_id}' is not mounted. Mounted adapters: {names}.", param=param
+        )
         self.adapter_id = adapter_id
 
 

@@ -51,6 +51,7 @@ from hotlora.adapters.spec import (
     adapter_id_problem,
     format_adapter_spec,
     parse_selection,
+    selecting_field,
 )
 from hotlora.config.log_text import printable
 from hotlora.models.cpu import give_back_freed_memory
@@ -152,10 +153,17 @@ class AdapterManager:
                         return lease
                     for adapter_id in missing:
                         if not first_use.loadable(adapter_id):
-                            raise AdapterNotFound(adapter_id, self._mounted)
+                            field = selecting_field(refs)
+                            raise AdapterNotFound(adapter_id, self._mounted, param=field)
                     first_use.wait(tuple(i for i in missing if i not in waiting), 1)
                     waiting = tuple(dict.fromkeys((*waiting, *missing)))
-                first_use.load_all(missing)
+                try:
+                    first_use.load_all(missing)
+                except (InvalidAdapter, AdapterConflict) as exc:
+                    if selecting_field(refs) == exc.param:
+                        raise
+                    # Named in `model`: the same error (shared by the load's waiters), its field.
+                    raise type(exc)(exc.message, param="model", code=exc.code) from None
         finally:
             if waiting:
                 with self._lock:
@@ -171,7 +179,7 @@ class AdapterManager:
                 if ref.id not in self._mounted:
                     if self._first_use.loadable(ref.id):
                         return None
-                    raise AdapterNotFound(ref.id, self._mounted)
+                    raise AdapterNotFound(ref.id, self._mounted, param=selecting_field(refs))
             return self._lease(model, named)
 
     def yield_to_loads(self, most: float = LOAD_PRECEDENCE_S) -> None:

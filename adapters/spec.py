@@ -118,7 +118,7 @@ def parse_selection(
     `"<base-id>:<spec>"`. Raises `ModelNotFound` for any other model (listing the base and
     `mounted`, in their order), and `InvalidRequest` when the model's spec is malformed
     (`param="model"`) or both fields select adapters (`param="adapter"`). Whether the ids
-    are mounted is the caller's to check.
+    are mounted is the caller's to check (`selecting_field` says which field named them).
 
     The request's key scope (`scope.current_scope`) is checked here, before anything is
     looked up or loaded: an id outside it is refused as one that is not mounted would be
@@ -134,7 +134,7 @@ def parse_selection(
             named = parse_adapter_spec(model[len(prefix) :])
         except InvalidAdapterSpec as exc:
             raise InvalidRequest(exc.message, param="model") from exc
-        named = _in_scope(base_id, model, named, mounted)
+        named = _in_scope(base_id, model, named, mounted, param="model")
     elif scope.may_use(model) and model in mounted:
         named = (AdapterRef(model),)
     else:
@@ -148,16 +148,27 @@ def parse_selection(
     return named
 
 
+def selecting_field(refs: tuple[AdapterRef, ...]) -> str:
+    """The request field that named the adapters `parse_selection` returned for these parsed
+    `adapter` field's `refs`: the `adapter` field where it named any, else `model`."""
+    return "adapter" if refs else "model"
+
+
 def _in_scope(
-    base_id: str, model: str, refs: tuple[AdapterRef, ...], mounted: Collection[str]
+    base_id: str,
+    model: str,
+    refs: tuple[AdapterRef, ...],
+    mounted: Collection[str],
+    param: str = "adapter",
 ) -> tuple[AdapterRef, ...]:
-    """`refs`, when the current scope may run them (the base alone, when they are none)."""
+    """`refs`, when the current scope may run them (the base alone, when they are none); `param`
+    is the field that named them."""
     scope = current_scope()
     if not refs and not scope.may_use_base:
         raise _model_not_found(base_id, model, mounted)
     for ref in refs:
         if not scope.may_use(ref.id):
-            raise AdapterNotFound(ref.id, mounted)
+            raise AdapterNotFound(ref.id, mounted, param=param)
     return refs
 
 

@@ -84,6 +84,9 @@ def test_a_failed_first_load_is_a_400_naming_the_problem(make_client, root: Path
     assert "'broken' could not be loaded" in error["message"]
     assert "adapter_config.json" in error["message"]
     assert resident(client) == [] and states(client)["broken"] == "on disk"
+    # Named in `model`, the same error names that field.
+    as_model = chat(client, model="tiny:broken").json()["error"]
+    assert as_model == {**error, "param": "model"}
 
 
 def test_tokenize_names_an_adapter_on_disk_without_mounting_it(make_client, root: Path):

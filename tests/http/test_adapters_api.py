@@ -243,6 +243,7 @@ REQUEST_REFUSALS = [
     ({"model": "zzz"}, 404, "model", "model_not_found"),
     ({"model": "b", "adapter": "b"}, 400, "adapter", None),
     ({"model": "tiny:b@x"}, 400, "model", None),
+    ({"model": "tiny:b+zzz"}, 404, "model", "adapter_not_found"),
 ]
 
 

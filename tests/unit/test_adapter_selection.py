@@ -61,7 +61,7 @@ REFUSED = [
     (f"{BASE_ID}:a", "b", InvalidRequest, "adapter", "already selects adapters"),
     (f"{BASE_ID}:a@x", None, InvalidRequest, "model", "not a number"),
     (BASE_ID, "zzz", AdapterNotFound, "adapter", "Mounted adapters: a, b."),
-    (f"{BASE_ID}:a+zzz", None, AdapterNotFound, "adapter", "'zzz'"),
+    (f"{BASE_ID}:a+zzz", None, AdapterNotFound, "model", "'zzz'"),  # the field that named it
 ]
 
 
@@ -94,6 +94,7 @@ RULE = [
     ("a", None, (R("a"),)),
     ("a", "none", (R("a"),)),
     (f"{BASE_ID}:b,a@2", None, (R("b"), R("a", 2.0))),
+    (f"{BASE_ID}:zzz", None, (R("zzz"),)),
     (f"{BASE_ID}:none", None, ()),
     (BASE_ID, "a++b", (InvalidAdapterSpec, "adapter")),
     ("zzz", None, (ModelNotFound, "model")),
@@ -130,7 +131,10 @@ def test_the_selection_rule(model, field, expected):
 @pytest.mark.parametrize(("model", "field", "expected"), RULE, ids=RULE_IDS)
 def test_the_manager_selects_by_the_rule(manager: AdapterManager, model, field, expected):
     if refused(expected) or any(ref.id not in MOUNTED for ref in expected):
-        error, param = expected if refused(expected) else (AdapterNotFound, "adapter")
+        if refused(expected):
+            error, param = expected
+        else:  # not mounted: the field that named it
+            error, param = AdapterNotFound, "adapter" if parse_adapter_spec(field) else "model"
         with pytest.raises(error) as caught:
             manager.select(model, parse_adapter_spec(field))
         assert type(caught.value) is error and caught.value.param == param
