@@ -50,8 +50,11 @@ class AdapterNotFound(AdapterError):
 
     def __init__(self, adapter_id: str, mounted: Iterable[str], *, param: str = "adapter"):
         names = listed(sorted(visible(mounted)))
+        # An id from a URL has passed no length check: one past the ids' 64 characters is cut,
+        # as a body's are.
+        shown = adapter_id if len(adapter_id) <= 64 else f"{adapter_id[:16]}..."
         super().__init__(
-            f"The adapter '{adapter_id}' is not mounted. Mounted adapters: {names}.", param=param
+            f"The adapter '{shown}' is not mounted. Mounted adapters: {names}.", param=param
         )
         self.adapter_id = adapter_id
 

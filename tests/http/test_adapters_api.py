@@ -68,6 +68,9 @@ def test_mount_list_get_and_unmount(api: TestClient, root: Path):
     assert api.get("/v1/adapters").json()["data"] == []
     gone = api.get("/v1/adapters/a")
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "adapter_not_found"
+    long = api.get(f"/v1/adapters/{'z' * 60_000}").json()["error"]
+    assert long["code"] == "adapter_not_found" and "'zzzzzzzzzzzzzzzz...'" in long["message"]
+    assert len(long["message"]) < 200
 
 
 def test_adapter_selection_changes_output_and_the_base_stays(api: TestClient):
