@@ -49,7 +49,7 @@ from hotlora.server.engine.generate import PromptLogprobs
 from hotlora.server.engine.grammar import Grammar, UnsupportedSchema
 from hotlora.server.http.request_errors import ContextOverflow
 from hotlora.server.http.request_ids import client_request_id, current_request_id
-from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
+from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant, current_tenant
 from hotlora.server.render.chat_prompt import ChatTemplate
 from hotlora.server.render.chat_templates import NO_CHAT_TEMPLATE
 from hotlora.server.render.echo import EchoedPrompt, echoed_prompts
@@ -504,6 +504,9 @@ class InferenceService:
         lease = self.adapters.try_select(model, refs)
         if lease is not None:
             return lease
+        # A request the queue would refuse is refused before its adapter is mounted, which may
+        # evict another: refused, it changes nothing.
+        self.worker.check_room(current_tenant().name)
         loop = asyncio.get_running_loop()
         # In the request's context: the key's adapter scope (`adapters.scope`) holds there too.
         run = contextvars.copy_context().run

@@ -278,18 +278,28 @@ class GenerationWorker:
         The wait list is bounded per tenant: one tenant's flood fills its own, not another's.
         """
         with self._lock:
-            if self._stopping:
-                raise WorkerStopped("The server is shutting down; retry on another replica.")
-            waiting = self._waiting_by_tenant.get(share.tenant, 0)
-            if waiting >= self.max_queue:
-                raise QueueFull(
-                    f"The server is busy: {waiting} requests are already waiting. Retry shortly."
-                )
+            self._check_room(share.tenant)
             ticket = Ticket(self, jobs, self.max_unsent, share)
             self._count_waiting(ticket, 1)
             self._inbox.append(ticket)
             self._lock.notify()
         return ticket
+
+    def check_room(self, tenant: str) -> None:
+        """Raise what `submit` would raise for `tenant` now (`QueueFull`, `WorkerStopped`): for
+        a request to be refused before work that changes what is served, such as mounting its
+        adapter, rather than after it."""
+        with self._lock:
+            self._check_room(tenant)
+
+    def _check_room(self, tenant: str) -> None:
+        if self._stopping:
+            raise WorkerStopped("The server is shutting down; retry on another replica.")
+        waiting = self._waiting_by_tenant.get(tenant, 0)
+        if waiting >= self.max_queue:
+            raise QueueFull(
+                f"The server is busy: {waiting} requests are already waiting. Retry shortly."
+            )
 
     async def call(self, work: Callable[[], T]) -> T:
         """Run `work` on the generation thread between two steps (MLX work the event loop must

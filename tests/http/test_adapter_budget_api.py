@@ -3,6 +3,8 @@ what the root holds, and the metrics of loads and evictions."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,29 @@ def test_adapters_kept_in_float16_hold_half_the_memory_where_packed_kernels_serv
     unpacked = make_client(adapter_root=root, adapter_dtype="float16", cpu_weights="float32")
     assert mounted_bytes(unpacked, "a") == single
     assert "--adapter-dtype float16 applies to packed 4-bit weights" in caplog.text
+
+
+def test_a_request_the_queue_refuses_mounts_nothing(make_client, root: Path):
+    client = make_client(adapter_root=root, max_mounted_adapters=2, max_batch=1, queue_size=1)
+    for adapter_id in IDS:
+        assert client.post("/v1/adapters", json={"id": adapter_id, "path": adapter_id}).is_success
+    assert resident(client) == ["b", "c"]  # a evicted, mounted again on its next use
+    worker = client.app.state.runtime.worker
+    release = threading.Event()
+    held = client.portal.start_task_soon(worker.call, release.wait)  # the generation thread
+    waiting = threading.Thread(target=chat, args=(client,), kwargs={"adapter": "b"})
+    waiting.start()
+    try:
+        deadline = time.monotonic() + 30
+        while worker.waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.waiting == 1  # the queue is full
+        refused = chat(client, adapter="a")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+        assert resident(client) == ["b", "c"]  # a not mounted again, nothing evicted
+    finally:
+        release.set()
+        held.result(timeout=30)
+        waiting.join(timeout=30)
+    assert chat(client, adapter="a").status_code == 200
+    assert resident(client) == ["b", "a"]  # c, the least recently used, evicted
