@@ -80,7 +80,8 @@ BODIES = [
     ({**CHAT, "logit_bias": {"-" + "0" * 5000: 1}}, "logit_bias", "token ids"),
     # Adapter weights: finite and bounded, however they are spelled.
     ({**CHAT, "adapter": "x@1e308"}, "adapter", "between -10 and 10"),
-    ({**CHAT, "adapter": "x@nan"}, "adapter", "between -10 and 10"),
+    ({**CHAT, "adapter": "x@1e400"}, "adapter", "between -10 and 10"),
+    ({**CHAT, "adapter": "x@nan"}, "adapter", "not a number like 0.5"),
     ({**CHAT, "adapter": [{"id": "x", "scale": 10**400}]}, "adapter", "between -10 and 10"),
     ({**CHAT, "adapter": [{"id": "x", "scale": -11}]}, "adapter", "between -10 and 10"),
     # A penalty that would scale the logits out of range.
