@@ -43,7 +43,7 @@ from hotlora.adapters.adapter_set import (
 from hotlora.adapters.first_use import LOAD_PRECEDENCE_S, FirstUseMounts
 from hotlora.adapters.leases import AdapterLease, Holders
 from hotlora.adapters.projections import target_dims, with_base_layout
-from hotlora.adapters.residency import Budget, Residency
+from hotlora.adapters.residency import Budget, Evicted, Residency
 from hotlora.adapters.root_listing import RootEntry, list_root
 from hotlora.adapters.slots import install_slots, probe_input_dtypes
 from hotlora.adapters.spec import (
@@ -278,6 +278,15 @@ class AdapterManager:
                         f"adapter '{adapter_id}' is already mounted from {current.adapter.path} "
                         f"(revision {current.short_revision}); unmount it or mount with replace"
                     )
+                elif (gone := self._rebinds_evicted(adapter_id, loaded.revision)) and not (
+                    replace or on_demand
+                ):
+                    # Evicted, the id still names its files (the next request mounts them).
+                    raise AdapterConflict(
+                        f"adapter '{adapter_id}' is mounted from {gone.path} (revision "
+                        f"{gone.revision[:12]}), evicted until its next use; unmount it or mount "
+                        "with replace"
+                    )
                 else:
                     try:
                         self._residency.check(adapter_id, loaded.ram_bytes, pin=pin)
@@ -313,6 +322,11 @@ class AdapterManager:
         )
         # An admin adopting what a request mounted mounts again the revision already there.
         return info, not adopt
+
+    def _rebinds_evicted(self, adapter_id: str, revision: str) -> Evicted | None:
+        """The evicted adapter of this id, where its files are not those of `revision`."""
+        gone = self._residency.evicted.get(adapter_id)
+        return gone if gone is not None and gone.revision != revision else None
 
     def _mount_on_first_use(self, adapter_id: str) -> None:
         """Mount `adapter_id` for the requests that name it, unless it is mounted by now: from

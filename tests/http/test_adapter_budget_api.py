@@ -199,3 +199,19 @@ def test_a_request_the_queue_refuses_mounts_nothing(make_client, root: Path):
         waiting.join(timeout=30)
     assert chat(client, adapter="a").status_code == 200
     assert resident(client) == ["b", "a"]  # c, the least recently used, evicted
+
+
+def test_an_evicted_id_is_bound_to_its_files_until_unmounted_or_replaced(make_client, root: Path):
+    client = make_client(adapter_root=root, max_mounted_adapters=2)
+    for adapter_id in IDS:
+        assert client.post("/v1/adapters", json={"id": adapter_id, "path": adapter_id}).is_success
+    assert resident(client) == ["b", "c"] and states(client)["a"] == "evicted"
+    other = client.post("/v1/adapters", json={"id": "a", "path": "b"})
+    assert other.status_code == 409 and other.json()["error"]["code"] == "adapter_conflict"
+    assert "evicted" in other.json()["error"]["message"]
+    assert resident(client) == ["b", "c"] and states(client)["a"] == "evicted"
+    swapped = client.post("/v1/adapters", json={"id": "a", "path": "b", "replace": True})
+    assert swapped.status_code in (200, 201), swapped.text
+    assert (
+        chat(client, adapter="a").json()["choices"] == chat(client, adapter="b").json()["choices"]
+    )
