@@ -45,7 +45,7 @@ from hotlora.server.engine import (
     Share,
     Ticket,
 )
-from hotlora.server.engine.generate import PromptLogprobs
+from hotlora.server.engine.generate import PromptLogprobs, cache_scope
 from hotlora.server.engine.grammar import Grammar, UnsupportedSchema
 from hotlora.server.http.request_errors import ContextOverflow
 from hotlora.server.http.request_ids import client_request_id, current_request_id
@@ -80,9 +80,12 @@ class Prepared:
     echo: list[EchoedPrompt] | None = None  # each prompt as its choices echo it (`echo`)
     shows_prompt_logprobs: bool = True  # vLLM's `prompt_logprobs` asked for, not only echo's
     echo_chat: str = ""  # chat `echo`: the last (assistant) message, before the answer
+    cache_salt: str | None = None  # vLLM's `cache_salt`: only its like share cached prompts
 
-    def jobs(self) -> list[GenerationJob]:
-        """One job per choice, in choice-index order: each prompt's n choices in turn."""
+    def jobs(self, tenant: Tenant = DEFAULT_TENANT) -> list[GenerationJob]:
+        """One job per choice, in choice-index order: each prompt's n choices in turn; their
+        cached prompts are `tenant`'s own (shared by all where no keys name tenants)."""
+        scope = cache_scope(None if tenant is DEFAULT_TENANT else tenant.name, self.cache_salt)
         jobs: list[GenerationJob] = []
         for prompt in self.prompts:
             for _ in range(self.n):
@@ -90,8 +93,9 @@ class Prepared:
                 if params.seed is not None:
                     # Seeded choices are reproducible but not identical to each other.
                     params = replace(params, seed=params.seed + len(jobs))
+                adapters = self.lease.adapters
                 jobs.append(
-                    GenerationJob(prompt, params, self.lease.adapters, grammar=self.grammar)
+                    GenerationJob(prompt, params, adapters, grammar=self.grammar, cache_scope=scope)
                 )
         return jobs
 
@@ -496,7 +500,15 @@ class InferenceService:
         # As vLLM: the client's x-request-id header names the answer, else its request_id;
         # else the id the access log names the request by, so an answer's id finds its line.
         named = client_request_id() or request.request_id or current_request_id()
-        return Prepared(lease, prompts, params, request.n, grammar=grammar, request_id=named)
+        return Prepared(
+            lease,
+            prompts,
+            params,
+            request.n,
+            grammar=grammar,
+            request_id=named,
+            cache_salt=request.cache_salt,
+        )
 
     async def lease(self, model: str, refs: tuple[AdapterRef, ...]) -> AdapterLease:
         """The request's adapters, leased; an adapter to mount first (on first use, or evicted)
@@ -524,7 +536,7 @@ class InferenceService:
         batch; refused, it holds nothing."""
         try:
             share = Share(tenant.name, tenant.weight)
-            ticket = self.worker.submit(prepared.jobs(), share)
+            ticket = self.worker.submit(prepared.jobs(tenant), share)
         except BaseException:
             prepared.lease.release()
             raise

@@ -342,6 +342,15 @@ class SamplingFields(GuidedFields, RequestBody, RequestMetadata):
         pattern=r"^[\x21-\x7e]{1,128}$",
         description="vLLM: the answer's id is chatcmpl-<request_id> (cmpl-<request_id>).",
     )
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description=(
+            "vLLM: the prompt cache is salted with it; a request reads only prompts cached by "
+            "requests of the same salt (and the same tenant)."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -82,7 +82,6 @@ REFUSED: dict[str, Refused] = {
     "priority": Refused("requests are served first come, first served", (None, 0)),
     "return_tokens_as_token_ids": Refused("not implemented", _OFF),
     "return_token_ids": Refused("not implemented", _OFF),
-    "cache_salt": Refused("the prompt cache is not salted per request"),
     "kv_transfer_params": Refused("disaggregated serving is not implemented", _EMPTY),
     "vllm_xargs": Refused("there are no extensions to pass arguments to", _EMPTY),
     "repetition_detection": Refused("not implemented", _EMPTY),
@@ -239,6 +238,7 @@ HONOURED: dict[str, str] = {
     "reasoning_effort": "passed to a chat template that reads it; a 400 for one that does not",
     "include_reasoning": "false: a thinking model's reasoning is left out of the answer",
     "request_id": "vLLM's: the answer's id is chatcmpl-<request_id> (cmpl- on completions)",
+    "cache_salt": "vLLM's: only requests of the same salt (and tenant) share cached prompts",
 }
 
 # The values at which an honoured field asks for nothing. Sent to an endpoint that does not take

@@ -48,6 +48,8 @@ class GenerationJob:
     # Set while its reader takes none of its tokens: its row waits out of the batch.
     paused: threading.Event = field(default_factory=threading.Event)
     grammar: Grammar | None = None  # what the answer must follow (`response_format`); None: free
+    # Who may share its cached prompt: its tenant's and its request's salt (`cache_scope`).
+    cache_scope: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,18 @@ class Finished:
 Event = Delta | Finished
 
 
-def prompt_cache_key(base_id: str, adapters: AdapterSet) -> tuple[str, ...]:
-    """The namespace of a cached prompt: the base model, then the ordered adapter revisions."""
-    return (base_id, *adapters.key)
+def prompt_cache_key(base_id: str, job: GenerationJob) -> tuple[str, ...]:
+    """The namespace of a cached prompt: the base model, the ordered adapter revisions, then the
+    job's cache scope (no revision reads as one of its `tenant:` or `salt:` parts)."""
+    return (base_id, *job.adapters.key, *job.cache_scope)
+
+
+def cache_scope(tenant: str | None, salt: str | None) -> tuple[str, ...]:
+    """A job's cache scope: its tenant's (None: a server without keys, one tenant) and its
+    request's `cache_salt`. Jobs of other scopes never read each other's cached prompts, so
+    neither a tenant nor a request of another salt learns what they held from `cached_tokens`
+    or a first token's time."""
+    return (*((f"tenant:{tenant}",) if tenant else ()), *((f"salt:{salt}",) if salt else ()))
 
 
 def cached_length(cache: LRUPromptCache, key: tuple[str, ...], prompt: list[int]) -> int:

@@ -73,13 +73,15 @@ class PromptHeads:
         self.max_bytes = max_bytes
         self.nbytes = 0  # the buffers the kept heads read
         self._heads: OrderedDict[tuple[tuple[str, ...], tuple[int, ...]], Head] = OrderedDict()
-        self._recent: deque[tuple[int, ...]] = deque(maxlen=RECENT)
+        # Recent prompts' openings, each with its job's cache scope.
+        self._recent: deque[tuple[tuple[str, ...], tuple[int, ...]]] = deque(maxlen=RECENT)
 
     def __len__(self) -> int:
         return len(self._heads)
 
-    def opening(self, prompt: Sequence[int]) -> int:
-        """The length of the opening `prompt` shares with at least two recent prompts that
+    def opening(self, prompt: Sequence[int], scope: tuple[str, ...] = ()) -> int:
+        """The length of the opening `prompt` shares with at least two recent prompts of its
+        cache `scope` (another tenant's say nothing of what this one's have in common) that
         would have saved them the most: of the lengths it shares with each (`MIN_HEAD` tokens
         or more, all but its last token at most), the one times how many recent prompts share
         that much (the shorter on a tie; 0: none, or no heads are kept). Then remembers
@@ -93,11 +95,9 @@ class PromptHeads:
         if self.max_size == 0:
             return 0  # no heads kept: nothing to compare or remember
         tokens = tuple(prompt[:MAX_HEAD])
-        shared = sorted(
-            (n for n in (shared_prefix(tokens, seen) for seen in self._recent) if n >= MIN_HEAD),
-            reverse=True,
-        )
-        self._recent.append(tokens)
+        alike = (shared_prefix(tokens, seen) for of, seen in self._recent if of == scope)
+        shared = sorted((n for n in alike if n >= MIN_HEAD), reverse=True)
+        self._recent.append((scope, tokens))
         best, saved = 0, 0
         for at_least, length in enumerate(shared, start=1):  # `at_least` prompts share `length`
             length = min(length, len(prompt) - 1)

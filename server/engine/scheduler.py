@@ -329,7 +329,7 @@ class Scheduler:
         if group.estimate is None:
             cached = 0
             if scoring_key(self.engine.base_id, group) is None:
-                key = prompt_cache_key(self.engine.base_id, group.adapters)
+                key = prompt_cache_key(self.engine.base_id, group.rows[0].job)
                 cached = cached_length(self.engine.prompt_cache, key, group.prompt)
             cached = min(cached, len(group.prompt) - 1)
             group.estimate = (max(0, len(group.prompt) - 1 - cached), cached)
@@ -376,10 +376,10 @@ class Scheduler:
         """
         group.started = True
         prompt = group.prompt
-        key = prompt_cache_key(self.engine.base_id, group.adapters)
+        key = prompt_cache_key(self.engine.base_id, group.rows[0].job)
         cache, rest = self.engine.prompt_cache.fetch_nearest_cache(key, prompt)
         heads = self.engine.prompt_heads
-        opening = heads.opening(prompt)
+        opening = heads.opening(prompt, group.rows[0].job.cache_scope)
         head = heads.fetch(key, prompt) if len(heads) else None
         if head is not None and head[1] > len(prompt) - len(rest):
             cache, rest = head[0], prompt[head[1] :]
@@ -547,7 +547,7 @@ class Scheduler:
                 # A step launched ahead took the token that ended it, which it does not keep
                 trim_prompt_cache(cache, offset - len(row.tokens))
                 offset = len(row.tokens)
-            key = prompt_cache_key(self.engine.base_id, row.adapters)
+            key = prompt_cache_key(self.engine.base_id, row.job)
             if row.head:
                 self.engine.prompt_heads.keep(key, row.tokens[: row.head], cache)
             if keep_all and 0 < offset <= len(row.tokens):

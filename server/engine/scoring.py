@@ -39,7 +39,7 @@ ScoringKey = tuple[tuple[str, ...], int]
 def job_scoring_key(base_id: str, job: GenerationJob) -> ScoringKey | None:
     """What a job's prompt scores are kept under; None when it asks for none."""
     k = job.params.prompt_logprobs
-    return None if k is None else (prompt_cache_key(base_id, job.adapters), k)
+    return None if k is None else (prompt_cache_key(base_id, job), k)
 
 
 def scoring_key(base_id: str, group: Group) -> ScoringKey | None:

@@ -470,6 +470,26 @@ def test_usage_per_tenant(tenants: TestClient):
     assert 'hotlora_tenant_errors_total{code="model_not_found",tenant="globex"}' in metrics
 
 
+def test_a_tenant_reads_only_its_own_cached_prompts(tenants: TestClient):
+    """Another tenant's cached prompt would tell, through `cached_tokens` or the first token's
+    time, what that tenant asked; vLLM's `cache_salt` parts a tenant's requests likewise."""
+    body = {"model": "tiny", "prompt": "the dog sat by the door and the cat sat", "max_tokens": 1}
+
+    def cached(who: str, **fields: Any) -> int:
+        answer = tenants.post("/v1/completions", json={**body, **fields}, headers=auth(who))
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("ops") == 0
+    again = cached("ops")
+    assert again > 0
+    assert cached("acme") < again  # ops's prompt is ops's (acme's own may open alike)
+    assert cached("acme-admin") == again  # a tenant's keys share its own
+    assert cached("acme", cache_salt="s1") == 0
+    assert cached("acme", cache_salt="s1") == again
+    assert cached("acme", cache_salt="s2") == 0
+
+
 @pytest.mark.parametrize("who", [None, "acme", "globex", "acme-admin"])
 def test_metrics_need_an_admin_key_while_keys_scope_tenants(tenants: TestClient, who: str | None):
     """Its series name every tenant and adapter: a user key, a tenant-admin's or none reads

@@ -49,8 +49,9 @@ def test_a_finished_rows_cache_is_kept_in_one_buffer(tiny_model_dir: Path):
     engine = Engine(load_model_dir(tiny_model_dir), base_id="tiny", prompt_cache_size=4)
     prompt = [40, 41, 42, 43, 44, 45]
     sampling = SamplingParams(max_tokens=4, temperature=0.0)
-    first = run(Scheduler(engine, max_batch=1), [[GenerationJob(prompt, sampling)]])[0]
-    kept, _ = engine.prompt_cache.fetch_nearest_cache(prompt_cache_key("tiny", BASE_ONLY), prompt)
+    job = GenerationJob(prompt, sampling, BASE_ONLY)
+    first = run(Scheduler(engine, max_batch=1), [[job]])[0]
+    kept, _ = engine.prompt_cache.fetch_nearest_cache(prompt_cache_key("tiny", job), prompt)
     assert kept is not None
     assert side_by_side([c.keys for c in kept] + [c.values for c in kept])
     again = run(Scheduler(engine, max_batch=1), [[GenerationJob(prompt, sampling)]])[0]

@@ -138,6 +138,12 @@ def test_the_opening_is_what_would_have_saved_recent_prompts_the_most():
     assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95, 94]) == 0  # 9, with one prompt
     assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95, 93]) == 9  # 9, with two
     assert heads.opening(OPENING[:4] + [99, 98, 97, 96, 95]) == 8  # all but the last token
+    # Only prompts of the same cache scope count: another tenant's say nothing of this one's.
+    scoped = PromptHeads(max_size=4, max_bytes=1 << 20)
+    acme, globex = ("tenant:acme",), ("tenant:globex",)
+    assert [scoped.opening(prompt(1, n), acme) for n in (2, 3)] == [0, 0]
+    assert scoped.opening(prompt(1, 4), globex) == 0
+    assert scoped.opening(prompt(1, 5), acme) == len(OPENING) + 1
     assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert shared_prefix([], [1]) == 0
     assert shared_prefix((1, 2), (1, 2)) == 2
