@@ -161,10 +161,11 @@ def _in_scope(
     mounted: Collection[str],
     param: str = "adapter",
 ) -> tuple[AdapterRef, ...]:
-    """`refs`, when the current scope may run them (the base alone, when they are none); `param`
-    is the field that named them."""
+    """`refs`, when the current scope may run them (the base alone, when they are none or all at
+    weight 0); `param` is the field that named them."""
     scope = current_scope()
-    if not refs and not scope.may_use_base:
+    # Adapters all at weight 0 add nothing: the base alone, whatever they are.
+    if not scope.may_use_base and all(ref.weight == 0 for ref in refs):
         raise _model_not_found(base_id, model, mounted)
     for ref in refs:
         if not scope.may_use(ref.id):

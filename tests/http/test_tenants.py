@@ -127,6 +127,8 @@ SELECTIONS = {
     "model=globex-a": ("globex-a", None),
     "model=tiny:globex-a": ("tiny:globex-a", None),
     "acme-a+globex-a": ("tiny", "acme-a+globex-a"),
+    "globex-a@0": ("tiny", "globex-a@0"),  # the base alone
+    "model=tiny:globex-a@0": ("tiny:globex-a@0", None),
 }
 OK, NO_ADAPTER, NO_MODEL = 200, (404, "adapter_not_found"), (404, "model_not_found")
 EXPECTED = {
@@ -138,6 +140,8 @@ EXPECTED = {
         "model=globex-a": NO_MODEL,
         "model=tiny:globex-a": NO_ADAPTER,
         "acme-a+globex-a": NO_ADAPTER,
+        "globex-a@0": NO_ADAPTER,
+        "model=tiny:globex-a@0": NO_ADAPTER,
     },
     "globex": {
         "base": NO_MODEL,  # base = false
@@ -147,6 +151,8 @@ EXPECTED = {
         "model=globex-a": OK,
         "model=tiny:globex-a": OK,
         "acme-a+globex-a": NO_ADAPTER,
+        "globex-a@0": NO_MODEL,  # base = false, and an adapter at weight 0 adds nothing
+        "model=tiny:globex-a@0": NO_MODEL,
     },
     "ops": dict.fromkeys(SELECTIONS, OK),
 }
