@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -14,6 +15,7 @@ from fastapi.testclient import TestClient
 from hotlora.server.engine import NonFiniteLogits
 from hotlora.server.http.error_responses import install_error_handlers
 
+from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 from tests.support.server_process import LOCALHOST
 from tests.support.sse import sse_events
 from tests.support.tiny import ENDOFTEXT_ID, IM_START_ID
@@ -392,3 +394,24 @@ def test_a_token_limit_past_the_server_s_names_the_field_sent(client, field):
     error = response.json()["error"]
     assert error["param"] == field
     assert error["message"].startswith(f"{field} is 100000; this server allows at most")
+
+
+def test_an_adapter_that_overflows_fails_its_request_on_the_integer_products(
+    make_client, tmp_path: Path
+):
+    """Trained into overflow, an adapter makes infinite activations; quantized for the integer
+    products (the packed path's default) they must not become finite codes and a quiet answer,
+    but the non-finite logits they are in float."""
+    root = tmp_path / "adapters"
+    mlp = ("gate_proj", "up_proj", "down_proj")  # gate * up overflows float32
+    pairs = random_pairs(tiny_model(quantize=True), seed=3, keys=mlp)
+    write_mlx_adapter(
+        root / "boom", {p: (a * 3e4, b * 3e4) for p, (a, b) in pairs.items()}, scale=1e4
+    )
+    client = make_client(adapter_root=root, cpu_precision="fast")
+    assert client.post("/v1/adapters", json={"id": "boom", "path": "boom"}).status_code == 201
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+    failed = client.post("/v1/completions", json={**body, "adapter": "boom"})
+    assert failed.status_code == 500, failed.text
+    assert failed.json()["error"]["code"] == NonFiniteLogits.code
+    assert client.post("/v1/completions", json=body).status_code == 200

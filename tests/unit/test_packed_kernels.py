@@ -203,6 +203,29 @@ def test_interleaved_rows_give_the_integer_product_of_mlxs_packing(
     assert mx.array_equal(prompt.reshape(200, 72), whole).item()
 
 
+@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize("int8", [1, 3])
+def test_an_infinite_or_nan_activation_leaves_its_rows_products_not_finite(
+    isa: str, width: str, int8: int
+):
+    """As the float products: quantized, an overflow would become finite codes (a block's
+    scale infinite, its codes 0), and a row's logits would hide it from the non-finite check.
+    The integer products give NaN there."""
+    bits, _, layout = WIDTHS[width]
+    plain, rows8 = interleaved(72, 384, 64, mx.float16, seed=5, width=width)
+    x = mx.random.normal((4, 384), key=mx.random.key(6))
+    poisoned = mx.array(x)
+    poisoned[1, 100] = float("inf")
+    poisoned[2, 383] = float("nan")
+    kinds = [(rows8, layout, int8), (plain, bits, int8), (plain, bits, 0)]  # 0: float32's
+    for weights, w_bits, parts in kinds:
+        clean = native.quant_matmul(x, *weights, 64, w_bits, parts)
+        got = native.quant_matmul(poisoned, *weights, 64, w_bits, parts)
+        broken = mx.logical_not(mx.isfinite(got)).all(axis=-1).tolist()
+        assert broken == [False, True, True, False], parts
+        assert mx.array_equal(got[::3], clean[::3]).item()  # the other rows' bits unchanged
+
+
 @pytest.mark.parametrize("chunk_bytes", [8 << 20, 512])
 @pytest.mark.parametrize("width", list(WIDTHS))
 def test_interleaved_rows_undo_as_mlxs_packing(width: str, chunk_bytes: int, monkeypatch):

@@ -52,18 +52,26 @@ inline void quantize_row(const float* x, int K, int group, bool halves, const Qu
   for (int b = 0; b < K / 32; b++) {
     const float* xb = x + static_cast<size_t>(b) * 32;
     float largest = 0.0f;  // std::max: fmax's value here (a NaN left out), without a libm call
-    for (int i = 0; i < 32; i++) largest = std::max(largest, std::fabs(xb[i]));
+    float probe = 0.0f;    // NaN where a value is infinite or NaN (x * 0), else 0
+    for (int i = 0; i < 32; i++) {
+      largest = std::max(largest, std::fabs(xb[i]));
+      probe += xb[i] * 0.0f;
+    }
     // A scale under float32's smallest normal (a block of zeros, or of values near 1e-37) takes
-    // every value to code 0: its inverse would overflow.
-    const float scale = largest / 127.0f;
-    const float inverse = scale >= std::numeric_limits<float>::min() ? 1.0f / scale : 0.0f;
+    // every value to code 0: its inverse would overflow. A block holding an infinite or NaN
+    // value gets the scale NaN and codes 0: the products it enters are NaN, as the float
+    // products would be, not finite values that hide the overflow (a row's logits then tell it).
+    const bool finite = probe == 0.0f;
+    const float scale = finite ? largest / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float inverse =
+        finite && scale >= std::numeric_limits<float>::min() ? 1.0f / scale : 0.0f;
     d[b] = scale;
     int8_t* qb = q + static_cast<size_t>(b) * 32 * parts;
     int32_t* sums = block_sums + static_cast<size_t>(b) * parts;
     std::fill_n(sums, parts, 0);
     for (int i = 0; i < 32; i++) {
       const int at = halves ? (i % 2) * 16 + i / 2 : i;  // evens, then odds
-      float v = xb[i] * inverse;
+      float v = finite ? xb[i] * inverse : 0.0f;
       for (int p = 0; p < parts; p++) {
         const float code = round_to_int(v);
         qb[p * 32 + at] = static_cast<int8_t>(code);
