@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 
 from hotlora.adapters import MountStore
+from hotlora.config.log_text import printable
 from hotlora.config.settings import Settings
 from hotlora.config.sources import log_setting_notes
 from hotlora.server.http.cors import install_cors
 from hotlora.server.http.error_responses import install_error_handlers
-from hotlora.server.http.hosts import TrustedHosts, allowed_hosts
+from hotlora.server.http.hosts import TrustedHosts, allowed_hosts, is_loopback
 from hotlora.server.http.lifecycle import InFlight
 from hotlora.server.http.limits import BodyLimit
 from hotlora.server.http.openapi import install_openapi
@@ -51,6 +52,14 @@ def create_app(
     logging.getLogger("hotlora").setLevel(settings.log_level.upper().replace("TRACE", "DEBUG"))
     runtime = Runtime(settings, on_fatal=on_fatal, mount_store=mount_store)
     tenancy = Tenancy.from_settings(settings, runtime.metrics)  # a bad keys file stops here
+    if not is_loopback(settings.host) and not (
+        settings.api_key or settings.admin_api_key or settings.keys
+    ):
+        logging.getLogger("hotlora").warning(
+            "listening on %s with no key (--api-key, --admin-api-key or --keys): whoever reaches "
+            "it may run every route, mounting and unmounting adapters included",
+            printable(settings.host),
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -3,6 +3,7 @@ allowed, so that a page whose name is pointed at 127.0.0.1 cannot reach it (DNS 
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import pytest
@@ -79,3 +80,19 @@ def test_a_name_with_a_port_or_a_scheme_is_refused_at_start(hosts):
     as `*:8080`, every name)."""
     with pytest.raises(ValidationError, match="not a host name or pattern"):
         Settings(allowed_hosts=hosts)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        ({"host": "0.0.0.0"}, True),
+        ({"host": "0.0.0.0", "api_key": "hl-secret"}, False),
+        ({}, False),  # loopback: a key is the operator's choice
+    ],
+)
+def test_a_server_open_to_the_network_with_no_key_says_so(make_client, caplog, overrides, warned):
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        make_client(**overrides)
+    said = [r.getMessage() for r in caplog.records if "with no key" in r.getMessage()]
+    assert len(said) == warned
+    assert all("0.0.0.0" in line and "--keys" in line for line in said)
