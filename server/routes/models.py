@@ -65,9 +65,11 @@ def _selection_card(model_id: str, cards: list[ModelCard]) -> ModelCard | None:
 
 
 def _visible(request: Request, runtime: Runtime) -> list[ModelCard]:
+    """The cards a key may use; a key not an admin's sees no `root`, where the server keeps the
+    model and adapter files."""
     tenant = request_tenant(request)
     return [
-        card
+        card if tenant.is_admin else card.model_copy(update={"root": None})
         for card in runtime.model_cards()
         if (tenant.may_use(card.id) if card.parent is not None else tenant.may_use_base)
     ]

@@ -239,8 +239,11 @@ def test_outside_the_scope_reads_as_not_mounted(tenants: TestClient):
     ],
 )
 def test_models_lists_what_the_key_may_use(tenants: TestClient, who: str, listed: list[str]):
-    ids = [card["id"] for card in tenants.get("/v1/models", headers=auth(who)).json()["data"]]
+    cards = tenants.get("/v1/models", headers=auth(who)).json()["data"]
+    ids = [card["id"] for card in cards]
     assert [i for i in ids if i in {"tiny", "acme-a", "globex-a"}] == listed
+    # Where the server keeps its files is an admin's to know.
+    assert all((card["root"] is not None) == (who == "ops") for card in cards)
     for model in ("tiny", "acme-a", "globex-a"):
         one = tenants.get(f"/v1/models/{model}", headers=auth(who))
         assert one.status_code == (200 if model in listed else 404), (model, one.text)
