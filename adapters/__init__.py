@@ -43,7 +43,7 @@ from hotlora.adapters.mount_journal import (
     report_unmountable,
     write_mounted_set,
 )
-from hotlora.adapters.residency import Budget
+from hotlora.adapters.residency import Budget, PinQuota
 from hotlora.adapters.root_listing import RootEntry
 from hotlora.adapters.scope import (
     EVERYTHING,
@@ -87,6 +87,7 @@ __all__ = [
     "MountRecord",
     "MountStore",
     "MountedSet",
+    "PinQuota",
     "RootEntry",
     "RowAdapterCache",
     "RowAdapters",

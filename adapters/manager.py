@@ -43,7 +43,7 @@ from hotlora.adapters.adapter_set import (
 from hotlora.adapters.first_use import LOAD_PRECEDENCE_S, FirstUseMounts
 from hotlora.adapters.leases import AdapterLease, Holders
 from hotlora.adapters.projections import target_dims, with_base_layout
-from hotlora.adapters.residency import Budget, Evicted, Residency
+from hotlora.adapters.residency import Budget, Evicted, PinQuota, Residency
 from hotlora.adapters.root_listing import RootEntry, list_root
 from hotlora.adapters.slots import install_slots, probe_input_dtypes
 from hotlora.adapters.spec import (
@@ -218,14 +218,23 @@ class AdapterManager:
         *,
         pin: bool = False,
         within: Path | None = None,
+        pin_quota: PinQuota | None = None,
     ) -> tuple[AdapterInfo, bool]:
         """`mount`, and whether this call mounted the files (False: the same revision was
         mounted already, by an earlier call or one running beside it; pinning it is no new
         mount). Told under the manager's lock, so of concurrent mounts of the same files
         exactly one says True. `within`: a folder under the root every file read must resolve
-        under (a tenant's own), links included."""
+        under (a tenant's own), links included. `pin_quota`: the most pinned ids under a prefix
+        (a tenant's own) a pin may make."""
         return self._mount(
-            adapter_id, path, replace, revision=None, record=True, pin=pin, within=within
+            adapter_id,
+            path,
+            replace,
+            revision=None,
+            record=True,
+            pin=pin,
+            within=within,
+            pin_quota=pin_quota,
         )
 
     def _mount(
@@ -239,6 +248,7 @@ class AdapterManager:
         pin: bool = False,
         on_demand: bool = False,
         within: Path | None = None,
+        pin_quota: PinQuota | None = None,
     ) -> tuple[AdapterInfo, bool]:
         problem = adapter_id_problem(adapter_id)
         if problem is None and adapter_id == self.base_id:
@@ -260,6 +270,8 @@ class AdapterManager:
         )
         with self._admin:
             with self._lock:
+                if pin and pin_quota is not None:
+                    pin_quota.check(adapter_id, self._residency.pinned)
                 current = self._mounted.get(adapter_id)
                 same = current is not None and current.adapter.revision == loaded.revision
                 # An admin mounting what a request mounted makes it theirs: recorded, kept.

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hotlora.adapters.adapter_errors import AdapterOverBudget
 from hotlora.adapters.adapter_files import LoadedAdapter
+from hotlora.config.errors import listed
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,25 @@ class Evicted:
     size_bytes: int
     on_demand: bool  # mounted by a request (any revision of its files) or by hand (this one)
     evicted_at: int  # unix seconds
+
+
+@dataclass(frozen=True)
+class PinQuota:
+    """The most adapters with ids under `prefix` that may be pinned at once (a tenant-admin's
+    `max_pinned`), so that one tenant's pins cannot take the whole budget."""
+
+    prefix: str
+    most: int
+
+    def check(self, adapter_id: str, pinned: Iterable[str]) -> None:
+        """Raise `AdapterOverBudget` where pinning `adapter_id` would pass the quota."""
+        others = sorted(i for i in pinned if i.startswith(self.prefix) and i != adapter_id)
+        if len(others) >= self.most:
+            raise AdapterOverBudget(
+                f"adapter '{adapter_id}' cannot be pinned: {listed(others)} already pinned, this "
+                f"key's most ({self.most}, its max_pinned); unpin or unmount one first",
+                param="pin",
+            )
 
 
 class Residency:

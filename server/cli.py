@@ -309,6 +309,7 @@ def _keys_parser(sub: Any) -> None:
     add.add_argument("--requests-per-minute", type=int)
     add.add_argument("--tokens-per-minute", type=int)
     add.add_argument("--max-streams", type=int, help="Its requests in flight at once, at most.")
+    add.add_argument("--max-pinned", type=int, help="tenant-admin: its ids pinned at most.")
     add.add_argument("--weight", type=float, help="Its share of the batch (default 1).")
     add.set_defaults(handler=_keys_add)
 
@@ -327,6 +328,7 @@ def _keys_add(args: argparse.Namespace) -> int:
         "requests_per_minute": args.requests_per_minute,
         "tokens_per_minute": args.tokens_per_minute,
         "max_streams": args.max_streams,
+        "max_pinned": args.max_pinned,
         "weight": args.weight,
     }
     key = add_key(args.file, {name: value for name, value in entry.items() if value is not None})

@@ -65,6 +65,9 @@ class KeyEntry(BaseModel):
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
     max_streams: int | None = Field(default=None, gt=0)
+    max_pinned: int | None = Field(
+        default=None, ge=0, description="tenant-admin: its ids pinned at once, at most."
+    )
     weight: float = Field(default=1.0, gt=0, le=1000, description="Its share of the batch.")
 
     @field_validator("adapters")
@@ -95,9 +98,10 @@ class KeyEntry(BaseModel):
         mounts = self.mount_prefix is not None or self.mount_dir is not None
         if self.role == "tenant-admin" and (self.mount_prefix is None or self.mount_dir is None):
             raise ValueError("a tenant-admin key needs both mount_prefix and mount_dir")
-        if self.role != "tenant-admin" and mounts:
+        if self.role != "tenant-admin" and (mounts or self.max_pinned is not None):
             raise ValueError(
-                f"mount_prefix and mount_dir are for role 'tenant-admin', not {self.role!r}"
+                "mount_prefix, mount_dir and max_pinned are for role 'tenant-admin', not "
+                f"{self.role!r}"
             )
         return self
 
@@ -113,6 +117,7 @@ class KeyEntry(BaseModel):
             requests_per_minute=self.requests_per_minute,
             tokens_per_minute=self.tokens_per_minute,
             max_streams=self.max_streams,
+            max_pinned=self.max_pinned,
         )
 
 

@@ -23,7 +23,8 @@ class Tenant:
 
     `adapters` holds ids and glob patterns (`acme-*`) this key may run; `base` whether it may run
     the base model alone. A tenant-admin mounts, replaces and unmounts only ids starting with
-    `mount_prefix`, from `mount_dir` under `--adapter-root`. The limits are None when unlimited.
+    `mount_prefix`, from `mount_dir` under `--adapter-root`, and pins `max_pinned` of them at
+    most. The limits are None when unlimited.
     """
 
     name: str
@@ -36,6 +37,7 @@ class Tenant:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_streams: int | None = None
+    max_pinned: int | None = None  # tenant-admin: its ids pinned at once, at most
 
     @property
     def is_admin(self) -> bool:

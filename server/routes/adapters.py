@@ -22,6 +22,7 @@ from hotlora.adapters import (
     AdapterNotFound,
     AdapterPathMissing,
     AdapterPathRefused,
+    PinQuota,
     resolve_under_root,
 )
 from hotlora.config.errors import HotloraError, InvalidRequest
@@ -87,13 +88,16 @@ async def _mount(
     pin: bool = False,
     *,
     within: Path | None,
+    pin_quota: PinQuota | None = None,
 ) -> tuple[AdapterInfo, bool]:
     """The adapter mounted (pinned: never evicted by the budget; its files all under `within`
     when given), and whether this call changed anything (False: the same revision was already
     there, or another call mounted it first)."""
     # Reading and checking the files is blocking I/O; keep it off the event loop. The manager
     # tells the metrics of the mount itself, as of every other; a refusal is told here.
-    mount = functools.partial(manager.mount_reporting_change, pin=pin, within=within)
+    mount = functools.partial(
+        manager.mount_reporting_change, pin=pin, within=within, pin_quota=pin_quota
+    )
     with _refusals_counted(metrics, "mount"):
         return await asyncio.to_thread(mount, adapter_id, path, replace)
 
@@ -122,8 +126,19 @@ async def mount_adapter(
     """201 when this call mounted something; 200 when the same revision was already there."""
     with _refusals_counted(metrics, "mount"):
         within = _check_mount(request, manager, body.id, body.path)
+    tenant = request_tenant(request)
+    quota = None
+    if tenant.mount_prefix is not None and tenant.max_pinned is not None:
+        quota = PinQuota(tenant.mount_prefix, tenant.max_pinned)
     info, changed = await _mount(
-        manager, metrics, body.id, body.path, body.replace, body.pin, within=within
+        manager,
+        metrics,
+        body.id,
+        body.path,
+        body.replace,
+        body.pin,
+        within=within,
+        pin_quota=quota,
     )
     return JSONResponse(_card(info), status_code=201 if changed else 200)
 

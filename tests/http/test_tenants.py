@@ -301,6 +301,44 @@ def test_tenant_admin_mounts_under_its_prefix_from_its_folder(tenants: TestClien
     assert unmounted.status_code == 200, unmounted.text
 
 
+def test_a_tenant_admin_pins_no_more_than_its_max_pinned(make_client, tmp_path: Path):
+    """One tenant's pins cannot take the budget every tenant's adapters share."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        entry(
+            "acme",
+            KEYS["acme-admin"],
+            role="tenant-admin",
+            adapters=["acme-*"],
+            mount_prefix="acme-",
+            mount_dir="acme",
+            max_pinned=1,
+        )
+    )
+    root = write_root(tmp_path / "adapters")
+    client = make_client(keys=keys, adapter_root=root, max_mounted_adapters=3)
+    admin = auth("acme-admin")
+
+    def mount(adapter_id: str, path: str, **fields: Any):
+        body = {"id": adapter_id, "path": path, **fields}
+        return client.post("/v1/adapters", json=body, headers=admin)
+
+    assert mount("acme-a", "acme/a", pin=True).status_code == 201
+    refused = mount("acme-b", "acme/b", pin=True)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("adapter_over_budget", "pin")
+    assert "acme-a already pinned" in error["message"] and "max_pinned" in error["message"]
+    cards = client.get("/v1/adapters", headers=admin).json()["data"]
+    assert [(c["id"], c["pinned"]) for c in cards] == [("acme-a", True)]  # nothing mounted
+    assert mount("acme-b", "acme/b").status_code == 201  # unpinned, it mounts
+    assert mount("acme-b", "acme/b", pin=True).status_code == 400  # pinning it later: refused too
+    assert mount("acme-a", "acme/a", replace=True).status_code == 200  # unpinned
+    assert mount("acme-b", "acme/b", pin=True).status_code == 200
+    cards = client.get("/v1/adapters", headers=admin).json()["data"]
+    assert sorted((c["id"], c["pinned"]) for c in cards) == [("acme-a", False), ("acme-b", True)]
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body", "status", "code"),
     [
@@ -656,6 +694,7 @@ def test_reload_while_requests_run(make_client, tmp_path: Path):
         (entry("acme", "k", colour="red"), "key[0].colour: Extra inputs are not permitted"),
         (entry("acme", "k", role="tenant-admin"), "needs both mount_prefix and mount_dir"),
         (entry("acme", "k", mount_prefix="acme-"), "are for role 'tenant-admin'"),
+        (entry("acme", "k", max_pinned=2), "are for role 'tenant-admin'"),
         (entry("a", "k") + entry("b", "k"), "key[1] has the same sha256 as key[0]"),
         (entry("acme", "k", requests_per_minute=0), "key[0].requests_per_minute"),
         (entry("acme", "k", mount_dir="/etc", role="tenant-admin", mount_prefix="a"), "relative"),

@@ -109,7 +109,7 @@ def test_add_key_appends_a_table_that_reads(tmp_path: Path):
         ("ops", key_digest(second)),
     ]
     assert keys[0].tenant.max_streams == 4 and keys[0].tenant.adapters == ("acme-*",)
-    with pytest.raises(KeysFileError, match="mount_prefix and mount_dir are for role"):
+    with pytest.raises(KeysFileError, match="mount_prefix, mount_dir and max_pinned are for role"):
         add_key(path, {"name": "x", "mount_prefix": "x-"})
     assert path.read_text() == text
 
