@@ -38,8 +38,9 @@ def list_root(
     skip: str,
 ) -> list[RootEntry]:
     """The resident adapters (id, arrays, pinned), the evicted ones, then each directory under
-    `root` with an adapter_config.json or a llama.cpp `.gguf` file whose name is a valid id
-    (other than `skip`, the base model's) and no adapter under that id; sorted by id."""
+    `root` (a link's target under it too) with an adapter_config.json or a llama.cpp `.gguf`
+    file whose name is a valid id (other than `skip`, the base model's) and no adapter under
+    that id; sorted by id."""
     entries: dict[str, RootEntry] = {}
     for adapter_id, adapter, pinned in mounted:
         entries[adapter_id] = RootEntry(
@@ -56,12 +57,16 @@ def list_root(
         )
     try:
         directories = sorted(root.iterdir())
+        inside = root.resolve()
     except OSError:
         directories = []
     for directory in directories:
         name = directory.name
         if name in entries or name == skip or adapter_id_problem(name) is not None:
             continue
+        if not directory.resolve().is_relative_to(inside):
+            continue  # a link out of the root: no mount reads it, so it is not listed
+
         if (directory / CONFIG_FILE).is_file() or any(directory.glob(f"*{GGUF_SUFFIX}")):
             entries[name] = RootEntry(
                 name, str(directory), "on disk", False, _size(directory, directory), None

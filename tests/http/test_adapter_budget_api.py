@@ -215,3 +215,17 @@ def test_an_evicted_id_is_bound_to_its_files_until_unmounted_or_replaced(make_cl
     assert (
         chat(client, adapter="a").json()["choices"] == chat(client, adapter="b").json()["choices"]
     )
+
+
+def test_the_root_lists_no_link_out_of_it_that_no_mount_reads(make_client, root: Path, tmp_path):
+    outside = write_mlx_adapter(
+        tmp_path / "elsewhere" / "shared", random_pairs(tiny_model(quantize=True), seed=7)
+    )
+    (root / "shared-link").symlink_to(outside, target_is_directory=True)
+    (root / "inner-link").symlink_to(root / "a", target_is_directory=True)
+    client = make_client(adapter_root=root, auto_mount=True)
+    assert "shared-link" not in states(client)
+    assert states(client)["inner-link"] == "on disk"  # a link within the root reads as its target
+    assert chat(client, adapter="inner-link").status_code == 200
+    refused = chat(client, adapter="shared-link")
+    assert refused.status_code in (400, 404) and "shared-link" not in resident(client)
