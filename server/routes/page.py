@@ -28,9 +28,21 @@ def _root(request: Request) -> str:
     return str(request.scope.get("root_path", ""))
 
 
+# The chat page loads only its own files and talks only to this server; no other site may frame
+# it (a page that did could lead a user's clicks on it).
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+        "frame-ancestors 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
 @router.get("/")
 async def chat_page() -> FileResponse:
-    return FileResponse(PAGE_DIR / "index.html")
+    return FileResponse(PAGE_DIR / "index.html", headers=PAGE_HEADERS)
 
 
 @router.get("/docs")

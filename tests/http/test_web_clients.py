@@ -374,3 +374,12 @@ def test_the_operators_default_wins_over_the_models(
     operated.post("/v1/chat/completions", json=CHAT)
     operated.post("/v1/chat/completions", json={**CHAT, "temperature": 1.5})
     assert [(p.temperature, p.top_p) for p in seen] == [(0.25, 0.8), (1.5, 0.8)]
+
+
+def test_the_chat_page_loads_only_its_own_files_and_no_site_frames_it(client: TestClient):
+    page = client.get("/")
+    assert page.status_code == 200 and 'src="static/app.js"' in page.text
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy
+    assert page.headers["x-frame-options"] == "DENY"
+    assert page.headers["x-content-type-options"] == "nosniff"
