@@ -48,17 +48,17 @@ def entry(name: str, key: str, **fields: Any) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+# acme's tenant-admin key's rights: its ids, its prefix, its folder under the root.
+ACME_ADMIN: dict[str, Any] = {
+    "role": "tenant-admin",
+    "adapters": ["acme-*"],
+    "mount_prefix": "acme-",
+    "mount_dir": "acme",
+}
 KEYS_FILE = (
     entry("acme", KEYS["acme"], adapters=["acme-*"], base=True)
     + entry("globex", KEYS["globex"], adapters=["globex-*"], base=False)
-    + entry(
-        "acme",
-        KEYS["acme-admin"],
-        role="tenant-admin",
-        adapters=["acme-*"],
-        mount_prefix="acme-",
-        mount_dir="acme",
-    )
+    + entry("acme", KEYS["acme-admin"], **ACME_ADMIN)
     + entry("ops", KEYS["ops"], role="admin")
 )
 
@@ -304,17 +304,7 @@ def test_tenant_admin_mounts_under_its_prefix_from_its_folder(tenants: TestClien
 def test_a_tenant_admin_pins_no_more_than_its_max_pinned(make_client, tmp_path: Path):
     """One tenant's pins cannot take the budget every tenant's adapters share."""
     keys = tmp_path / "keys.toml"
-    keys.write_text(
-        entry(
-            "acme",
-            KEYS["acme-admin"],
-            role="tenant-admin",
-            adapters=["acme-*"],
-            mount_prefix="acme-",
-            mount_dir="acme",
-            max_pinned=1,
-        )
-    )
+    keys.write_text(entry("acme", KEYS["acme-admin"], **ACME_ADMIN, max_pinned=1))
     root = write_root(tmp_path / "adapters")
     client = make_client(keys=keys, adapter_root=root, max_mounted_adapters=3)
     admin = auth("acme-admin")
