@@ -68,7 +68,7 @@ class EmbeddingService:
                     param="input",
                 )
         # Select last: the lease it takes is released whatever happens next.
-        lease = await inference.lease(request.model, request.adapter)
+        lease = await inference.lease(request.model, request.adapter, queued=False)
         record = current_record()  # the access line, and the tenant's usage and token limit
         if record is not None:
             record.model, record.adapters = lease.model, lease.adapters.ids

@@ -510,15 +510,19 @@ class InferenceService:
             cache_salt=request.cache_salt,
         )
 
-    async def lease(self, model: str, refs: tuple[AdapterRef, ...]) -> AdapterLease:
+    async def lease(
+        self, model: str, refs: tuple[AdapterRef, ...], *, queued: bool = True
+    ) -> AdapterLease:
         """The request's adapters, leased; an adapter to mount first (on first use, or evicted)
-        is read on a thread, and a request that goes away meanwhile lets its lease go."""
+        is read on a thread, and a request that goes away meanwhile lets its lease go. `queued`:
+        the request then waits in the worker's queue (generation; embeddings do not)."""
         lease = self.adapters.try_select(model, refs)
         if lease is not None:
             return lease
-        # A request the queue would refuse is refused before its adapter is mounted, which may
-        # evict another: refused, it changes nothing.
-        self.worker.check_room(current_tenant().name)
+        if queued:
+            # A request the queue would refuse is refused before its adapter is mounted, which
+            # may evict another: refused, it changes nothing.
+            self.worker.check_room(current_tenant().name)
         loop = asyncio.get_running_loop()
         # In the request's context: the key's adapter scope (`adapters.scope`) holds there too.
         run = contextvars.copy_context().run

@@ -341,14 +341,14 @@ class ResponsesRequest(RequestBody, RequestMetadata):
         """The conversation as chat messages: a run of function calls is one assistant message
         with `tool_calls` (joined to the assistant's text just before it), an output a `tool`
         message."""
-        # Chat templates know "system"; OpenAI treats "developer" as its successor.
+        # A developer message stays one: rendering makes it a system message for a template
+        # that does not name the role (`ChatTemplate.with_roles`), as on chat.
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         for item in self.input:
             if isinstance(item, InputMessage):
-                role = "system" if item.role == "developer" else item.role
-                messages.append({"role": role, "content": item.text()})
+                messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {
                     "id": item.call_id,

@@ -10,7 +10,7 @@ from hotlora.config.errors import HotloraError, ModelNotFound
 from hotlora.server.api.admin_models import ModelCard, ModelList
 from hotlora.server.deps import RuntimeDep
 from hotlora.server.http.auth import InferenceRoute
-from hotlora.server.http.tenants import request_tenant
+from hotlora.server.http.tenants import DEFAULT_TENANT, request_tenant
 from hotlora.server.routes import paths
 from hotlora.server.runtime import Runtime
 
@@ -39,7 +39,7 @@ async def get_model(model_id: str, request: Request, runtime: RuntimeDep) -> Mod
     selection = _selection_card(model_id, runtime.model_cards())
     if selection is None:
         raise ModelNotFound(model_id, [card.id for card in cards])
-    return selection
+    return _shown(selection, request, runtime)
 
 
 def _selection_card(model_id: str, cards: list[ModelCard]) -> ModelCard | None:
@@ -65,11 +65,20 @@ def _selection_card(model_id: str, cards: list[ModelCard]) -> ModelCard | None:
 
 
 def _visible(request: Request, runtime: Runtime) -> list[ModelCard]:
-    """The cards a key may use; a key not an admin's sees no `root`, where the server keeps the
-    model and adapter files."""
+    """The cards a key may use, as `_shown` shows them."""
     tenant = request_tenant(request)
     return [
-        card if tenant.is_admin else card.model_copy(update={"root": None})
+        _shown(card, request, runtime)
         for card in runtime.model_cards()
         if (tenant.may_use(card.id) if card.parent is not None else tenant.may_use_base)
     ]
+
+
+def _shown(card: ModelCard, request: Request, runtime: Runtime) -> ModelCard:
+    """`card` without its `root`, where the server keeps the files, unless an admin asks: an
+    admin key, or any request to a server that guards nothing with a key."""
+    tenant, settings = request_tenant(request), runtime.settings
+    guarded = settings.keys is not None or settings.admin_api_key is not None
+    if tenant.is_admin and not (guarded and tenant is DEFAULT_TENANT):
+        return card
+    return card.model_copy(update={"root": None})

@@ -3,12 +3,15 @@ what the root holds, and the metrics of loads and evictions."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+
+from hotlora.adapters import AdapterRef
 
 from tests.support.adapter_builders import random_pairs, tiny_model, write_mlx_adapter
 
@@ -193,12 +196,16 @@ def test_a_request_the_queue_refuses_mounts_nothing(make_client, root: Path):
         refused = chat(client, adapter="a")
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
         assert resident(client) == ["b", "c"]  # a not mounted again, nothing evicted
+        # Embeddings wait in no queue: a full one refuses them nothing.
+        service = client.app.state.runtime.inference
+        unqueued = functools.partial(service.lease, "tiny", (AdapterRef("a"),), queued=False)
+        client.portal.call(unqueued).release()
+        assert "a" in resident(client)
     finally:
         release.set()
         held.result(timeout=30)
         waiting.join(timeout=30)
     assert chat(client, adapter="a").status_code == 200
-    assert resident(client) == ["b", "a"]  # c, the least recently used, evicted
 
 
 def test_an_evicted_id_is_bound_to_its_files_until_unmounted_or_replaced(make_client, root: Path):

@@ -242,8 +242,11 @@ def test_models_lists_what_the_key_may_use(tenants: TestClient, who: str, listed
     cards = tenants.get("/v1/models", headers=auth(who)).json()["data"]
     ids = [card["id"] for card in cards]
     assert [i for i in ids if i in {"tiny", "acme-a", "globex-a"}] == listed
-    # Where the server keeps its files is an admin's to know.
+    # Where the server keeps its files is an admin's to know, on a selection's card too.
     assert all((card["root"] is not None) == (who == "ops") for card in cards)
+    base_alone = tenants.get("/v1/models/tiny:none", headers=auth(who))
+    if "tiny" in listed:
+        assert (base_alone.json()["root"] is not None) == (who == "ops")
     for model in ("tiny", "acme-a", "globex-a"):
         one = tenants.get(f"/v1/models/{model}", headers=auth(who))
         assert one.status_code == (200 if model in listed else 404), (model, one.text)
@@ -744,6 +747,17 @@ def test_flag_keys_keep_working(make_client, tmp_path: Path):
     assert client.get("/v1/adapters", headers=admin).status_code == 200
     tenants = {row["tenant"] for row in client.get("/v1/usage", headers=admin).json()["data"]}
     assert tenants == {"api-key", "admin", "acme"}
+
+
+def test_with_only_an_admin_key_a_keyless_request_sees_no_root(make_client):
+    """Inference open to all, administration behind its key: the files' place is the admin's."""
+    client = make_client(admin_api_key="admin-secret")
+    keyless = client.get("/v1/models").json()["data"]
+    admin = {"Authorization": "Bearer admin-secret"}
+    keyed = client.get("/v1/models", headers=admin).json()["data"]
+    assert [card["root"] for card in keyless] == [None]
+    assert keyed[0]["root"] is not None
+    assert make_client().get("/v1/models").json()["data"][0]["root"] is not None  # no key at all
 
 
 def test_without_keys_every_request_is_the_default_tenant(client: TestClient):
