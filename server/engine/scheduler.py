@@ -329,7 +329,7 @@ class Scheduler:
         if group.estimate is None:
             cached = 0
             if scoring_key(self.engine.base_id, group) is None:
-                key = prompt_cache_key(self.engine.base_id, group.rows[0].job)
+                key = prompt_cache_key(self.engine.base_id, group.job)
                 cached = cached_length(self.engine.prompt_cache, key, group.prompt)
             cached = min(cached, len(group.prompt) - 1)
             group.estimate = (max(0, len(group.prompt) - 1 - cached), cached)
@@ -360,7 +360,7 @@ class Scheduler:
         """Keep the log-probabilities of the prompt tokens that follow a prefilled chunk, from
         its logits [chunk, vocab], when the group's request asks for them (`at`: the chunk's
         first position in the prompt)."""
-        k = group.rows[0].job.params.prompt_logprobs
+        k = group.job.params.prompt_logprobs
         if k is None:
             return
         targets = group.prompt[at + 1 : at + 1 + logits.shape[0]]
@@ -376,17 +376,17 @@ class Scheduler:
         """
         group.started = True
         prompt = group.prompt
-        key = prompt_cache_key(self.engine.base_id, group.rows[0].job)
+        key = prompt_cache_key(self.engine.base_id, group.job)
         cache, rest = self.engine.prompt_cache.fetch_nearest_cache(key, prompt)
         heads = self.engine.prompt_heads
-        opening = heads.opening(prompt, group.rows[0].job.cache_scope)
+        opening = heads.opening(prompt, group.job.cache_scope)
         head = heads.fetch(key, prompt) if len(heads) else None
         if head is not None and head[1] > len(prompt) - len(rest):
             cache, rest = head[0], prompt[head[1] :]
         scoring = scoring_key(self.engine.base_id, group)
         if scoring is not None:
             # Every prompt position's logits are wanted: a kept scored opening, or nothing.
-            self.scored.note(scoring, prompt, id(group.rows[0].job))
+            self.scored.note(scoring, prompt, id(group.job))
             cache, rest = None, prompt
             kept = self.scored.fetch(scoring, prompt)
             if kept is not None:
@@ -456,7 +456,7 @@ class Scheduler:
         ]
         if not self.scored.waits(key, group.prompt, leaders):
             return False
-        self.scored.note(key, group.prompt, id(group.rows[0].job))
+        self.scored.note(key, group.prompt, id(group.job))
         return True
 
     def _keep_opening(self, group: Group) -> None:
@@ -464,9 +464,7 @@ class Scheduler:
         key = scoring_key(self.engine.base_id, group)
         if key is None or group.cache is None:
             return
-        shared = min(
-            self.scored.shared(key, group.prompt, id(group.rows[0].job)), len(group.prompt)
-        )
+        shared = min(self.scored.shared(key, group.prompt, id(group.job)), len(group.prompt))
         if shared:
             opening = group.prompt[:shared]
             self.scored.keep(key, opening, group.cache, group.prompt_logprobs)

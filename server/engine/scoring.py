@@ -44,7 +44,7 @@ def job_scoring_key(base_id: str, job: GenerationJob) -> ScoringKey | None:
 
 def scoring_key(base_id: str, group: Group) -> ScoringKey | None:
     """What a group's prompt scores are kept under; None when it asks for none."""
-    return job_scoring_key(base_id, group.rows[0].job)
+    return job_scoring_key(base_id, group.job)
 
 
 @dataclass(frozen=True)

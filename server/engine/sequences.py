@@ -169,8 +169,13 @@ class Group:
     estimate: tuple[int, int] | None = None
 
     @property
+    def job(self) -> GenerationJob:
+        """Its first row's job: the prompt, adapters, cache scope and scoring its rows share."""
+        return self.rows[0].job
+
+    @property
     def prompt(self) -> list[int]:
-        return self.rows[0].job.prompt
+        return self.job.prompt
 
     @property
     def context(self) -> int:
