@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from hotlora.adapters.scope import visible
 from hotlora.config.errors import HotloraError, listed
+from hotlora.config.log_text import clipped
 
 
 class AdapterError(HotloraError):
@@ -50,9 +51,9 @@ class AdapterNotFound(AdapterError):
 
     def __init__(self, adapter_id: str, mounted: Iterable[str], *, param: str = "adapter"):
         names = listed(sorted(visible(mounted)))
-        # An id from a URL has passed no length check: one past the ids' 64 characters is cut,
-        # as a body's are.
-        shown = adapter_id if len(adapter_id) <= 64 else f"{adapter_id[:16]}..."
+        # An id from a URL has passed no length check: one past the ids' 64 characters
+        # (spec.MAX_ID_LENGTH) is cut, as a body's are.
+        shown = clipped(adapter_id, 64, keep=16)
         super().__init__(
             f"The adapter '{shown}' is not mounted. Mounted adapters: {names}.", param=param
         )

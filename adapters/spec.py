@@ -25,6 +25,7 @@ from typing import Any
 from hotlora.adapters.adapter_errors import AdapterNotFound, InvalidAdapterSpec
 from hotlora.adapters.scope import current_scope, visible
 from hotlora.config.errors import InvalidRequest, ModelNotFound
+from hotlora.config.log_text import clipped
 
 MAX_ADAPTERS_PER_REQUEST = 16
 MAX_ID_LENGTH = 64
@@ -77,7 +78,7 @@ def adapter_id_problem(value: object) -> str | None:
     if not value:
         return "an adapter id must not be empty"
     if len(value) > MAX_ID_LENGTH:
-        return f"adapter id '{value[:16]}...' is longer than {MAX_ID_LENGTH} characters"
+        return f"adapter id '{clipped(value, 16)}' is longer than {MAX_ID_LENGTH} characters"
     if not _ID.fullmatch(value):
         return (
             f"adapter id {value!r} may only contain letters, digits, '.', '_' and '-' "
@@ -191,8 +192,9 @@ def _parse_item(text: str) -> AdapterRef:
     weight = 1.0
     if at:
         if not _WEIGHT.fullmatch(weight_text.strip()):
-            shown = item if len(item) <= 40 else f"{item[:40]}..."
-            raise InvalidAdapterSpec(f"adapter weight in {shown!r} is not a number like 0.5")
+            raise InvalidAdapterSpec(
+                f"adapter weight in {clipped(item, 40)!r} is not a number like 0.5"
+            )
         weight = float(weight_text)
     return _ref(adapter_id.strip(), weight)
 

@@ -1,4 +1,4 @@
-"""Text from outside the server (a request, a file name) made fit for one log line.
+"""Text from outside the server (a request, a file name) made fit for one log line or message.
 
 It lives here, below `server/` and `adapters/`, so that every package's log calls use it.
 """
@@ -14,3 +14,11 @@ def printable(text: object) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def clipped(text: str, most: int, keep: int | None = None) -> str:
+    """`text` as it is when it holds `most` characters at most, else its first `keep` (`most`
+    when not given) and "...": a value a client sent, shown in a message without all of it."""
+    if len(text) <= most:
+        return text
+    return f"{text[: most if keep is None else keep]}..."

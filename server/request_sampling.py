@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hotlora.config.errors import InvalidRequest
+from hotlora.config.log_text import clipped
 from hotlora.server.api.completion_requests import SamplingFields
 from hotlora.server.engine import SamplingParams
 from hotlora.server.engine.grammar import Grammar
@@ -101,9 +102,8 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
         # vocabulary's size has: Python refuses to read over 4,300 digits as an int.
         too_long = len(key) > len(str(vocab))
         if too_long or not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < vocab:
-            shown = key if len(key) <= 16 else f"{key[:16]}..."
             raise InvalidRequest(
-                f"logit_bias keys must be token ids in 0..{vocab - 1}; got {shown!r}.",
+                f"logit_bias keys must be token ids in 0..{vocab - 1}; got {clipped(key, 16)!r}.",
                 param="logit_bias",
             )
         out.append((int(key), value))
