@@ -66,7 +66,6 @@ def list_root(
             continue
         if not directory.resolve().is_relative_to(inside):
             continue  # a link out of the root: no mount reads it, so it is not listed
-
         if (directory / CONFIG_FILE).is_file() or any(directory.glob(f"*{GGUF_SUFFIX}")):
             entries[name] = RootEntry(
                 name, str(directory), "on disk", False, _size(directory, directory), None

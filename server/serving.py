@@ -86,6 +86,7 @@ class Prepared:
         """One job per choice, in choice-index order: each prompt's n choices in turn; their
         cached prompts are `tenant`'s own (shared by all where no keys name tenants)."""
         scope = cache_scope(None if tenant is DEFAULT_TENANT else tenant.name, self.cache_salt)
+        adapters = self.lease.adapters
         jobs: list[GenerationJob] = []
         for prompt in self.prompts:
             for _ in range(self.n):
@@ -93,7 +94,6 @@ class Prepared:
                 if params.seed is not None:
                     # Seeded choices are reproducible but not identical to each other.
                     params = replace(params, seed=params.seed + len(jobs))
-                adapters = self.lease.adapters
                 jobs.append(
                     GenerationJob(prompt, params, adapters, grammar=self.grammar, cache_scope=scope)
                 )
