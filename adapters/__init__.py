@@ -50,6 +50,7 @@ from hotlora.adapters.scope import (
     AdapterScope,
     current_scope,
     reset_scope,
+    shown_path,
     use_scope,
 )
 from hotlora.adapters.slots import activate
@@ -101,6 +102,7 @@ __all__ = [
     "report_unmountable",
     "reset_scope",
     "resolve_under_root",
+    "shown_path",
     "use_scope",
     "write_mounted_set",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -432,14 +432,20 @@ class AdapterManager:
         with self._lock:
             return self._residency.resident_bytes
 
-    def root_entries(self) -> Sequence[RootEntry]:
-        """What the adapter root holds and every evicted adapter, resident or not, by id."""
+    def root_entries(
+        self, folder: Path | None = None, shown: Callable[[str], bool] = lambda adapter_id: True
+    ) -> Sequence[RootEntry]:
+        """What the adapter root holds and every evicted adapter, resident or not, those whose
+        id is `shown`, by id; then the adapters in `folder` (a tenant's, under the root) none of
+        those was mounted from."""
         with self._lock:
             mounted = [
                 (i, m.adapter, i in self._residency.pinned) for i, m in self._mounted.items()
             ]
             evicted = list(self._residency.evicted.values())
-        return list_root(self.adapter_root, mounted, evicted, skip=self.base_id)
+        return list_root(
+            self.adapter_root, mounted, evicted, skip=self.base_id, folder=folder, shown=shown
+        )
 
     def _lease(self, model: str, named: tuple[AdapterRef, ...]) -> AdapterLease:
         adapters = self._resolve(named)

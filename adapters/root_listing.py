@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,9 +17,10 @@ from hotlora.adapters.spec import adapter_id_problem
 
 @dataclass(frozen=True)
 class RootEntry:
-    """One adapter: resident, evicted, or a directory under the root never mounted."""
+    """One adapter: resident, evicted, or a directory under the root never mounted (in a
+    tenant's folder, with no id until one is given it by a mount)."""
 
-    id: str
+    id: str | None
     path: str
     state: Literal["resident", "evicted", "on disk"]
     pinned: bool
@@ -36,11 +37,15 @@ def list_root(
     evicted: Iterable[Evicted],
     *,
     skip: str,
+    folder: Path | None = None,
+    shown: Callable[[str], bool] = lambda adapter_id: True,
 ) -> list[RootEntry]:
     """The resident adapters (id, arrays, pinned), the evicted ones, then each directory under
     `root` (a link's target under it too) with an adapter_config.json or a llama.cpp `.gguf`
     file whose name is a valid id (other than `skip`, the base model's) and no adapter under
-    that id; sorted by id."""
+    that id; those whose id is `shown`, sorted by id. Then, given a `folder` under the root (a
+    tenant's, mounted from by path: no request names its directories), each adapter directory
+    in it that no entry above was mounted from, with no id, sorted by path."""
     entries: dict[str, RootEntry] = {}
     for adapter_id, adapter, pinned in mounted:
         entries[adapter_id] = RootEntry(
@@ -55,22 +60,38 @@ def list_root(
         entries[gone.id] = RootEntry(
             gone.id, gone.path, "evicted", False, gone.size_bytes, gone.ram_bytes
         )
-    try:
-        directories = sorted(root.iterdir())
-        inside = root.resolve()
-    except OSError:
-        directories = []
-    for directory in directories:
+    for directory in _adapter_directories(root):
         name = directory.name
-        if name in entries or name == skip or adapter_id_problem(name) is not None:
-            continue
-        if not directory.resolve().is_relative_to(inside):
-            continue  # a link out of the root: no mount reads it, so it is not listed
-        if (directory / CONFIG_FILE).is_file() or any(directory.glob(f"*{GGUF_SUFFIX}")):
+        if name not in entries and name != skip and adapter_id_problem(name) is None:
             entries[name] = RootEntry(
                 name, str(directory), "on disk", False, _size(directory, directory), None
             )
-    return [entries[adapter_id] for adapter_id in sorted(entries)]
+    listed = [entries[adapter_id] for adapter_id in sorted(entries) if shown(adapter_id)]
+    if folder is None:
+        return listed
+    paths = [Path(entry.path) for entry in listed]
+    mounted_from = {*paths, *(path.parent for path in paths)}  # a `.gguf` file's directory
+    return listed + [
+        RootEntry(None, str(directory), "on disk", False, _size(directory, directory), None)
+        for directory in _adapter_directories(folder, within=root)
+        if directory.resolve() not in mounted_from
+    ]
+
+
+def _adapter_directories(folder: Path, within: Path | None = None) -> list[Path]:
+    """The directories in `folder` holding an adapter_config.json or a `.gguf` file, by name,
+    leaving out links out of `within` (`folder` itself unless given): no mount reads them."""
+    try:
+        directories = sorted(folder.iterdir())
+        inside = (within or folder).resolve()
+    except OSError:
+        return []
+    return [
+        directory
+        for directory in directories
+        if directory.resolve().is_relative_to(inside)
+        and ((directory / CONFIG_FILE).is_file() or any(directory.glob(f"*{GGUF_SUFFIX}")))
+    ]
 
 
 def _size(directory: Path, within: Path) -> int | None:

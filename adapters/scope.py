@@ -5,12 +5,20 @@ refuses what lies outside it exactly as it refuses an id that is not mounted, so
 outside the scope is never selected, never mounted on first use, and never named by an error:
 `visible` filters every list of ids an error shows. Outside a request, or for a key with every
 right, the scope is `EVERYTHING`.
+
+Where the server keeps its files is for an admin key: a request held to a narrower key is given
+the adapter root to leave out (`use_scope(..., hidden_root=)`), and `shown_path` writes a path
+under it as a mount names it (`acme/b`, relative to the root) in what that request is answered,
+errors included.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 
@@ -34,21 +42,41 @@ class _Everything:
 
 EVERYTHING: AdapterScope = _Everything()
 
-_current: ContextVar[AdapterScope] = ContextVar("hotlora_adapter_scope", default=EVERYTHING)
+
+@dataclass(frozen=True)
+class _Held:
+    scope: AdapterScope
+    hidden_root: str | None  # the adapter root, absolute, where its path is not to be shown
 
 
-def use_scope(scope: AdapterScope) -> Token[AdapterScope]:
-    """Make `scope` the one this context's requests are held to; `reset_scope(token)` after."""
-    return _current.set(scope)
+_OUTSIDE = _Held(EVERYTHING, None)  # frozen: shared as the default safely
+_current: ContextVar[_Held] = ContextVar("hotlora_adapter_scope", default=_OUTSIDE)  # noqa: B039
 
 
-def reset_scope(token: Token[AdapterScope]) -> None:
+def use_scope(scope: AdapterScope, *, hidden_root: Path | None = None) -> Token[_Held]:
+    """Make `scope` the one this context's requests are held to, and `hidden_root` (absolute)
+    the folder whose path they are not shown; `reset_scope(token)` after."""
+    shown_whole = hidden_root is None or hidden_root.parent == hidden_root  # `/` hides nothing
+    hidden = None if shown_whole else str(hidden_root)
+    return _current.set(_Held(scope, hidden))
+
+
+def reset_scope(token: Token[_Held]) -> None:
     _current.reset(token)
 
 
 def current_scope() -> AdapterScope:
     """The scope of the request served in this context (`EVERYTHING` outside a request)."""
-    return _current.get()
+    return _current.get().scope
+
+
+def shown_path(text: str) -> str:
+    """`text` (a path, or a message naming paths) as the request served in this context may see
+    it: a path under a hidden adapter root relative to it, the root itself "the adapter root"."""
+    root = _current.get().hidden_root
+    if root is None:
+        return text
+    return text.replace(root + os.sep, "").replace(root, "the adapter root")
 
 
 def visible(adapter_ids: Iterable[str]) -> list[str]:

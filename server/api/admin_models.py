@@ -81,7 +81,10 @@ class UnloadLoraAdapterRequest(AdminBody):
 class AdapterCard(BaseModel):
     id: str
     object: Literal["adapter"] = "adapter"
-    path: str
+    path: str = Field(
+        description="Where its files are: absolute for an admin key; under the adapter root, "
+        "relative to it for other keys."
+    )
     rank: int
     scale: float
     rslora: bool
@@ -103,8 +106,14 @@ class AdapterList(BaseModel):
 
 
 class AdapterRootEntry(BaseModel):
-    id: str = Field(description="The id a request names it by.")
-    path: str
+    id: str | None = Field(
+        description="The id a request names it by; null for an adapter in a tenant-admin "
+        "key's folder never mounted (a mount gives it one)."
+    )
+    path: str = Field(
+        description="Where its files are: absolute for an admin key, relative to the adapter "
+        "root for a tenant-admin key, as its mounts name them."
+    )
     state: Literal["resident", "evicted", "on disk"] = Field(
         description="resident: mounted now; evicted: unmounted to keep within the budget, "
         "mounted again on next use; on disk: under the root, never mounted (with --auto-mount, "
@@ -117,7 +126,9 @@ class AdapterRootEntry(BaseModel):
 
 class AdapterRootList(BaseModel):
     object: Literal["list"] = "list"
-    root: str = Field(description="The adapter root.")
+    root: str = Field(
+        description="The adapter root (a tenant-admin key: its folder, relative to the root)."
+    )
     auto_mount: bool = Field(description="Whether a request mounts an adapter on first use.")
     resident_bytes: int = Field(
         description="What the resident adapters' arrays hold together (a tenant-admin key: "

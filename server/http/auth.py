@@ -5,7 +5,8 @@ serves every request as the tenant `default`. The check runs before the body is 
 a valid key, a request learns nothing about what the server would make of its body (a bad body
 without a key is a 401, not a 400); a valid key where its tenant may not go (an inference key on
 the admin API) is a 403. An admitted request carries its `Tenant` as
-`request.state.tenant`, is held to its key's adapter scope (`adapters.scope`), and on the
+`request.state.tenant`, is held to its key's adapter scope (`adapters.scope`; a key short of
+admin is not shown the adapter root's path), and on the
 inference routes is counted against its tenant's limits (a limit reached: 429).
 """
 
@@ -60,7 +61,10 @@ def _admit(request: Request, *, admin: bool) -> Tenant:
     record = current_record()
     if record is not None:
         record.tenant = tenant.name
-    use_scope(tenant)  # until the request is answered (`TenantAccounts` resets it)
+    # Until the request is answered (`TenantAccounts` resets it). Where the server keeps its
+    # files is for an admin key: others are told paths relative to the adapter root.
+    hidden = None if tenant.is_admin else request.app.state.runtime.settings.resolved_adapter_root
+    use_scope(tenant, hidden_root=hidden)
     return tenant
 
 

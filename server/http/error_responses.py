@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound
+from hotlora.adapters import AdapterConflict, AdapterError, AdapterNotFound, shown_path
 from hotlora.config.errors import HotloraError, InvalidRequest, ModelNotFound
 from hotlora.config.log_text import printable
 from hotlora.server.api.wire_base import unknown_key_message
@@ -94,6 +94,7 @@ def error_body(
     message: str, type_: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     note_error(code or type_)  # the access log names what the request was answered with
+    message = shown_path(message)  # no server path for a key that may not see them
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

@@ -24,6 +24,7 @@ from hotlora.adapters import (
     AdapterPathRefused,
     PinQuota,
     resolve_under_root,
+    shown_path,
 )
 from hotlora.config.errors import HotloraError, InvalidRequest
 from hotlora.server.api.admin_models import (
@@ -52,8 +53,14 @@ def get_manager(runtime: RuntimeDep) -> AdapterManager:
 ManagerDep = Annotated[AdapterManager, Depends(get_manager)]
 
 
-def _card(info: AdapterInfo) -> dict[str, Any]:
-    return AdapterCard(**info.to_dict()).model_dump()
+def _card(info: AdapterInfo) -> AdapterCard:
+    """An adapter's card, its path as the request may see it (`shown_path`)."""
+    return AdapterCard(**{**info.to_dict(), "path": shown_path(str(info.path))})
+
+
+def _folder(tenant: Tenant, manager: AdapterManager) -> Path:
+    """A tenant-admin key's folder under the adapter root, which it mounts from."""
+    return (manager.adapter_root / (tenant.mount_dir or "")).resolve()
 
 
 def _check_mount(
@@ -65,7 +72,7 @@ def _check_mount(
     if tenant.is_admin:
         return None
     _check_id(tenant, manager, adapter_id)
-    folder = (manager.adapter_root / (tenant.mount_dir or "")).resolve()
+    folder = _folder(tenant, manager)
     if not resolve_under_root(path, manager.adapter_root).is_relative_to(folder):
         raise AdapterPathRefused(
             f"this key mounts adapters only from '{tenant.mount_dir}' under the adapter root"
@@ -140,35 +147,41 @@ async def mount_adapter(
         within=within,
         pin_quota=quota,
     )
-    return JSONResponse(_card(info), status_code=201 if changed else 200)
+    return JSONResponse(_card(info).model_dump(), status_code=201 if changed else 200)
 
 
 @router.get(paths.ADAPTERS)
 async def list_adapters(request: Request, manager: ManagerDep) -> AdapterList:
     tenant = request_tenant(request)
     shown = [info for info in manager.list() if tenant.may_see(info.id)]
-    return AdapterList(data=[AdapterCard(**info.to_dict()) for info in shown])
+    return AdapterList(data=[_card(info) for info in shown])
 
 
 @router.get(paths.ADAPTER_ROOT)
 async def list_adapter_root(request: Request, manager: ManagerDep) -> AdapterRootList:
+    """An admin key: the whole root, its path absolute. A tenant-admin key: the adapters it may
+    see, then those in its folder not mounted yet, paths relative to the root (as its mounts
+    name them), `root` its folder."""
     tenant = request_tenant(request)
-    entries = await asyncio.to_thread(manager.root_entries)  # reads the root's directories
-    resident = manager.resident_bytes
-    if not tenant.is_admin:
-        folder = (manager.adapter_root / (tenant.mount_dir or "")).resolve()
-        entries = [
-            e for e in entries if tenant.may_see(e.id) or Path(e.path).is_relative_to(folder)
-        ]
+    root, resident = str(manager.adapter_root), manager.resident_bytes
+    if tenant.is_admin:
+        entries = await asyncio.to_thread(manager.root_entries)  # reads the root's directories
+    else:
+        folder = _folder(tenant, manager)
+        entries = await asyncio.to_thread(manager.root_entries, folder, tenant.may_see)
+        root = shown_path(str(folder))
         # Its own adapters' memory: the whole would tell what other tenants keep resident.
         resident = sum(info.ram_bytes for info in manager.list() if tenant.may_see(info.id))
     return AdapterRootList(
-        root=str(manager.adapter_root),
+        root=root,
         auto_mount=manager.auto_mount,
         resident_bytes=resident,
         max_mounted_adapters=manager.budget.max_adapters,
         adapter_memory_bytes=manager.budget.max_bytes,
-        data=[AdapterRootEntry(**entry.to_dict()) for entry in entries],
+        data=[
+            AdapterRootEntry(**{**entry.to_dict(), "path": shown_path(entry.path)})
+            for entry in entries
+        ],
     )
 
 
@@ -176,7 +189,7 @@ async def list_adapter_root(request: Request, manager: ManagerDep) -> AdapterRoo
 async def get_adapter(adapter_id: str, request: Request, manager: ManagerDep) -> AdapterCard:
     if not request_tenant(request).may_see(adapter_id):
         raise AdapterNotFound(adapter_id, [info.id for info in manager.list()])
-    return AdapterCard(**manager.get(adapter_id).to_dict())
+    return _card(manager.get(adapter_id))
 
 
 @router.delete(paths.ADAPTERS + "/{adapter_id}")

@@ -432,6 +432,10 @@ def test_a_first_use_mount_reads_only_its_own_directory(tenants: TestClient):
     response = tenants.post("/v1/completions", json=body, headers=auth("acme"))
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "adapter_path_refused"
+    # Named as the root's own paths, not where the server keeps them.
+    message = response.json()["error"]["message"]
+    assert str(root) not in message
+    assert "acme-linked-auto/adapters.safetensors links outside acme-linked-auto," in message
     ids = {c["id"] for c in tenants.get("/v1/adapters", headers=auth("ops")).json()["data"]}
     assert "acme-linked-auto" not in ids
 
@@ -464,9 +468,48 @@ def test_admin_routes_refuse_user_keys(tenants: TestClient):
     assert tenants.get("/v1/adapters").status_code == 401
 
 
+def test_a_tenant_admin_sees_its_folder_and_no_server_path(tenants: TestClient):
+    """Its listing holds its folder's adapters not mounted yet (no id until a mount gives one),
+    and every path it is told, in listings, cards and errors, is relative to the root."""
+    root = tenants.app.state.runtime.require_adapters().adapter_root
+    admin = auth("acme-admin")
+    listing = tenants.get("/v1/adapter_root", headers=admin)
+    assert listing.status_code == 200, listing.text
+    assert str(root) not in listing.text
+    assert listing.json()["root"] == "acme"
+    entries = {(e["id"], e["path"], e["state"]) for e in listing.json()["data"]}
+    assert ("acme-a", "acme/a", "resident") in entries
+    assert (None, "acme/b", "on disk") in entries
+    assert all(path != "acme/a" for adapter_id, path, _ in entries if adapter_id is None)
+    assert not any("globex" in path for _, path, _ in entries)
+    # An admin key is told the whole root, absolute, and no id-less entry.
+    everything = tenants.get("/v1/adapter_root", headers=auth("ops")).json()
+    assert everything["root"] == str(root)
+    assert {"id": "acme-a", "path": str(root / "acme" / "a")}.items() <= next(
+        e for e in everything["data"] if e["id"] == "acme-a"
+    ).items()
+    assert all(e["id"] is not None for e in everything["data"])
+    # Cards.
+    card = tenants.get("/v1/adapters/acme-a", headers=admin).json()
+    assert card["path"] == "acme/a"
+    assert tenants.get("/v1/adapters/acme-a", headers=auth("ops")).json()["path"] == str(
+        root / "acme" / "a"
+    )
+    # Errors: a mount of nothing, and of the same id from other files.
+    missing = tenants.post("/v1/adapters", json={"id": "acme-x", "path": "acme/x"}, headers=admin)
+    assert missing.status_code == 400, missing.text
+    assert "acme/x" in missing.json()["error"]["message"] and str(root) not in missing.text
+    clash = tenants.post("/v1/adapters", json={"id": "acme-a", "path": "acme/b"}, headers=admin)
+    assert clash.status_code == 409, clash.text
+    assert "mounted from acme/a" in clash.json()["error"]["message"]
+    assert str(root) not in clash.text
+    told = tenants.post("/v1/adapters", json={"id": "acme-x", "path": "acme/x"}, headers=auth("ops"))
+    assert str(root / "acme" / "x") in told.json()["error"]["message"]
+
+
 def test_adapter_root_shows_a_tenant_admin_its_own(tenants: TestClient):
     root = tenants.get("/v1/adapter_root", headers=auth("acme-admin")).json()
-    ids = {entry["id"] for entry in root["data"]}
+    ids = {entry["id"] for entry in root["data"]} - {None}  # its folder's, never mounted
     assert ids and all(i.startswith("acme-") for i in ids)
     everything = tenants.get("/v1/adapter_root", headers=auth("ops")).json()
     assert {"globex-a", "globex-auto"} <= {entry["id"] for entry in everything["data"]}
