@@ -317,7 +317,9 @@ def measure_adapters(
         progress(
             f"{run.system}, pair {pair + 1} ({order}): {rows} rows with {rows} adapters "
             f"{got['a'].aggregate:.1f} tok/s, base only {got['b'].aggregate:.1f} tok/s, "
-            f"{got['a'].aggregate / got['b'].aggregate:.2f}x"
+            f"{got['a'].aggregate / got['b'].aggregate:.2f}x (first token {got['a'].ttft:.2f} / "
+            f"{got['b'].ttft:.2f} s, decode {got['a'].decode:.1f} / {got['b'].decode:.1f} tok/s "
+            "a stream)"
         )
 
 
