@@ -72,6 +72,7 @@ _START_RULE = re.compile(r"^start:", re.MULTILINE)
 # How llguidance begins a Lark error: the line and column in the grammar ("at 4(8): ").
 _GRAMMAR_PLACE = re.compile(r"^at \d+\(\d+\): ")
 _QUOTED_LINE = re.compile(r"^\s+\d+ \| ")  # "   4 | calls: %json {...": a line of the grammar
+_MARKUP = re.compile(r"<[a-z-]+/>")  # "<non-verbose/>": a tag of llguidance's own log
 
 
 class UnsupportedSchema(InvalidRequest):
@@ -110,7 +111,8 @@ def _failure(error: str) -> Exception:
         return GrammarFailed(
             "The answer's constraint (response_format, a guided_* field, a grammar or a "
             "tool's parameters) could not be followed: the grammar engine reached one of its "
-            f"limits ({error}); make it smaller, e.g. fewer or shorter counted repetitions"
+            f"limits ({_in_words(error)}); make it smaller, e.g. fewer or shorter counted "
+            "repetitions"
         )
     return RuntimeError(f"Generation left the answer's grammar: {error}")
 
@@ -119,7 +121,7 @@ def _in_words(error: str) -> str:
     """llguidance's reason, said for a client where it names only its own internals, on one
     line: without the place in a Lark grammar the client may never have written (a tool's
     parameters sit in a grammar of the whole answer) and the grammar's lines it quotes after."""
-    lines = _GRAMMAR_PLACE.sub("", error.strip()).splitlines()
+    lines = _GRAMMAR_PLACE.sub("", _MARKUP.sub("", error).strip()).splitlines()
     quoted = next((i for i, line in enumerate(lines) if _QUOTED_LINE.match(line)), len(lines))
     error = " ".join(line.strip() for line in lines[:quoted] if line.strip())
     if "NoExtensionBias" in error:  # no token can begin anything the grammar admits

@@ -204,6 +204,7 @@ def test_a_constraint_past_the_grammar_engines_limits_is_a_400(client: TestClien
     error = refused.json()["error"]
     assert (error["type"], error["code"]) == ("invalid_request_error", "grammar_failed")
     assert "could not be followed: the grammar engine reached one of its limits" in error["message"]
+    assert "\n" not in error["message"] and "<" not in error["message"]  # one line, said
     streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
     events = [json.loads(e) for e in sse_events(streamed)[:-1]]
     assert events[-1]["error"]["code"] == "grammar_failed"

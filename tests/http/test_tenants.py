@@ -503,7 +503,9 @@ def test_a_tenant_admin_sees_its_folder_and_no_server_path(tenants: TestClient):
     assert clash.status_code == 409, clash.text
     assert "mounted from acme/a" in clash.json()["error"]["message"]
     assert str(root) not in clash.text
-    told = tenants.post("/v1/adapters", json={"id": "acme-x", "path": "acme/x"}, headers=auth("ops"))
+    told = tenants.post(
+        "/v1/adapters", json={"id": "acme-x", "path": "acme/x"}, headers=auth("ops")
+    )
     assert str(root / "acme" / "x") in told.json()["error"]["message"]
 
 
