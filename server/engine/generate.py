@@ -60,10 +60,16 @@ class SampledToken:
     logprob: float
     top: tuple[tuple[TokenPiece, float], ...]
     silent: bool = False  # a control token that adds nothing to the text (skip_special_tokens)
+    # The characters its bytes complete after the tokens before it (its row counts them): 0 for
+    # the first part of a character split over tokens, which its last part adds.
+    chars: int | None = None
 
     @property
     def width(self) -> int:
-        """What it adds to the answer's text, in characters: its text, or nothing if silent."""
+        """What it adds to the answer's text, in characters: those it completes, or nothing if
+        silent (uncounted: its text's)."""
+        if self.chars is not None:
+            return self.chars
         return 0 if self.silent else len(self.token.text)
 
 
@@ -75,6 +81,7 @@ class RankedLogprob:
     logprob: float
     rank: int
     text: str
+    label: str  # as OpenAI's legacy completions name it (`TokenPiece.legacy_label`)
 
 
 # One entry per prompt token: the token itself, then the most likely alternatives; the first
@@ -213,8 +220,9 @@ class Engine:
                 entry.setdefault(other, (_finite(value), rank))
             out.append(
                 tuple(
-                    RankedLogprob(t, value, rank, self.pieces(t).text)
+                    RankedLogprob(t, value, rank, piece.text, piece.legacy_label)
                     for t, (value, rank) in entry.items()
+                    for piece in [self.pieces(t)]
                 )
             )
         return out

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import codecs
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from hotlora.adapters import AdapterSet
@@ -62,6 +63,11 @@ class Row:
     # back: mlx-lm's byte-level BPE holds a lone space).
     held: list[tuple[SampledToken, int, int]] = field(default_factory=list)
     spelled: int = 0  # the sampled tokens' bytes so far
+    # The same bytes as characters: how many each token completes, and the bytes of one split
+    # over tokens not yet all sampled (an answer cut there ends before that character).
+    characters: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
 
     def __post_init__(self) -> None:
         params = self.job.params
@@ -110,7 +116,9 @@ class Row:
         text = self.stops.feed(self.detokenizer.last_segment, armed=armed)
         if sampled is not None:
             start = self.spelled
-            self.spelled += 0 if sampled.silent else len(sampled.token.bytes)
+            data = b"" if sampled.silent else sampled.token.bytes
+            self.spelled += len(data)
+            sampled = replace(sampled, chars=len(self.characters.decode(data)))
             self.held.append((sampled, start, self.spelled))
         shown = self._shown_tokens()
         if text or shown:
@@ -125,9 +133,15 @@ class Row:
         return True
 
     def finish(self, reason: str) -> None:
-        """Emit the text held back for stop matching, then `Finished`."""
+        """Emit the text held back for stop matching, then `Finished`. An answer cut inside a
+        character split over tokens (by max_tokens, a stop token, an end) ends before it: the
+        detokenizer would write its bytes so far as U+FFFD."""
         self.detokenizer.finalize()
-        tail = self.stops.feed(self.detokenizer.last_segment) + self.stops.flush()
+        last = self.detokenizer.last_segment
+        cut_inside, _ = self.characters.getstate()
+        if cut_inside and last.endswith("\ufffd"):
+            last = last[:-1]
+        tail = self.stops.feed(last) + self.stops.flush()
         shown = self._shown_tokens(end=True)
         if (tail or shown) and reason != "cancelled":
             self.sink.event(self.position, Delta(tail, shown, self.generated))

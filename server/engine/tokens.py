@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from mlx_lm.tokenizer_utils import (
     BPEStreamingDetokenizer,
@@ -19,6 +19,28 @@ from mlx_lm.tokenizer_utils import (
 class TokenPiece:
     text: str
     bytes: bytes  # exact, also for a token holding part of a UTF-8 character
+
+    @cached_property
+    def whole(self) -> bool:
+        """Whether its bytes are whole UTF-8 characters (not part of one split over tokens)."""
+        try:
+            self.bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
+
+    @property
+    def label(self) -> str:
+        """The token as log-probabilities name it: its text, or, where its bytes hold part of
+        a UTF-8 character, those bytes escaped (`\\xf0\\x9f`), as OpenAI's chat logprobs write
+        such a token; two such tokens are never both `\ufffd`."""
+        return self.text if self.whole else self.bytes.decode("utf-8", "backslashreplace")
+
+    @property
+    def legacy_label(self) -> str:
+        """As OpenAI's legacy completions name it: `bytes:` before the escaped bytes of one
+        holding part of a character."""
+        return self.text if self.whole else f"bytes:{self.label}"
 
 
 _SPM_SPACE = "\u2581".encode()  # SentencePiece's word boundary, a space in the text

@@ -64,11 +64,11 @@ def _chat_logprobs(entries: Iterable[SampledToken]) -> answers.ChoiceLogprobs:
     return answers.ChoiceLogprobs(
         content=[
             answers.TokenLogprob(
-                token=e.token.text,
+                token=e.token.label,
                 logprob=e.logprob,
                 bytes=list(e.token.bytes),
                 top_logprobs=[
-                    answers.TopLogprob(token=t.text, logprob=v, bytes=list(t.bytes))
+                    answers.TopLogprob(token=t.label, logprob=v, bytes=list(t.bytes))
                     for t, v in e.top
                 ],
             )
@@ -83,12 +83,15 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> answers.Compl
         offsets.append(at)
         at += e.width
     return answers.CompletionLogprobs(
-        tokens=[e.token.text for e in entries],
+        tokens=[e.token.legacy_label for e in entries],
         token_logprobs=[e.logprob for e in entries],
         # As OpenAI's legacy completions and vLLM: the sampled token, then the `logprobs` most
         # likely (so up to logprobs + 1 entries), as an echoed prompt's tokens are.
         top_logprobs=[
-            {e.token.text: e.logprob, **{t.text: v for t, v in e.top if t.text != e.token.text}}
+            {
+                e.token.legacy_label: e.logprob,
+                **{t.legacy_label: v for t, v in e.top if t.bytes != e.token.bytes},
+            }
             for e in entries
         ],
         text_offset=offsets,

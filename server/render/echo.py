@@ -1,10 +1,12 @@
 """A completion's echoed prompt (`echo`): its text, and the legacy log-probabilities over the
 prompt and the completion, as OpenAI's legacy completions and vLLM answer them.
 
-The prompt's tokens come first: `tokens` each token's text, `token_logprobs` its
-log-probability given the tokens before it (`null` for the first: nothing predicts it),
-`top_logprobs` the token and the most likely alternatives there (`null` first), `text_offset`
-where each token's text starts in the choice's text. The completion's tokens follow.
+The prompt's tokens come first: `tokens` each token's text (`bytes:\\xe7\\x9a` for one holding
+part of a character split over tokens, as OpenAI's legacy completions write it),
+`token_logprobs` its log-probability given the tokens before it (`null` for the first: nothing
+predicts it), `top_logprobs` the token and the most likely alternatives there (`null` first),
+`text_offset` where each token's text starts in the choice's text. The completion's tokens
+follow.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def echoed_prompts(
             text = str(tokenizer.decode(kept))
         kept_pieces = [pieces(t) for t in kept]
         offsets = _offsets(text, kept_pieces)
-        echoed.append(EchoedPrompt(text, tuple(p.text for p in kept_pieces), offsets))
+        echoed.append(EchoedPrompt(text, tuple(p.legacy_label for p in kept_pieces), offsets))
     return echoed
 
 
@@ -87,7 +89,7 @@ def prompt_part(echo: EchoedPrompt, reported: PromptLogprobs | None) -> Completi
             tops.append(None)
             continue
         values.append(entry[0].logprob)  # the prompt's own token comes first
-        tops.append({e.text: e.logprob for e in entry})
+        tops.append({e.label: e.logprob for e in entry})
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=list(echo.offsets)
     )

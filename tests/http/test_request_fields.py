@@ -302,6 +302,40 @@ def test_streamed_offsets_are_the_whole_answers_where_a_stop_string_holds_text_b
     assert "".join(c["text"] for c in chunks) == whole["text"]
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_an_answer_cut_inside_a_character_ends_before_it(smol: TestClient, tokens: int):
+    """The first of 😀's byte tokens forced (logit_bias), the answer cut after it: no U+FFFD
+    for the unfinished character, and its logprobs name the token by its bytes, as OpenAI's
+    do (legacy completions: `bytes:\\xf0\\x9f`; chat: the escaped bytes and `bytes`). Twice
+    (the first sequence left unfinished by the second, so written U+FFFD), offsets still count
+    the text's characters."""
+    first = tokenizer(smol).encode("😀", add_special_tokens=False)[0]
+    data = smol.app.state.runtime.worker.engine.pieces(first).bytes
+    assert data.startswith(b"\xf0")
+    escaped = "".join(f"\\x{byte:02x}" for byte in data)
+    bias = {"logit_bias": {str(first): 100}, "max_tokens": tokens, "logprobs": 1}
+    body = complete(smol, **bias)
+    [choice] = body["choices"]
+    text = "" if tokens == 1 else "\ufffd"  # the first unfinished, then cut inside the second
+    assert (choice["text"], choice["finish_reason"]) == (text, "length")
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [f"bytes:{escaped}"] * tokens
+    assert logprobs["text_offset"] == [0] * tokens
+    assert all(f"bytes:{escaped}" in top for top in logprobs["top_logprobs"])
+    sent = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "stream": True, **bias}
+    streamed = smol.post("/v1/completions", json=sent)
+    assert streamed.status_code == 200, streamed.text
+    chunks = [json.loads(e)["choices"][0] for e in sse_events(streamed)[:-1]]
+    assert "".join(c["text"] for c in chunks) == text
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == tokens * [
+        f"bytes:{escaped}"
+    ]
+    said = chat(smol, **{**bias, "logprobs": True, "top_logprobs": 1})["choices"][0]
+    assert said["message"]["content"] == text
+    entries = said["logprobs"]["content"]
+    assert [(e["token"], e["bytes"]) for e in entries] == [(escaped, list(data))] * tokens
+
+
 def test_completion_logprobs_go_up_to_20(smol):
     body = complete(smol, max_tokens=2, logprobs=20)
     tops = body["choices"][0]["logprobs"]["top_logprobs"]

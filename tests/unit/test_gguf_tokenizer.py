@@ -473,12 +473,14 @@ def test_echoed_prompt_offsets_point_into_the_text_sent(family, meta, phi3_meta,
     assert echoed.text == text and echoed.length == len(text)
     assert len(echoed.offsets) == len(ids) and list(echoed.offsets) == sorted(echoed.offsets)
     for piece, offset in zip(echoed.pieces, echoed.offsets, strict=True):
-        if piece in ("<s>", "\ufffd") or (len(piece) == 1 and not piece.isprintable()):
-            continue  # the BOS (at 0), a byte of the emoji (at the emoji)
+        if piece == "<s>" or piece.startswith("bytes:\\x") or not piece.isprintable():
+            continue  # the BOS (at 0), a byte of the emoji (at the emoji), a control byte
         assert text[offset:].startswith(piece.lstrip(" ") if offset == 0 else piece), piece
     emoji = text.index("🙂")
     assert echoed.offsets[-1] == emoji + 1  # "!" after the emoji's bytes
     if family == "bpe":  # byte-level: the pieces are the text
         assert "".join(echoed.pieces) == text
-    else:  # the emoji's four byte pieces start at it
+    else:  # the emoji's four byte pieces start at it, named by their bytes (as OpenAI's)
         assert echoed.offsets.count(emoji) == 4
+        shown = [piece for piece in echoed.pieces if piece.startswith("bytes:")]
+        assert shown == [f"bytes:\\x{byte:02x}" for byte in "🙂".encode()]

@@ -27,7 +27,9 @@ def caches(positions: int) -> list[KVCache]:
 
 
 def scores(tokens: list[int]) -> list[tuple[RankedLogprob, ...]]:
-    return [(RankedLogprob(t, -float(i), 1, str(t)),) for i, t in enumerate(tokens[1:], start=1)]
+    return [
+        (RankedLogprob(t, -float(i), 1, str(t), str(t)),) for i, t in enumerate(tokens[1:], start=1)
+    ]
 
 
 def test_a_kept_opening_gives_its_kv_but_the_last_token_and_its_scores():

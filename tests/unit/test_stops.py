@@ -114,3 +114,38 @@ def test_logprobs_of_characters_split_over_byte_tokens_go_out_with_them(embedded
     assert "".join(delta.text for delta in deltas) == "日本語です 😀"
     shown = b"".join(token.token.bytes for delta in deltas for token in delta.logprobs)
     assert shown == "日本語です 😀".encode()
+
+
+@pytest.mark.parametrize("cut", ["ends", "inside"])
+def test_an_answer_cut_inside_a_split_character_ends_before_it(embedded_model_dir: Path, cut):
+    """max_tokens reached between the byte tokens of one character: the answer ends before
+    that character (never U+FFFD for bytes the model had not finished), the cut token's
+    logprobs still go out, and each token's width counts the characters its bytes complete,
+    so that the widths add up to the text."""
+    tokenizer = load_tokenizer(embedded_model_dir)
+    pieces = TokenPieces(tokenizer)
+    text = "ok 😀 日本"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    spans, at = [], 0  # each token's bytes in the text's
+    for token in ids:
+        spans.append((at, at + len(pieces(token).bytes)))
+        at = spans[-1][1]
+    whole = {len(text[:i].encode()) for i in range(len(text) + 1)}  # character boundaries
+    k = next(i for i, (_, end) in enumerate(spans) if end not in whole) + 1  # cut inside 😀
+    if cut == "ends":
+        k = len(ids)
+    params = SamplingParams(max_tokens=k, logprobs=True)
+    sink = Recorder()
+    row = Row(GenerationJob([1, 2], params), sink, 0, RowDetokenizers(tokenizer)(), frozenset())
+    for token in ids[:k]:
+        if not row.advance(token, SampledToken(pieces(token), -1.0, ())):
+            break
+    deltas = [event for _, event in sink.events if isinstance(event, Delta)]
+    answer = "".join(delta.text for delta in deltas)
+    sent = text.encode()[: spans[k - 1][1]]
+    expected = text if cut == "ends" else sent.decode(errors="ignore")
+    assert answer == expected and "\ufffd" not in answer
+    logprobs = [token for delta in deltas for token in delta.logprobs]
+    assert [token.token.bytes for token in logprobs] == [pieces(i).bytes for i in ids[:k]]
+    assert sum(token.width for token in logprobs) == len(answer)
+    assert logprobs[-1].token.whole == (cut == "ends")  # the cut one holds part of 😀

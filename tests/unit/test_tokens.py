@@ -32,3 +32,19 @@ def test_special_tokens_are_their_own_text(tokenizer):
     pieces = TokenPieces(tokenizer)
     [end] = tokenizer.encode("<|im_end|>", add_special_tokens=False)
     assert pieces(end).text == "<|im_end|>" and pieces(end).bytes == b"<|im_end|>"
+
+
+def test_a_split_characters_tokens_are_named_by_their_bytes(tokenizer):
+    """As OpenAI's logprobs name such tokens: escaped bytes (chat), `bytes:` before them (the
+    legacy completions), never two alike as U+FFFD; whole tokens by their text."""
+    pieces = TokenPieces(tokenizer)
+    ids = tokenizer.encode("😀日", add_special_tokens=False)
+    parts = [pieces(i) for i in ids]
+    assert all(not part.whole for part in parts)
+    assert [part.label for part in parts] == [
+        "".join(f"\\x{byte:02x}" for byte in part.bytes) for part in parts
+    ]
+    assert [part.legacy_label for part in parts] == [f"bytes:{part.label}" for part in parts]
+    assert len({part.label for part in parts}) == len({part.bytes for part in parts}) > 1
+    [word] = tokenizer.encode(" cat", add_special_tokens=False)
+    assert pieces(word).whole and pieces(word).label == pieces(word).legacy_label == " cat"
