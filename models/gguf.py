@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, Keys
 from mlx_lm.utils import save_config
 
+from hotlora.models.gguf_checks import check_metadata, check_not_split, check_shapes, check_whole
 from hotlora.models.gguf_families import (
     TOP_LEVEL_NAMES,
     Family,
@@ -34,7 +37,7 @@ from hotlora.models.model_files import atomic_model_dir, save_weights
 from hotlora.models.progress import bar, evaluate
 
 Q = GGMLQuantizationType
-__all__ = ["UnsupportedGGUF", "import_gguf", "read_header"]
+__all__ = ["UnsupportedGGUF", "check_whole", "import_gguf", "read_header"]
 
 
 def _type_name(kind: int) -> str:
@@ -166,24 +169,17 @@ def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
     return x.reshape(n_head, -1, 2, *rest).swapaxes(1, 2).reshape(x.shape)
 
 
-def check_whole(src: Path, header: GGUFHeader) -> None:
-    """Refuse a file cut short (a download that stopped): every tensor's data within it. A model
-    is checked before anything is written, an adapter before it mounts."""
-    size = src.stat().st_size
-    for name, info in header.tensors.items():
-        if header.data_start + info.offset + tensor_bytes(info.type, info.shape) > size:
-            raise UnsupportedGGUF(
-                f"{src.name} is truncated: {name} ends past the end of the file "
-                f"({size:,} bytes); download it again"
-            )
-
-
-def read_tensors(src: Path, header: GGUFHeader) -> dict[str, mx.array]:
-    """Every tensor of the file by GGUF name, a quantized `x.weight` as `x.weight`, `x.scales`
-    and `x.biases`; converted one at a time from a read-only map of the file."""
+def read_tensors(
+    src: Path, header: GGUFHeader, names: Iterable[str] | None = None
+) -> dict[str, mx.array]:
+    """The tensors `names` (default: every one) by GGUF name, a quantized `x.weight` as
+    `x.weight`, `x.scales` and `x.biases`; converted one at a time from a read-only map of the
+    file."""
     data = np.memmap(src, dtype=np.uint8, mode="r")
     tensors: dict[str, mx.array] = {}
-    for name, info in bar(header.tensors.items(), f"reading {src.name}", len(header.tensors)):
+    chosen = list(header.tensors if names is None else names)
+    for name in bar(chosen, f"reading {src.name}", len(chosen)):
+        info = header.tensors[name]
         start = header.data_start + info.offset
         raw = data[start : start + tensor_bytes(info.type, info.shape)]
         arrays = read_tensor(raw, info.type, info.shape)
@@ -197,15 +193,14 @@ def convert_tensors(
     loaded: dict[str, mx.array], family: Family, config: dict[str, Any]
 ) -> dict[str, mx.array]:
     """Rename the GGUF's tensors to mlx-lm's names and undo what llama.cpp's converter
-    did to them: q/k rows permuted (llama), 1 added to norm weights (gemma)."""
+    did to them: q/k rows permuted (llama), 1 added to norm weights (gemma). Every tensor is
+    one the family has, all it needs are there (`check_shapes`)."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    weights, unknown = {}, []
+    weights = {}
     for name, array in loaded.items():
         base, _, part = name.rpartition(".")  # part: weight | bias | scales | biases
         path = _mlx_path(base, family)
-        if path is None:
-            unknown.append(name)
-            continue
+        assert path is not None, name
         kind = base.rpartition(".")[2]
         if family.permuted_qk and kind in heads:
             array = _unpermute_rows(array, heads[kind])
@@ -214,22 +209,6 @@ def convert_tensors(
                 raise UnsupportedGGUF(f"{name}: a quantized gemma norm cannot be shifted back")
             array = array.astype(mx.float32) - family.norm_offset
         weights[f"{path}.{part}"] = array
-    if unknown:
-        raise UnsupportedGGUF(
-            f"tensors a {family.model_type} model does not have: {', '.join(sorted(unknown))}"
-        )
-    n_layers = config["num_hidden_layers"]
-    expected = ["model.embed_tokens.weight", "model.norm.weight"]
-    expected += [
-        f"model.layers.{i}.{m}.weight" for i in range(n_layers) for m in family.layer_names.values()
-    ]
-    expected += [
-        f"model.layers.{i}.{family.layer_names[b]}.bias"
-        for i in range(n_layers)
-        for b in family.required_biases
-    ]
-    if missing := [key for key in expected if key not in weights]:
-        raise UnsupportedGGUF(f"GGUF lacks tensors for: {', '.join(missing[:5])}")
     return weights
 
 
@@ -260,36 +239,53 @@ def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
     return config
 
 
+@contextmanager
+def _naming(src: Path) -> Iterator[None]:
+    """A refusal raised without the file's name gets it in front: every refusal names it."""
+    try:
+        yield
+    except UnsupportedTokenizer as e:
+        raise UnsupportedGGUF(f"{src}: {e}") from e
+    except UnsupportedGGUF as e:
+        if str(e).startswith((str(src), src.name)):
+            raise
+        raise UnsupportedGGUF(f"{src}: {e}") from e
+
+
 def import_gguf(src: Path, dest: Path) -> Path:
     """Convert the GGUF at `src` into an mlx-lm model directory at `dest`; return `dest`.
 
     The architecture must be one of `FAMILIES` (llama.cpp writes Mistral as llama). Quantized
     tensors stay quantized (MLX affine, group size 32); what llama.cpp's converter changed is put
     back (llama's q/k row order, gemma's norm weights); config, tokenizer and generation
-    defaults come from the GGUF metadata. Raises `UnsupportedGGUF` for what cannot be kept
-    faithfully, and `FileExistsError` for a non-empty `dest`. Nothing appears at `dest` unless
-    all succeeds.
+    defaults come from the GGUF metadata. The file is checked whole first (`gguf_checks`): its
+    layout, its metadata against its tensors, every tensor's shape against the config. Raises
+    `UnsupportedGGUF`, naming the file, for what cannot be kept faithfully, and
+    `FileExistsError` for a non-empty `dest`. Nothing appears at `dest` unless all succeeds.
     """
     src, dest = Path(src), Path(dest)
     header = read_header(src)
-    family = _check_supported(header)
-    check_whole(src, header)
-    with atomic_model_dir(dest) as tmp:
-        try:
-            write_tokenizer_files(header.metadata, tmp)
-        except UnsupportedTokenizer as e:
-            raise UnsupportedGGUF(str(e)) from e
-        loaded = read_tensors(src, header)
+    with _naming(src):
+        check_not_split(src, header)
+        family = _check_supported(header)
+        check_whole(src, header)
+        arch = header.metadata["general.architecture"]
+        check_metadata(header, arch)
+        present = [name for name in family.setting_tensors if name in header.tensors]
         settings = {
-            name: np.array(loaded.pop(name).astype(mx.float32))
-            for name in family.setting_tensors
-            if name in loaded
+            name: np.array(array.astype(mx.float32))
+            for name, array in read_tensors(src, header, present).items()
         }
         config = model_config(header, family, settings)
-        weights = convert_tensors(loaded, family, config)
-        evaluate(weights, f"converting {src.name}")
-        if (quantization := quantization_config(weights)) is not None:
-            config["quantization"] = quantization
-        save_weights(weights, tmp)
-        save_config(config, tmp / "config.json")
+        check_shapes(header, family, config)
+        with atomic_model_dir(dest) as tmp:
+            write_tokenizer_files(header.metadata, tmp)
+            weights = [name for name in header.tensors if name not in settings]
+            loaded = read_tensors(src, header, weights)
+            converted = convert_tensors(loaded, family, config)
+            evaluate(converted, f"converting {src.name}")
+            if (quantization := quantization_config(converted)) is not None:
+                config["quantization"] = quantization
+            save_weights(converted, tmp)
+            save_config(config, tmp / "config.json")
     return dest

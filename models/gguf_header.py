@@ -14,6 +14,7 @@ import numpy as np
 from hotlora.models.gguf_families import UnsupportedGGUF
 
 GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,20 @@ class GGUFHeader:
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
     data_start: int
+    alignment: int = DEFAULT_ALIGNMENT  # `general.alignment`, which tensor offsets keep to
 
 
 # GGUF value type id -> struct format, for the fixed-size types (8 is a string, 9 an array).
 _SCALARS = {**dict(enumerate("BbHhIif?")), 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-DEFAULT_ALIGNMENT = 32
 
 
 def read_header(path: Path) -> GGUFHeader:
     """Parse the GGUF header (v2 or v3, little-endian) without touching the tensor data.
 
     Whatever is wrong with it (cut short, a length past the end, an unknown value type, an
-    array of arrays, an alignment that is not a power of two) raises `UnsupportedGGUF`.
+    array of arrays, a tensor listed twice, an alignment that is not a power of two) raises
+    `UnsupportedGGUF`.
     """
     try:
         return _parse_header(path)
@@ -63,7 +65,10 @@ def _parse_header(path: Path) -> GGUFHeader:
             raise UnsupportedGGUF(f"{path} is not a GGUF file")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
         if version not in (2, 3):
-            raise UnsupportedGGUF(f"GGUF version {version} is not supported (only 2 and 3)")
+            raise UnsupportedGGUF(
+                f"{path}: GGUF version {version} is not supported (only 2 and 3): convert the "
+                "model again with a current llama.cpp"
+            )
         pos = 24
 
         def take(n: int) -> int:
@@ -110,9 +115,11 @@ def _parse_header(path: Path) -> GGUFHeader:
             name = string()
             dims = [scalar("Q") for _ in range(scalar("I"))]
             kind, offset = scalar("I"), scalar("Q")
+            if name in tensors:
+                raise ValueError(f"tensor {name!r:.80} is listed twice")
             tensors[name] = TensorInfo(kind, tuple(reversed(dims)), offset)
         alignment = _alignment(path, metadata)
-        return GGUFHeader(metadata, tensors, -(-pos // alignment) * alignment)
+        return GGUFHeader(metadata, tensors, -(-pos // alignment) * alignment, alignment)
 
 
 def _alignment(path: Path, metadata: dict[str, Any]) -> int:

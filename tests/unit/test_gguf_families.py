@@ -157,7 +157,7 @@ def test_another_family_s_tensors_are_refused(tmp_path, name, arch):
     # A qwen2 file labelled gemma3 lacks the q/k norms; a gemma2 file labelled qwen3 has norms
     # qwen3 does not know.
     write_family_gguf(tmp_path / "m.gguf", name, arch=arch)
-    with pytest.raises(UnsupportedGGUF, match="lacks tensors|does not have"):
+    with pytest.raises(UnsupportedGGUF, match="lacks tensor|is not one a"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "model")
     assert not (tmp_path / "model").exists()
 
