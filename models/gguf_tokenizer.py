@@ -162,7 +162,14 @@ def _rstripped(meta: dict[str, Any], tokens: list[str], types: Sequence[int]) ->
 def _bpe_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """Byte-level BPE with llama.cpp's pre-tokenizer for `tokenizer.ggml.pre`."""
     tokens: list[str] = meta[Keys.Tokenizer.LIST]
-    merges = [tuple(m.split(" ")) for m in meta.get(Keys.Tokenizer.MERGES, [])]
+    if Keys.Tokenizer.MERGES not in meta:
+        # Without them every word would split into single bytes: llama.cpp refuses it too.
+        raise UnsupportedTokenizer(
+            f"its byte-level BPE vocabulary has no merges ({Keys.Tokenizer.MERGES}), without "
+            "which no text is tokenized as the model was trained; llama.cpp refuses such a "
+            "file too: get one converted with its merges"
+        )
+    merges = [tuple(m.split(" ")) for m in meta[Keys.Tokenizer.MERGES]]
     if any(len(m) != 2 for m in merges):
         raise UnsupportedTokenizer("a BPE merge is not two space-separated tokens")
     pre = meta.get(Keys.Tokenizer.PRE, "default")

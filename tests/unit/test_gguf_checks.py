@@ -42,11 +42,12 @@ def write_gguf(
     meta: dict[str, object] | None = None,
     tensors: dict[str, np.ndarray | None] | None = None,
     types: dict[str, Q] | None = None,
+    merges: bool = True,
 ) -> Path:
     """The tiny llama as float tensors (q/k rows as they come: nothing here reads values), its
     metadata updated by `meta` (a None value leaves the key out), tensors replaced, added or
-    (None) left out by `tensors`, by full GGUF name."""
-    tokens, token_types, merges = tiny_vocab()
+    (None) left out by `tensors`, by full GGUF name; without `merges`, no merge list."""
+    tokens, token_types, merge_list = tiny_vocab()
     values = {
         "llama.block_count": LAYERS,
         "llama.context_length": CONTEXT,
@@ -69,7 +70,8 @@ def write_gguf(
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
+    if merges:
+        writer.add_token_merges(merge_list)
     writer.add_eos_token_id(2)
     weights = {f"{name}.weight": w for name, w in tiny_float_weights(len(tokens)).items()}
     for name, w in {**weights, **(tensors or {})}.items():
@@ -323,6 +325,18 @@ def test_every_refusal_names_the_file(tmp_path, options, words):
     src = tmp_path / "m.gguf"
     write_tiny_gguf(src, **options)
     assert refused(src, words, tmp_path).startswith(f"{src}: ")
+
+
+def test_a_byte_level_bpe_vocabulary_without_merges_is_refused(tmp_path):
+    """Without its merges every word would be split into single bytes, silently: llama.cpp
+    refuses the file, and so does the import."""
+    src = write_gguf(tmp_path / "m.gguf", merges=False)
+    message = refused(src, "its byte-level BPE vocabulary has no merges", tmp_path)
+    assert message == (
+        f"{src}: its byte-level BPE vocabulary has no merges (tokenizer.ggml.merges), without "
+        "which no text is tokenized as the model was trained; llama.cpp refuses such a file "
+        "too: get one converted with its merges"
+    )
 
 
 def test_a_refused_file_is_not_cached_and_is_refused_again(tmp_path):
