@@ -9,6 +9,7 @@ K-quants to float16 (the whole model at once), drops some newer types and narrow
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -33,10 +34,12 @@ from hotlora.models.gguf_families import (
 from hotlora.models.gguf_header import GGUFHeader, read_header
 from hotlora.models.gguf_tensors import GROUP_SIZE, SUPPORTED_TYPES, read_tensor, tensor_bytes
 from hotlora.models.gguf_tokenizer import UnsupportedTokenizer, write_tokenizer_files
+from hotlora.models.loader import DEFAULT_CONTEXT_LENGTH
 from hotlora.models.model_files import atomic_model_dir, save_weights
 from hotlora.models.progress import bar, evaluate
 
 Q = GGMLQuantizationType
+log = logging.getLogger("hotlora")
 __all__ = ["UnsupportedGGUF", "check_whole", "import_gguf", "read_header"]
 
 
@@ -117,14 +120,23 @@ def _llama3_rope_scaling(rope_factors: np.ndarray, base: float, head_dim: int) -
 
 
 def model_config(
-    header: GGUFHeader, family: Family, settings: dict[str, np.ndarray]
+    header: GGUFHeader, family: Family, settings: dict[str, np.ndarray], src: Path | None = None
 ) -> dict[str, Any]:
     """The mlx-lm `config.json` (without quantization) described by the GGUF metadata.
 
     `settings` holds the family's setting tensors found in the file (llama's `rope_freqs`,
-    Phi-3's long-context rope factors), as float32.
+    Phi-3's long-context rope factors), as float32. A context length of 0 becomes the
+    server's default, with a warning naming the file `src`.
     """
     meta = Metadata(header.metadata, header.metadata["general.architecture"])
+    if meta.get("context_length") == 0:
+        log.warning(
+            "%s: %s.context_length is 0, which states no context length: the import takes "
+            "%d tokens, the server's default",
+            src or "GGUF",
+            meta.arch,
+            DEFAULT_CONTEXT_LENGTH,
+        )
     config = {
         "model_type": family.model_type,
         "architectures": [family.architecture],
@@ -276,7 +288,7 @@ def import_gguf(src: Path, dest: Path) -> Path:
             name: np.array(array.astype(mx.float32))
             for name, array in read_tensors(src, header, present).items()
         }
-        config = model_config(header, family, settings)
+        config = model_config(header, family, settings, src)
         check_shapes(header, family, config)
         with atomic_model_dir(dest) as tmp:
             write_tokenizer_files(header.metadata, tmp)

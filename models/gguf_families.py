@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from hotlora.models.loader import DEFAULT_CONTEXT_LENGTH
+
 
 class UnsupportedGGUF(ValueError):
     """The GGUF file uses an architecture, tensor type or tokenizer this importer cannot keep."""
@@ -136,7 +138,8 @@ def common_config(meta: Metadata, tensors: dict[str, Any], *, head_dim_key: bool
         "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
         # The embedding's rows, one a token (the importer checks), not {arch}.vocab_size.
         "vocab_size": tensors["token_embd.weight"].shape[0],
-        "max_position_embeddings": int(meta.get("context_length")),
+        # A length of 0 states none: the server's default instead (the importer warns).
+        "max_position_embeddings": int(meta.get("context_length")) or DEFAULT_CONTEXT_LENGTH,
         "tie_word_embeddings": "output.weight" not in tensors,
     }
     if head_dim_key:

@@ -280,7 +280,7 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
         if role in ids:
             config[f"{role}_token"] = tokens[ids[role]]
     arch = meta.get("general.architecture")
-    if (context := meta.get(f"{arch}.context_length")) is not None:
+    if (context := meta.get(f"{arch}.context_length")) is not None and int(context) > 0:
         config["model_max_length"] = int(context)
     if (template := meta.get(Keys.Tokenizer.CHAT_TEMPLATE)) is not None:
         config["chat_template"] = template

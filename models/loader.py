@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,14 @@ _CONTEXT_KEYS = (
 # Used when neither the config nor the tokenizer states a context length: small enough that
 # any architecture handles it, large enough for a chat turn.
 DEFAULT_CONTEXT_LENGTH = 4096
+# No model is trained on more (the longest take about 10 million tokens): a length stated past
+# it is a damaged or made-up config, and the model is served with this one, with a warning.
+MAX_CONTEXT_LENGTH = 1 << 24
 # transformers reports this when a tokenizer has no model_max_length.
 _UNSET_TOKENIZER_LENGTH = 10**12
+
+
+log = logging.getLogger("hotlora")
 
 
 class ModelLoadError(HotloraError, RuntimeError):
@@ -60,21 +68,60 @@ class LoadedModel:
         self.tokenizer.has_chat_template = True
         self.find_end_of_generation()
 
-    @property
+    @cached_property
     def context_length(self) -> int:
         """The longest sequence the model takes.
 
-        The first of the usual config keys (text section first, then top level); else the
-        tokenizer's `model_max_length` if it states one; else `DEFAULT_CONTEXT_LENGTH`.
+        The first of the usual config keys (text section first, then top level) that holds a
+        length; else the tokenizer's `model_max_length` if it states one; else
+        `DEFAULT_CONTEXT_LENGTH`. A key that holds no length (0, a string) is passed over and
+        one past `MAX_CONTEXT_LENGTH` is cut to it, each with a warning naming the key and the
+        length served; so is a model that states none.
         """
-        for section in (text_section(self.config), self.config):
+        passed: list[str] = []  # the keys that hold no length, as the warning names them
+        text = text_section(self.config)
+        for section in (text, self.config) if text is not self.config else (text,):
             for key in _CONTEXT_KEYS:
-                if isinstance(section.get(key), int) and section[key] > 0:
-                    return section[key]
+                value = section.get(key)
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    passed.append(f"{key} {value!r:.40}")
+                    continue
+                return self._served_length(value, key, passed)
         limit = getattr(self.tokenizer, "model_max_length", None)
         if isinstance(limit, int) and 0 < limit < _UNSET_TOKENIZER_LENGTH:
-            return limit
+            return self._served_length(limit, "the tokenizer's model_max_length", passed)
+        stated = f"its {', '.join(passed)} states none" if passed else "it states none"
+        log.warning(
+            "%s: no context length (%s): served with %d tokens, the default",
+            self.path / "config.json",
+            stated,
+            DEFAULT_CONTEXT_LENGTH,
+        )
         return DEFAULT_CONTEXT_LENGTH
+
+    def _served_length(self, value: int, source: str, passed: list[str]) -> int:
+        """`value` (from `source`) capped at `MAX_CONTEXT_LENGTH`, with a warning where it is
+        cut or keys before it were `passed` over."""
+        served = min(value, MAX_CONTEXT_LENGTH)
+        if served < value:
+            log.warning(
+                "%s: %s is %d, past any model's context: served with %d tokens",
+                self.path / "config.json",
+                source,
+                value,
+                served,
+            )
+        elif passed:
+            log.warning(
+                "%s: %s is no context length: served with %d tokens, from %s",
+                self.path / "config.json",
+                ", ".join(passed),
+                served,
+                source,
+            )
+        return served
 
 
 def load_model_dir(path: Path) -> LoadedModel:

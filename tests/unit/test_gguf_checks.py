@@ -5,6 +5,8 @@ key or tensor, and nothing is imported, nor cached under the home."""
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import struct
 import time
@@ -18,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from hotlora.config.settings import Settings
 from hotlora.models.embedded import imported_gguf_path
 from hotlora.models.gguf import UnsupportedGGUF, import_gguf, read_header
+from hotlora.models.loader import DEFAULT_CONTEXT_LENGTH, MAX_CONTEXT_LENGTH, load_model_dir
 from hotlora.server.runtime import model_dir
 
 from tests.support.gguf_files import (
@@ -352,3 +355,28 @@ def test_a_refused_file_is_not_cached_and_is_refused_again(tmp_path):
             model_dir(settings)
         assert not dest.exists()
         assert [p.name for p in dest.parent.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_context_length_of_0_is_imported_as_the_default_with_a_warning(tmp_path, caplog):
+    src = write_gguf(tmp_path / "m.gguf", meta={"llama.context_length": 0})
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        import_gguf(src, tmp_path / "model")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{src}: llama.context_length is 0, which states no context length: the import takes "
+        "4096 tokens, the server's default"
+    ]
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["max_position_embeddings"] == DEFAULT_CONTEXT_LENGTH
+    tokenizer = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+    assert "model_max_length" not in tokenizer
+
+
+def test_a_context_length_past_any_model_s_is_served_cut_with_a_warning(tmp_path, caplog):
+    src = write_gguf(tmp_path / "m.gguf", meta={"llama.context_length": 2**40})
+    loaded = load_model_dir(import_gguf(src, tmp_path / "model"))
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        assert loaded.context_length == MAX_CONTEXT_LENGTH == 2**24
+    assert (
+        "max_position_embeddings is 1099511627776, past any model's context: served with "
+        "16777216 tokens"
+    ) in caplog.text

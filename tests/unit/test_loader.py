@@ -1,6 +1,7 @@
 """Loading a model directory: the tiny llama loads, broken directories are refused clearly."""
 
 import json
+import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import pytest
 from hotlora.models.dialects import UnsupportedConfig
 from hotlora.models.loader import (
     DEFAULT_CONTEXT_LENGTH,
+    MAX_CONTEXT_LENGTH,
     LoadedModel,
     ModelLoadError,
     generation_defaults,
@@ -201,6 +203,63 @@ def loaded_with(config: dict, model_max_length=None) -> LoadedModel:
 )
 def test_context_length_falls_back_in_order(config, model_max_length, expected):
     assert loaded_with(config, model_max_length).context_length == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "model_max_length", "expected", "warning"),
+    [
+        (
+            {"max_position_embeddings": 0},
+            None,
+            DEFAULT_CONTEXT_LENGTH,
+            "config.json: no context length (its max_position_embeddings 0 states none): "
+            "served with 4096 tokens, the default",
+        ),
+        (
+            {"max_position_embeddings": 0},
+            2048,
+            2048,
+            "config.json: max_position_embeddings 0 is no context length: served with 2048 "
+            "tokens, from the tokenizer's model_max_length",
+        ),
+        (
+            {"max_position_embeddings": "8192", "n_positions": 1024},
+            None,
+            1024,
+            "config.json: max_position_embeddings '8192' is no context length: served with 1024 "
+            "tokens, from n_positions",
+        ),
+        (
+            {"max_position_embeddings": 2**40},
+            None,
+            MAX_CONTEXT_LENGTH,
+            "config.json: max_position_embeddings is 1099511627776, past any model's context: "
+            "served with 16777216 tokens",
+        ),
+        (
+            {},
+            None,
+            DEFAULT_CONTEXT_LENGTH,
+            "config.json: no context length (it states none): served with 4096 tokens, the default",
+        ),
+    ],
+    ids=["zero", "zero-then-tokenizer", "text-then-another-key", "2^40", "none"],
+)
+def test_a_context_length_that_is_none_or_past_any_model_s_is_warned_of(
+    caplog, config, model_max_length, expected, warning
+):
+    """The length served is said once, at start, with the key that gave no length."""
+    loaded = loaded_with(config, model_max_length)
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        assert loaded.context_length == expected
+        assert loaded.context_length == expected
+    assert [r.getMessage() for r in caplog.records] == [warning]
+
+
+def test_a_stated_context_length_is_served_without_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        assert loaded_with({"max_position_embeddings": 8192}).context_length == 8192
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize(
