@@ -95,6 +95,12 @@ class Settings(BaseSettings):
     )
     max_tokens_limit: int = Field(default=4096, gt=0, description="Upper bound on max_tokens.")
     max_n: int = Field(default=8, ge=1, description="Upper bound on a request's `n`.")
+    max_choices: int = Field(
+        default=64,
+        ge=1,
+        description="Upper bound on a request's choices: its prompts (a list, on "
+        "/v1/completions) times `n`. Rows past the batch wait their turn.",
+    )
     queue_size: int = Field(
         default=64, ge=1, description="Waiting requests of one tenant beyond this get 503."
     )

@@ -89,11 +89,12 @@ class Prepared:
         adapters = self.lease.adapters
         jobs: list[GenerationJob] = []
         for prompt in self.prompts:
-            for _ in range(self.n):
+            for choice in range(self.n):
                 params = self.params
                 if params.seed is not None:
-                    # Seeded choices are reproducible but not identical to each other.
-                    params = replace(params, seed=params.seed + len(jobs))
+                    # Seeded choices are reproducible but not identical to each other; a
+                    # prompt's are the same wherever it stands in a list of prompts.
+                    params = replace(params, seed=params.seed + choice)
                 jobs.append(
                     GenerationJob(prompt, params, adapters, grammar=self.grammar, cache_scope=scope)
                 )
@@ -403,8 +404,11 @@ class InferenceService:
             top_logprobs=n_logprobs or 0,
             grammar=grammar,
         )
-        # Echoed, the prompt is scored with `logprobs` alternatives (prompt_logprobs' count).
-        prepared.params = replace(prepared.params, prompt_logprobs=request.scored_prompt)
+        # Echoed, the prompt is scored with `logprobs` alternatives (prompt_logprobs' count);
+        # the token that ends an answer is listed as vLLM's legacy completions list it.
+        prepared.params = replace(
+            prepared.params, prompt_logprobs=request.scored_prompt, logprobs_of_end=True
+        )
         prepared.shows_prompt_logprobs = request.prompt_logprobs is not None
         if request.echo:
             kept, pieces = prepared.prompts, self.engine.pieces
@@ -446,15 +450,16 @@ class InferenceService:
         top_logprobs: int,
         grammar: Grammar | None,
     ) -> Prepared:
-        choices = len(prompts) * request.n
-        if choices > self.settings.max_n:
-            what = (
-                f"{len(prompts)} prompts x n={request.n}" if len(prompts) > 1 else f"n={request.n}"
-            )
+        if request.n > self.settings.max_n:
             raise InvalidRequest(
-                f"A request may ask for at most {self.settings.max_n} choices; this one asks for "
-                f"{choices} ({what}).",
-                param="n" if len(prompts) == 1 else prompt_param,
+                f"n is {request.n}; this server allows at most {self.settings.max_n}.", param="n"
+            )
+        choices, most = len(prompts) * request.n, self.settings.max_choices
+        if choices > most:  # a list of prompts is a batch (lm-evaluation-harness's batch_size)
+            raise InvalidRequest(
+                f"A request may ask for at most {most} choices; this one asks for {choices} "
+                f"({len(prompts)} prompts x n={request.n}).",
+                param=prompt_param,
             )
         limit = self.settings.max_tokens_limit
         if max_tokens is not None and max_tokens > limit:

@@ -33,6 +33,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # The token that ends the answer quietly (EOS, a stop token not kept) listed in the logprobs
+    # too, as the legacy completions of vLLM list it: lm-evaluation-harness reads the last entry
+    # as the one generated token, so a continuation that the model would end there scores whole.
+    logprobs_of_end: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -526,10 +526,11 @@ class Scheduler:
         self, row: Row, token: int, logprobs: dict[int, mx.array], i: int
     ) -> SampledToken | None:
         params = row.job.params
-        if not params.logprobs or row.ends_quietly(token):
+        ends = row.ends_quietly(token)
+        if not params.logprobs or (ends and not params.logprobs_of_end):
             return None
         sampled = self.engine.logprob(token, logprobs[i][0], params.top_logprobs)
-        return replace(sampled, silent=True) if token in row.silent else sampled
+        return replace(sampled, silent=True) if ends or token in row.silent else sampled
 
     def _store(self, row: Row, index: int) -> None:
         """Keep a finished row's cache (prompt + output) for the next turn of its conversation,

@@ -103,6 +103,8 @@ class Row:
         """Take the row's next token and emit the text it completes; False once it is done."""
         params = self.job.params
         if self.ends_quietly(token):
+            if sampled is not None:  # asked for (`logprobs_of_end`): listed, adding no text
+                self.held.append((replace(sampled, chars=0), self.spelled, self.spelled))
             self.finish("stop")
             return False
         if self.constraint is not None:

@@ -89,7 +89,11 @@ def prompt_part(echo: EchoedPrompt, reported: PromptLogprobs | None) -> Completi
             tops.append(None)
             continue
         values.append(entry[0].logprob)  # the prompt's own token comes first
-        tops.append({e.label: e.logprob for e in entry})
+        # Its own value under its name, whatever alternative shares the name.
+        top = {entry[0].label: entry[0].logprob}
+        for e in entry[1:]:
+            top.setdefault(e.label, e.logprob)
+        tops.append(top)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=list(echo.offsets)
     )

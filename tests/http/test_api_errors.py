@@ -411,12 +411,29 @@ def test_null_stands_for_a_fields_default(client: TestClient, path, body, fields
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
 
 
-def test_batch_prompts_count_against_max_n(client: TestClient):
-    body = {"model": "tiny", "prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}
+def test_a_list_of_prompts_counts_against_max_choices_and_n_against_max_n(make_client):
+    client = make_client(max_n=3, max_choices=12)
+    body = {"model": "tiny", "prompt": ["a", "b", "c"], "n": 4, "max_tokens": 1}
     error = client.post("/v1/completions", json=body).json()["error"]
-    assert error["param"] == "prompt" and "9" in error["message"]
-    ok = client.post("/v1/completions", json={**body, "n": 2})
-    assert [c["index"] for c in ok.json()["choices"]] == list(range(6))
+    assert error["param"] == "n" and "at most 3" in error["message"]
+    many = {**body, "prompt": ["a"] * 13, "n": 1}
+    error = client.post("/v1/completions", json=many).json()["error"]
+    assert error["param"] == "prompt" and "13 prompts x n=1" in error["message"]
+    ok = client.post("/v1/completions", json={**body, "n": 3})  # 9 choices: a batch, not n
+    assert [c["index"] for c in ok.json()["choices"]] == list(range(9))
+    twelve = client.post("/v1/completions", json={**many, "prompt": ["a"] * 12})
+    assert twelve.status_code == 200, twelve.text
+
+
+def test_a_seeded_prompt_samples_the_same_wherever_it_stands_in_a_list(client: TestClient):
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 1.0, "seed": 42}
+    alone = client.post("/v1/completions", json={**body, "prompt": "once upon"}).json()
+    listed = client.post(
+        "/v1/completions", json={**body, "prompt": ["the cat", "once upon"], "n": 2}
+    ).json()
+    texts = [c["text"] for c in sorted(listed["choices"], key=lambda c: c["index"])]
+    assert texts[2] == alone["choices"][0]["text"]  # choice 0 of the second prompt
+    assert texts[2] != texts[3]  # its second choice: seed + 1
 
 
 def test_auth_headers_on_refusals(make_client):

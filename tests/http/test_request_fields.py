@@ -336,6 +336,54 @@ def test_an_answer_cut_inside_a_character_ends_before_it(smol: TestClient, token
     assert [(e["token"], e["bytes"]) for e in entries] == [(escaped, list(data))] * tokens
 
 
+def test_the_token_that_ends_an_answer_is_scored_as_lm_eval_reads_it(smol: TestClient):
+    """lm-evaluation-harness scores a continuation as `sum(token_logprobs[ctxlen:-1])` of an
+    echoed `max_tokens: 1` answer, the last entry taken for the generated token: one that ends
+    the answer (EOS here, forced) is listed last, adding no text, so the continuation's last
+    token is scored too. Chat lists it not, and no route counts it."""
+    end = token_id(smol, "<|im_end|>")
+    prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\nHello! How are you?"
+    fields = {"echo": True, "logprobs": 1, "logit_bias": {str(end): 100}}
+    scored = complete(smol, prompt, max_tokens=0, **fields)["choices"][0]["logprobs"]
+    body = complete(smol, prompt, max_tokens=1, **fields)
+    [choice] = body["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (prompt, "stop")
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [*scored["tokens"], "<|im_end|>"]
+    assert logprobs["token_logprobs"][:-1] == scored["token_logprobs"]
+    assert logprobs["text_offset"] == [*scored["text_offset"], len(prompt)]
+    assert "<|im_end|>" in logprobs["top_logprobs"][-1]
+    assert body["usage"]["completion_tokens"] == 0
+    sent = {"model": MODEL, "prompt": prompt, "temperature": 0, "stream": True, **fields}
+    streamed = smol.post("/v1/completions", json={**sent, "max_tokens": 1})
+    chunks = [json.loads(e)["choices"][0] for e in sse_events(streamed)[:-1]]
+    listed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert listed == logprobs["tokens"] and "".join(c["text"] for c in chunks) == prompt
+    said = chat(smol, logprobs=True, logit_bias={str(end): 100}, max_tokens=4)
+    [answer] = said["choices"]
+    assert (answer["message"]["content"], answer["logprobs"]["content"]) == ("", [])
+    assert said["usage"]["completion_tokens"] == 0
+
+
+def test_echo_names_tokens_inside_a_character_apart(smol: TestClient):
+    """Byte tokens of characters split over tokens are named by their bytes (`bytes:\\xe6`),
+    so that no two alternatives share a key and each position's own token reads its own
+    value from `top_logprobs`, as lm-evaluation-harness's greedy check does."""
+    prompt = "日本の首都は東京です。🍣 is sushi 👍🏽"
+    body = complete(smol, prompt, echo=True, logprobs=5, max_tokens=0)
+    logprobs = body["choices"][0]["logprobs"]
+    tokens = logprobs["tokens"]
+    split = [token for token in tokens if token.startswith("bytes:\\x")]
+    assert split and "\ufffd" not in "".join(tokens)
+    for token, value, top in zip(
+        tokens[1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True
+    ):
+        assert top[token] == value and 5 <= len(top) <= 6, (token, top)
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(prompt)
+    assert offsets[tokens.index(split[0])] == prompt.index("日")
+
+
 def test_completion_logprobs_go_up_to_20(smol):
     body = complete(smol, max_tokens=2, logprobs=20)
     tops = body["choices"][0]["logprobs"]["top_logprobs"]
