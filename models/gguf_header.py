@@ -136,3 +136,14 @@ def _format(kind: int) -> str:
     if kind not in _SCALARS:
         raise ValueError(f"unknown value type {kind}")
     return _SCALARS[kind]
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a file that starts as every GGUF file does (`GGUF`), whatever its name."""
+    try:
+        if not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False

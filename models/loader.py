@@ -174,7 +174,10 @@ def _check_files(path: Path) -> None:
     if not path.exists():
         raise ModelLoadError(f"model directory {path} does not exist")
     if not path.is_dir():
-        raise ModelLoadError(f"model path {path} is not a directory")
+        raise ModelLoadError(
+            f"model path {path} is neither a model directory nor a GGUF file (one starts with "
+            "the bytes GGUF): give the model's directory or its .gguf file"
+        )
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model directory {path} has no config.json")
     if not any(path.glob("model*.safetensors")):

@@ -20,7 +20,7 @@ from hotlora.models.cpu.weights import has_gpu
 from hotlora.models.embedded import (
     embedded_model_path,
     ensure_embedded_model,
-    ensure_gguf_model,
+    ensure_model,
     imported_gguf_path,
 )
 from hotlora.models.end_of_generation import describe, token_text
@@ -49,14 +49,12 @@ _LAST_WRITE_S = 5.0  # after the drain, how long ended requests get to write the
 
 
 def model_dir(settings: Settings, progress: Callable[[str], None] | None = None) -> Path:
-    """The directory to serve: `settings.model`, the import of it when it is a GGUF file, or
-    the embedded model; GGUF files are imported once into the home."""
+    """The directory to serve: `settings.model`, the import of it when it is a GGUF file (by
+    its suffix or its first bytes), or the embedded model; GGUF files are imported once into
+    the home."""
     if settings.model is None:
         return ensure_embedded_model(settings.home, progress=progress)
-    path = settings.model.expanduser().resolve()
-    if path.is_file() and path.suffix == ".gguf":
-        return ensure_gguf_model(path, settings.home, progress=progress)
-    return path
+    return ensure_model(settings.model, settings.home, progress=progress)
 
 
 def base_model_id(settings: Settings) -> str:

@@ -157,7 +157,7 @@ def break_weights_mismatch(path: Path) -> Path:
 
 BROKEN_DIRS = [
     (break_missing_dir, "does not exist"),
-    (break_file_not_dir, "is not a directory"),
+    (break_file_not_dir, "is neither a model directory nor a GGUF file"),
     (break_no_config, "has no config.json"),
     (break_no_weights, "has no model*.safetensors"),
     (break_bad_json, "is not valid JSON"),
