@@ -68,7 +68,9 @@ def test_import_of_another_architecture_names_it(tmp_path: Path):
     write_family_gguf(tmp_path / "m.gguf", "qwen2", arch="mamba")
     result = hotlora("import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"))
     assert result.returncode == 1
-    assert result.stderr.startswith("hotlora import-gguf: architecture 'mamba' is not supported")
+    assert result.stderr.startswith(
+        f"hotlora import-gguf: {tmp_path / 'm.gguf'}: architecture 'mamba' is not supported"
+    )
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -97,7 +99,7 @@ def test_serve_of_a_gguf_of_another_architecture_exits_naming_it(tmp_path: Path)
         "serve", "--model", str(tmp_path / "m.gguf"), "--port", "0", "--home", str(tmp_path)
     )
     assert result.returncode == 1
-    assert "could not start: architecture 'mamba' is not supported" in result.stderr
+    assert f"could not start: {tmp_path / 'm.gguf'}: architecture 'mamba'" in result.stderr
 
 
 def test_serve_with_a_missing_model_exits_with_the_reason(tmp_path: Path):
