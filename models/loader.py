@@ -17,6 +17,7 @@ from hotlora.config.errors import HotloraError
 from hotlora.models.batch_masks import install_row_masks
 from hotlora.models.dialects import UnsupportedConfig, read_config, text_section
 from hotlora.models.end_of_generation import end_of_generation
+from hotlora.models.model_files import layers_in, safetensors_names
 
 # Names configs use for the longest sequence the position encoding was trained for.
 _CONTEXT_KEYS = (
@@ -34,6 +35,18 @@ DEFAULT_CONTEXT_LENGTH = 4096
 MAX_CONTEXT_LENGTH = 1 << 24
 # transformers reports this when a tokenizer has no model_max_length.
 _UNSET_TOKENIZER_LENGTH = 10**12
+# Config numbers a model is built from: each a whole number above 0 where it is one number.
+_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "head_dim",
+)
+# Files one of which a tokenizer is loaded from (tokenizer.json, tokenizer.model, vocab.json,
+# a tiktoken file, Mistral's tekken.json).
+_TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab*", "*.tiktoken", "tekken.json")
 
 
 log = logging.getLogger("hotlora")
@@ -143,16 +156,23 @@ def load_model_dir(path: Path) -> LoadedModel:
             f"{path}: model_type {model_type!r} is not an architecture mlx-lm can build"
         ) from e
     # The tokenizer first: it is cheap, so a directory without one fails before the weights load.
+    if not any(p.is_file() for pattern in _TOKENIZER_FILES for p in path.glob(pattern)):
+        raise ModelLoadError(
+            f"{path}: cannot load the tokenizer: the directory has no tokenizer files "
+            "(tokenizer.json, tokenizer.model, vocab.json); copy the model's into it"
+        )
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"{path}: cannot load the tokenizer: {e}") from e
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; each is reported
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {_one_line(e)}") from e
     try:
         # load_model merges `model_config` over the raw file; read_config keeps every raw key,
         # so the merge is exactly the read config.
         model, config = load_model(path, model_config=config)
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-        raise ModelLoadError(f"{path}: cannot build the {model_type!r} model: {e}") from e
+    except Exception as e:  # noqa: BLE001 - mlx-lm raises many kinds; each is reported
+        raise ModelLoadError(
+            f"{path}: cannot build the {model_type!r} model: {_one_line(e)}"
+        ) from e
     install_row_masks(model)  # rows of a batch each under their own mask (gemma2)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
     loaded.find_end_of_generation()
@@ -185,14 +205,76 @@ def _check_files(path: Path) -> None:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    """config.json (with generation_config.json's eos ids, as mlx-lm reads it) after its dialect."""
+    """config.json (with generation_config.json's eos ids, as mlx-lm reads it) after its dialect;
+    its sizes (`_SIZES`) each a whole number above 0, and the weights whole, first."""
+    file = path / "config.json"
     try:
-        raw = load_config(path)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from e
-    if not isinstance(raw, dict) or not raw.get("model_type"):
-        raise ModelLoadError(f"{path / 'config.json'} does not name a model_type")
+        written = json.loads(file.read_text())
+    except ValueError as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(written, dict):
+        raise ModelLoadError(
+            f"{file} holds a JSON {type(written).__name__}, not an object of settings; "
+            "it should be the model's own config.json"
+        )
+    raw = load_config(path)
+    if not raw.get("model_type"):
+        raise ModelLoadError(f"{file} does not name a model_type")
+    for section in _sections(raw):
+        for key in _SIZES:
+            value = section.get(key)
+            if value is None or isinstance(value, list):  # unset, or one a layer
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ModelLoadError(
+                    f"{file}: {key} is {value!r:.40}, not a whole number above 0; fix it to "
+                    "the model's own"
+                )
+    _check_weights(path, raw)  # before the dialect, which sizes lists by the layer count
     try:
         return read_config(raw)
     except UnsupportedConfig as e:
         raise ModelLoadError(f"{path}: {e}") from e
+
+
+def _sections(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The config and its text section where that is nested in it."""
+    text = text_section(config)
+    return [config] if text is config else [config, text]
+
+
+def _check_weights(path: Path, config: dict[str, Any]) -> None:
+    """Refuse a weight file that is not a whole safetensors file (read from its header), and a
+    layer count past the layers the weights hold, before either sizes anything."""
+    names = []
+    for file in sorted(path.glob("model*.safetensors")):
+        try:
+            names += safetensors_names(file)
+        except ValueError as e:
+            raise ModelLoadError(f"{file} {e}; download or write it again") from e
+    stated, held = text_section(config).get("num_hidden_layers"), layers_in(names)
+    if isinstance(stated, int) and held is not None and stated > held:
+        raise ModelLoadError(
+            f"{path / 'config.json'}: num_hidden_layers is {stated:,}, but the weights hold "
+            f"{held} layers; fix it to the model's own"
+        )
+
+
+def _one_line(e: BaseException) -> str:
+    """A library's error as one line: a missing weight named as such, a list of names cut to
+    the first few; the whole text goes to the DEBUG log."""
+    if isinstance(e, MemoryError):
+        return "out of memory: config.json describes a model larger than this machine holds"
+    if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str) and "." in e.args[0]:
+        return f"the weights have no {e.args[0]}"
+    text = str(e).strip() or type(e).__name__
+    lines = [line.strip().rstrip(",") for line in text.splitlines() if line.strip()]
+    if len(lines) == 1:
+        return lines[0]
+    log.debug("%s", text)
+    first, rest = lines[0], lines[1:]
+    more = f" and {len(rest) - 3} more" if len(rest) > 3 else ""
+    line = f"{first.rstrip(':')}: {', '.join(r.rstrip('.') for r in rest[:3])}{more}"
+    if "not in model" in first and any(r.rstrip(".").endswith(".scales") for r in rest):
+        line += " (quantized weights: config.json needs its quantization section)"
+    return line

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,6 +65,34 @@ def atomic_model_dir(dest: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def safetensors_names(file: Path) -> list[str]:
+    """The tensor names of a safetensors file, read from its header alone; raises ValueError
+    saying what is wrong where the file is not a whole one (empty, cut short, its header not
+    JSON, a tensor's data past its end), as a download that stopped leaves it."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        if size < 8:
+            raise ValueError(f"is {size} bytes long, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", f.read(8))
+        if 8 + length > size:
+            raise ValueError("is cut short: its header runs past the end of the file")
+        try:
+            header = json.loads(f.read(length))
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise ValueError("is not a safetensors file: its header is not one") from None
+    if 8 + length + max(ends, default=0) > size:
+        raise ValueError("is cut short: its tensors run past the end of the file")
+    return [name for name in header if name != "__metadata__"]
+
+
+def layers_in(names: list[str]) -> int | None:
+    """How many layers tensors named `...layers.N....` make (the highest N + 1); None where
+    none is named so."""
+    numbers = [int(m.group(1)) for n in names if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", n))]
+    return max(numbers) + 1 if numbers else None
 
 
 def save_weights(weights: dict[str, mx.array], dest: Path) -> None:

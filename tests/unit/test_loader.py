@@ -155,6 +155,50 @@ def break_weights_mismatch(path: Path) -> Path:
     return path
 
 
+def break_config_list(path: Path) -> Path:
+    (path / "config.json").write_text("[1, 2]")
+    return path
+
+
+def break_heads_zero(path: Path) -> Path:
+    edit_config(path, num_attention_heads=0)
+    return path
+
+
+def break_layers_text(path: Path) -> Path:
+    edit_config(path, num_hidden_layers="2")
+    return path
+
+
+def break_layers_past_the_weights(path: Path) -> Path:
+    edit_config(path, num_hidden_layers=2**40)
+    return path
+
+
+def break_weights_empty(path: Path) -> Path:
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+def break_weights_cut_short(path: Path) -> Path:
+    whole = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    return path
+
+
+def break_weight_missing(path: Path) -> Path:
+    weights = mx.load(str(path / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return path
+
+
+def break_quantized_without_its_section(path: Path) -> Path:
+    quantized = write_tiny_llama(path.parent / "q", quantize=True)
+    (path / "model.safetensors").write_bytes((quantized / "model.safetensors").read_bytes())
+    return path
+
+
 BROKEN_DIRS = [
     (break_missing_dir, "does not exist"),
     (break_file_not_dir, "is neither a model directory nor a GGUF file"),
@@ -164,8 +208,37 @@ BROKEN_DIRS = [
     (break_no_model_type, "does not name a model_type"),
     (break_unknown_type, "'made_up_arch' is not an architecture mlx-lm can build"),
     (break_diffusion_gemma, "'diffusion_gemma' is not an architecture mlx-lm can build"),
-    (break_no_tokenizer, "cannot load the tokenizer"),
+    (
+        break_no_tokenizer,
+        "cannot load the tokenizer: the directory has no tokenizer files (tokenizer.json, "
+        "tokenizer.model, vocab.json); copy the model's into it",
+    ),
     (break_weights_mismatch, "cannot build the 'llama' model"),
+    (
+        break_config_list,
+        "config.json holds a JSON list, not an object of settings; it should be the model's "
+        "own config.json",
+    ),
+    (break_heads_zero, "config.json: num_attention_heads is 0, not a whole number above 0"),
+    (break_layers_text, "config.json: num_hidden_layers is '2', not a whole number above 0"),
+    (
+        break_layers_past_the_weights,
+        "config.json: num_hidden_layers is 1,099,511,627,776, but the weights hold 2 layers",
+    ),
+    (
+        break_weights_empty,
+        "model.safetensors is 0 bytes long, too short for a safetensors header; download or "
+        "write it again",
+    ),
+    (break_weights_cut_short, "model.safetensors is cut short: its tensors run past the end"),
+    (
+        break_weight_missing,
+        "cannot build the 'llama' model: Missing 1 parameters: model.layers.1.mlp.down_proj.weight",
+    ),
+    (
+        break_quantized_without_its_section,
+        "cannot build the 'llama' model: Received 30 parameters not in model: ",
+    ),
 ]
 
 
@@ -173,9 +246,34 @@ BROKEN_DIRS = [
     ("breakage", "message"), BROKEN_DIRS, ids=lambda c: getattr(c, "__name__", "")
 )
 def test_broken_directories_are_refused_clearly(tmp_path, breakage, message):
+    """Each in one line naming the directory or its file, whatever the library said."""
     path = breakage(write_tiny_llama(tmp_path / "m"))
-    with pytest.raises(ModelLoadError, match=re.escape(message)):
+    with pytest.raises(ModelLoadError, match=re.escape(message)) as refused:
         load_model_dir(path)
+    assert "\n" not in str(refused.value)
+    assert str(path) in str(refused.value)
+
+
+def test_quantized_weights_without_their_section_say_so_in_one_line(tmp_path):
+    path = break_quantized_without_its_section(write_tiny_llama(tmp_path / "m"))
+    with pytest.raises(ModelLoadError) as refused:
+        load_model_dir(path)
+    assert str(refused.value).endswith(
+        " and 27 more (quantized weights: config.json needs its quantization section)"
+    )
+
+
+def test_a_quantized_weight_missing_is_named(tmp_path):
+    path = write_tiny_llama(tmp_path / "m", quantize=True)
+    weights = mx.load(str(path / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    with pytest.raises(ModelLoadError) as refused:
+        load_model_dir(path)
+    assert str(refused.value) == (
+        f"{path}: cannot build the 'llama' model: the weights have no "
+        "model.layers.1.mlp.down_proj.weight"
+    )
 
 
 def test_an_unverified_value_is_refused_at_load_with_its_field(tmp_path):
