@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -115,7 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server.run()
     if fatal:
-        print(f"hotlora: could not start: {fatal[0]}", file=sys.stderr)
+        print(f"hotlora: could not start: {one_line(fatal[0])}", file=sys.stderr)
     _exit_now(1 if fatal else 0)
 
 
@@ -360,13 +362,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(exc: BaseException) -> str:
+    """What `exc` says, on one line; its type's name where it says nothing (a MemoryError),
+    and before its words where it is no error this project or the system reports."""
+    words = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if not words:
+        return type(exc).__name__
+    if isinstance(exc, (HotloraError, ValueError, RuntimeError, OSError)):
+        return words
+    return f"{type(exc).__name__}: {words}"
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM stops a command other than serve (whose server drains on it) as Ctrl-C does: the
+    # directory it was writing is removed on the way out. Only the main thread may set it.
+    on_term = None
+    if args.command != "serve" and threading.current_thread() is threading.main_thread():
+        on_term = signal.signal(signal.SIGTERM, _interrupted)
     try:
         return args.handler(args)
-    except (HotloraError, ValueError, RuntimeError, OSError) as exc:
-        print(f"hotlora {args.command}: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"hotlora {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - told in one line, never as a traceback
+        logging.getLogger("hotlora").debug("hotlora %s failed", args.command, exc_info=True)
+        print(f"hotlora {args.command}: {one_line(exc)}", file=sys.stderr)
         return 1
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
 
 
 if __name__ == "__main__":
