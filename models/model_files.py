@@ -67,6 +67,20 @@ def atomic_model_dir(dest: Path) -> Iterator[Path]:
         raise
 
 
+def remove_partial_dirs(dest: Path, older_than: float) -> list[Path]:
+    """Remove the directories `atomic_model_dir` left beside `dest` from writes that never
+    finished (a process killed in the middle), those last changed before `older_than` (a
+    `time.time()`); return them. Only for a caller that knows their writers are gone, such as
+    one holding the lock every writer of `dest` holds."""
+    own = re.compile(rf"\.{re.escape(dest.name)}\.[^.]+\.partial")  # mkdtemp's names
+    removed = []
+    for path in sorted(dest.parent.iterdir()) if dest.parent.is_dir() else []:
+        if own.fullmatch(path.name) and path.is_dir() and path.stat().st_mtime < older_than:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def safetensors_names(file: Path) -> list[str]:
     """The tensor names of a safetensors file, read from its header alone; raises ValueError
     saying what is wrong where the file is not a whole one (empty, cut short, its header not

@@ -1,15 +1,19 @@
 """What `--model` names and the import cache under the home: a GGUF file known by its suffix in
-any case or by its first bytes, a missing one told from a missing directory."""
+any case or by its first bytes, a missing one told from a missing directory; an import leaves
+no lock file and removes what a killed one left."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
 
 from hotlora.config.settings import Settings
-from hotlora.models.embedded import imported_gguf_path
+from hotlora.models.embedded import ensure_gguf_model, imported_gguf_path
 from hotlora.models.loader import ModelLoadError, load_model_dir
 from hotlora.server.runtime import model_dir
 
@@ -62,3 +66,38 @@ def test_a_directory_named_gguf_is_read_as_a_directory(tmp_path):
     assert path == tmp_path / "dir.gguf"
     with pytest.raises(ModelLoadError, match="has no config.json"):
         load_model_dir(path)
+
+
+def test_an_import_leaves_no_lock_file(tmp_path):
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src)
+    dest = ensure_gguf_model(src, tmp_path / "home")
+    assert [p.name for p in dest.parent.iterdir()] == [dest.name]
+
+
+def test_what_a_killed_import_left_is_removed_by_the_next(tmp_path, caplog):
+    """Every writer of the folder holds its lock, so a partial folder found under it is one no
+    process still writes; another folder's partial one, and one newer than the import, stay."""
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src)
+    home = tmp_path / "home"
+    dest = imported_gguf_path(home, src)
+    dest.parent.mkdir(parents=True)
+    left = dest.parent / f".{dest.name}.k1ll3d_x.partial"
+    (left / "sub").mkdir(parents=True)
+    (left / "sub" / "model.safetensors").write_bytes(b"half")
+    hour_ago = time.time() - 3600
+    os.utime(left, (hour_ago, hour_ago))
+    other = dest.parent / f".{dest.name}-other.k1ll3d_y.partial"
+    other.mkdir()
+    os.utime(other, (hour_ago, hour_ago))
+    newer = dest.parent / f".{dest.name}.n3wer_zz.partial"
+    newer.mkdir()
+    later = time.time() + 3600
+    os.utime(newer, (later, later))
+    with caplog.at_level(logging.INFO, logger="hotlora"):
+        assert ensure_gguf_model(src, home) == dest
+    assert sorted(p.name for p in dest.parent.iterdir()) == sorted(
+        [dest.name, other.name, newer.name]
+    )
+    assert f"removed {left}, left by an import that did not finish" in caplog.text
