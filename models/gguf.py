@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, Keys
 from mlx_lm.utils import save_config
 
+from hotlora.config.errors import HotloraError
 from hotlora.models.gguf_checks import check_metadata, check_not_split, check_shapes, check_whole
 from hotlora.models.gguf_families import (
     TOP_LEVEL_NAMES,
@@ -40,7 +41,11 @@ from hotlora.models.progress import bar, evaluate
 
 Q = GGMLQuantizationType
 log = logging.getLogger("hotlora")
-__all__ = ["UnsupportedGGUF", "check_whole", "import_gguf", "read_header"]
+__all__ = ["ImportStopped", "UnsupportedGGUF", "check_whole", "import_gguf", "read_header"]
+
+
+class ImportStopped(HotloraError):
+    """An import given up before it finished (the process is stopping); nothing was written."""
 
 
 def _type_name(kind: int) -> str:
@@ -182,15 +187,20 @@ def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
 
 
 def read_tensors(
-    src: Path, header: GGUFHeader, names: Iterable[str] | None = None
+    src: Path,
+    header: GGUFHeader,
+    names: Iterable[str] | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> dict[str, mx.array]:
     """The tensors `names` (default: every one) by GGUF name, a quantized `x.weight` as
     `x.weight`, `x.scales` and `x.biases`; converted one at a time from a read-only map of the
-    file."""
+    file. Raises `ImportStopped` once `stopped()` is true, between two tensors."""
     data = np.memmap(src, dtype=np.uint8, mode="r")
     tensors: dict[str, mx.array] = {}
     chosen = list(header.tensors if names is None else names)
     for name in bar(chosen, f"reading {src.name}", len(chosen)):
+        if stopped is not None and stopped():
+            raise ImportStopped(f"the import of {src} was stopped before it finished")
         info = header.tensors[name]
         start = header.data_start + info.offset
         raw = data[start : start + tensor_bytes(info.type, info.shape)]
@@ -264,7 +274,7 @@ def _naming(src: Path) -> Iterator[None]:
         raise UnsupportedGGUF(f"{src}: {e}") from e
 
 
-def import_gguf(src: Path, dest: Path) -> Path:
+def import_gguf(src: Path, dest: Path, stopped: Callable[[], bool] | None = None) -> Path:
     """Convert the GGUF at `src` into an mlx-lm model directory at `dest`; return `dest`.
 
     The architecture must be one of `FAMILIES` (llama.cpp writes Mistral as llama). Quantized
@@ -272,8 +282,9 @@ def import_gguf(src: Path, dest: Path) -> Path:
     back (llama's q/k row order, gemma's norm weights); config, tokenizer and generation
     defaults come from the GGUF metadata. The file is checked whole first (`gguf_checks`): its
     layout, its metadata against its tensors, every tensor's shape against the config. Raises
-    `UnsupportedGGUF`, naming the file, for what cannot be kept faithfully, and
-    `FileExistsError` for a non-empty `dest`. Nothing appears at `dest` unless all succeeds.
+    `UnsupportedGGUF`, naming the file, for what cannot be kept faithfully, `FileExistsError`
+    for a non-empty `dest`, and `ImportStopped` once `stopped()` is true (checked between
+    tensors). Nothing appears at `dest` unless all succeeds.
     """
     src, dest = Path(src), Path(dest)
     header = read_header(src)
@@ -293,11 +304,13 @@ def import_gguf(src: Path, dest: Path) -> Path:
         with atomic_model_dir(dest) as tmp:
             write_tokenizer_files(header.metadata, tmp)
             weights = [name for name in header.tensors if name not in settings]
-            loaded = read_tensors(src, header, weights)
+            loaded = read_tensors(src, header, weights, stopped)
             converted = convert_tensors(loaded, family, config)
             evaluate(converted, f"converting {src.name}")
             if (quantization := quantization_config(converted)) is not None:
                 config["quantization"] = quantization
+            if stopped is not None and stopped():
+                raise ImportStopped(f"the import of {src} was stopped before it finished")
             save_weights(converted, tmp)
             save_config(config, tmp / "config.json")
     return dest

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 from pydantic_settings import CliSettingsSource
@@ -76,6 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"hotlora serve: {exc}", file=sys.stderr)
         return 2
     began = time.perf_counter()
+    from hotlora.models.embedded import stop_imports
+    from hotlora.models.gguf import ImportStopped
     from hotlora.server.app import create_app
     from hotlora.server.http.lifecycle import ClientTimeouts, DrainingServer, uvicorn_config
     from hotlora.server.telemetry.log_format import configure_logging, uvicorn_logging
@@ -112,10 +115,25 @@ def _serve(args: argparse.Namespace) -> int:
         **uvicorn_logging(settings),
     )
     runtime = app.state.runtime
-    server = DrainingServer(
+    stopped: list[int] = []  # a signal that stopped the model's import
+
+    class Server(DrainingServer):
+        """The server, whose SIGTERM or Ctrl-C also stops the model's import under way: it
+        gives up at its next tensor, writing nothing, rather than holding the exit until it
+        ends and then writing an import no one serves."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if stop_imports():
+                stopped.append(sig)
+            super().handle_exit(sig, frame)
+
+    server = Server(
         config, drain=lambda: runtime.drain(settings.drain_timeout), hurry=runtime.hurry
     )
     server.run()
+    # The start reports the stopped import, or was cancelled first: the same line either way.
+    if stopped and (not fatal or isinstance(fatal[0], ImportStopped)):
+        fatal = [ImportStopped("a signal stopped the model's import; nothing of it was kept")]
     if fatal:
         print(f"hotlora: could not start: {one_line(fatal[0])}", file=sys.stderr)
     _exit_now(1 if fatal else 0)

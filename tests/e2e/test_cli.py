@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -100,6 +102,32 @@ def test_serve_of_a_gguf_of_another_architecture_exits_naming_it(tmp_path: Path)
     )
     assert result.returncode == 1
     assert f"could not start: {tmp_path / 'm.gguf'}: architecture 'mamba'" in result.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_during_the_model_s_import_stops_it_writing_nothing(tmp_path: Path, sig):
+    """The import gives up at its next tensor, rather than holding the exit until it ends and
+    then writing an import no one serves; the exit status says the start failed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hotlora.server.cli", "serve", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HOTLORA_HOME": str(tmp_path)},
+    )
+    assert process.stderr is not None
+    for line in process.stderr:
+        if "hotlora: importing" in line:
+            break
+    process.send_signal(sig)
+    began = time.monotonic()
+    _, err = process.communicate(timeout=60)
+    assert time.monotonic() - began < 20  # the whole import takes longer on these machines
+    assert process.returncode == 1
+    assert err.endswith(
+        "hotlora: could not start: a signal stopped the model's import; nothing of it was kept\n"
+    )
+    cache = tmp_path / "models" / "gguf-v3"
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_serve_with_a_missing_model_exits_with_the_reason(tmp_path: Path):

@@ -1,19 +1,22 @@
 """What `--model` names and the import cache under the home: a GGUF file known by its suffix in
 any case or by its first bytes, a missing one told from a missing directory; an import leaves
-no lock file and removes what a killed one left."""
+no lock file, removes what a killed one left, and gives up writing nothing when told to stop."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from hotlora.config.settings import Settings
-from hotlora.models.embedded import ensure_gguf_model, imported_gguf_path
+from hotlora.models import embedded
+from hotlora.models.embedded import ensure_gguf_model, imported_gguf_path, stop_imports
+from hotlora.models.gguf import ImportStopped
 from hotlora.models.loader import ModelLoadError, load_model_dir
 from hotlora.server.runtime import model_dir
 
@@ -68,6 +71,14 @@ def test_a_directory_named_gguf_is_read_as_a_directory(tmp_path):
         load_model_dir(path)
 
 
+@pytest.fixture
+def stopping(monkeypatch) -> threading.Event:
+    """A stop flag of this test's own: `stop_imports` sets it for the whole process."""
+    event = threading.Event()
+    monkeypatch.setattr(embedded, "_stopping", event)
+    return event
+
+
 def test_an_import_leaves_no_lock_file(tmp_path):
     src = tmp_path / "m.gguf"
     write_tiny_gguf(src)
@@ -101,3 +112,24 @@ def test_what_a_killed_import_left_is_removed_by_the_next(tmp_path, caplog):
         [dest.name, other.name, newer.name]
     )
     assert f"removed {left}, left by an import that did not finish" in caplog.text
+
+
+def test_an_import_told_to_stop_gives_up_writing_nothing(tmp_path, stopping):
+    """As the server does on SIGTERM or Ctrl-C: the import ends at its next tensor, and the
+    home holds no model, whole or partial (the lock file stays: see `_import_once`)."""
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src)
+    home = tmp_path / "home"
+    under_way = []
+
+    def progress(message: str) -> None:
+        if message.startswith("importing"):
+            under_way.append(stop_imports())
+
+    with pytest.raises(ImportStopped) as caught:
+        ensure_gguf_model(src, home, progress=progress)
+    assert str(caught.value) == f"the import of {src} was stopped before it finished"
+    assert under_way == [True]
+    assert not stop_imports()  # none under way now
+    dest = imported_gguf_path(home, src)
+    assert [p.name for p in dest.parent.iterdir()] == [f".{dest.name}.lock"]
