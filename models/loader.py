@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
@@ -165,6 +167,7 @@ def load_model_dir(path: Path) -> LoadedModel:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; each is reported
         raise ModelLoadError(f"{path}: cannot load the tokenizer: {_one_line(e)}") from e
+    _check_chat_template(path, tokenizer)
     try:
         # load_model merges `model_config` over the raw file; read_config keeps every raw key,
         # so the merge is exactly the read config.
@@ -235,6 +238,31 @@ def _read(path: Path) -> dict[str, Any]:
         return read_config(raw)
     except UnsupportedConfig as e:
         raise ModelLoadError(f"{path}: {e}") from e
+
+
+def _check_chat_template(path: Path, tokenizer: TokenizerWrapper) -> None:
+    """Warn at start of a chat template of the model's own that Jinja cannot compile, as the
+    chat routes would find it at the first chat: the model is served all the same (completions
+    need no template), each chat refused with a 400 unless `--chat-template` gives another."""
+    templates = getattr(tokenizer, "chat_template", None)
+    if isinstance(templates, str):
+        templates = {"": templates}
+    if not isinstance(templates, dict):
+        return
+    environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    for name, template in templates.items():
+        try:
+            environment.from_string(template)  # compiled: a filter or test it names must exist
+        except TemplateSyntaxError as e:  # and TemplateAssertionError, an unknown filter
+            log.warning(
+                "%s: the model's own chat template%s is not valid Jinja (%s, line %s): chats "
+                "are refused with a 400 unless --chat-template gives another; completions are "
+                "served",
+                path,
+                f" {name!r}" if name else "",
+                " ".join(str(e.message).split()),
+                e.lineno,
+            )
 
 
 def _sections(config: dict[str, Any]) -> list[dict[str, Any]]:

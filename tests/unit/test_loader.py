@@ -377,3 +377,35 @@ def test_generation_defaults_come_from_generation_config(tmp_path: Path, written
         text = written if isinstance(written, str) else json.dumps(written)
         (tmp_path / "generation_config.json").write_text(text)
     assert generation_defaults(tmp_path) == defaults
+
+
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [
+        (
+            "{% for m in messages %}",
+            "Unexpected end of template. Jinja was looking for the following tags: 'endfor' or "
+            "'else'. The innermost block that needs to be closed is 'for'., line 1",
+        ),
+        ("{{ messages | nosuchfilter }}", "No filter named 'nosuchfilter'., line 1"),
+    ],
+    ids=["unclosed", "unknown-filter"],
+)
+def test_a_chat_template_that_does_not_compile_is_warned_of_at_load(
+    tmp_path, caplog, template, problem
+):
+    """At start, not at the first chat; the model loads and completes all the same."""
+    path = write_tiny_llama(tmp_path / "m", chat_template=template)
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        loaded = load_model_dir(path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: the model's own chat template is not valid Jinja ({problem}): chats are "
+        "refused with a 400 unless --chat-template gives another; completions are served"
+    ]
+    assert loaded.model(mx.array([[1, 2, 3]])).shape == (1, 3, VOCAB_SIZE)
+
+
+def test_a_chat_template_that_compiles_loads_without_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="hotlora"):
+        load_model_dir(write_tiny_llama(tmp_path / "m"))
+    assert caplog.records == []
