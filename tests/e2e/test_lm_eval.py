@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.support.server_process import ServerProcess
@@ -132,7 +133,7 @@ def lm_eval_args(
     return [
         *("--model", "local-completions", "--model_args", model_args),
         *("--tasks", ",".join(TASKS), "--include_path", str(tasks)),
-        *("--output_path", str(out / "results")),
+        *("--output_path", str(out / "results"), "--log_samples"),
     ]
 
 
@@ -163,6 +164,21 @@ def results(out: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+def rolling_loglikelihoods(out: Path) -> dict[str, float]:
+    """tiny_ppl's loglikelihood of each document's text, as lm_eval logged its samples."""
+    [path] = list((out / "results").rglob("samples_tiny_ppl_*.jsonl"))
+    samples = [json.loads(line) for line in path.read_text().splitlines()]
+    return {sample["doc"]["text"]: float(sample["filtered_resps"][0]) for sample in samples}
+
+
+def echo_scores(server: ServerProcess, model: str, tokens: list[int]) -> float:
+    """The server's own score of `tokens` past the first (echo, nothing generated)."""
+    body = {"model": model, "prompt": tokens, "echo": True, "logprobs": 1, "max_tokens": 0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return float(sum(response.json()["choices"][0]["logprobs"]["token_logprobs"][1:]))
+
+
 def test_lm_eval_scores_base_and_adapter_the_same_at_any_concurrency(
     pirate_server: ServerProcess, embedded_model_dir: Path, tmp_path: Path
 ):
@@ -189,4 +205,19 @@ def test_lm_eval_scores_base_and_adapter_the_same_at_any_concurrency(
     assert base["tiny_mc"] != adapter["tiny_mc"] or base["tiny_gen"] != adapter["tiny_gen"]
     assert scores[(pirate_server.model_id, 1)] == base
     assert scores[("pirate", 1)] == adapter
+    # Each text's loglikelihood is every one of its tokens' scores after lm_eval's prefix
+    # token, as the server scores the text alone: none left out, whichever token the model
+    # would write after it (an end of text included).
+    from transformers import AutoTokenizer  # lm_eval's own tokenizer, with the test extra
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    prefix = tokenizer.bos_token_id
+    if prefix is None:  # lm_eval's prefix token: the BOS, else the EOS
+        prefix = tokenizer.eos_token_id
+    for model in (pirate_server.model_id, "pirate"):
+        logged = rolling_loglikelihoods(runs[(model, 8)])
+        assert set(logged) == {doc["text"] for doc in DOCS}
+        for text, value in logged.items():
+            tokens = [prefix, *tokenizer.encode(text, add_special_tokens=False)]
+            assert value == pytest.approx(echo_scores(pirate_server, model, tokens), abs=1e-4)
     print(json.dumps({"base": base, "pirate": adapter}, indent=1))
