@@ -5,6 +5,8 @@ It lives here, below `server/` and `adapters/`, so that every package's log call
 
 from __future__ import annotations
 
+from hotlora.config.errors import HotloraError
+
 
 def printable(text: object) -> str:
     """`text` with each character that is not printable (line breaks, terminal escapes, bidi
@@ -22,3 +24,14 @@ def clipped(text: str, most: int, keep: int | None = None) -> str:
     if len(text) <= most:
         return text
     return f"{text[: most if keep is None else keep]}..."
+
+
+def one_line(exc: BaseException) -> str:
+    """What `exc` says, on one line; its type's name where it says nothing (a MemoryError),
+    and before its words where it is no error this project or the system reports."""
+    words = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if not words:
+        return type(exc).__name__
+    if isinstance(exc, (HotloraError, ValueError, RuntimeError, OSError)):
+        return words
+    return f"{type(exc).__name__}: {words}"

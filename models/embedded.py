@@ -90,12 +90,18 @@ def ensure_model(given: Path, home: Path, progress: Callable[[str], None] | None
     the path itself, which the loader reads as a directory. A missing path written with the
     `.gguf` suffix is refused as the missing file it names."""
     path = Path(given).expanduser().resolve()
-    written_gguf = Path(given).suffix.lower() == ".gguf"
-    if path.is_file() and (written_gguf or is_gguf_file(path)):
+    if names_gguf_file(given):
         return ensure_gguf_model(path, home, progress=progress)
-    if written_gguf and not path.exists():
+    if Path(given).suffix.lower() == ".gguf" and not path.exists():
         raise ModelLoadError(f"GGUF file {given} does not exist: check the path given as the model")
     return path
+
+
+def names_gguf_file(given: Path) -> bool:
+    """Whether the path `given` is a GGUF file: by its `.gguf` suffix (in any case) or by its
+    first bytes, whatever its name."""
+    path = Path(given).expanduser().resolve()
+    return path.is_file() and (Path(given).suffix.lower() == ".gguf" or is_gguf_file(path))
 
 
 def stop_imports() -> bool:

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from pydantic_settings import CliSettingsSource
 
-from hotlora.config.errors import HotloraError
+from hotlora.config.log_text import one_line
 from hotlora.config.settings import Settings
 from hotlora.config.sources import (
     InvalidSetting,
@@ -378,17 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
     for add in PARSERS:
         add(sub)
     return parser
-
-
-def one_line(exc: BaseException) -> str:
-    """What `exc` says, on one line; its type's name where it says nothing (a MemoryError),
-    and before its words where it is no error this project or the system reports."""
-    words = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-    if not words:
-        return type(exc).__name__
-    if isinstance(exc, (HotloraError, ValueError, RuntimeError, OSError)):
-        return words
-    return f"{type(exc).__name__}: {words}"
 
 
 def _interrupted(signum: int, frame: Any) -> None:

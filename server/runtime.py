@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from hotlora.adapters import AdapterManager, Budget, MountStore, mount_file
 from hotlora.config.errors import ModelNotFound
+from hotlora.config.log_text import one_line
 from hotlora.config.settings import Settings
 from hotlora.models.cpu import give_back_freed_memory, prepare_cpu
 from hotlora.models.cpu.weights import has_gpu
@@ -22,6 +23,7 @@ from hotlora.models.embedded import (
     ensure_embedded_model,
     ensure_model,
     imported_gguf_path,
+    names_gguf_file,
 )
 from hotlora.models.end_of_generation import describe, token_text
 from hotlora.models.loader import LoadedModel, generation_defaults, load_model_dir
@@ -63,7 +65,7 @@ def base_model_id(settings: Settings) -> str:
         return settings.served_model_name
     if settings.model is not None:
         path = settings.model.expanduser().resolve()
-        return path.stem if path.suffix == ".gguf" else path.name
+        return path.stem if names_gguf_file(settings.model) else path.name
     return embedded_model_path(settings.home).name
 
 
@@ -125,7 +127,7 @@ class Runtime:
             log.info("ready: serving %s from %s (started in %.2fs)", self.base_id, path, took)
         except Exception as exc:  # noqa: BLE001 - reported, then the server stops
             self.status = "failed"
-            log.error("could not start: %s", exc)
+            log.error("could not start: %s", one_line(exc))
             if self._on_fatal is not None:
                 self._on_fatal(exc)
 
@@ -160,8 +162,8 @@ class Runtime:
         home, model = self.settings.home, self.settings.model
         if model is None:
             dest = embedded_model_path(home)
-        elif model.expanduser().suffix == ".gguf" and model.expanduser().is_file():
-            dest = imported_gguf_path(home, model.expanduser())
+        elif names_gguf_file(model):
+            dest = imported_gguf_path(home, model.expanduser().resolve())
         else:
             return False
         return not (dest / "config.json").is_file()

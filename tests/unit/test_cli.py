@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import hotlora.models.gguf as gguf_module
-from hotlora.server.cli import main, one_line
+from hotlora.config.log_text import one_line
+from hotlora.server.cli import main
 
 from tests.support.gguf_files import write_tiny_gguf
 

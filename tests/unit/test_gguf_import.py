@@ -347,6 +347,18 @@ def test_non_empty_destination_is_refused(tmp_path):
     assert [p.name for p in (tmp_path / "model").iterdir()] == ["keep.txt"]
 
 
+@pytest.mark.parametrize("name", ["Qwen2-Tiny.GGUF", "Qwen2-Tiny.bin"])
+def test_a_gguf_by_another_name_is_served_under_its_stem(tmp_path, name: str):
+    """A GGUF file named in capitals or without the suffix (known by its first bytes) is
+    imported as any and served under its name less the suffix."""
+    src = tmp_path / name
+    write_family_gguf(src, "qwen2")
+    settings = Settings(model=src, home=tmp_path / "home")
+    served = model_dir(settings)
+    assert served == imported_gguf_path(settings.home, src)
+    assert base_model_id(settings) == "Qwen2-Tiny"
+
+
 def test_a_gguf_model_flag_is_imported_once_into_the_home(tmp_path):
     src = tmp_path / "Qwen2-Tiny.Q4_0.gguf"
     write_family_gguf(src, "qwen2")
