@@ -90,7 +90,9 @@ def resolve_under_root(path: str | Path, root: Path) -> Path:
         raise InvalidAdapter(message, param="path") from None
     if not resolved.is_relative_to(root):
         shown = _clipped(str(path))
-        raise AdapterPathRefused(f"adapter path '{shown}' is outside the adapter root {root}")
+        raise AdapterPathRefused(
+            f"adapter path '{shown}' is outside the adapter root (GET /v1/adapter_root names it)"
+        )
     return resolved
 
 

@@ -69,7 +69,7 @@ def list_root(
     listed = [entries[adapter_id] for adapter_id in sorted(entries) if shown(adapter_id)]
     if folder is None:
         return listed
-    paths = [Path(entry.path) for entry in listed]
+    paths = [Path(entry.path) for entry in entries.values()]  # shown or not: mounted from
     mounted_from = {*paths, *(path.parent for path in paths)}  # a `.gguf` file's directory
     return listed + [
         RootEntry(None, str(directory), "on disk", False, _size(directory, directory), None)

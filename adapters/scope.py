@@ -15,6 +15,7 @@ errors included.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
@@ -76,7 +77,9 @@ def shown_path(text: str) -> str:
     root = _current.get().hidden_root
     if root is None:
         return text
-    return text.replace(root + os.sep, "").replace(root, "the adapter root")
+    # The root's path where a path of its own ends (not `/srv/adapters2` for `/srv/adapters`).
+    inside = re.compile(re.escape(root) + r"(?:(" + re.escape(os.sep) + r")|(?![\w-]|\.[\w-]))")
+    return inside.sub(lambda found: "" if found.group(1) else "the adapter root", text)
 
 
 def visible(adapter_ids: Iterable[str]) -> list[str]:

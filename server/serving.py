@@ -459,7 +459,7 @@ class InferenceService:
             raise InvalidRequest(
                 f"A request may ask for at most {most} choices; this one asks for {choices} "
                 f"({len(prompts)} prompts x n={request.n}).",
-                param=prompt_param,
+                param=prompt_param if len(prompts) > 1 else "n",
             )
         limit = self.settings.max_tokens_limit
         if max_tokens is not None and max_tokens > limit:

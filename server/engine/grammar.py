@@ -107,12 +107,12 @@ def _failure(error: str) -> Exception:
     """The error a row's failed matcher ends it with: a grammar past the engine's limits is
     the request's (a 400); anything else (a token the mask allowed and the matcher refused) is
     the server's (a 500, logged with its traceback)."""
-    if any(word in error.lower() for word in _LIMIT_WORDS):
+    said = _in_words(error)  # its own words, not the grammar's lines it quotes
+    if any(word in said.lower() for word in _LIMIT_WORDS):
         return GrammarFailed(
             "The answer's constraint (response_format, a guided_* field, a grammar or a "
             "tool's parameters) could not be followed: the grammar engine reached one of its "
-            f"limits ({_in_words(error)}); make it smaller, e.g. fewer or shorter counted "
-            "repetitions"
+            f"limits ({said}); make it smaller, e.g. fewer or shorter counted repetitions"
         )
     return RuntimeError(f"Generation left the answer's grammar: {error}")
 

@@ -136,6 +136,7 @@ class Scheduler:
                 self.engine.detokenizers(),
                 self.eos,
                 self.engine.special_ids,
+                pieces=self.engine.pieces,
                 tenant=share.tenant,
             )
             for position, job in enumerate(jobs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ from hotlora.server.engine.grammar import Constraint
 from hotlora.server.engine.kv_caches import LayerCaches
 from hotlora.server.engine.sampling import RowSampler
 from hotlora.server.engine.stops import StopMatcher
+from hotlora.server.engine.tokens import TokenPiece
 
 
 class Sink(Protocol):
@@ -45,6 +47,7 @@ class Row:
     position: int  # the job's place in its request: the choice index
     detokenizer: Any  # a fresh copy of the tokenizer's streaming detokenizer
     eos: frozenset[int]
+    pieces: Callable[[int], TokenPiece] = field(kw_only=True)  # each token's exact bytes
     silent: frozenset[int] = frozenset()  # control tokens: generated, they add no text
     tenant: str = "default"  # whose request it is, for the fair share of the batch
     sampler: RowSampler = field(init=False)
@@ -116,12 +119,12 @@ class Row:
         # Stop strings are looked for from `min_tokens` on, as vLLM does.
         armed = self.generated >= params.min_tokens
         text = self.stops.feed(self.detokenizer.last_segment, armed=armed)
+        data = b"" if token in self.silent else self.pieces(token).bytes
+        chars = len(self.characters.decode(data))
         if sampled is not None:
             start = self.spelled
-            data = b"" if sampled.silent else sampled.token.bytes
             self.spelled += len(data)
-            sampled = replace(sampled, chars=len(self.characters.decode(data)))
-            self.held.append((sampled, start, self.spelled))
+            self.held.append((replace(sampled, chars=chars), start, self.spelled))
         shown = self._shown_tokens()
         if text or shown:
             self.sink.event(self.position, Delta(text, shown, self.generated))

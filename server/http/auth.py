@@ -22,7 +22,7 @@ from hotlora.adapters import use_scope
 from hotlora.server.http.request_errors import Forbidden, Unauthorized
 from hotlora.server.http.tenancy import Tenancy
 from hotlora.server.http.tenant_limits import RateLimited
-from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant
+from hotlora.server.http.tenants import DEFAULT_TENANT, Tenant, request_tenant
 from hotlora.server.telemetry.access_log import current_record
 
 
@@ -62,10 +62,19 @@ def _admit(request: Request, *, admin: bool) -> Tenant:
     if record is not None:
         record.tenant = tenant.name
     # Until the request is answered (`TenantAccounts` resets it). Where the server keeps its
-    # files is for an admin key: others are told paths relative to the adapter root.
-    hidden = None if tenant.is_admin else request.app.state.runtime.settings.resolved_adapter_root
+    # files is for an admin key (or anyone, on a server with no key at all): others, a request
+    # without a key beside keys included, are told paths relative to the adapter root.
+    manager = request.app.state.runtime.adapters
+    hidden = None if sees_server_paths(request) or manager is None else manager.adapter_root
     use_scope(tenant, hidden_root=hidden)
     return tenant
+
+
+def sees_server_paths(request: Request) -> bool:
+    """Whether the request may be told where the server keeps its files: it came with an
+    admin key, or the server guards nothing with a key."""
+    tenant = request_tenant(request)
+    return tenant.is_admin and (tenant is not DEFAULT_TENANT or _tenancy(request).admin_open)
 
 
 def require_api_key(request: Request) -> None:

@@ -88,10 +88,9 @@ def _text_logprobs(entries: list[SampledToken], start: int = 0) -> answers.Compl
         # As OpenAI's legacy completions and vLLM: the sampled token, then the `logprobs` most
         # likely (so up to logprobs + 1 entries), as an echoed prompt's tokens are.
         top_logprobs=[
-            {
-                e.token.legacy_label: e.logprob,
-                **{t.legacy_label: v for t, v in e.top if t.bytes != e.token.bytes},
-            }
+            echo.legacy_top(
+                e.token.legacy_label, e.logprob, ((t.legacy_label, v) for t, v in e.top)
+            )
             for e in entries
         ],
         text_offset=offsets,

@@ -11,7 +11,7 @@ follow.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,18 @@ def echoed_prompts(
     return echoed
 
 
+def legacy_top(
+    label: str, logprob: float, alternatives: Iterable[tuple[str, float]]
+) -> dict[str, float]:
+    """A position's `top_logprobs` in the legacy shape: its own token first, then the most
+    likely alternatives; the token's own value under its name, whatever alternative shares
+    the name."""
+    top = {label: logprob}
+    for other, value in alternatives:
+        top.setdefault(other, value)
+    return top
+
+
 def prompt_part(echo: EchoedPrompt, reported: PromptLogprobs | None) -> CompletionLogprobs:
     """The prompt's tokens in the legacy shape, from its scores (`reported`)."""
     tokens: list[str] = []
@@ -89,11 +101,9 @@ def prompt_part(echo: EchoedPrompt, reported: PromptLogprobs | None) -> Completi
             tops.append(None)
             continue
         values.append(entry[0].logprob)  # the prompt's own token comes first
-        # Its own value under its name, whatever alternative shares the name.
-        top = {entry[0].label: entry[0].logprob}
-        for e in entry[1:]:
-            top.setdefault(e.label, e.logprob)
-        tops.append(top)
+        tops.append(
+            legacy_top(entry[0].label, entry[0].logprob, ((e.label, e.logprob) for e in entry[1:]))
+        )
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=list(echo.offsets)
     )

@@ -169,7 +169,7 @@ async def list_adapter_root(request: Request, manager: ManagerDep) -> AdapterRoo
     else:
         folder = _folder(tenant, manager)
         entries = await asyncio.to_thread(manager.root_entries, folder, tenant.may_see)
-        root = shown_path(str(folder))
+        root = tenant.mount_dir or ""  # its folder, as its mounts name paths under the root
         # Its own adapters' memory: the whole would tell what other tenants keep resident.
         resident = sum(info.ram_bytes for info in manager.list() if tenant.may_see(info.id))
     return AdapterRootList(

@@ -9,8 +9,8 @@ from hotlora.adapters import parse_selection
 from hotlora.config.errors import HotloraError, ModelNotFound
 from hotlora.server.api.admin_models import ModelCard, ModelList
 from hotlora.server.deps import RuntimeDep
-from hotlora.server.http.auth import InferenceRoute
-from hotlora.server.http.tenants import DEFAULT_TENANT, request_tenant
+from hotlora.server.http.auth import InferenceRoute, sees_server_paths
+from hotlora.server.http.tenants import request_tenant
 from hotlora.server.routes import paths
 from hotlora.server.runtime import Runtime
 
@@ -39,7 +39,7 @@ async def get_model(model_id: str, request: Request, runtime: RuntimeDep) -> Mod
     selection = _selection_card(model_id, runtime.model_cards())
     if selection is None:
         raise ModelNotFound(model_id, [card.id for card in cards])
-    return _shown(selection, request, runtime)
+    return _shown(selection, request)
 
 
 def _selection_card(model_id: str, cards: list[ModelCard]) -> ModelCard | None:
@@ -68,17 +68,13 @@ def _visible(request: Request, runtime: Runtime) -> list[ModelCard]:
     """The cards a key may use, as `_shown` shows them."""
     tenant = request_tenant(request)
     return [
-        _shown(card, request, runtime)
+        _shown(card, request)
         for card in runtime.model_cards()
         if (tenant.may_use(card.id) if card.parent is not None else tenant.may_use_base)
     ]
 
 
-def _shown(card: ModelCard, request: Request, runtime: Runtime) -> ModelCard:
+def _shown(card: ModelCard, request: Request) -> ModelCard:
     """`card` without its `root`, where the server keeps the files, unless an admin asks: an
     admin key, or any request to a server that guards nothing with a key."""
-    tenant, settings = request_tenant(request), runtime.settings
-    guarded = settings.keys is not None or settings.admin_api_key is not None
-    if tenant.is_admin and not (guarded and tenant is DEFAULT_TENANT):
-        return card
-    return card.model_copy(update={"root": None})
+    return card if sees_server_paths(request) else card.model_copy(update={"root": None})

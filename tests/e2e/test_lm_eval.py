@@ -171,12 +171,13 @@ def rolling_loglikelihoods(out: Path) -> dict[str, float]:
     return {sample["doc"]["text"]: float(sample["filtered_resps"][0]) for sample in samples}
 
 
-def echo_scores(server: ServerProcess, model: str, tokens: list[int]) -> float:
-    """The server's own score of `tokens` past the first (echo, nothing generated)."""
-    body = {"model": model, "prompt": tokens, "echo": True, "logprobs": 1, "max_tokens": 0}
+def echoed(server: ServerProcess, model: str, tokens: list[int], max_tokens: int) -> Any:
+    """The choice of `tokens` echoed with their scores and `max_tokens` more."""
+    body = {"model": model, "prompt": tokens, "echo": True, "logprobs": 1, "temperature": 0}
+    body["max_tokens"] = max_tokens
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
-    return float(sum(response.json()["choices"][0]["logprobs"]["token_logprobs"][1:]))
+    return response.json()["choices"][0]
 
 
 def test_lm_eval_scores_base_and_adapter_the_same_at_any_concurrency(
@@ -214,10 +215,14 @@ def test_lm_eval_scores_base_and_adapter_the_same_at_any_concurrency(
     prefix = tokenizer.bos_token_id
     if prefix is None:  # lm_eval's prefix token: the BOS, else the EOS
         prefix = tokenizer.eos_token_id
+    endings = set()
     for model in (pirate_server.model_id, "pirate"):
         logged = rolling_loglikelihoods(runs[(model, 8)])
         assert set(logged) == {doc["text"] for doc in DOCS}
         for text, value in logged.items():
             tokens = [prefix, *tokenizer.encode(text, add_special_tokens=False)]
-            assert value == pytest.approx(echo_scores(pirate_server, model, tokens), abs=1e-4)
+            alone = echoed(pirate_server, model, tokens, 0)["logprobs"]["token_logprobs"][1:]
+            assert value == pytest.approx(sum(alone), abs=1e-4)
+            endings.add(echoed(pirate_server, model, tokens, 1)["finish_reason"])
+    assert endings == {"stop", "length"}  # some text the model would end there: the case held
     print(json.dumps({"base": base, "pirate": adapter}, indent=1))

@@ -334,6 +334,10 @@ def test_an_answer_cut_inside_a_character_ends_before_it(smol: TestClient, token
     assert said["message"]["content"] == text
     entries = said["logprobs"]["content"]
     assert [(e["token"], e["bytes"]) for e in entries] == [(escaped, list(data))] * tokens
+    # Without logprobs asked for, the same text.
+    plain = {"logit_bias": bias["logit_bias"], "max_tokens": tokens}
+    assert complete(smol, **plain)["choices"][0]["text"] == text
+    assert chat(smol, **plain)["choices"][0]["message"]["content"] == text
 
 
 def test_the_token_that_ends_an_answer_is_scored_as_lm_eval_reads_it(smol: TestClient):

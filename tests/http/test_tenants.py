@@ -805,6 +805,27 @@ def test_with_only_an_admin_key_a_keyless_request_sees_no_root(make_client):
     assert make_client().get("/v1/models").json()["data"][0]["root"] is not None  # no key at all
 
 
+def test_with_only_an_admin_key_a_keyless_request_is_told_no_server_path(
+    make_client, tmp_path: Path
+):
+    """A first-use mount refused for a keyless request names its files under the root, not
+    where the server keeps them; the admin key is told the whole path."""
+    root = write_root(tmp_path / "adapters")
+    folder = root / "linked"
+    shutil.copytree(root / "acme" / "b", folder)
+    (folder / "adapters.safetensors").unlink()
+    (folder / "adapters.safetensors").symlink_to(root / "globex" / "b" / "adapters.safetensors")
+    client = make_client(admin_api_key="admin-secret", adapter_root=root, auto_mount=True)
+    body = {"model": "linked", "prompt": "the", "max_tokens": 2}
+    keyless = client.post("/v1/completions", json=body)
+    assert keyless.status_code == 400, keyless.text
+    assert "linked/adapters.safetensors" in keyless.json()["error"]["message"]
+    assert str(root) not in keyless.text
+    admin = {"Authorization": "Bearer admin-secret"}
+    told = client.post("/v1/completions", json=body, headers=admin).json()["error"]["message"]
+    assert str(folder / "adapters.safetensors") in told
+
+
 def test_without_keys_every_request_is_the_default_tenant(client: TestClient):
     body = {"model": "tiny", "prompt": "the", "max_tokens": 2}
     assert client.post("/v1/completions", json=body).status_code == 200

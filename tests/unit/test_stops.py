@@ -84,7 +84,14 @@ def test_a_rows_logprobs_end_where_its_text_does(embedded_model_dir: Path, stop:
     assert [pieces(i).text for i in ids] == ["x", " ", "\n", "y"]
     params = SamplingParams(max_tokens=8, stop=(stop,), logprobs=True)
     sink = Recorder()
-    row = Row(GenerationJob([1, 2], params), sink, 0, RowDetokenizers(tokenizer)(), frozenset())
+    row = Row(
+        GenerationJob([1, 2], params),
+        sink,
+        0,
+        RowDetokenizers(tokenizer)(),
+        frozenset(),
+        pieces=pieces,
+    )
     for token in ids:
         if not row.advance(token, SampledToken(pieces(token), -1.0, ())):
             break
@@ -106,7 +113,14 @@ def test_logprobs_of_characters_split_over_byte_tokens_go_out_with_them(embedded
     assert b"".join(pieces(i).bytes for i in ids) == text.encode()
     sink = Recorder()
     params = SamplingParams(max_tokens=64, stop=("\n",), logprobs=True)
-    row = Row(GenerationJob([1, 2], params), sink, 0, RowDetokenizers(tokenizer)(), frozenset())
+    row = Row(
+        GenerationJob([1, 2], params),
+        sink,
+        0,
+        RowDetokenizers(tokenizer)(),
+        frozenset(),
+        pieces=pieces,
+    )
     for token in ids:
         if not row.advance(token, SampledToken(pieces(token), -1.0, ())):
             break
@@ -116,8 +130,11 @@ def test_logprobs_of_characters_split_over_byte_tokens_go_out_with_them(embedded
     assert shown == "日本語です 😀".encode()
 
 
+@pytest.mark.parametrize("logprobs", [True, False])
 @pytest.mark.parametrize("cut", ["ends", "inside"])
-def test_an_answer_cut_inside_a_split_character_ends_before_it(embedded_model_dir: Path, cut):
+def test_an_answer_cut_inside_a_split_character_ends_before_it(
+    embedded_model_dir: Path, cut: str, logprobs: bool
+):
     """max_tokens reached between the byte tokens of one character: the answer ends before
     that character (never U+FFFD for bytes the model had not finished), the cut token's
     logprobs still go out, and each token's width counts the characters its bytes complete,
@@ -134,17 +151,26 @@ def test_an_answer_cut_inside_a_split_character_ends_before_it(embedded_model_di
     k = next(i for i, (_, end) in enumerate(spans) if end not in whole) + 1  # cut inside 😀
     if cut == "ends":
         k = len(ids)
-    params = SamplingParams(max_tokens=k, logprobs=True)
+    params = SamplingParams(max_tokens=k, logprobs=logprobs)
     sink = Recorder()
-    row = Row(GenerationJob([1, 2], params), sink, 0, RowDetokenizers(tokenizer)(), frozenset())
+    row = Row(
+        GenerationJob([1, 2], params),
+        sink,
+        0,
+        RowDetokenizers(tokenizer)(),
+        frozenset(),
+        pieces=pieces,
+    )
     for token in ids[:k]:
-        if not row.advance(token, SampledToken(pieces(token), -1.0, ())):
+        if not row.advance(token, SampledToken(pieces(token), -1.0, ()) if logprobs else None):
             break
     deltas = [event for _, event in sink.events if isinstance(event, Delta)]
     answer = "".join(delta.text for delta in deltas)
     sent = text.encode()[: spans[k - 1][1]]
     expected = text if cut == "ends" else sent.decode(errors="ignore")
     assert answer == expected and "\ufffd" not in answer
+    if not logprobs:
+        return
     logprobs = [token for delta in deltas for token in delta.logprobs]
     assert [token.token.bytes for token in logprobs] == [pieces(i).bytes for i in ids[:k]]
     assert sum(token.width for token in logprobs) == len(answer)

@@ -4,10 +4,18 @@ listings cut to the scope, and the Ray ingress routing by what the key may use."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from hotlora.adapters import AdapterNotFound, parse_selection, reset_scope, use_scope
+from hotlora.adapters import (
+    EVERYTHING,
+    AdapterNotFound,
+    parse_selection,
+    reset_scope,
+    shown_path,
+    use_scope,
+)
 from hotlora.adapters.spec import AdapterRef
 from hotlora.config.errors import ModelNotFound
 from hotlora.server.http.keys_file import KeyRing, key_digest
@@ -114,3 +122,23 @@ def test_current_tenant_is_the_scope_held():
         assert current_tenant() is GLOBEX
     finally:
         reset_scope(token)
+
+
+def test_a_hidden_roots_paths_are_shown_under_it():
+    """A key short of admin is told paths relative to the adapter root; the root itself by
+    name; a path beside it (`/srv/adapters2`) as it is."""
+    token = use_scope(EVERYTHING, hidden_root=Path("/srv/adapters"))
+    try:
+        told = [
+            shown_path("/srv/adapters/acme/b links outside /srv/adapters/acme/b, where"),
+            shown_path("under /srv/adapters."),
+            shown_path("/srv/adapters2/x and /srv/adapters.old/y"),
+        ]
+    finally:
+        reset_scope(token)
+    assert told == [
+        "acme/b links outside acme/b, where",
+        "under the adapter root.",
+        "/srv/adapters2/x and /srv/adapters.old/y",
+    ]
+    assert shown_path("/srv/adapters/acme/b") == "/srv/adapters/acme/b"  # outside a request
