@@ -73,6 +73,20 @@ def test_text_fed_unarmed_goes_out_unchecked():
     assert matcher.stopped
 
 
+def generate(tokenizer, ids: list[int], params: SamplingParams) -> list[Delta]:
+    """A row on the real tokenizer fed `ids` (each with a logprob when `params` ask for them)
+    until it ends: the deltas it sent."""
+    pieces = TokenPieces(tokenizer)
+    sink = Recorder()
+    detokenizer = RowDetokenizers(tokenizer)()
+    row = Row(GenerationJob([1, 2], params), sink, 0, detokenizer, frozenset(), pieces=pieces)
+    for token in ids:
+        sampled = SampledToken(pieces(token), -1.0, ()) if params.logprobs else None
+        if not row.advance(token, sampled):
+            break
+    return [event for _, event in sink.events if isinstance(event, Delta)]
+
+
 @pytest.mark.parametrize(("stop", "shown"), [("\n", ["x", " "]), (" \n", ["x"]), ("x", [])])
 def test_a_rows_logprobs_end_where_its_text_does(embedded_model_dir: Path, stop: str, shown):
     """mlx-lm's byte-level BPE detokenizer holds a lone space token back and sends it with the
@@ -83,19 +97,7 @@ def test_a_rows_logprobs_end_where_its_text_does(embedded_model_dir: Path, stop:
     ids = [tokenizer.encode(text, add_special_tokens=False)[0] for text in ("x", " ", "\n", "y")]
     assert [pieces(i).text for i in ids] == ["x", " ", "\n", "y"]
     params = SamplingParams(max_tokens=8, stop=(stop,), logprobs=True)
-    sink = Recorder()
-    row = Row(
-        GenerationJob([1, 2], params),
-        sink,
-        0,
-        RowDetokenizers(tokenizer)(),
-        frozenset(),
-        pieces=pieces,
-    )
-    for token in ids:
-        if not row.advance(token, SampledToken(pieces(token), -1.0, ())):
-            break
-    deltas = [event for _, event in sink.events if isinstance(event, Delta)]
+    deltas = generate(tokenizer, ids, params)
     text = "".join(delta.text for delta in deltas)
     assert text == "x \ny"[: "x \ny".index(stop)]
     assert [token.token.text for delta in deltas for token in delta.logprobs] == shown
@@ -111,20 +113,8 @@ def test_logprobs_of_characters_split_over_byte_tokens_go_out_with_them(embedded
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > len(text)  # characters split over tokens
     assert b"".join(pieces(i).bytes for i in ids) == text.encode()
-    sink = Recorder()
     params = SamplingParams(max_tokens=64, stop=("\n",), logprobs=True)
-    row = Row(
-        GenerationJob([1, 2], params),
-        sink,
-        0,
-        RowDetokenizers(tokenizer)(),
-        frozenset(),
-        pieces=pieces,
-    )
-    for token in ids:
-        if not row.advance(token, SampledToken(pieces(token), -1.0, ())):
-            break
-    deltas = [event for _, event in sink.events if isinstance(event, Delta)]
+    deltas = generate(tokenizer, ids, params)
     assert "".join(delta.text for delta in deltas) == "日本語です 😀"
     shown = b"".join(token.token.bytes for delta in deltas for token in delta.logprobs)
     assert shown == "日本語です 😀".encode()
@@ -151,20 +141,7 @@ def test_an_answer_cut_inside_a_split_character_ends_before_it(
     k = next(i for i, (_, end) in enumerate(spans) if end not in whole) + 1  # cut inside 😀
     if cut == "ends":
         k = len(ids)
-    params = SamplingParams(max_tokens=k, logprobs=logprobs)
-    sink = Recorder()
-    row = Row(
-        GenerationJob([1, 2], params),
-        sink,
-        0,
-        RowDetokenizers(tokenizer)(),
-        frozenset(),
-        pieces=pieces,
-    )
-    for token in ids[:k]:
-        if not row.advance(token, SampledToken(pieces(token), -1.0, ()) if logprobs else None):
-            break
-    deltas = [event for _, event in sink.events if isinstance(event, Delta)]
+    deltas = generate(tokenizer, ids[:k], SamplingParams(max_tokens=k, logprobs=logprobs))
     answer = "".join(delta.text for delta in deltas)
     sent = text.encode()[: spans[k - 1][1]]
     expected = text if cut == "ends" else sent.decode(errors="ignore")
