@@ -59,18 +59,10 @@ class SampledToken:
     token: TokenPiece
     logprob: float
     top: tuple[tuple[TokenPiece, float], ...]
-    silent: bool = False  # a control token that adds nothing to the text (skip_special_tokens)
-    # The characters its bytes complete after the tokens before it (its row counts them): 0 for
-    # the first part of a character split over tokens, which its last part adds.
-    chars: int | None = None
-
-    @property
-    def width(self) -> int:
-        """What it adds to the answer's text, in characters: those it completes, or nothing if
-        silent (uncounted: its text's)."""
-        if self.chars is not None:
-            return self.chars
-        return 0 if self.silent else len(self.token.text)
+    # What it adds to the answer's text, in characters, which its row counts: those its bytes
+    # complete after the tokens before it (0 for the first part of a character split over
+    # tokens, which its last part adds; 0 for a control token that adds no text).
+    width: int = 0
 
 
 @dataclass(frozen=True)

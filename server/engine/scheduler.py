@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -527,11 +527,9 @@ class Scheduler:
         self, row: Row, token: int, logprobs: dict[int, mx.array], i: int
     ) -> SampledToken | None:
         params = row.job.params
-        ends = row.ends_quietly(token)
-        if not params.logprobs or (ends and not params.logprobs_of_end):
+        if not params.logprobs or (row.ends_quietly(token) and not params.logprobs_of_end):
             return None
-        sampled = self.engine.logprob(token, logprobs[i][0], params.top_logprobs)
-        return replace(sampled, silent=True) if ends or token in row.silent else sampled
+        return self.engine.logprob(token, logprobs[i][0], params.top_logprobs)
 
     def _store(self, row: Row, index: int) -> None:
         """Keep a finished row's cache (prompt + output) for the next turn of its conversation,

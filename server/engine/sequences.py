@@ -107,7 +107,7 @@ class Row:
         params = self.job.params
         if self.ends_quietly(token):
             if sampled is not None:  # asked for (`logprobs_of_end`): listed, adding no text
-                self.held.append((replace(sampled, chars=0), self.spelled, self.spelled))
+                self.held.append((replace(sampled, width=0), self.spelled, self.spelled))
             self.finish("stop")
             return False
         if self.constraint is not None:
@@ -124,7 +124,7 @@ class Row:
         if sampled is not None:
             start = self.spelled
             self.spelled += len(data)
-            self.held.append((replace(sampled, chars=chars), start, self.spelled))
+            self.held.append((replace(sampled, width=chars), start, self.spelled))
         shown = self._shown_tokens()
         if text or shown:
             self.sink.event(self.position, Delta(text, shown, self.generated))
