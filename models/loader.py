@@ -94,8 +94,7 @@ class LoadedModel:
         length served; so is a model that states none.
         """
         passed: list[str] = []  # the keys that hold no length, as the warning names them
-        text = text_section(self.config)
-        for section in (text, self.config) if text is not self.config else (text,):
+        for section in _sections(self.config):
             for key in _CONTEXT_KEYS:
                 value = section.get(key)
                 if value is None:
@@ -266,9 +265,9 @@ def _check_chat_template(path: Path, tokenizer: TokenizerWrapper) -> None:
 
 
 def _sections(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The config and its text section where that is nested in it."""
+    """The config's text section where one is nested in it, then the config itself."""
     text = text_section(config)
-    return [config] if text is config else [config, text]
+    return [config] if text is config else [text, config]
 
 
 def _check_weights(path: Path, config: dict[str, Any]) -> None:
