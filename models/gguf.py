@@ -48,6 +48,12 @@ class ImportStopped(HotloraError):
     """An import given up before it finished (the process is stopping); nothing was written."""
 
 
+def _check_stopped(src: Path, stopped: Callable[[], bool] | None) -> None:
+    """Raise `ImportStopped` for the import of `src` once `stopped()` is true."""
+    if stopped is not None and stopped():
+        raise ImportStopped(f"the import of {src} was stopped before it finished")
+
+
 def _type_name(kind: int) -> str:
     try:
         return Q(kind).name
@@ -199,8 +205,7 @@ def read_tensors(
     tensors: dict[str, mx.array] = {}
     chosen = list(header.tensors if names is None else names)
     for name in bar(chosen, f"reading {src.name}", len(chosen)):
-        if stopped is not None and stopped():
-            raise ImportStopped(f"the import of {src} was stopped before it finished")
+        _check_stopped(src, stopped)
         info = header.tensors[name]
         start = header.data_start + info.offset
         raw = data[start : start + tensor_bytes(info.type, info.shape)]
@@ -309,8 +314,7 @@ def import_gguf(src: Path, dest: Path, stopped: Callable[[], bool] | None = None
             evaluate(converted, f"converting {src.name}")
             if (quantization := quantization_config(converted)) is not None:
                 config["quantization"] = quantization
-            if stopped is not None and stopped():
-                raise ImportStopped(f"the import of {src} was stopped before it finished")
+            _check_stopped(src, stopped)
             save_weights(converted, tmp)
             save_config(config, tmp / "config.json")
     return dest
